@@ -1,0 +1,58 @@
+// Shared helpers of the extension: dtype dispatch and error messages.
+#pragma once
+
+#include <sstream>
+#include <stdexcept>
+#include <string>
+
+#include "mlx/mlx.h"
+
+namespace mlx_lattice {
+
+namespace mx = mlx::core;
+
+inline std::string shape_str(const mx::Shape& shape) {
+  std::ostringstream out;
+  out << "(";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    out << (i ? ", " : "") << shape[i];
+  }
+  out << (shape.size() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+inline std::string dtype_str(mx::Dtype dtype) {
+  std::ostringstream out;
+  out << dtype;
+  return out.str();
+}
+
+inline void check_float_dtype(const char* op, const char* arg, const mx::array& a) {
+  if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16) {
+    throw std::invalid_argument(std::string(op) + ": " + arg +
+                                " must be float32, float16 or bfloat16, got " +
+                                dtype_str(a.dtype()) + ".");
+  }
+}
+
+// Calls f.template operator()<T>() with T the C++ type of a floating dtype.
+template <typename F>
+void dispatch_float(mx::Dtype dtype, F&& f) {
+  if (dtype == mx::float32) {
+    f.template operator()<float>();
+  } else if (dtype == mx::float16) {
+    f.template operator()<mx::float16_t>();
+  } else if (dtype == mx::bfloat16) {
+    f.template operator()<mx::bfloat16_t>();
+  } else {
+    throw std::invalid_argument("unsupported dtype " + dtype_str(dtype));
+  }
+}
+
+[[noreturn]] inline void throw_no_gpu(const char* primitive) {
+  throw std::runtime_error(std::string(primitive) +
+                           ": mlx_lattice was built without Metal kernels; "
+                           "run it on the CPU stream (mx.cpu).");
+}
+
+}  // namespace mlx_lattice

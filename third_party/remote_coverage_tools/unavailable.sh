@@ -1,0 +1,3 @@
+#!/bin/sh
+echo "coverage tools are not available in this offline build" >&2
+exit 1

@@ -1,0 +1,107 @@
+"""Build a wheel from files named on the command line (no setuptools).
+
+Writes the `.dist-info` (METADATA, WHEEL, RECORD) itself, with pins taken from
+the hashed lock file so a wheel never asks for versions the tests did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import re
+import sys
+import zipfile
+
+_EPOCH = (1980, 1, 1, 0, 0, 0)  # reproducible timestamps
+
+
+def _lock_versions(path: str) -> dict[str, str]:
+    pins = {}
+    with open(path) as f:
+        for line in f:
+            m = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s\\]+)", line)
+            if m:
+                pins[_normalize(m.group(1))] = m.group(2)
+    return pins
+
+
+def _normalize(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _record_line(name: str, data: bytes) -> str:
+    digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
+    return f"{name},sha256={digest},{len(data)}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--distribution", required=True)
+    p.add_argument("--version", required=True)
+    p.add_argument("--tag", required=True)
+    p.add_argument("--lock", required=True)
+    p.add_argument("--strip-prefix", required=True)
+    p.add_argument("--summary", default="")
+    p.add_argument("--requires", action="append", default=[])
+    p.add_argument("--sibling", action="append", default=[])
+    p.add_argument("--file", action="append", default=[])
+    a = p.parse_args()
+
+    version = a.version
+    pins = _lock_versions(a.lock)
+    requires = [f"{s}=={version}" for s in a.sibling]
+    for spec in a.requires:
+        name, op = spec.split(" ", 1)
+        op, _, marker = op.partition(";")
+        if _normalize(name.split("[")[0]) not in pins:
+            sys.exit(f"build_wheel: {name!r} is not in the lock file")
+        req = f"{name}{op}{pins[_normalize(name.split('[')[0])]}"
+        requires.append(f"{req}; {marker.strip()}" if marker else req)
+
+    dist = a.distribution.replace("-", "_")
+    info = f"{dist}-{version}.dist-info"
+    tag = a.tag
+    entries: list[tuple[str, bytes]] = []
+    prefix = a.strip_prefix.rstrip("/") + "/"
+    for item in sorted(a.file):
+        short, path = item.split("=", 1)
+        if not short.startswith(prefix):
+            sys.exit(f"build_wheel: {short} is not under {prefix}")
+        arcname = short[len(prefix) :]
+        if "/__pycache__/" in arcname:
+            continue
+        with open(path, "rb") as f:
+            entries.append((arcname, f.read()))
+
+    metadata = [
+        "Metadata-Version: 2.1",
+        f"Name: {a.distribution}",
+        f"Version: {version}",
+        f"Summary: {a.summary}",
+        "Requires-Python: >=3.11",
+        *[f"Requires-Dist: {r}" for r in sorted(requires)],
+    ]
+    wheel = [
+        "Wheel-Version: 1.0",
+        "Generator: quantlattice build_wheel",
+        f"Root-Is-Purelib: {'true' if tag.endswith('-none-any') else 'false'}",
+        f"Tag: {tag}",
+    ]
+    entries.append((f"{info}/METADATA", ("\n".join(metadata) + "\n").encode()))
+    entries.append((f"{info}/WHEEL", ("\n".join(wheel) + "\n").encode()))
+    record = [_record_line(n, d) for n, d in entries] + [f"{info}/RECORD,,"]
+    entries.append((f"{info}/RECORD", ("\n".join(record) + "\n").encode()))
+
+    with zipfile.ZipFile(a.out, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        for name, data in entries:
+            zi = zipfile.ZipInfo(name, date_time=_EPOCH)
+            zi.external_attr = (0o755 if name.endswith(".so") else 0o644) << 16
+            zi.compress_type = zipfile.ZIP_DEFLATED
+            zf.writestr(zi, data)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

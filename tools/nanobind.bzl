@@ -1,0 +1,46 @@
+"""`nanobind_extension`: a Python extension module of MLX primitives.
+
+Compiles against the nanobind sources and the MLX headers/`libmlx.so` of the
+locked environment (so the extension's ABI always matches the `mlx` wheel it
+runs with), with NB_DOMAIN=mlx so `mx.array` arguments are accepted.
+"""
+
+load("@rules_cc//cc:defs.bzl", "cc_binary")
+
+NATIVE_COPTS = [
+    "-std=c++20",
+    "-O3",
+    "-fvisibility=hidden",
+    "-fno-strict-aliasing",
+    "-Wall",
+    "-Wextra",
+    "-Wno-unused-parameter",
+]
+
+def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/lib", copts = [], **kwargs):
+    """Builds `<name>.so`, importable as the module `name`'s last component.
+
+    Args:
+      name: output path without `.so`, relative to the package, e.g.
+        "mlx_lattice/_native/ext".
+      srcs: C++ sources and private headers.
+      deps: cc_library dependencies.
+      mlx_rpath: where an installed wheel finds `libmlx.so`, relative to the
+        extension ($ORIGIN). Inside Bazel, `import mlx.core` loads it first.
+      copts: extra compiler options.
+    """
+    cc_binary(
+        name = name + ".so",
+        srcs = srcs,
+        copts = NATIVE_COPTS + copts,
+        linkopts = [
+            "-Wl,-rpath," + mlx_rpath,
+            "-Wl,--as-needed",
+        ],
+        linkshared = True,
+        deps = deps + [
+            "@py_env//:mlx",
+            "@py_env//:nanobind",
+        ],
+        **kwargs
+    )

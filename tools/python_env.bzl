@@ -1,0 +1,159 @@
+"""Repository rule: a Python environment built from the hashed lock file.
+
+The rule finds a CPython of the requested minor version, creates a virtual
+environment inside the external repository, installs the lock with
+`pip install --require-hashes --no-deps --only-binary=:all:` and exposes:
+
+* `:toolchain` — the Python toolchain (an `interpreter_path` runtime; a
+  glob-of-files runtime would put ~33k files into every test's runfiles);
+* `:python_headers`, `:mlx`, `:nanobind` — C++ inputs for native extensions,
+  taken from the same environment so ABI and headers always agree.
+
+Editing the lock file re-runs the rule (Bazel tracks files a repository rule
+reads). Set QUANTLATTICE_PYTHON to choose the interpreter explicitly.
+"""
+
+_SITE = "venv/lib/python{version}/site-packages"
+
+_BUILD = """\
+load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
+load("@rules_cc//cc:defs.bzl", "cc_import", "cc_library")
+
+package(default_visibility = ["//visibility:public"])
+
+py_runtime(
+    name = "runtime",
+    interpreter_path = "{interpreter}",
+    python_version = "PY3",
+    stub_shebang = "#!/usr/bin/env python3",
+)
+
+py_runtime_pair(
+    name = "runtime_pair",
+    py3_runtime = ":runtime",
+)
+
+toolchain(
+    name = "toolchain",
+    toolchain = ":runtime_pair",
+    toolchain_type = "@bazel_tools//tools/python:toolchain_type",
+)
+
+cc_library(
+    name = "python_headers",
+    hdrs = glob(["python_include/**/*.h"]),
+    includes = ["python_include"],
+)
+
+cc_import(
+    name = "libmlx",
+    interface_library = "site/mlx/lib/libmlx.so",
+    system_provided = 1,
+)
+
+cc_library(
+    name = "mlx",
+    hdrs = glob(["site/mlx/include/**/*.h"]),
+    includes = ["site/mlx/include"],
+    deps = [":libmlx"],
+)
+
+cc_library(
+    name = "nanobind",
+    srcs = ["site/nanobind/src/nb_combined.cpp"],
+    textual_hdrs = glob(
+        ["site/nanobind/src/*.cpp", "site/nanobind/src/*.h"],
+        exclude = ["site/nanobind/src/nb_combined.cpp"],
+    ),
+    hdrs = glob([
+        "site/nanobind/include/**/*.h",
+        "site/nanobind/ext/robin_map/include/**/*.h",
+    ]),
+    copts = ["-std=c++20", "-fvisibility=hidden", "-fno-strict-aliasing", "-O2", "-Wno-all"],
+    defines = ["NB_DOMAIN=mlx"],
+    includes = [
+        "site/nanobind/ext/robin_map/include",
+        "site/nanobind/include",
+    ],
+    deps = [":python_headers"],
+    alwayslink = 1,
+)
+
+exports_files(["venv_python", "tags.bzl"])
+"""
+
+_PROBE = "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); print(sysconfig.get_paths()['include'])"
+
+# The wheel tag of native extensions built against this interpreter.
+_TAG_PROBE = "import sys, sysconfig; i = 'cp%d%d' % sys.version_info[:2]; print('%s-%s-%s' % (i, i, sysconfig.get_platform().replace('-', '_').replace('.', '_')))"
+
+def _find_python(rctx, version):
+    override = rctx.os.environ.get("QUANTLATTICE_PYTHON")
+    candidates = [override] if override else ["python" + version, "python3"]
+    seen = []
+    for name in candidates:
+        path = rctx.which(name) if "/" not in name else rctx.path(name)
+        if path == None or not path.exists:
+            continue
+        probe = rctx.execute([path, "-c", _PROBE])
+        if probe.return_code != 0:
+            seen.append("%s (does not run)" % path)
+            continue
+        found_version, include = probe.stdout.strip().split("\n")
+        if found_version == version:
+            return path, include
+        seen.append("%s is Python %s" % (path, found_version))
+    fail(("python_env needs CPython %s (the lock file is resolved for it), but found %s. " +
+          "Install python%s or point QUANTLATTICE_PYTHON at one.") %
+         (version, ", ".join(seen) if seen else "none on PATH", version))
+
+def _run(rctx, args, what, timeout = 600):
+    result = rctx.execute(args, timeout = timeout, quiet = True)
+    if result.return_code != 0:
+        fail("python_env: %s failed (exit %d):\n%s\n%s" %
+             (what, result.return_code, result.stdout[-4000:], result.stderr[-4000:]))
+    return result
+
+def _python_env_impl(rctx):
+    version = rctx.attr.python_version
+    python, include = _find_python(rctx, version)
+    lock = rctx.path(rctx.attr.lock)  # read here, so editing the lock re-runs this rule
+    rctx.report_progress("creating the virtual environment")
+    _run(rctx, [python, "-m", "venv", "--clear", "venv"], "creating the venv")
+    venv_python = rctx.path("venv/bin/python3")
+    rctx.report_progress("installing %s" % rctx.attr.lock.name)
+    _run(rctx, [
+        venv_python,
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "--no-input",
+        "--require-hashes",
+        "--no-deps",
+        "--only-binary=:all:",
+        "-r",
+        lock,
+    ], "installing the lock file", timeout = 1800)
+
+    # Bazel 4 labels cannot contain spaces; no installed code needs such files.
+    _run(rctx, ["find", "venv", "-name", "* *", "-prune", "-exec", "rm", "-rf", "{}", "+"], "pruning")
+    rctx.symlink(include, "python_include")
+    site = _SITE.format(version = version)
+    rctx.symlink(site, "site")
+    rctx.symlink(venv_python, "venv_python")
+    tag = _run(rctx, [venv_python, "-c", _TAG_PROBE], "probing the wheel tag").stdout.strip()
+    rctx.file("tags.bzl", 'NATIVE_TAG = "%s"\n' % tag)
+    rctx.file("BUILD.bazel", _BUILD.format(
+        interpreter = str(venv_python),
+    ))
+
+python_env = repository_rule(
+    implementation = _python_env_impl,
+    attrs = {
+        "lock": attr.label(allow_single_file = True, mandatory = True),
+        "python_version": attr.string(mandatory = True),
+    },
+    environ = ["QUANTLATTICE_PYTHON"],
+)

@@ -22,15 +22,19 @@ def main() -> None:
                      ("decoder/mlp", "einsum")]:
         print(f"  {path:22s} {op:12s} -> {qr.explain(rules, module_path=path, op=op).summary}")
 
+    import jax.numpy as jnp
+
     import taktiny_ops
 
     print(f"taktiny_ops {taktiny_ops.__version__}")
-    import jax.numpy as jnp
-
-    res = qr.resolve(rules, module_path="decoder/mlp", op="dot_general")
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3)), jnp.float32)
-    print(f"  rule for decoder/mlp: {res.rule.weight_qtype}; x @ x.T trace = "
-          f"{float(jnp.trace(x @ x.T)):.4f}")
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((4, 256)), jnp.float32)
+    w = jnp.asarray(rng.standard_normal((256, 32)), jnp.float32)
+    ref = x @ w
+    for path in ("decoder/mlp", "head"):
+        y = taktiny_ops.linear(x, w, quant=rules, module_path=path)
+        err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
+        print(f"  linear at {path:12s} rel. error vs float = {err:.2e}")
 
     import mlx.core as mx
 

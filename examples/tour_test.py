@@ -14,3 +14,5 @@ def test_tour_runs_and_computes():
     assert "encoder/block1/conv" in out and "rule #1 (ptq): weight_qtype=int4" in out
     assert "head" in out and "disables quantization" in out
     assert "[0.5, 2.5, 4.5, 6.5]" in out
+    assert "linear at head         rel. error vs float = 0.00e+00" in out
+    assert "linear at decoder/mlp  rel. error vs float = 0.00e+00" not in out

@@ -1,5 +1,22 @@
-"""Quantization-aware dense ops on JAX + Qwix."""
+"""Quantization-aware dense ops on JAX + Qwix.
 
+``linear``, ``einsum``, ``conv_general_dilated`` and ``dot_general`` take a
+``quant`` argument (anything :mod:`quantrules` accepts) and a
+``module_path``; rule resolution happens at trace time, so under
+``jax.jit`` the compiled program is the same as a hand-written Qwix call.
+"""
+
+from taktiny_ops._common import TaktinyOpsError
+from taktiny_ops._conv import conv_general_dilated
+from taktiny_ops._dot import dot_general, linear
+from taktiny_ops._einsum import einsum
 from taktiny_ops._version import __version__
 
-__all__ = ["__version__"]
+__all__ = [
+    "TaktinyOpsError",
+    "__version__",
+    "conv_general_dilated",
+    "dot_general",
+    "einsum",
+    "linear",
+]

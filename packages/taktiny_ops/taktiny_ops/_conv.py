@@ -1,0 +1,159 @@
+"""`conv_general_dilated`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import qwix
+
+from taktiny_ops import _qwix_private as P
+from taktiny_ops._common import (
+    DENSE,
+    TaktinyOpsError,
+    calibration,
+    check_qt_sharding,
+    dequantize,
+    finish,
+    is_qarray,
+    prepare,
+    result_dtype,
+    select_rule,
+)
+
+__all__ = ["conv_general_dilated"]
+
+_PADDINGS = ("VALID", "SAME", "SAME_LOWER")
+
+
+def _check(lhs: Any, rhs: Any, window_strides: Any, padding: Any) -> None:
+    if len(lhs.shape) != len(rhs.shape) or len(lhs.shape) < 3:
+        raise TaktinyOpsError(
+            f"rhs: lhs and rhs need the same rank (>= 3), got {tuple(lhs.shape)} and "
+            f"{tuple(rhs.shape)}"
+        )
+    spatial = len(lhs.shape) - 2
+    if len(tuple(window_strides)) != spatial:
+        raise TaktinyOpsError(
+            f"window_strides: expected {spatial} strides, got {tuple(window_strides)}"
+        )
+    if isinstance(padding, str):
+        if padding.upper() not in _PADDINGS:
+            raise TaktinyOpsError(
+                f"padding: expected one of {_PADDINGS} or (low, high) pairs, got {padding!r}"
+            )
+        return
+    try:
+        pairs = [tuple(int(v) for v in p) for p in padding]
+    except (TypeError, ValueError):
+        raise TaktinyOpsError(f"padding: expected (low, high) integer pairs, got {padding!r}") from None
+    if len(pairs) != spatial or any(len(p) != 2 for p in pairs):
+        raise TaktinyOpsError(
+            f"padding: expected {spatial} (low, high) pairs, got {padding!r}"
+        )
+
+
+def _qt_config(rule: Any) -> Any:
+    if rule.additional_qt_config:
+        raise NotImplementedError(
+            "quant: additional_qt_config is not supported for conv_general_dilated"
+        )
+    act, weight = calibration(rule, False), calibration(rule, True)
+    off = rule.disable_channelwise_axes
+    from quantrules import qwix_qtype
+
+    bwd = qwix_qtype(rule.bwd_qtype)
+    return P.ConvGeneralQtConfig(
+        lhs_qtype=act[0] if act else None,
+        rhs_qtype=weight[0] if weight else None,
+        lhs_calibration_method=act[1] if act else None,
+        rhs_calibration_method=weight[1] if weight else None,
+        lhs_collect_quant_stat=None,
+        rhs_collect_quant_stat=None,
+        lhs_disable_channelwise_axes=off,
+        rhs_disable_channelwise_axes=off,
+        dlhs_grad_qtype=bwd,
+        drhs_grad_qtype=bwd,
+        dlhs_grad_calibration_method=rule.bwd_calibration_method,
+        drhs_grad_calibration_method=rule.bwd_calibration_method,
+        dlhs_grad_disable_channelwise_axes=off,
+        drhs_grad_disable_channelwise_axes=off,
+    )
+
+
+def conv_general_dilated(
+    lhs: Any,
+    rhs: Any,
+    window_strides: Sequence[int],
+    padding: str | Sequence[tuple[int, int]],
+    lhs_dilation: Sequence[int] | None = None,
+    rhs_dilation: Sequence[int] | None = None,
+    dimension_numbers: Any = None,
+    feature_group_count: int = 1,
+    batch_group_count: int = 1,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    out_sharding: Any = None,
+    quant: Any = None,
+    module_path: str = "",
+) -> jax.Array:
+    """Convolve activations ``lhs`` with kernel ``rhs`` using JAX or Qwix.
+
+    Layout, strides, dilation and grouping follow
+    :func:`jax.lax.conv_general_dilated`. Padding is ``'VALID'``, ``'SAME'``,
+    ``'SAME_LOWER'`` or one ``(low, high)`` pair per spatial dimension. Dense
+    inputs use JAX; QArrays use Qwix. A rule matching op
+    ``conv_general_dilated`` dequantizes existing QArrays, then applies
+    ``act_qtype`` to ``lhs`` and ``weight_qtype`` to ``rhs`` (weight-only
+    works here, unlike Qwix's ``PtqProvider``). Tiled convolution
+    quantization, static activation scales and QT stochastic rounding raise.
+
+    >>> conv_general_dilated(
+    ...     jnp.ones((1, 8, 2)), jnp.ones((3, 2, 4)), (1,), 'SAME',
+    ...     dimension_numbers=('NWC', 'WIO', 'NWC'),
+    ... ).shape
+    (1, 8, 4)
+    """
+    _check(lhs, rhs, window_strides, padding)
+    res = select_rule(quant, module_path, "conv_general_dilated")
+    dtype = result_dtype((lhs, rhs), quant_set=quant is not None,
+                         preferred_element_type=preferred_element_type)
+    lhs, rhs = prepare(lhs, dtype), prepare(rhs, dtype)
+    common = dict(lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                  dimension_numbers=dimension_numbers, feature_group_count=feature_group_count,
+                  batch_group_count=batch_group_count)
+    if res is None and (is_qarray(lhs) or is_qarray(rhs)):
+        out = qwix.conv_general_dilated(lhs, rhs, window_strides, padding, precision=precision,
+                                        out_sharding=out_sharding, **common)
+    elif res is None or res == DENSE:
+        out = jax.lax.conv_general_dilated(
+            dequantize(lhs), dequantize(rhs), window_strides, padding, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding, **common)
+    else:
+        check_qt_sharding(res, out_sharding)
+        rule = res.rule
+        if rule.tile_size is not None:
+            raise NotImplementedError(
+                f"quant: rule #{res.index} sets tile_size={rule.tile_size}; tiled (subchannel) "
+                "quantization is not supported for conv_general_dilated"
+            )
+        lhs, rhs = dequantize(lhs), dequantize(rhs)
+        if res.mode == "qt":
+            out = P.conv_general_qt(lhs, rhs, _qt_config(rule), window_strides, padding,
+                                    lhs_dilation, rhs_dilation, dimension_numbers,
+                                    feature_group_count, batch_group_count)
+        else:
+            dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+            for_w, for_a = calibration(rule, True), calibration(rule, False)
+            if for_w:
+                rhs = P.quantize(rhs, P.conv_how(dimension_numbers=dn, for_lhs=False,
+                                                 qtype=for_w[0], calibration_method=for_w[1]))
+            if for_a:
+                lhs = P.quantize(lhs, P.conv_how(dimension_numbers=dn, for_lhs=True,
+                                                 qtype=for_a[0], calibration_method=for_a[1]))
+            out = qwix.conv_general_dilated(lhs, rhs, window_strides, padding,
+                                            precision=precision, out_sharding=out_sharding,
+                                            **{**common, "dimension_numbers": dn})
+    return finish(out, dtype, out_sharding)

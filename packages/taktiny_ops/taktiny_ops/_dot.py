@@ -1,0 +1,226 @@
+"""`dot_general` and `linear`."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+
+from taktiny_ops import _qwix_private as P
+from taktiny_ops._common import (
+    DENSE,
+    TaktinyOpsError,
+    calibration,
+    check_backend_support,
+    check_qt_sharding,
+    dequantize,
+    finish,
+    is_qarray,
+    prepare,
+    result_dtype,
+    select_rule,
+)
+
+__all__ = ["dot_general", "linear"]
+
+
+def _check_dnums(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple:
+    try:
+        (lc, rc), (lb, rb) = dimension_numbers
+        lc, rc, lb, rb = (tuple(int(a) for a in axes) for axes in (lc, rc, lb, rb))
+    except (TypeError, ValueError):
+        raise TaktinyOpsError(
+            "dimension_numbers: expected ((lhs_contracting, rhs_contracting), "
+            f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}"
+        ) from None
+    for name, x, axes in (("lhs", lhs, lc + lb), ("rhs", rhs, rc + rb)):
+        ndim = len(x.shape)
+        bad = [a for a in axes if not -ndim <= a < ndim]
+        if bad:
+            raise TaktinyOpsError(
+                f"dimension_numbers: axis {bad[0]} is out of range for {name} of rank {ndim}"
+            )
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise TaktinyOpsError(
+            f"dimension_numbers: lhs and rhs need as many contracting and batch axes, got "
+            f"{dimension_numbers!r}"
+        )
+    for kind, la, ra in (("contracting", lc, rc), ("batch", lb, rb)):
+        for a, b in zip(la, ra, strict=True):
+            if lhs.shape[a] != rhs.shape[b]:
+                raise TaktinyOpsError(
+                    f"dimension_numbers: {kind} dimension sizes differ: lhs axis {a} has "
+                    f"{lhs.shape[a]}, rhs axis {b} has {rhs.shape[b]}"
+                )
+    return ((lc, rc), (lb, rb))
+
+
+def _qt_config(rule: Any, lhs_weight: bool, rhs_weight: bool) -> Any:
+    """Qwix's QtProvider config for one dot_general, operand roles given."""
+    lhs = calibration(rule, lhs_weight)
+    rhs = calibration(rule, rhs_weight)
+    bwd = rule.bwd_qtype is not None
+    channelwise_off = rule.disable_channelwise_axes
+    config = P.DotGeneralQtConfig(
+        lhs_qtype=lhs[0] if lhs else None,
+        rhs_qtype=rhs[0] if rhs else None,
+        tile_size=rule.tile_size,
+        lhs_calibration_method=lhs[1] if lhs else None,
+        rhs_calibration_method=rhs[1] if rhs else None,
+        lhs_collect_quant_stat=None,
+        rhs_collect_quant_stat=None,
+        lhs_disable_channelwise_axes=channelwise_off,
+        rhs_disable_channelwise_axes=channelwise_off,
+        dlhs_grad_qtype=quant_qtype(rule.bwd_qtype),
+        dlhs_grad_calibration_method=rule.bwd_calibration_method,
+        dlhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and lhs_weight else None,
+        dlhs_stochastic_rounding_noise_fn=None,
+        dlhs_grad_disable_channelwise_axes=channelwise_off,
+        use_original_residuals=(rule.weight_qtype is not None or rule.act_qtype is not None)
+        and not bwd,
+        drhs_grad_qtype=quant_qtype(rule.bwd_qtype),
+        drhs_grad_calibration_method=rule.bwd_calibration_method,
+        drhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and rhs_weight else None,
+        drhs_stochastic_rounding_noise_fn=None,
+        drhs_grad_disable_channelwise_axes=channelwise_off,
+    )
+    if rule.additional_qt_config:
+        config = dataclasses.replace(config, **dict(rule.additional_qt_config))
+    return config
+
+
+def quant_qtype(name: str | None) -> Any:
+    import quantrules
+
+    return quantrules.qwix_qtype(name)
+
+
+def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weight: bool,
+                          rhs_weight: bool, precision: Any, out_sharding: Any) -> jax.Array:
+    """The selected rule applied to float operands (PTQ or QT)."""
+    rule = res.rule
+    check_backend_support(rule, lhs_weight, rhs_weight)
+    if res.mode == "qt":
+        return P.dot_general_qt(lhs, rhs, dnums, _qt_config(rule, lhs_weight, rhs_weight))
+    ndims = (len(lhs.shape), len(rhs.shape))
+    for_rhs = calibration(rule, rhs_weight)
+    for_lhs = calibration(rule, lhs_weight)
+    if for_rhs:
+        rhs = P.quantize(rhs, P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=False,
+                                        tile_size=rule.tile_size, qtype=for_rhs[0],
+                                        calibration_method=for_rhs[1]))
+    if for_lhs:
+        lhs = P.quantize(lhs, P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=True,
+                                        tile_size=rule.tile_size, qtype=for_lhs[0],
+                                        calibration_method=for_lhs[1]))
+    return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
+
+
+def dot_general(
+    lhs: Any,
+    rhs: Any,
+    dimension_numbers: Any,
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    *,
+    out_sharding: Any = None,
+    quant: Any = None,
+    module_path: str = "",
+    lhs_weight: bool = False,
+    rhs_weight: bool = True,
+) -> jax.Array:
+    """Contract two operands using JAX or Qwix dot_general.
+
+    ``dimension_numbers`` has the contracting and batch-axis layout of
+    :func:`jax.lax.dot_general`. Dense inputs use JAX; without a rule, QArray
+    inputs use Qwix. A selected ``quant`` rule (resolved through
+    :mod:`quantrules` for op ``dot_general`` at ``module_path``) dequantizes
+    existing QArrays, then gives ``weight_qtype`` to the operands marked by
+    ``lhs_weight`` / ``rhs_weight`` and ``act_qtype`` to the others. A QT rule
+    (``mode='qt'``, or a ``QtProvider``) uses Qwix's training kernel with
+    ``bwd_qtype``; others use PTQ. QT does not support ``out_sharding``.
+
+    The result is dense. Its dtype is ``preferred_element_type`` if given, else
+    the promotion of the operand dtypes (QArray scale dtypes), with raw FP8
+    promoted to BF16 and integer-only inputs with ``quant`` set to FP32.
+
+    >>> dot_general(
+    ...     jnp.ones((2, 3)), jnp.ones((3, 4)),
+    ...     (((1,), (0,)), ((), ())),
+    ... ).shape
+    (2, 4)
+    """
+    dnums = _check_dnums(lhs, rhs, dimension_numbers)
+    res = select_rule(quant, module_path, "dot_general")
+    dtype = result_dtype((lhs, rhs), quant_set=quant is not None,
+                         preferred_element_type=preferred_element_type)
+    lhs, rhs = prepare(lhs, dtype), prepare(rhs, dtype)
+    if res is None and (is_qarray(lhs) or is_qarray(rhs)):
+        out = qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
+    elif res is None or res == DENSE:
+        out = jax.lax.dot_general(
+            dequantize(lhs), dequantize(rhs), dnums, precision=precision,
+            preferred_element_type=preferred_element_type, out_sharding=out_sharding)
+    else:
+        check_qt_sharding(res, out_sharding)
+        out = quantized_dot_general(dequantize(lhs), dequantize(rhs), dnums, res,
+                                    lhs_weight=lhs_weight, rhs_weight=rhs_weight,
+                                    precision=precision, out_sharding=out_sharding)
+    return finish(out, dtype, out_sharding)
+
+
+def linear(
+    x: Any,
+    w: Any,
+    b: Any = None,
+    *,
+    quant: Any = None,
+    module_path: str = "",
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """Compute ``x @ w + b`` with optional quantized multiplication.
+
+    ``x`` has shape ``(..., in)`` and ``w`` has shape ``(in, out)``; leading
+    dimensions of ``x`` are kept. ``b`` must broadcast to the result; a
+    quantized bias is dequantized before addition. ``quant`` accepts what
+    :func:`dot_general` does (rules match op ``dot_general``); ``w`` takes
+    ``weight_qtype`` and ``x`` takes ``act_qtype``. ``preferred_element_type``
+    selects the returned dtype, also after the bias.
+
+    >>> linear(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
+    (2, 4)
+    >>> linear(jnp.ones((2, 3)), jnp.ones((3, 4)), quant='int8',
+    ...        preferred_element_type=jnp.bfloat16).dtype
+    dtype(bfloat16)
+    """
+    if len(x.shape) < 1:
+        raise TaktinyOpsError(f"x: expected shape (..., in_features), got a scalar {x.shape}")
+    if len(w.shape) != 2:
+        raise TaktinyOpsError(f"w: expected shape (in_features, out_features), got {w.shape}")
+    if x.shape[-1] != w.shape[0]:
+        raise TaktinyOpsError(
+            f"w: in_features {w.shape[0]} does not match the last axis of x, {x.shape[-1]}"
+        )
+    out_shape = (*x.shape[:-1], w.shape[1])
+    if b is not None:
+        try:
+            jnp.broadcast_shapes(tuple(b.shape), out_shape)
+        except ValueError:
+            raise TaktinyOpsError(
+                f"b: shape {tuple(b.shape)} does not broadcast to the result {out_shape}"
+            ) from None
+        if jnp.broadcast_shapes(tuple(b.shape), out_shape) != out_shape:
+            raise TaktinyOpsError(f"b: shape {tuple(b.shape)} would grow the result {out_shape}")
+    dnums = (((len(x.shape) - 1,), (0,)), ((), ()))
+    dtype = result_dtype((x, w, b), quant_set=quant is not None,
+                         preferred_element_type=preferred_element_type)
+    y = dot_general(x, w, dnums, precision, None if b is not None else preferred_element_type,
+                    out_sharding=out_sharding, quant=quant, module_path=module_path)
+    if b is not None:
+        y = y + prepare(dequantize(b), dtype)
+    return finish(y, dtype, out_sharding)

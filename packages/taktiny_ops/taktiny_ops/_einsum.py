@@ -1,0 +1,161 @@
+"""`einsum`."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+
+from taktiny_ops import _qwix_private as P
+from taktiny_ops._common import (
+    DENSE,
+    TaktinyOpsError,
+    calibration,
+    check_backend_support,
+    check_qt_sharding,
+    dequantize,
+    finish,
+    is_qarray,
+    prepare,
+    result_dtype,
+    select_rule,
+)
+from taktiny_ops._dot import _qt_config
+
+__all__ = ["einsum"]
+
+_TERM = re.compile(r"[A-Za-z]*(\.\.\.)?[A-Za-z]*")
+
+
+def _check_subscripts(subscripts: Any, operands: tuple) -> None:
+    if not isinstance(subscripts, str):
+        raise TaktinyOpsError(
+            f"subscripts: expected an einsum equation string, got {type(subscripts).__name__}"
+        )
+    spec = subscripts.replace(" ", "")
+    inputs, _, output = spec.partition("->")
+    terms = inputs.split(",")
+    if len(terms) != len(operands):
+        raise TaktinyOpsError(
+            f"subscripts: {subscripts!r} names {len(terms)} operand(s) but {len(operands)} "
+            "were given"
+        )
+    sizes: dict[str, int] = {}
+    for i, (term, op) in enumerate(zip(terms, operands, strict=True)):
+        if not _TERM.fullmatch(term):
+            raise TaktinyOpsError(f"subscripts: term {term!r} of {subscripts!r} is not valid")
+        letters = term.replace("...", "")
+        ndim = len(op.shape)
+        if ("..." in term and len(letters) > ndim) or ("..." not in term and len(letters) != ndim):
+            raise TaktinyOpsError(
+                f"subscripts: term {term!r} does not fit operand {i} of shape {tuple(op.shape)}"
+            )
+        head = term.split("...")[0]
+        tail = term.split("...")[1] if "..." in term else ""
+        dims = list(op.shape[:len(head)]) + (list(op.shape[ndim - len(tail):]) if tail else [])
+        for letter, dim in zip(head + tail, dims, strict=True):
+            if sizes.setdefault(letter, dim) != dim and 1 not in (dim, sizes[letter]):
+                raise TaktinyOpsError(
+                    f"subscripts: index {letter!r} has size {sizes[letter]} in one operand and "
+                    f"{dim} in operand {i}"
+                )
+    if output and not _TERM.fullmatch(output):
+        raise TaktinyOpsError(f"subscripts: output {output!r} of {subscripts!r} is not valid")
+
+
+def _qt_einsum(subscripts: str, act: jax.Array, weight: jax.Array, rule: Any,
+               precision: Any) -> jax.Array:
+    """Qwix's QT einsum: jnp.einsum with a training dot_general, roles kept by identity."""
+
+    def qt_dot_general(lhs: Any, rhs: Any, dimension_numbers: Any, precision: Any = None,
+                       preferred_element_type: Any = None, **kwargs: Any) -> jax.Array:
+        if lhs is act and rhs is weight:
+            roles = (False, True)
+        elif lhs is weight and rhs is act:
+            roles = (True, False)
+        else:
+            raise TaktinyOpsError(
+                f"subscripts: jnp.einsum transforms the operands of {subscripts!r} before "
+                "contracting, which hides which one is the weight; write the contraction "
+                "so that each operand enters the dot product unchanged"
+            )
+        config = _qt_config(rule, *roles)
+        return P.dot_general_qt(lhs, rhs, dimension_numbers, config)
+
+    with jax.disable_jit():
+        return jnp.einsum(subscripts, act, weight, precision=precision,
+                          _dot_general=qt_dot_general)
+
+
+def einsum(
+    subscripts: str,
+    *operands: Any,
+    quant: Any = None,
+    module_path: str = "",
+    optimize: Any = "auto",
+    precision: Any = None,
+    preferred_element_type: Any = None,
+    out_sharding: Any = None,
+) -> jax.Array:
+    """Evaluate an Einstein summation with optional quantized contractions.
+
+    Uses the string-equation form of :func:`jax.numpy.einsum`. With ``quant``
+    and ``out_sharding`` unset, QArray inputs select ``qwix.einsum`` (which
+    manages its own contraction path: ``optimize`` must be ``'auto'``); with
+    ``out_sharding`` set and no ``quant``, QArrays are dequantized and the
+    dense einsum runs. ``quant`` rules match op ``einsum`` or ``dot_general``.
+    In two-operand expressions the first operand is the activation and the
+    second the weight, whatever order JAX contracts them in. With a rule,
+    at most two operands are allowed; unary expressions stay plain JAX. Note
+    that Qwix's own providers ignore an activation-only rule; here it
+    quantizes the activation.
+
+    >>> einsum('...i,io->...o', jnp.ones((2, 3)), jnp.ones((3, 4))).shape
+    (2, 4)
+    """
+    _check_subscripts(subscripts, operands)
+    res = select_rule(quant, module_path, "einsum")
+    dtype = result_dtype(operands, quant_set=quant is not None,
+                         preferred_element_type=preferred_element_type)
+    operands = tuple(prepare(op, dtype) for op in operands)
+    has_q = any(is_qarray(op) for op in operands)
+    if res is None and has_q and out_sharding is None:
+        if optimize != "auto":
+            raise TaktinyOpsError(
+                f"optimize: QArray inputs without quant need optimize='auto' (Qwix manages "
+                f"its own contraction path), got {optimize!r}"
+            )
+        out = qwix.einsum(subscripts, *operands, precision=precision)
+    elif res is None or res == DENSE or len(operands) == 1:
+        out = jnp.einsum(subscripts, *map(dequantize, operands), optimize=optimize,
+                         precision=precision, preferred_element_type=preferred_element_type,
+                         out_sharding=out_sharding)
+    else:
+        if len(operands) != 2:
+            raise TaktinyOpsError(
+                f"operands: a quantization rule needs a two-operand expression (activation, "
+                f"weight), got {len(operands)} operands for {subscripts!r}"
+            )
+        check_qt_sharding(res, out_sharding)
+        act, weight = map(dequantize, operands)
+        rule = res.rule
+        check_backend_support(rule, False, True)
+        if res.mode == "qt":
+            out = _qt_einsum(subscripts, act, weight, rule, precision)
+        else:
+            ndims = (len(act.shape), len(weight.shape))
+            for_w, for_a = calibration(rule, True), calibration(rule, False)
+            if for_w:
+                weight = P.quantize(weight, P.einsum_how(
+                    einsum_str=subscripts, ndims=ndims, for_lhs=False, tile_size=rule.tile_size,
+                    qtype=for_w[0], calibration_method=for_w[1]))
+            if for_a:
+                act = P.quantize(act, P.einsum_how(
+                    einsum_str=subscripts, ndims=ndims, for_lhs=True, tile_size=rule.tile_size,
+                    qtype=for_a[0], calibration_method=for_a[1]))
+            # qwix.einsum mishandles out_sharding; finish() reshards instead.
+            out = qwix.einsum(subscripts, act, weight, precision=precision)
+    return finish(out, dtype, out_sharding)

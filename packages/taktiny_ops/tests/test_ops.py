@@ -1,0 +1,292 @@
+"""Behaviour of the four ops against dense JAX, with fresh random inputs."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+
+import quantrules as qr
+import taktiny_ops as tk
+
+RNG = np.random.default_rng()
+
+
+def arr(*shape, dtype=jnp.float32):
+    return jnp.asarray(RNG.standard_normal(shape), dtype)
+
+
+# ---------------------------------------------------------------- quant=None is plain JAX
+
+
+def test_dense_paths_equal_jax_exactly():
+    x, w, b = arr(3, 5, 8), arr(8, 6), arr(6)
+    np.testing.assert_array_equal(tk.linear(x, w, b), jnp.matmul(x, w) + b)
+    dn = (((2,), (0,)), ((), ()))
+    np.testing.assert_array_equal(tk.dot_general(x, w, dn), jax.lax.dot_general(x, w, dn))
+    np.testing.assert_array_equal(tk.einsum("bti,io->bto", x, w), jnp.einsum("bti,io->bto", x, w))
+    a, k = arr(2, 11, 3), arr(3, 3, 4)
+    args = ((2,), [(1, 1)])
+    kw = dict(rhs_dilation=(2,), dimension_numbers=("NWC", "WIO", "NWC"))
+    np.testing.assert_array_equal(tk.conv_general_dilated(a, k, *args, **kw),
+                                  jax.lax.conv_general_dilated(a, k, *args, **kw))
+
+
+def test_three_operand_dense_einsum_with_optimize():
+    a, b, c = arr(4, 5), arr(5, 6), arr(6, 3)
+    np.testing.assert_allclose(tk.einsum("ij,jk,kl->il", a, b, c, optimize="greedy"),
+                               a @ b @ c, rtol=1e-5, atol=1e-5)
+
+
+def test_qarray_inputs_use_qwix_without_quant():
+    x, w = arr(4, 32), arr(32, 8)
+    wq = qwix.quantize(w, jnp.int8, channelwise_axes=(1,))
+    dn = (((1,), (0,)), ((), ()))
+    np.testing.assert_array_equal(tk.dot_general(x, wq, dn), qwix.dot_general(x, wq, dn))
+    np.testing.assert_array_equal(tk.einsum("bi,io->bo", x, wq), qwix.einsum("bi,io->bo", x, wq))
+    with pytest.raises(ValueError, match="optimize: QArray inputs without quant need"):
+        tk.einsum("bi,io->bo", x, wq, optimize="greedy")
+    # a selected rule dequantizes the QArray first, then quantizes again
+    ours = tk.linear(x, wq, quant="int8")
+    np.testing.assert_array_equal(ours, tk.linear(x, qwix.dequantize(wq), quant="int8"))
+
+
+# ---------------------------------------------------------------- quantized error bounds
+
+BOUNDS = {"int8": 0.02, "fp8": 0.08, "int4": 0.25, "nf4": 0.25}
+
+
+@pytest.mark.parametrize("qtype", sorted(BOUNDS))
+def test_quantized_error_within_documented_bounds(qtype):
+    x, w = arr(16, 256), arr(256, 32)
+    ref = x @ w
+    for out in (tk.linear(x, w, quant=qtype),
+                tk.einsum("bi,io->bo", x, w, quant=qtype),
+                tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=qtype)):
+        rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        assert 0 < rel < BOUNDS[qtype], (qtype, rel)
+
+
+def test_weight_only_conv_works():
+    x, k = arr(2, 12, 3), arr(3, 3, 8)
+    ref = jax.lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
+    out = tk.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
+                                  quant="int8")
+    rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+    assert 0 < rel < 0.02
+
+
+def test_activation_only_rule_quantizes_the_activation():
+    x, w = arr(8, 64), arr(64, 4)
+    rule = qr.Rule(act_qtype="int8")
+    xq = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)))
+    out = tk.linear(x, w, quant=rule)
+    assert not np.array_equal(out, x @ w)
+    np.testing.assert_allclose(out, xq @ w, rtol=1e-5, atol=1e-5)
+
+
+def test_rules_match_path_and_disable():
+    x, w = arr(4, 64), arr(64, 4)
+    rules = [qr.Rule(module_path="head"), qr.Rule(module_path="enc/.*", weight_qtype="int8")]
+    np.testing.assert_array_equal(tk.linear(x, w, quant=rules, module_path="head"), x @ w)
+    np.testing.assert_array_equal(tk.linear(x, w, quant=rules, module_path="dec/1"), x @ w)
+    assert not np.array_equal(tk.linear(x, w, quant=rules, module_path="enc.1"), x @ w)
+    # einsum matches dot_general rules
+    dg = [qr.Rule(op_names=("dot_general",), weight_qtype="int8")]
+    assert not np.array_equal(tk.einsum("bi,io->bo", x, w, quant=dg), x @ w)
+    conv_only = [qr.Rule(op_names=("conv_general_dilated",), weight_qtype="int8")]
+    np.testing.assert_array_equal(tk.einsum("bi,io->bo", x, w, quant=conv_only), x @ w)
+
+
+def test_dot_general_operand_roles():
+    a, b = arr(4, 64), arr(64, 4)
+    dn = (((1,), (0,)), ((), ()))
+    rule = qr.Rule(weight_qtype="int4", tile_size=16)
+    lhs_w = tk.dot_general(a, b, dn, quant=rule, lhs_weight=True, rhs_weight=False)
+    aq = qwix.dequantize(qwix.quantize(a, jnp.int4, channelwise_axes=(0,), tiled_axes={1: 16}))
+    np.testing.assert_allclose(lhs_w, aq @ b, rtol=1e-5, atol=1e-5)
+
+
+def test_einsum_roles_follow_operand_order_not_contraction_order():
+    x, w = arr(3, 64), arr(64, 5)
+    rule = qr.Rule(weight_qtype="int4", tile_size=16)
+    wq = qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,), tiled_axes={0: 16}))
+    # the weight is the second operand even when the subscripts put it first in the output
+    out = tk.einsum("bi,io->ob", x, w, quant=rule)
+    np.testing.assert_allclose(out, (x @ wq).T, rtol=1e-5, atol=1e-5)
+
+
+def test_qt_einsum_gradients_when_jax_swaps_operands():
+    x, w = arr(6, 32), arr(32, 4)
+    rule = qr.Rule(weight_qtype="int8", act_qtype="int8", mode="qt")
+    for spec in ("bi,io->bo", "bi,io->ob"):
+        gx, gw = jax.grad(lambda a, b, s=spec: jnp.sum(tk.einsum(s, a, b, quant=rule) ** 2),
+                          argnums=(0, 1))(x, w)
+        rx, rw = jax.grad(lambda a, b, s=spec: jnp.sum(jnp.einsum(s, a, b) ** 2),
+                          argnums=(0, 1))(x, w)
+        for g, r in ((gx, rx), (gw, rw)):
+            assert g.shape == r.shape
+            rel = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
+            assert rel < 0.05, (spec, rel)
+
+
+def test_qt_linear_grad_flows():
+    x, w = arr(8, 32), arr(32, 4)
+    rule = qr.Rule(weight_qtype="int8", mode="qt", bwd_qtype="int8")
+    g = jax.grad(lambda k: jnp.sum(tk.linear(x, k, quant=qr.QtProvider([rule]))))(w)
+    ref = jax.grad(lambda k: jnp.sum(x @ k))(w)
+    assert float(jnp.linalg.norm(g - ref) / jnp.linalg.norm(ref)) < 0.05
+
+
+def test_unary_einsum_with_rule_stays_jax():
+    x = arr(4, 5)
+    np.testing.assert_array_equal(tk.einsum("ij->ji", x, quant="int8"), x.T)
+
+
+def test_more_than_two_operands_with_rule_raise():
+    with pytest.raises(ValueError, match="operands: a quantization rule needs a two-operand"):
+        tk.einsum("ij,jk,kl->il", arr(2, 3), arr(3, 4), arr(4, 5), quant="int8")
+
+
+# ---------------------------------------------------------------- dtypes (the seed's table)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "quant", "preferred", "expected"),
+    [
+        ((jnp.float32, jnp.float32), None, None, jnp.float32),
+        ((jnp.bfloat16, jnp.bfloat16), None, None, jnp.bfloat16),
+        ((jnp.bfloat16, jnp.float32), None, None, jnp.float32),
+        ((jnp.float32, jnp.float32), "int8", jnp.bfloat16, jnp.bfloat16),
+        ((jnp.bfloat16, jnp.bfloat16), "int8", None, jnp.bfloat16),
+        ((jnp.float8_e4m3fn, jnp.float8_e4m3fn), None, None, jnp.bfloat16),
+        ((jnp.int8, jnp.int8), "int8", None, jnp.float32),
+        ((jnp.int32, jnp.int32), None, None, jnp.int32),
+        ((jnp.float16, jnp.float16), None, jnp.float32, jnp.float32),
+    ],
+)
+def test_dtype_table(inputs, quant, preferred, expected):
+    x = jnp.asarray(RNG.integers(-3, 3, (2, 32)), inputs[0])
+    w = jnp.asarray(RNG.integers(-3, 3, (32, 4)), inputs[1])
+    for out in (tk.linear(x, w, quant=quant, preferred_element_type=preferred),
+                tk.einsum("bi,io->bo", x, w, quant=quant, preferred_element_type=preferred),
+                tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=quant,
+                               preferred_element_type=preferred)):
+        assert out.dtype == expected
+
+
+def test_bias_dtype_and_quantized_bias():
+    x, w = arr(2, 8, dtype=jnp.bfloat16), arr(8, 3, dtype=jnp.bfloat16)
+    b = arr(3)
+    assert tk.linear(x, w, b).dtype == jnp.float32
+    assert tk.linear(x, w, b, preferred_element_type=jnp.bfloat16).dtype == jnp.bfloat16
+    bq = qwix.quantize(arr(1, 3), jnp.int8, channelwise_axes=(1,))
+    out = tk.linear(arr(2, 8), arr(8, 3), bq)
+    assert out.dtype == jnp.float32
+    assert out.shape == (2, 3)
+
+
+def test_qarray_scale_dtype_promotes():
+    wq = qwix.quantize(arr(32, 4, dtype=jnp.bfloat16), jnp.int8, channelwise_axes=(1,))
+    assert tk.linear(arr(2, 32, dtype=jnp.bfloat16), wq).dtype == jnp.bfloat16
+
+
+# ---------------------------------------------------------------- transformations
+
+
+def test_jit_grad_vmap_through_every_op():
+    x, w = arr(4, 32), arr(32, 8)
+    rule = qr.Rule(weight_qtype="int8", act_qtype="int8")
+    lin = jax.jit(lambda a, b: tk.linear(a, b, quant=rule))
+    np.testing.assert_array_equal(lin(x, w), tk.linear(x, w, quant=rule))
+    ein = jax.vmap(lambda a: tk.einsum("i,io->o", a, w, quant="int8"))(x)
+    assert ein.shape == (4, 8)
+    g = jax.grad(lambda a: jnp.sum(tk.dot_general(a, w, (((1,), (0,)), ((), ())))))(x)
+    np.testing.assert_allclose(g, jnp.broadcast_to(w.sum(1), x.shape), rtol=1e-5)
+    c = jax.jit(jax.grad(lambda k: jnp.sum(tk.conv_general_dilated(
+        arr(1, 8, 2), k, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"),
+        quant=qr.Rule(weight_qtype="int8", act_qtype="int8", mode="qt")))))(arr(3, 2, 4))
+    assert c.shape == (3, 2, 4)
+
+
+def test_rule_resolution_happens_at_trace_time(monkeypatch):
+    calls = []
+    real = qr.resolve
+    monkeypatch.setattr(qr, "resolve", lambda *a, **k: calls.append(1) or real(*a, **k))
+    f = jax.jit(lambda a, b: tk.linear(a, b, quant="int8"))
+    x, w = arr(2, 16), arr(16, 4)
+    f(x, w)
+    f(x + 1, w)
+    f(x * 2, w)
+    assert len(calls) == 1
+
+
+# ---------------------------------------------------------------- unsupported features
+
+
+def test_int4_by_int4_on_cpu_raises_clearly():
+    assert jax.default_backend() == "cpu"
+    w4a4 = qr.Rule(weight_qtype="int4", act_qtype="int4")
+    with pytest.raises(NotImplementedError, match="int4 x int4 contractions are not supported"):
+        tk.linear(arr(2, 32), arr(32, 4), quant=w4a4)
+    with pytest.raises(NotImplementedError, match="int4 x int4"):
+        tk.einsum("bi,io->bo", arr(2, 32), arr(32, 4), quant=w4a4)
+    # one 4-bit operand is fine
+    out = tk.linear(arr(2, 32), arr(32, 4), quant=qr.Rule(weight_qtype="int4", act_qtype="int8"))
+    assert out.shape == (2, 4)
+
+
+def test_stateless_limits_raise_not_implemented():
+    x, w = arr(2, 16), arr(16, 4)
+    with pytest.raises(NotImplementedError, match="act_static_scale"):
+        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", act_qtype="int8",
+                                      act_static_scale=True))
+    with pytest.raises(NotImplementedError, match="bwd_stochastic_rounding"):
+        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", mode="qt",
+                                      bwd_stochastic_rounding="uniform"))
+    with pytest.raises(NotImplementedError, match="tile_size=8; tiled"):
+        tk.conv_general_dilated(arr(1, 8, 16), arr(3, 16, 4), (1,), "SAME",
+                                dimension_numbers=("NWC", "WIO", "NWC"),
+                                quant=qr.Rule(weight_qtype="int8", tile_size=8))
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
+    with pytest.raises(NotImplementedError, match="out_sharding: QT"):
+        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", mode="qt"),
+                  out_sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+
+
+# ---------------------------------------------------------------- bad input
+
+
+@pytest.mark.parametrize(
+    ("call", "exc", "message"),
+    [
+        (lambda: tk.linear(arr(2, 3), arr(4, 5)), ValueError, "w: in_features 4 does not match"),
+        (lambda: tk.linear(arr(2, 3), arr(3)), ValueError, r"w: expected shape \(in_features"),
+        (lambda: tk.linear(arr(2, 3), arr(3, 4), arr(5)), ValueError, "b: shape"),
+        (lambda: tk.dot_general(arr(2, 3), arr(4, 5), (((1,), (0,)), ((), ()))), ValueError,
+         "contracting dimension sizes differ: lhs axis 1 has 3, rhs axis 0 has 4"),
+        (lambda: tk.dot_general(arr(2, 3), arr(3, 5), (((2,), (0,)), ((), ()))), ValueError,
+         "axis 2 is out of range for lhs of rank 2"),
+        (lambda: tk.dot_general(arr(2, 3), arr(3, 5), "ij,jk"), ValueError,
+         "dimension_numbers: expected"),
+        (lambda: tk.einsum("ij,jk->ik", arr(2, 3)), ValueError, "names 2 operand"),
+        (lambda: tk.einsum("ij,jk->ik", arr(2, 3), arr(4, 5)), ValueError,
+         "index 'j' has size 3"),
+        (lambda: tk.einsum("ijk,jk->i", arr(2, 3), arr(3, 4)), ValueError,
+         "term 'ijk' does not fit operand 0"),
+        (lambda: tk.einsum(3, arr(2, 3)), ValueError, "subscripts: expected an einsum"),
+        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1,), "FULL"), ValueError,
+         "padding: expected one of"),
+        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1,), [(1, 1), (0, 0)]),
+         ValueError, r"padding: expected 1 \(low, high\) pairs"),
+        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1, 1), "SAME"), ValueError,
+         "window_strides: expected 1 strides"),
+        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 4), (1,), "SAME"), ValueError,
+         "rhs: lhs and rhs need the same rank"),
+        (lambda: tk.linear(arr(2, 3), arr(3, 4), quant="int9"), ValueError, "unknown qtype 'int9'"),
+        (lambda: tk.linear(arr(2, 3), arr(3, 4), quant=7), ValueError, "quant: expected None"),
+    ],
+)
+def test_bad_input_raises_clearly(call, exc, message):
+    with pytest.raises(exc, match=message):
+        call()

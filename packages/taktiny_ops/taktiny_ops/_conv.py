@@ -8,6 +8,7 @@ from typing import Any
 import jax
 import qwix
 
+from quantrules import qwix_qtype
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
     DENSE,
@@ -61,8 +62,6 @@ def _qt_config(rule: Any) -> Any:
         )
     act, weight = calibration(rule, False), calibration(rule, True)
     off = rule.disable_channelwise_axes
-    from quantrules import qwix_qtype
-
     bwd = qwix_qtype(rule.bwd_qtype)
     return P.ConvGeneralQtConfig(
         lhs_qtype=act[0] if act else None,

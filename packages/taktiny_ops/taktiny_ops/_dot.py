@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from quantrules import qwix_qtype
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
     DENSE,
@@ -74,14 +75,14 @@ def _qt_config(rule: Any, lhs_weight: bool, rhs_weight: bool) -> Any:
         rhs_collect_quant_stat=None,
         lhs_disable_channelwise_axes=channelwise_off,
         rhs_disable_channelwise_axes=channelwise_off,
-        dlhs_grad_qtype=quant_qtype(rule.bwd_qtype),
+        dlhs_grad_qtype=qwix_qtype(rule.bwd_qtype),
         dlhs_grad_calibration_method=rule.bwd_calibration_method,
         dlhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and lhs_weight else None,
         dlhs_stochastic_rounding_noise_fn=None,
         dlhs_grad_disable_channelwise_axes=channelwise_off,
         use_original_residuals=(rule.weight_qtype is not None or rule.act_qtype is not None)
         and not bwd,
-        drhs_grad_qtype=quant_qtype(rule.bwd_qtype),
+        drhs_grad_qtype=qwix_qtype(rule.bwd_qtype),
         drhs_grad_calibration_method=rule.bwd_calibration_method,
         drhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and rhs_weight else None,
         drhs_stochastic_rounding_noise_fn=None,
@@ -90,12 +91,6 @@ def _qt_config(rule: Any, lhs_weight: bool, rhs_weight: bool) -> Any:
     if rule.additional_qt_config:
         config = dataclasses.replace(config, **dict(rule.additional_qt_config))
     return config
-
-
-def quant_qtype(name: str | None) -> Any:
-    import quantrules
-
-    return quantrules.qwix_qtype(name)
 
 
 def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weight: bool,

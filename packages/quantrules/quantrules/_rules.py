@@ -9,7 +9,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, Literal
 
 from quantrules._errors import QuantRulesError, RuleError
-from quantrules._ops import check_op
+from quantrules._ops import OP_ALIASES, check_op
 from quantrules._qtypes import get_qtype
 
 __all__ = ["Mode", "Rule"]
@@ -210,8 +210,6 @@ class Rule:
 
     def matches_op(self, op: str) -> bool:
         """Whether ``op`` is among ``op_names`` (``einsum`` also matches ``dot_general``)."""
-        from quantrules._ops import OP_ALIASES
-
         if not self.op_names:
             return True
         return any(name in self.op_names for name in OP_ALIASES.get(op, (op,)))

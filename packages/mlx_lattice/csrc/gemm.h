@@ -1,0 +1,27 @@
+// Row-indirect GEMM micro-kernels: C[r] += A[r] @ B for rows given by pointer.
+//
+// The rows of A and C are addressed through pointer lists, so a sparse conv
+// gathers its neighbour rows and scatters into its output rows without
+// copying. Every output row is computed by the same instruction sequence
+// (C loaded, then one fused multiply-add per j in ascending order), whatever
+// rows share its register block: results do not depend on tiling or threads.
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_lattice {
+
+// For r in [0, m): c_rows[r][0:n] += sum_j a_rows[r][j] * b[j * n + 0:n].
+// b is (kdim, n) row-major. Rows of c_rows must be distinct.
+void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kdim, int64_t n,
+               float* const* c_rows);
+
+// For rows r in [r0, r1): c[r * n + 0:n] += sum_j f[j][r] * g[j][0:n], j
+// ascending (outer products of gathered rows, as in a weight gradient).
+void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,
+                float* c, int64_t n);
+
+// Name of the micro-kernel in use ("avx2-fma" or "scalar"), for benchmarks.
+const char* gemm_isa();
+
+}  // namespace mlx_lattice

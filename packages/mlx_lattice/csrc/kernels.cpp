@@ -1,0 +1,325 @@
+#include "kernels.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "gemm.h"
+#include "parallel.h"
+
+namespace mlx_lattice::kernels {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Per-thread scratch of the tile loops, reused across calls.
+struct TileScratch {
+  std::vector<int32_t> counts;
+  std::vector<const float*> a_ptrs;
+  std::vector<float*> c_ptrs;
+  std::vector<const float*> pack_a_rows;
+};
+
+thread_local TileScratch scratch;
+
+// Splits channels into blocks for channel-parallel scatters (each task owns
+// whole columns, so edge order is kept and no two tasks write one value).
+constexpr int64_t kChannelBlock = 16;
+
+}  // namespace
+
+void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<int32_t>& offsets,
+              std::vector<int32_t>& edge_ids) {
+  offsets.assign(groups + 1, 0);
+  for (int64_t e = 0; e < n_edges; ++e) ++offsets[keys[e] + 1];
+  for (int64_t g = 0; g < groups; ++g) offsets[g + 1] += offsets[g];
+  edge_ids.resize(n_edges);
+  std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
+  for (int64_t e = 0; e < n_edges; ++e) edge_ids[cursor[keys[e]]++] = static_cast<int32_t>(e);
+}
+
+void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
+                     float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
+                     const int32_t* c_index, const int32_t* kernel_ids) {
+  const int64_t tiles = ceil_div(csr.groups, kTileRows);
+  const int64_t b_stride = a_width * c_width;
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t g0 = tile * kTileRows;
+    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
+    std::memset(c + g0 * c_width, 0, sizeof(float) * (g1 - g0) * c_width);
+    const int64_t j0 = csr.offsets[g0];
+    const int64_t j1 = csr.offsets[g1];
+    if (j1 == j0) return;
+    auto& s = scratch;
+    // Counting sort of the tile's edges by kernel offset (stable in CSR order).
+    s.counts.assign(n_kernels + 1, 0);
+    for (int64_t j = j0; j < j1; ++j) {
+      int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
+      ++s.counts[kernel_ids[e] + 1];
+    }
+    for (int64_t k = 0; k < n_kernels; ++k) s.counts[k + 1] += s.counts[k];
+    const int64_t n_tile = j1 - j0;
+    s.a_ptrs.resize(n_tile);
+    s.c_ptrs.resize(n_tile);
+    std::vector<int32_t> cursor(s.counts.begin(), s.counts.end() - 1);
+    for (int64_t j = j0; j < j1; ++j) {
+      int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
+      int32_t slot = cursor[kernel_ids[e]]++;
+      s.a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
+      s.c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
+    }
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      int64_t begin = s.counts[k];
+      int64_t rows = s.counts[k + 1] - begin;
+      if (rows > 0) {
+        gemm_rows(rows, s.a_ptrs.data() + begin, b + k * b_stride, a_width, c_width,
+                  s.c_ptrs.data() + begin);
+      }
+    }
+  });
+}
+
+void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,
+                     const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
+                     float* dweight) {
+  constexpr int64_t kChunk = 128;  // edges whose rows stay in L1/L2 across strips
+  const int64_t n_kernels = kernel_csr.groups;
+  // One task per offset; with few offsets, split the rows of dW too so every
+  // thread has work (rows never share a reduction, so bits do not change).
+  const int64_t row_block = n_kernels >= 8 ? cin : 24;
+  const int64_t row_blocks = ceil_div(cin, row_block);
+  parallel_for(n_kernels * row_blocks, [&](int64_t task) {
+    const int64_t k = task / row_blocks;
+    const int64_t r0 = (task % row_blocks) * row_block;
+    const int64_t r1 = std::min(cin, r0 + row_block);
+    float* dw = dweight + k * cin * cout;
+    std::memset(dw + r0 * cout, 0, sizeof(float) * (r1 - r0) * cout);
+    auto& s = scratch;
+    s.a_ptrs.resize(kChunk);
+    s.pack_a_rows.resize(kChunk);
+    for (int64_t j0 = kernel_csr.offsets[k]; j0 < kernel_csr.offsets[k + 1]; j0 += kChunk) {
+      const int64_t m = std::min<int64_t>(kChunk, kernel_csr.offsets[k + 1] - j0);
+      for (int64_t j = 0; j < m; ++j) {
+        int64_t e = kernel_csr.edge_ids ? kernel_csr.edge_ids[j0 + j] : j0 + j;
+        s.a_ptrs[j] = feats + static_cast<int64_t>(in_rows[e]) * cin;
+        s.pack_a_rows[j] = grad + static_cast<int64_t>(out_rows[e]) * cout;
+      }
+      gemm_outer(m, s.a_ptrs.data(), s.pack_a_rows.data(), r0, r1, dw, cout);
+    }
+  });
+}
+
+void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
+                 int64_t cout, const int32_t* sorted_map, const int32_t* reorder, int64_t n_out,
+                 bool store_sorted, float* out) {
+  const int64_t tiles = ceil_div(n_out, kTileRows);
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t r0 = tile * kTileRows;
+    const int64_t r1 = std::min(n_out, r0 + kTileRows);
+    auto& s = scratch;
+    s.a_ptrs.resize(r1 - r0);
+    s.c_ptrs.resize(r1 - r0);
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t row = store_sorted ? r : reorder[r];
+      std::memset(out + row * cout, 0, sizeof(float) * cout);
+    }
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      int64_t rows = 0;
+      for (int64_t r = r0; r < r1; ++r) {
+        int32_t in = sorted_map[r * n_kernels + k];
+        if (in < 0) continue;
+        int64_t row = store_sorted ? r : reorder[r];
+        s.a_ptrs[rows] = feats + static_cast<int64_t>(in) * cin;
+        s.c_ptrs[rows] = out + row * cout;
+        ++rows;
+      }
+      if (rows > 0) {
+        gemm_rows(rows, s.a_ptrs.data(), weight + k * cin * cout, cin, cout, s.c_ptrs.data());
+      }
+    }
+  });
+}
+
+void sorted_direct(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
+                   int64_t cout, const int32_t* sorted_map, const int32_t* reorder,
+                   const int32_t* tile_masks, int64_t n_out, bool store_sorted, float* out) {
+  const int64_t tiles = ceil_div(n_out, kSortedTileRows);
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t r0 = tile * kSortedTileRows;
+    const int64_t r1 = std::min(n_out, r0 + kSortedTileRows);
+    const uint32_t mask = static_cast<uint32_t>(tile_masks[tile]);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* o = out + (store_sorted ? r : reorder[r]) * cout;
+      std::fill(o, o + cout, 0.0f);
+      for (int64_t k = 0; k < n_kernels; ++k) {
+        if (k < 32 && !((mask >> k) & 1u)) continue;
+        int32_t in = sorted_map[r * n_kernels + k];
+        if (in < 0) continue;
+        const float* f = feats + static_cast<int64_t>(in) * cin;
+        const float* w = weight + k * cin * cout;
+        for (int64_t i = 0; i < cin; ++i) {
+          for (int64_t x = 0; x < cout; ++x) o[x] += f[i] * w[i * cout + x];
+        }
+      }
+    }
+  });
+}
+
+void dequantize_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
+                       const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
+                       int64_t storage_in, int64_t group_size, int bits, float* out) {
+  const uint32_t value_mask = (1u << bits) - 1u;
+  const int64_t groups = storage_in / group_size;
+  parallel_for(n_kernels, [&](int64_t k) {
+    for (int64_t o = 0; o < cout; ++o) {
+      const int64_t row = k * cout + o;
+      const uint8_t* p = packed + row * row_bytes;
+      for (int64_t c = 0; c < cin; ++c) {
+        const int64_t bit = c * bits;
+        const int64_t byte = bit >> 3;
+        uint32_t v = p[byte];
+        if (byte + 1 < row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
+        const float q = static_cast<float>((v >> (bit & 7)) & value_mask);
+        const int64_t g = row * groups + c / group_size;
+        out[(k * cin + c) * cout + o] = scales[g] * q + biases[g];
+      }
+    }
+  });
+}
+
+void normalization_denominator(const float* weight, int64_t n_kernels, int64_t cin,
+                               int64_t cout, const int32_t* kernel_ids, const int32_t* out_offsets,
+                               int64_t n_out, float* out) {
+  std::vector<float> colsum(n_kernels * cout, 0.0f);
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    for (int64_t i = 0; i < cin; ++i) {
+      for (int64_t x = 0; x < cout; ++x) colsum[k * cout + x] += weight[(k * cin + i) * cout + x];
+    }
+  }
+  parallel_for(ceil_div(n_out, kTileRows), [&](int64_t tile) {
+    const int64_t o1 = std::min(n_out, (tile + 1) * kTileRows);
+    for (int64_t o = tile * kTileRows; o < o1; ++o) {
+      float* row = out + o * cout;
+      std::fill(row, row + cout, 0.0f);
+      for (int64_t e = out_offsets[o]; e < out_offsets[o + 1]; ++e) {
+        const float* s = colsum.data() + static_cast<int64_t>(kernel_ids[e]) * cout;
+        for (int64_t x = 0; x < cout; ++x) row[x] += s[x];
+      }
+    }
+  });
+}
+
+void denominator_gradient(const float* grad, int64_t cout, const int32_t* kernel_ids,
+                          const int32_t* out_offsets, int64_t n_out, int64_t n_kernels,
+                          float* out) {
+  std::fill(out, out + n_kernels * cout, 0.0f);
+  parallel_for(ceil_div(cout, kChannelBlock), [&](int64_t block) {
+    const int64_t x0 = block * kChannelBlock;
+    const int64_t x1 = std::min(cout, x0 + kChannelBlock);
+    for (int64_t o = 0; o < n_out; ++o) {
+      for (int64_t e = out_offsets[o]; e < out_offsets[o + 1]; ++e) {
+        float* dst = out + static_cast<int64_t>(kernel_ids[e]) * cout;
+        for (int64_t x = x0; x < x1; ++x) dst[x] += grad[o * cout + x];
+      }
+    }
+  });
+}
+
+namespace {
+
+// First edge (in CSR order) holding the maximum of channel x among o's edges.
+inline int64_t argmax_edge(const float* feats, int64_t channels, const int32_t* in_rows,
+                           int64_t e0, int64_t e1, int64_t x) {
+  int64_t best = e0;
+  float best_value = feats[static_cast<int64_t>(in_rows[e0]) * channels + x];
+  for (int64_t e = e0 + 1; e < e1; ++e) {
+    float v = feats[static_cast<int64_t>(in_rows[e]) * channels + x];
+    if (v > best_value) {
+      best_value = v;
+      best = e;
+    }
+  }
+  return best;
+}
+
+}  // namespace
+
+void pool_forward(const float* feats, int64_t channels, const int32_t* in_rows,
+                  const int32_t* out_offsets, int64_t n_out, PoolMode mode, float* out) {
+  parallel_for(ceil_div(n_out, kTileRows), [&](int64_t tile) {
+    const int64_t o1 = std::min(n_out, (tile + 1) * kTileRows);
+    for (int64_t o = tile * kTileRows; o < o1; ++o) {
+      float* row = out + o * channels;
+      const int64_t e0 = out_offsets[o];
+      const int64_t e1 = out_offsets[o + 1];
+      if (e0 == e1) {
+        std::fill(row, row + channels, 0.0f);
+        continue;
+      }
+      const float* first = feats + static_cast<int64_t>(in_rows[e0]) * channels;
+      std::copy(first, first + channels, row);
+      for (int64_t e = e0 + 1; e < e1; ++e) {
+        const float* f = feats + static_cast<int64_t>(in_rows[e]) * channels;
+        if (mode == PoolMode::kMax) {
+          for (int64_t x = 0; x < channels; ++x) row[x] = f[x] > row[x] ? f[x] : row[x];
+        } else {
+          for (int64_t x = 0; x < channels; ++x) row[x] += f[x];
+        }
+      }
+      if (mode == PoolMode::kAvg) {
+        const float inv = 1.0f / static_cast<float>(e1 - e0);
+        for (int64_t x = 0; x < channels; ++x) row[x] *= inv;
+      }
+    }
+  });
+}
+
+void pool_max_select(const float* feats, const float* tangent, int64_t channels,
+                     const int32_t* in_rows, const int32_t* out_offsets, int64_t n_out,
+                     float* out) {
+  parallel_for(ceil_div(n_out, kTileRows), [&](int64_t tile) {
+    const int64_t o1 = std::min(n_out, (tile + 1) * kTileRows);
+    for (int64_t o = tile * kTileRows; o < o1; ++o) {
+      const int64_t e0 = out_offsets[o];
+      const int64_t e1 = out_offsets[o + 1];
+      for (int64_t x = 0; x < channels; ++x) {
+        float v = 0.0f;
+        if (e1 > e0) {
+          int64_t e = argmax_edge(feats, channels, in_rows, e0, e1, x);
+          v = tangent[static_cast<int64_t>(in_rows[e]) * channels + x];
+        }
+        out[o * channels + x] = v;
+      }
+    }
+  });
+}
+
+void pool_backward(const float* grad, const float* feats, int64_t channels,
+                   const int32_t* in_rows, const int32_t* out_offsets, int64_t n_out,
+                   int64_t n_in, PoolMode mode, float* dfeats) {
+  std::fill(dfeats, dfeats + n_in * channels, 0.0f);
+  parallel_for(ceil_div(channels, kChannelBlock), [&](int64_t block) {
+    const int64_t x0 = block * kChannelBlock;
+    const int64_t x1 = std::min(channels, x0 + kChannelBlock);
+    for (int64_t o = 0; o < n_out; ++o) {
+      const int64_t e0 = out_offsets[o];
+      const int64_t e1 = out_offsets[o + 1];
+      if (e0 == e1) continue;
+      const float* g = grad + o * channels;
+      if (mode == PoolMode::kMax) {
+        for (int64_t x = x0; x < x1; ++x) {
+          int64_t e = argmax_edge(feats, channels, in_rows, e0, e1, x);
+          dfeats[static_cast<int64_t>(in_rows[e]) * channels + x] += g[x];
+        }
+        continue;
+      }
+      const float scale = mode == PoolMode::kAvg ? 1.0f / static_cast<float>(e1 - e0) : 1.0f;
+      for (int64_t e = e0; e < e1; ++e) {
+        float* d = dfeats + static_cast<int64_t>(in_rows[e]) * channels;
+        for (int64_t x = x0; x < x1; ++x) d[x] += g[x] * scale;
+      }
+    }
+  });
+}
+
+}  // namespace mlx_lattice::kernels

@@ -1,0 +1,91 @@
+// CPU kernels of the sparse primitives, on raw row-major float32 buffers and
+// int32 index arrays that the primitives have validated.
+//
+// Every kernel owns its output rows per task and reduces in a fixed order
+// (kernel offsets ascending, then edges in CSR order), so results are the same
+// bits for any thread count.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+namespace mlx_lattice::kernels {
+
+// Rows of output tiles (output-stationary work unit).
+constexpr int64_t kTileRows = 128;
+// Rows per tile of the sorted implicit-GEMM view's tile_masks.
+constexpr int64_t kSortedTileRows = 32;
+
+// A CSR grouping of edges: edges of group g are edge_ids[offsets[g]:offsets[g+1]]
+// (edge_ids == nullptr means the identity: edges are stored grouped).
+struct Csr {
+  const int32_t* offsets = nullptr;
+  const int32_t* edge_ids = nullptr;
+  int64_t groups = 0;
+};
+
+// Builds a CSR grouping of `n_edges` edges by key (stable: edge order kept
+// within a group).
+void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<int32_t>& offsets,
+              std::vector<int32_t>& edge_ids);
+
+// Stationary conv: for every group g (a row of C) and edge e in it,
+//   C[c_index[e]] += A[a_index[e]] @ B[kernel_ids[e]]
+// with B a stack of (a_width x c_width) matrices. C rows are zeroed first.
+// Forward conv: groups = outputs, A = features, C = output.
+// Input gradient: groups = inputs, A = output gradient, C = feature gradient,
+// B = transposed weights.
+void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
+                     float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
+                     const int32_t* c_index, const int32_t* kernel_ids);
+
+// dW[k] = sum over edges e of offset k of F[in_rows[e]]^T G[out_rows[e]],
+// edges in kernel-CSR order. dW is (K, cin, cout), overwritten.
+void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,
+                     const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
+                     float* dweight);
+
+// Sorted implicit GEMM: row r of the sorted view takes input rows
+// sorted_map[r * K + k] (or -1). Output row reorder[r], or r if store_sorted.
+void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
+                 int64_t cout, const int32_t* sorted_map, const int32_t* reorder, int64_t n_out,
+                 bool store_sorted, float* out);
+
+// The same contract, computed directly (scalar loops, tile masks honoured).
+void sorted_direct(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
+                   int64_t cout, const int32_t* sorted_map, const int32_t* reorder,
+                   const int32_t* tile_masks, int64_t n_out, bool store_sorted, float* out);
+
+// Dequantizes per-offset group-affine weights (mx.quantize layout, rows of
+// `storage_in` values, `bits` each, packed little-endian) to (K, cin, cout).
+void dequantize_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
+                       const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
+                       int64_t storage_in, int64_t group_size, int bits, float* out);
+
+// out[o] = sum over edges e of o of colsum(W[kernel_ids[e]]).
+void normalization_denominator(const float* weight, int64_t n_kernels, int64_t cin,
+                               int64_t cout, const int32_t* kernel_ids, const int32_t* out_offsets,
+                               int64_t n_out, float* out);
+
+// dS[k] = sum over edges e of offset k (in edge order) of G[out(e)]; (K, cout).
+void denominator_gradient(const float* grad, int64_t cout, const int32_t* kernel_ids,
+                          const int32_t* out_offsets, int64_t n_out, int64_t n_kernels,
+                          float* out);
+
+enum class PoolMode { kMax, kAvg, kSum };
+
+// Pooling over the output CSR; outputs without edges are 0.
+void pool_forward(const float* feats, int64_t channels, const int32_t* in_rows,
+                  const int32_t* out_offsets, int64_t n_out, PoolMode mode, float* out);
+
+// out[o, c] = tangent[argmax_e feats[in_rows[e], c]] (first maximum in edge order).
+void pool_max_select(const float* feats, const float* tangent, int64_t channels,
+                     const int32_t* in_rows, const int32_t* out_offsets, int64_t n_out,
+                     float* out);
+
+// Gradient of pool_forward with respect to its features (n_in rows).
+void pool_backward(const float* grad, const float* feats, int64_t channels,
+                   const int32_t* in_rows, const int32_t* out_offsets, int64_t n_out,
+                   int64_t n_in, PoolMode mode, float* dfeats);
+
+}  // namespace mlx_lattice::kernels

@@ -1,0 +1,25 @@
+// A small persistent thread pool for the CPU kernels.
+//
+// Work is split into tasks whose results never depend on which thread runs
+// them (each task owns its output rows and reduces in a fixed order), so the
+// number of threads changes speed, never bits.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+
+namespace mlx_lattice {
+
+// Threads the kernels use. Defaults to MLX_LATTICE_NUM_THREADS when set to a
+// positive integer, else to the hardware concurrency.
+int get_num_threads();
+
+// Sets the thread count (>= 1). Raises std::invalid_argument otherwise.
+void set_num_threads(int n);
+
+// Runs fn(task) for task in [0, n_tasks), spread over the pool; the calling
+// thread takes part. Tasks are claimed dynamically. Exceptions thrown by fn
+// are rethrown (the first one) after all tasks finished.
+void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
+
+}  // namespace mlx_lattice

@@ -1,0 +1,595 @@
+#include "sparse_ops.h"
+
+#include <algorithm>
+#include <sstream>
+
+#include "common.h"
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "primitives.h"
+#include "validate.h"
+
+namespace mlx_lattice {
+
+namespace {
+
+using Conv = SparseConv::Mode;
+
+mx::array as_f32(const mx::array& a, mx::Stream s) {
+  return mx::contiguous(mx::astype(a, mx::float32, s), false, s);
+}
+
+}  // namespace
+
+mx::array make_conv(Conv mode, const mx::array& a, const mx::array& b, const RelationArrays& rel,
+                    ConvDims d, mx::Stream s) {
+  mx::Shape shape;
+  switch (mode) {
+    case Conv::kForward:
+      shape = {static_cast<int>(d.n_out), b.shape(2)};
+      break;
+    case Conv::kInputGrad:
+      shape = {static_cast<int>(d.n_in), b.shape(1)};
+      break;
+    case Conv::kWeightGrad:
+      shape = {static_cast<int>(d.n_kernels), a.shape(1), b.shape(1)};
+      break;
+  }
+  std::vector<mx::array> inputs = {as_f32(a, s), as_f32(b, s)};
+  for (auto& r : rel.list()) inputs.push_back(r);
+  return mx::array(shape, mx::float32, std::make_shared<SparseConv>(s, mode, d), inputs);
+}
+
+mx::array make_sorted(const mx::array& f, const mx::array& w, const mx::array& sorted_map,
+                      const mx::array& reorder, const RelationArrays& rel, ConvDims d,
+                      bool store_sorted, mx::Stream s) {
+  std::vector<mx::array> inputs = {as_f32(f, s), as_f32(w, s), sorted_map, reorder};
+  for (auto& r : rel.list()) inputs.push_back(r);
+  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, mx::float32,
+                   std::make_shared<SparseConvSorted>(s, d, store_sorted), inputs);
+}
+
+mx::array make_direct(const mx::array& f, const mx::array& w, const mx::array& sorted_map,
+                      const mx::array& reorder, const mx::array& tile_masks, ConvDims d,
+                      bool store_sorted, mx::Stream s) {
+  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, mx::float32,
+                   std::make_shared<SparseConvDirect>(s, d, store_sorted),
+                   {as_f32(f, s), as_f32(w, s), sorted_map, reorder, tile_masks});
+}
+
+mx::array make_quantized(const mx::array& f, const std::vector<mx::array>& quant,
+                         const RelationArrays& rel, ConvDims d, QuantSpec spec, mx::Stream s) {
+  std::vector<mx::array> inputs = {as_f32(f, s), quant[0], quant[1], quant[2]};
+  for (auto& r : rel.list()) inputs.push_back(r);
+  return mx::array({static_cast<int>(d.n_out), static_cast<int>(spec.out_channels)}, mx::float32,
+                   std::make_shared<SparseQuantizedConv>(s, d, spec), inputs);
+}
+
+mx::array make_denominator(SparseDenominator::Mode mode, const mx::array& x,
+                           const mx::array& kernel_ids, const mx::array& out_offsets, ConvDims d,
+                           mx::Stream s) {
+  mx::Shape shape = mode == SparseDenominator::Mode::kDenominator
+                        ? mx::Shape{static_cast<int>(d.n_out), x.shape(2)}
+                        : mx::Shape{static_cast<int>(d.n_kernels), x.shape(1)};
+  return mx::array(shape, mx::float32, std::make_shared<SparseDenominator>(s, mode, d),
+                   {as_f32(x, s), kernel_ids, out_offsets});
+}
+
+mx::array make_pool(SparsePool::Stage stage, kernels::PoolMode mode,
+                    const std::vector<mx::array>& floats, const mx::array& in_rows,
+                    const mx::array& out_offsets, ConvDims d, mx::Stream s) {
+  int rows = static_cast<int>(stage == SparsePool::Stage::kBackward ? d.n_in : d.n_out);
+  std::vector<mx::array> inputs;
+  for (auto& f : floats) inputs.push_back(as_f32(f, s));
+  inputs.push_back(in_rows);
+  inputs.push_back(out_offsets);
+  return mx::array({rows, floats[0].shape(1)}, mx::float32,
+                   std::make_shared<SparsePool>(s, stage, mode, d), inputs);
+}
+
+namespace {
+
+// Adds two optional terms of a jvp.
+mx::array sum_terms(std::optional<mx::array> a, std::optional<mx::array> b, mx::Stream s) {
+  if (a && b) return mx::add(*a, *b, s);
+  return a ? *a : *b;
+}
+
+// Tangent of argument `arg` among the jvp's tangents, if it has one.
+std::optional<mx::array> tangent_of(int arg, const std::vector<mx::array>& tangents,
+                                    const std::vector<int>& argnums) {
+  for (size_t i = 0; i < argnums.size(); ++i) {
+    if (argnums[i] == arg) return tangents[i];
+  }
+  return std::nullopt;
+}
+
+// Runs `body` on the stream's CPU encoder with weak copies of the arrays.
+template <typename Body>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs, Body body) {
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in_copies;
+  for (auto& in : inputs) {
+    encoder.set_input_array(in);
+    in_copies.push_back(mx::array::unsafe_weak_copy(in));
+  }
+  std::vector<mx::array> out_copies;
+  for (auto& out : outputs) {
+    encoder.set_output_array(out);
+    out_copies.push_back(mx::array::unsafe_weak_copy(out));
+  }
+  encoder.dispatch([in = std::move(in_copies), out = std::move(out_copies), body]() mutable {
+    body(in, out);
+  });
+}
+
+const int32_t* idx(const mx::array& a) { return idx_or_null(a); }
+
+kernels::Csr csr_or_rebuilt(const mx::array& offsets, const mx::array& edge_ids,
+                            const mx::array& keys, int64_t groups, std::vector<int32_t>& off_buf,
+                            std::vector<int32_t>& ids_buf) {
+  if (offsets.size() != 0) return {offsets.data<int32_t>(), idx(edge_ids), groups};
+  kernels::group_by(idx(keys), keys.size(), groups, off_buf, ids_buf);
+  return {off_buf.data(), ids_buf.data(), groups};
+}
+
+std::vector<mx::array> zero_grads_for_indices(const std::vector<mx::array>& primals,
+                                              const std::vector<int>& argnums, size_t first,
+                                              std::vector<mx::array> grads, mx::Stream s) {
+  // Index arrays carry no gradient; MLX only asks for them if they were
+  // (unusually) produced from differentiated values.
+  std::vector<mx::array> out;
+  size_t g = 0;
+  for (int arg : argnums) {
+    if (static_cast<size_t>(arg) < first) {
+      out.push_back(grads[g++]);
+    } else {
+      out.push_back(mx::zeros_like(primals[arg], s));
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+void SparsePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+  throw_no_gpu(name());
+}
+
+// ---------------------------------------------------------------- SparseConv
+
+void SparseConv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs,
+           [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+             const auto& a = in[0];
+             const auto& b = in[1];
+             auto rel = RelationArrays::from(in, 2);
+             float* result = out[0].data<float>();
+             if (mode == Conv::kForward) {
+               kernels::Csr csr{idx(rel.out_offsets), nullptr, d.n_out};
+               kernels::stationary_conv(a.data<float>(), a.shape(1), b.data<float>(), d.n_kernels,
+                                        result, b.shape(2), csr, idx(rel.in_rows),
+                                        idx(rel.out_rows), idx(rel.kernel_ids));
+             } else if (mode == Conv::kInputGrad) {
+               const int64_t cin = b.shape(1);
+               const int64_t cout = b.shape(2);
+               std::vector<float> wt(d.n_kernels * cin * cout);
+               const float* w = b.data<float>();
+               for (int64_t k = 0; k < d.n_kernels; ++k) {
+                 for (int64_t i = 0; i < cin; ++i) {
+                   for (int64_t o = 0; o < cout; ++o) {
+                     wt[(k * cout + o) * cin + i] = w[(k * cin + i) * cout + o];
+                   }
+                 }
+               }
+               std::vector<int32_t> off, ids;
+               auto csr = csr_or_rebuilt(rel.in_offsets, rel.in_edge_ids, rel.in_rows, d.n_in,
+                                         off, ids);
+               kernels::stationary_conv(a.data<float>(), cout, wt.data(), d.n_kernels, result, cin,
+                                        csr, idx(rel.out_rows), idx(rel.in_rows),
+                                        idx(rel.kernel_ids));
+             } else {
+               std::vector<int32_t> off, ids;
+               auto csr = csr_or_rebuilt(rel.k_offsets, rel.k_edge_ids, rel.kernel_ids,
+                                         d.n_kernels, off, ids);
+               kernels::weight_gradient(a.data<float>(), a.shape(1), b.data<float>(), b.shape(1),
+                                        csr, idx(rel.in_rows), idx(rel.out_rows), result);
+             }
+           });
+}
+
+std::vector<mx::array> SparseConv::vjp(const std::vector<mx::array>& primals,
+                                       const std::vector<mx::array>& cotangents,
+                                       const std::vector<int>& argnums,
+                                       const std::vector<mx::array>&) {
+  const auto& a = primals[0];
+  const auto& b = primals[1];
+  const auto& ct = cotangents[0];
+  auto rel = RelationArrays::from(primals, 2);
+  auto s = stream();
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg > 1) continue;
+    switch (mode_) {
+      case Conv::kForward:  // (F, W)
+        grads.push_back(arg == 0 ? make_conv(Conv::kInputGrad, ct, b, rel, dims_, s)
+                                 : make_conv(Conv::kWeightGrad, a, ct, rel, dims_, s));
+        break;
+      case Conv::kInputGrad:  // (G, W)
+        grads.push_back(arg == 0 ? make_conv(Conv::kForward, ct, b, rel, dims_, s)
+                                 : make_conv(Conv::kWeightGrad, ct, a, rel, dims_, s));
+        break;
+      case Conv::kWeightGrad:  // (F, G)
+        grads.push_back(arg == 0 ? make_conv(Conv::kInputGrad, b, ct, rel, dims_, s)
+                                 : make_conv(Conv::kForward, a, ct, rel, dims_, s));
+        break;
+    }
+  }
+  return zero_grads_for_indices(primals, argnums, 2, grads, s);
+}
+
+std::vector<mx::array> SparseConv::jvp(const std::vector<mx::array>& primals,
+                                       const std::vector<mx::array>& tangents,
+                                       const std::vector<int>& argnums) {
+  auto rel = RelationArrays::from(primals, 2);
+  auto ta = tangent_of(0, tangents, argnums);
+  auto tb = tangent_of(1, tangents, argnums);
+  std::optional<mx::array> first, second;
+  if (ta) first = make_conv(mode_, *ta, primals[1], rel, dims_, stream());
+  if (tb) second = make_conv(mode_, primals[0], *tb, rel, dims_, stream());
+  if (!first && !second) {
+    return {mx::zeros(
+        make_conv(mode_, primals[0], primals[1], rel, dims_, stream()).shape(), mx::float32)};
+  }
+  return {sum_terms(first, second, stream())};
+}
+
+bool SparseConv::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const SparseConv&>(other);
+  return mode_ == o.mode_ && dims_ == o.dims_;
+}
+
+// ---------------------------------------------------------- SparseConvSorted
+
+void SparseConvSorted::eval_cpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs,
+           [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
+                                             std::vector<mx::array>& out) {
+             const auto& f = in[0];
+             const auto& w = in[1];
+             kernels::sorted_conv(f.data<float>(), f.shape(1), w.data<float>(), d.n_kernels,
+                                  w.shape(2), idx(in[2]), idx(in[3]), d.n_out, store,
+                                  out[0].data<float>());
+           });
+}
+
+std::vector<mx::array> SparseConvSorted::vjp(const std::vector<mx::array>& primals,
+                                             const std::vector<mx::array>& cotangents,
+                                             const std::vector<int>& argnums,
+                                             const std::vector<mx::array>&) {
+  auto s = stream();
+  auto rel = RelationArrays::from(primals, 4);
+  mx::array ct = cotangents[0];
+  if (store_sorted_) {
+    // Row r of a sorted result is output row reorder_rows[r].
+    ct = mx::take(ct, mx::argsort(primals[3], s), 0, s);
+  }
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) grads.push_back(make_conv(Conv::kInputGrad, ct, primals[1], rel, dims_, s));
+    if (arg == 1) grads.push_back(make_conv(Conv::kWeightGrad, primals[0], ct, rel, dims_, s));
+  }
+  return zero_grads_for_indices(primals, argnums, 2, grads, s);
+}
+
+std::vector<mx::array> SparseConvSorted::jvp(const std::vector<mx::array>& primals,
+                                             const std::vector<mx::array>& tangents,
+                                             const std::vector<int>& argnums) {
+  auto rel = RelationArrays::from(primals, 4);
+  auto run = [&](const mx::array& f, const mx::array& w) {
+    return make_sorted(f, w, primals[2], primals[3], rel, dims_, store_sorted_, stream());
+  };
+  auto tf = tangent_of(0, tangents, argnums);
+  auto tw = tangent_of(1, tangents, argnums);
+  std::optional<mx::array> first, second;
+  if (tf) first = run(*tf, primals[1]);
+  if (tw) second = run(primals[0], *tw);
+  if (!first && !second) return {mx::zeros_like(run(primals[0], primals[1]))};
+  return {sum_terms(first, second, stream())};
+}
+
+bool SparseConvSorted::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const SparseConvSorted&>(other);
+  return dims_ == o.dims_ && store_sorted_ == o.store_sorted_;
+}
+
+// ---------------------------------------------------------- SparseConvDirect
+
+void SparseConvDirect::eval_cpu(const std::vector<mx::array>& inputs,
+                                std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs,
+           [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
+                                             std::vector<mx::array>& out) {
+             const auto& f = in[0];
+             const auto& w = in[1];
+             kernels::sorted_direct(f.data<float>(), f.shape(1), w.data<float>(), d.n_kernels,
+                                    w.shape(2), idx(in[2]), idx(in[3]), idx(in[4]), d.n_out, store,
+                                    out[0].data<float>());
+           });
+}
+
+std::vector<mx::array> SparseConvDirect::vjp(const std::vector<mx::array>& primals,
+                                             const std::vector<mx::array>& cotangents,
+                                             const std::vector<int>& argnums,
+                                             const std::vector<mx::array>&) {
+  // The direct path is a diagnostic: its gradients are plain MLX gathers,
+  // matmuls and scatters over the sorted map (validated tile masks never hide
+  // a present entry, so they do not enter the gradient).
+  auto s = stream();
+  const auto& f = primals[0];
+  const auto& w = primals[1];
+  const auto& map = primals[2];
+  const int n = static_cast<int>(dims_.n_out);
+  const int k = static_cast<int>(dims_.n_kernels);
+  const int cin = w.shape(1);
+  const int cout = w.shape(2);
+  mx::array ct = cotangents[0];
+  if (!store_sorted_) ct = mx::take(ct, primals[3], 0, s);
+  auto valid = mx::expand_dims(mx::astype(mx::greater_equal(map, mx::array(0), s), mx::float32, s),
+                               2, s);
+  auto flat = mx::reshape(mx::maximum(map, mx::array(0), s), {n * k}, s);
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      auto wt = mx::reshape(mx::transpose(w, {2, 0, 1}, s), {cout, k * cin}, s);
+      auto contrib = mx::multiply(mx::reshape(mx::matmul(ct, wt, s), {n, k, cin}, s), valid, s);
+      auto index = mx::broadcast_to(mx::reshape(flat, {n * k, 1}, s), {n * k, cin}, s);
+      grads.push_back(mx::scatter_add_axis(
+          mx::zeros({static_cast<int>(dims_.n_in), cin}, mx::float32, s), index,
+          mx::reshape(contrib, {n * k, cin}, s), 0, s));
+    } else if (arg == 1) {
+      auto gathered = mx::multiply(mx::reshape(mx::take(f, flat, 0, s), {n, k, cin}, s), valid, s);
+      grads.push_back(mx::matmul(mx::transpose(gathered, {1, 2, 0}, s), ct, s));
+    }
+  }
+  return zero_grads_for_indices(primals, argnums, 2, grads, s);
+}
+
+std::vector<mx::array> SparseConvDirect::jvp(const std::vector<mx::array>& primals,
+                                             const std::vector<mx::array>& tangents,
+                                             const std::vector<int>& argnums) {
+  auto run = [&](const mx::array& f, const mx::array& w) {
+    return make_direct(f, w, primals[2], primals[3], primals[4], dims_, store_sorted_, stream());
+  };
+  auto tf = tangent_of(0, tangents, argnums);
+  auto tw = tangent_of(1, tangents, argnums);
+  std::optional<mx::array> first, second;
+  if (tf) first = run(*tf, primals[1]);
+  if (tw) second = run(primals[0], *tw);
+  if (!first && !second) return {mx::zeros_like(run(primals[0], primals[1]))};
+  return {sum_terms(first, second, stream())};
+}
+
+bool SparseConvDirect::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const SparseConvDirect&>(other);
+  return dims_ == o.dims_ && store_sorted_ == o.store_sorted_;
+}
+
+// ------------------------------------------------------- SparseQuantizedConv
+
+void SparseQuantizedConv::eval_cpu(const std::vector<mx::array>& inputs,
+                                   std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs,
+           [d = dims_, q = spec_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+             const auto& f = in[0];
+             const auto& packed = in[1];
+             auto rel = RelationArrays::from(in, 4);
+             std::vector<float> w(d.n_kernels * q.in_channels * q.out_channels);
+             kernels::dequantize_weight(
+                 packed.size() ? packed.data<uint8_t>() : nullptr,
+                 static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),
+                 in[3].data<float>(), d.n_kernels, q.out_channels, q.in_channels,
+                 q.storage_in_channels, q.group_size, q.bits, w.data());
+             kernels::Csr csr{idx(rel.out_offsets), nullptr, d.n_out};
+             kernels::stationary_conv(f.data<float>(), q.in_channels, w.data(), d.n_kernels,
+                                      out[0].data<float>(), q.out_channels, csr, idx(rel.in_rows),
+                                      idx(rel.out_rows), idx(rel.kernel_ids));
+           });
+}
+
+std::vector<mx::array> SparseQuantizedConv::vjp(const std::vector<mx::array>& primals,
+                                                const std::vector<mx::array>& cotangents,
+                                                const std::vector<int>& argnums,
+                                                const std::vector<mx::array>&) {
+  auto s = stream();
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg == 0) {
+      auto w = mx::dequantize(primals[1], primals[2], primals[3], spec_.group_size, spec_.bits,
+                              "affine", std::nullopt, mx::float32, s);
+      w = mx::slice(w, {0, 0, 0},
+                    {static_cast<int>(dims_.n_kernels), static_cast<int>(spec_.out_channels),
+                     static_cast<int>(spec_.in_channels)},
+                    s);
+      grads.push_back(make_conv(Conv::kInputGrad, cotangents[0], mx::transpose(w, {0, 2, 1}, s),
+                                RelationArrays::from(primals, 4), dims_, s));
+    } else if (arg <= 3) {
+      throw std::invalid_argument(
+          "sparse_quantized_conv_features: gradients with respect to the quantized weight, "
+          "scales or biases are not supported; differentiate with respect to the features.");
+    }
+  }
+  return zero_grads_for_indices(primals, argnums, 4, grads, s);
+}
+
+std::vector<mx::array> SparseQuantizedConv::jvp(const std::vector<mx::array>& primals,
+                                                const std::vector<mx::array>& tangents,
+                                                const std::vector<int>& argnums) {
+  auto tf = tangent_of(0, tangents, argnums);
+  for (int arg : argnums) {
+    if (arg >= 1 && arg <= 3) {
+      throw std::invalid_argument(
+          "sparse_quantized_conv_features: tangents of the quantized weight, scales or biases "
+          "are not supported.");
+    }
+  }
+  auto rel = RelationArrays::from(primals, 4);
+  std::vector<mx::array> quant = {primals[1], primals[2], primals[3]};
+  auto out = make_quantized(tf ? *tf : primals[0], quant, rel, dims_, spec_, stream());
+  return {tf ? out : mx::zeros_like(out)};
+}
+
+bool SparseQuantizedConv::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const SparseQuantizedConv&>(other);
+  return dims_ == o.dims_ && spec_ == o.spec_;
+}
+
+// --------------------------------------------------------- SparseDenominator
+
+void SparseDenominator::eval_cpu(const std::vector<mx::array>& inputs,
+                                 std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs,
+           [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+             const auto& x = in[0];
+             if (mode == Mode::kDenominator) {
+               kernels::normalization_denominator(x.data<float>(), d.n_kernels, x.shape(1),
+                                                  x.shape(2), idx(in[1]), idx(in[2]), d.n_out,
+                                                  out[0].data<float>());
+             } else {
+               kernels::denominator_gradient(x.data<float>(), x.shape(1), idx(in[1]), idx(in[2]),
+                                             d.n_out, d.n_kernels, out[0].data<float>());
+             }
+           });
+}
+
+std::vector<mx::array> SparseDenominator::vjp(const std::vector<mx::array>& primals,
+                                              const std::vector<mx::array>& cotangents,
+                                              const std::vector<int>& argnums,
+                                              const std::vector<mx::array>&) {
+  auto s = stream();
+  const auto& ct = cotangents[0];
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (arg != 0) continue;
+    if (mode_ == Mode::kDenominator) {
+      // d/dW[k, c, n] = sum over edges of k of ct[out_e, n], for every c.
+      auto per_kernel =
+          make_denominator(Mode::kGradient, ct, primals[1], primals[2], dims_, s);
+      auto shape = primals[0].shape();
+      grads.push_back(mx::broadcast_to(
+          mx::expand_dims(per_kernel, 1, s), shape, s));
+    } else {
+      grads.push_back(make_denominator(Mode::kDenominator, mx::expand_dims(ct, 1, s), primals[1],
+                                       primals[2], dims_, s));
+    }
+  }
+  return zero_grads_for_indices(primals, argnums, 1, grads, s);
+}
+
+std::vector<mx::array> SparseDenominator::jvp(const std::vector<mx::array>& primals,
+                                              const std::vector<mx::array>& tangents,
+                                              const std::vector<int>& argnums) {
+  auto t = tangent_of(0, tangents, argnums);
+  auto out = make_denominator(mode_, t ? *t : primals[0], primals[1], primals[2], dims_, stream());
+  return {t ? out : mx::zeros_like(out)};
+}
+
+bool SparseDenominator::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const SparseDenominator&>(other);
+  return mode_ == o.mode_ && dims_ == o.dims_;
+}
+
+// ---------------------------------------------------------------- SparsePool
+
+void SparsePool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  dispatch(stream(), inputs, outputs,
+           [stage = stage_, mode = mode_, d = dims_](std::vector<mx::array>& in,
+                                                    std::vector<mx::array>& out) {
+             const size_t n_float = stage == Stage::kForward ? 1 : 2;
+             const int32_t* in_rows = idx(in[n_float]);
+             const int32_t* offsets = idx(in[n_float + 1]);
+             const int64_t channels = in[0].shape(1);
+             float* result = out[0].data<float>();
+             if (stage == Stage::kForward) {
+               kernels::pool_forward(in[0].data<float>(), channels, in_rows, offsets, d.n_out,
+                                     mode, result);
+             } else if (stage == Stage::kMaxSelect) {
+               kernels::pool_max_select(in[0].data<float>(), in[1].data<float>(), channels,
+                                        in_rows, offsets, d.n_out, result);
+             } else {
+               kernels::pool_backward(in[0].data<float>(), in[1].data<float>(), channels, in_rows,
+                                      offsets, d.n_out, d.n_in, mode, result);
+             }
+           });
+}
+
+std::vector<mx::array> SparsePool::vjp(const std::vector<mx::array>& primals,
+                                       const std::vector<mx::array>& cotangents,
+                                       const std::vector<int>& argnums,
+                                       const std::vector<mx::array>&) {
+  auto s = stream();
+  using kernels::PoolMode;
+  const size_t n_float = stage_ == Stage::kForward ? 1 : 2;
+  const auto& in_rows = primals[n_float];
+  const auto& offsets = primals[n_float + 1];
+  const auto& ct = cotangents[0];
+  std::vector<mx::array> grads;
+  for (int arg : argnums) {
+    if (static_cast<size_t>(arg) >= n_float) continue;
+    if (stage_ == Stage::kForward) {
+      grads.push_back(
+          make_pool(Stage::kBackward, mode_, {ct, primals[0]}, in_rows, offsets, dims_, s));
+    } else if (stage_ == Stage::kMaxSelect) {
+      grads.push_back(arg == 0 ? mx::zeros_like(primals[0], s)
+                               : make_pool(Stage::kBackward, PoolMode::kMax, {ct, primals[0]},
+                                           in_rows, offsets, dims_, s));
+    } else if (arg == 1) {
+      grads.push_back(mx::zeros_like(primals[1], s));
+    } else if (mode_ == PoolMode::kMax) {
+      grads.push_back(
+          make_pool(Stage::kMaxSelect, mode_, {primals[1], ct}, in_rows, offsets, dims_, s));
+    } else {
+      grads.push_back(make_pool(Stage::kForward, mode_, {ct}, in_rows, offsets, dims_, s));
+    }
+  }
+  return zero_grads_for_indices(primals, argnums, n_float, grads, s);
+}
+
+std::vector<mx::array> SparsePool::jvp(const std::vector<mx::array>& primals,
+                                       const std::vector<mx::array>& tangents,
+                                       const std::vector<int>& argnums) {
+  auto s = stream();
+  using kernels::PoolMode;
+  const size_t n_float = stage_ == Stage::kForward ? 1 : 2;
+  const auto& in_rows = primals[n_float];
+  const auto& offsets = primals[n_float + 1];
+  std::optional<mx::array> out;
+  if (stage_ == Stage::kForward) {
+    if (auto t = tangent_of(0, tangents, argnums)) {
+      out = mode_ == PoolMode::kMax
+                ? make_pool(Stage::kMaxSelect, mode_, {primals[0], *t}, in_rows, offsets, dims_, s)
+                : make_pool(Stage::kForward, mode_, {*t}, in_rows, offsets, dims_, s);
+    }
+  } else if (stage_ == Stage::kMaxSelect) {
+    if (auto t = tangent_of(1, tangents, argnums)) {
+      out = make_pool(Stage::kMaxSelect, mode_, {primals[0], *t}, in_rows, offsets, dims_, s);
+    }
+  } else if (auto t = tangent_of(0, tangents, argnums)) {
+    out = make_pool(Stage::kBackward, mode_, {*t, primals[1]}, in_rows, offsets, dims_, s);
+  }
+  if (!out) {
+    std::vector<mx::array> floats(primals.begin(), primals.begin() + n_float);
+    return {mx::zeros_like(make_pool(stage_, mode_, floats, in_rows, offsets, dims_, s), s)};
+  }
+  return {*out};
+}
+
+bool SparsePool::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const SparsePool&>(other);
+  return stage_ == o.stage_ && mode_ == o.mode_ && dims_ == o.dims_;
+}
+
+}  // namespace mlx_lattice

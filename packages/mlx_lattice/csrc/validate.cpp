@@ -1,0 +1,134 @@
+#include "validate.h"
+
+#include <sstream>
+#include <stdexcept>
+
+#include "common.h"
+
+namespace mlx_lattice {
+
+void fail(const std::string& op, const std::string& message) {
+  throw std::invalid_argument(op + ": " + message);
+}
+
+std::vector<mx::array> concrete_indices(const std::string& op,
+                                        const std::vector<std::pair<std::string, mx::array>>& named,
+                                        const std::vector<int>& ndims) {
+  std::vector<mx::array> arrays;
+  for (size_t i = 0; i < named.size(); ++i) {
+    const auto& [name, a] = named[i];
+    if (a.dtype() != mx::int32) {
+      fail(op, name + " must be an int32 array, got " + dtype_str(a.dtype()) + ".");
+    }
+    if (a.ndim() != ndims[i]) {
+      fail(op, name + " must have " + std::to_string(ndims[i]) + " dimension(s), got shape " +
+                   shape_str(a.shape()) + ".");
+    }
+    if (a.is_tracer()) {
+      fail(op, name +
+                   " is being traced by a transformation; index arrays must be concrete "
+                   "(close over the relation instead of passing it as an argument).");
+    }
+    arrays.push_back(a);
+  }
+  mx::eval(arrays);
+  bool copied = false;
+  for (auto& a : arrays) {
+    if (!a.flags().row_contiguous) {
+      a = mx::contiguous(a, false, mx::Device::cpu);
+      copied = true;
+    }
+  }
+  if (copied) mx::eval(arrays);
+  return arrays;
+}
+
+void check_range(const std::string& op, const std::string& name, const mx::array& a, int64_t lo,
+                 int64_t hi) {
+  const int32_t* p = a.data<int32_t>();
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (p[i] < lo || p[i] >= hi) {
+      std::ostringstream msg;
+      msg << name << "[" << i << "] = " << p[i] << " is out of range [" << lo << ", " << hi
+          << ").";
+      fail(op, msg.str());
+    }
+  }
+}
+
+void check_offsets(const std::string& op, const std::string& name, const mx::array& offsets,
+                   int64_t groups, int64_t total) {
+  if (static_cast<int64_t>(offsets.size()) != groups + 1) {
+    std::ostringstream msg;
+    msg << name << " must have " << groups + 1 << " entries, got " << offsets.size() << ".";
+    fail(op, msg.str());
+  }
+  const int32_t* p = offsets.data<int32_t>();
+  if (p[0] != 0 || p[groups] != total) {
+    std::ostringstream msg;
+    msg << name << " must start at 0 and end at " << total << ", got " << p[0] << " and "
+        << p[groups] << ".";
+    fail(op, msg.str());
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    if (p[g + 1] < p[g]) {
+      fail(op, name + " must be non-decreasing; it decreases at " + std::to_string(g) + ".");
+    }
+  }
+}
+
+void check_grouping(const std::string& op, const std::string& offsets_name,
+                    const std::string& ids_name, const mx::array& offsets, const mx::array* edge_ids,
+                    const std::string& keys_name, const mx::array& keys) {
+  const int32_t* off = offsets.data<int32_t>();
+  const int32_t* ids = edge_ids ? edge_ids->data<int32_t>() : nullptr;
+  const int32_t* key = keys.data<int32_t>();
+  const int64_t n_edges = keys.size();
+  const int64_t groups = offsets.size() - 1;
+  std::vector<uint8_t> seen(ids ? n_edges : 0, 0);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = off[g]; j < off[g + 1]; ++j) {
+      int64_t e = j;
+      if (ids) {
+        e = ids[j];
+        if (e < 0 || e >= n_edges || seen[e]) {
+          std::ostringstream msg;
+          msg << ids_name << " must be a permutation of the edges; entry " << j << " = " << e
+              << (e >= 0 && e < n_edges ? " repeats." : " is out of range.");
+          fail(op, msg.str());
+        }
+        seen[e] = 1;
+      }
+      if (key[e] != g) {
+        std::ostringstream msg;
+        msg << "edge " << e << " is grouped under " << g << " by " << offsets_name << " but "
+            << keys_name << "[" << e << "] = " << key[e] << ".";
+        fail(op, msg.str());
+      }
+    }
+  }
+}
+
+void check_distinct_kernels(const std::string& op, const std::string& group_name,
+                            const mx::array& offsets, const mx::array* edge_ids,
+                            const mx::array& kernel_ids, int64_t n_kernels) {
+  const int32_t* off = offsets.data<int32_t>();
+  const int32_t* ids = edge_ids ? edge_ids->data<int32_t>() : nullptr;
+  const int32_t* kid = kernel_ids.data<int32_t>();
+  const int64_t groups = offsets.size() - 1;
+  std::vector<int64_t> stamp(n_kernels, -1);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t j = off[g]; j < off[g + 1]; ++j) {
+      int32_t k = kid[ids ? ids[j] : j];
+      if (stamp[k] == g) {
+        std::ostringstream msg;
+        msg << group_name << " row " << g << " has two edges of kernel offset " << k
+            << "; a relation holds at most one edge per (row, offset).";
+        fail(op, msg.str());
+      }
+      stamp[k] = g;
+    }
+  }
+}
+
+}  // namespace mlx_lattice

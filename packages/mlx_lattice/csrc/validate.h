@@ -1,0 +1,50 @@
+// Validation of the index arrays handed to the extension.
+//
+// Every public op checks its index arrays (dtype, shape, bounds, groupings)
+// on evaluated data before building a primitive, so the kernels never read
+// out of bounds. Violations raise std::invalid_argument (ValueError).
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "mlx/mlx.h"
+
+namespace mlx_lattice {
+
+namespace mx = mlx::core;
+
+// Data pointer of an evaluated int32 array, or nullptr when it is empty.
+inline const int32_t* idx_or_null(const mx::array& a) {
+  return a.size() ? a.data<int32_t>() : nullptr;
+}
+
+[[noreturn]] void fail(const std::string& op, const std::string& message);
+
+// Evaluates the arrays (row-contiguous int32 of the given ranks) and returns
+// them ready for reading. Raises for a wrong dtype or rank, or for arrays that
+// are being traced (index arrays must be concrete, e.g. closed over).
+std::vector<mx::array> concrete_indices(const std::string& op,
+                                        const std::vector<std::pair<std::string, mx::array>>& named,
+                                        const std::vector<int>& ndims);
+
+void check_range(const std::string& op, const std::string& name, const mx::array& a, int64_t lo,
+                 int64_t hi);
+
+// offsets: length groups + 1, starts at 0, non-decreasing, ends at total.
+void check_offsets(const std::string& op, const std::string& name, const mx::array& offsets,
+                   int64_t groups, int64_t total);
+
+// Edges of group g (edge_ids[offsets[g]:offsets[g+1]], or the identity when
+// edge_ids is empty) all have keys[e] == g; edge_ids is a permutation.
+void check_grouping(const std::string& op, const std::string& offsets_name,
+                    const std::string& ids_name, const mx::array& offsets, const mx::array* edge_ids,
+                    const std::string& keys_name, const mx::array& keys);
+
+// No group holds two edges of one kernel offset.
+void check_distinct_kernels(const std::string& op, const std::string& group_name,
+                            const mx::array& offsets, const mx::array* edge_ids,
+                            const mx::array& kernel_ids, int64_t n_kernels);
+
+}  // namespace mlx_lattice

@@ -1,0 +1,35 @@
+"""Thread count of the native CPU kernels."""
+
+from __future__ import annotations
+
+__all__ = ["get_num_threads", "set_num_threads"]
+
+
+def set_num_threads(n: int) -> None:
+    """Use ``n`` threads (>= 1) in the CPU kernels.
+
+    The default is the ``MLX_LATTICE_NUM_THREADS`` environment variable when it
+    holds a positive integer, else all cores. Results are bitwise identical
+    for every thread count.
+
+    >>> previous = get_num_threads()
+    >>> set_num_threads(1); get_num_threads()
+    1
+    >>> set_num_threads(previous)
+    >>> set_num_threads(0)
+    Traceback (most recent call last):
+    ...
+    ValueError: set_num_threads: n must be in [1, 1024], got 0.
+    """
+    from mlx_lattice._native import ext
+
+    if isinstance(n, bool) or not isinstance(n, int):
+        raise TypeError(f"set_num_threads: n must be an int, got {type(n).__name__}.")
+    ext.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Threads the CPU kernels use."""
+    from mlx_lattice._native import ext
+
+    return int(ext.get_num_threads())

@@ -24,14 +24,16 @@ std::vector<mx::array> concrete_indices(const std::string& op,
       fail(op, name + " must have " + std::to_string(ndims[i]) + " dimension(s), got shape " +
                    shape_str(a.shape()) + ".");
     }
-    if (a.is_tracer()) {
-      fail(op, name +
-                   " is being traced by a transformation; index arrays must be concrete "
-                   "(close over the relation instead of passing it as an argument).");
-    }
     arrays.push_back(a);
   }
-  mx::eval(arrays);
+  try {
+    mx::eval(arrays);
+  } catch (const std::exception& e) {
+    fail(op, std::string("index arrays must be concrete values (close over the relation instead "
+                         "of passing it through a transformation such as mx.compile); "
+                         "evaluating them failed: ") +
+                 e.what());
+  }
   bool copied = false;
   for (auto& a : arrays) {
     if (!a.flags().row_contiguous) {

@@ -24,7 +24,7 @@ inline const int32_t* idx_or_null(const mx::array& a) {
 
 // Evaluates the arrays (row-contiguous int32 of the given ranks) and returns
 // them ready for reading. Raises for a wrong dtype or rank, or for arrays that
-// are being traced (index arrays must be concrete, e.g. closed over).
+// cannot be evaluated (placeholders of a transformation being traced).
 std::vector<mx::array> concrete_indices(const std::string& op,
                                         const std::vector<std::pair<std::string, mx::array>>& named,
                                         const std::vector<int>& ndims);

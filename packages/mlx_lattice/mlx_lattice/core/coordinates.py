@@ -22,7 +22,9 @@ def as_coordinates(coords: mx.array | np.ndarray, name: str = "coords") -> mx.ar
     if isinstance(coords, np.ndarray):
         if not np.issubdtype(coords.dtype, np.integer):
             raise TypeError(f"{name} must hold integers, got dtype {coords.dtype}.")
-        if coords.size and (coords.min() < np.iinfo(np.int32).min or coords.max() > np.iinfo(np.int32).max):
+        if coords.size and (
+            coords.min() < np.iinfo(np.int32).min or coords.max() > np.iinfo(np.int32).max
+        ):
             raise ValueError(f"{name} has values outside the int32 range.")
         coords = mx.array(coords.astype(np.int32))
     elif not isinstance(coords, mx.array):
@@ -32,7 +34,9 @@ def as_coordinates(coords: mx.array | np.ndarray, name: str = "coords") -> mx.ar
             raise TypeError(f"{name} must hold integers, got dtype {coords.dtype}.")
         coords = coords.astype(mx.int32)
     if coords.ndim != 2 or coords.shape[1] != 4:
-        raise ValueError(f"{name} must be (N, 4) = (batch, x, y, z), got shape {tuple(coords.shape)}.")
+        raise ValueError(
+            f"{name} must be (N, 4) = (batch, x, y, z), got shape {tuple(coords.shape)}."
+        )
     return coords
 
 

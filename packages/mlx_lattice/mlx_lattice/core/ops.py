@@ -173,7 +173,9 @@ def sparse_conv_features_from_relation(
     """
     n_out, n_kernels = _require_static(relation)
     if _can_pad_cout14_to_cout16(feats, weight, relation):
-        return sparse_conv_features_from_relation(feats, _pad_cout14_weight_to_cout16(weight), relation)[:, :14]
+        return sparse_conv_features_from_relation(
+            feats, _pad_cout14_weight_to_cout16(weight), relation
+        )[:, :14]
     if _can_use_sorted_implicit_gemm(feats, weight, relation):
         return sparse_conv_features_sorted_from_relation(feats, weight, relation)
     input_csr = relation.input_csr
@@ -221,7 +223,9 @@ def _can_pad_cout14_to_cout16(
 
 def _pad_cout14_weight_to_cout16(weight: mx.array) -> mx.array:
     def pad(w: mx.array) -> mx.array:
-        widths = [(0, 0), (0, 0), (0, 2)] if w.ndim == 3 else [(0, 2), (0, 0), (0, 0), (0, 0), (0, 0)]
+        widths = (
+            [(0, 0), (0, 0), (0, 2)] if w.ndim == 3 else [(0, 2), (0, 0), (0, 0), (0, 0), (0, 0)]
+        )
         return mx.pad(w, widths)
 
     return _cached(_PADDED_COUT16_WEIGHT_CACHE, weight, pad)
@@ -283,7 +287,11 @@ def sparse_conv_normalization_denominator_from_relation(
         return None
     if unit_feats.dtype != mx.float16 or squared_weight.dtype != mx.float16:
         return None
-    if relation.n_kernels != 27 or unit_feats.ndim != 2 or int(unit_feats.shape[0]) < _NORMALIZATION_CSR_MIN_ROWS:
+    if (
+        relation.n_kernels != 27
+        or unit_feats.ndim != 2
+        or int(unit_feats.shape[0]) < _NORMALIZATION_CSR_MIN_ROWS
+    ):
         return None
     mapped_weight = mapped_conv_weight(squared_weight)
     if (
@@ -312,14 +320,18 @@ def sparse_conv_normalization_denominator_from_relation(
         )
 
     @csr_denominator.vjp
-    def denominator_vjp(primals, cotangent, output):  # noqa: ANN001, ANN202
+    def denominator_vjp(primals, cotangent, output):  # noqa: ANN001
         del output
         _, gradients = mx.vjp(full_denominator, list(primals), [cotangent])
         return tuple(gradients)
 
     @csr_denominator.jvp
-    def denominator_jvp(primals, tangents):  # noqa: ANN001, ANN202
-        _, tangent = mx.jvp(full_denominator, list(primals), list(tangents))
+    def denominator_jvp(primals, tangents):  # noqa: ANN001
+        # MLX passes None for arguments without a tangent.
+        filled = [
+            mx.zeros_like(p) if t is None else t for p, t in zip(primals, tangents, strict=True)
+        ]
+        _, tangent = mx.jvp(full_denominator, list(primals), filled)
         return tangent[0]
 
     return cast(mx.array, csr_denominator(unit_feats, squared_weight))

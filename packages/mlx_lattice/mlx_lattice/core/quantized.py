@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-__all__ = ["QuantizedWeight", "SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES"]
+__all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight"]
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
@@ -55,8 +55,13 @@ class QuantizedWeight:
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}.")
         if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}.")
-        if self.storage_in_channels % self.group_size or self.storage_in_channels < self.in_channels:
+            raise ValueError(
+                f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}."
+            )
+        if (
+            self.storage_in_channels % self.group_size
+            or self.storage_in_channels < self.in_channels
+        ):
             raise ValueError(
                 "storage_in_channels must be a multiple of group_size and >= in_channels, got "
                 f"{self.storage_in_channels} (group_size {self.group_size}, in_channels {self.in_channels})."
@@ -100,7 +105,9 @@ class QuantizedWeight:
         if bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}.")
         if group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}.")
+            raise ValueError(
+                f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}."
+            )
         if not mx.issubdtype(weight.dtype, mx.floating):
             raise TypeError(f"weight must be floating, got {weight.dtype}.")
         mapped = _mapped(weight)
@@ -115,5 +122,7 @@ class QuantizedWeight:
 
     def dequantize(self) -> mx.array:
         """The float weight ``(K, Cin, Cout)`` these values stand for."""
-        full = mx.dequantize(self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits)
+        full = mx.dequantize(
+            self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
+        )
         return full[:, :, : self.in_channels].transpose(0, 2, 1)

@@ -53,10 +53,14 @@ _KINDS = ("submanifold", "forward", "target")
 SORTED_TILE_ROWS: int = ext.SORTED_TILE_ROWS
 
 
-def normalize_triple(value: int | Sequence[int], name: str, *, low: int = 1, high: int | None = None) -> tuple[int, int, int]:
+def normalize_triple(
+    value: int | Sequence[int], name: str, *, low: int = 1, high: int | None = None
+) -> tuple[int, int, int]:
     """An int or a 3-sequence of ints -> a checked ``(x, y, z)`` triple."""
     items = (value,) * 3 if isinstance(value, int | np.integer) else tuple(value)
-    if len(items) != 3 or not all(isinstance(v, int | np.integer) and not isinstance(v, bool) for v in items):
+    if len(items) != 3 or not all(
+        isinstance(v, int | np.integer) and not isinstance(v, bool) for v in items
+    ):
         raise TypeError(f"{name} must be an int or three ints, got {value!r}.")
     triple = tuple(int(v) for v in items)
     if any(v < low or (high is not None and v > high) for v in triple):
@@ -193,9 +197,13 @@ class KernelRelation:
             return self._sorted[0]
         n_out, n_kernels = int(self.n_out_capacity or 0), int(self.n_kernels or 0)
         if n_kernels > 32:
-            raise ValueError(f"the sorted implicit-GEMM view supports at most 32 kernel offsets, got {n_kernels}.")
+            raise ValueError(
+                f"the sorted implicit-GEMM view supports at most 32 kernel offsets, got {n_kernels}."
+            )
         out_in = np.full((n_out, n_kernels), -1, dtype=np.int32)
-        out_in[np.array(self.edges.out_rows), np.array(self.edges.kernel_ids)] = np.array(self.edges.in_rows)
+        out_in[np.array(self.edges.out_rows), np.array(self.edges.kernel_ids)] = np.array(
+            self.edges.in_rows
+        )
         bits = np.left_shift(np.uint64(1), np.arange(n_kernels, dtype=np.uint64))
         row_masks = ((out_in >= 0).astype(np.uint64) * bits).sum(axis=1, dtype=np.uint64)
         reorder = np.argsort(row_masks, kind="stable").astype(np.int32)
@@ -213,7 +221,13 @@ class KernelRelation:
             reorder_rows=mx.array(reorder),
             tile_masks=mx.array(tile_masks.view(np.int32)),
         )
-        mx.eval(view.out_in_map, view.sorted_out_in_map, view.sorted_kv_out_in_map, view.reorder_rows, view.tile_masks)
+        mx.eval(
+            view.out_in_map,
+            view.sorted_out_in_map,
+            view.sorted_kv_out_in_map,
+            view.reorder_rows,
+            view.tile_masks,
+        )
         self._sorted.append(view)
         return view
 

@@ -1,0 +1,201 @@
+"""All convolution dataflows agree: generic, sorted implicit GEMM, direct
+reference, the implicit-GEMM view in plain MLX, the C14 head and the
+normalization denominator."""
+
+import gc
+import weakref
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+
+def half(rng, shape, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(mx.float16)
+
+
+def f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def generic(f, w, rel):
+    """The generic native kernel, bypassing the dispatch."""
+    return ext.sparse_conv_features(
+        f, w, rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.counts,
+        rel.output_csr.row_offsets, rel.input_csr.row_offsets, rel.in_edge_ids,
+        rel.kernel_csr.row_offsets, rel.kernel_edge_ids, rel.n_out_capacity, rel.n_kernels,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("channels", [32, 64])
+@pytest.mark.parametrize("kind", ["submanifold", "forward"])
+def test_sorted_paths_agree(rng, ref, channels, kind):
+    coords = ref.random_coords(rng, 400, 8, batches=2)
+    stride = 2 if kind == "forward" else 1
+    rel = build_kernel_relation(coords, kernel_size=3, stride=stride, kind=kind)
+    f = half(rng, (len(coords), channels))
+    w = half(rng, (channels, 3, 3, 3, channels), 1 / np.sqrt(27 * channels))
+    dense = ref.dense_conv(
+        coords, f.astype(mx.float32), w.astype(mx.float32), grid=(8, 8, 8), batches=2,
+        out_coords=np.array(rel.out_coords), stride=(stride,) * 3,
+    )  # fmt: skip
+    sorted_out = ops.sparse_conv_features_sorted_from_relation(f, w, rel)
+    assert sorted_out.dtype == mx.float16
+    # The dispatch picks the sorted path for this shape.
+    np.testing.assert_array_equal(
+        f32(ops.sparse_conv_features_from_relation(f, w, rel)), f32(sorted_out)
+    )
+    # Same reduction order as the generic kernel: identical bits.
+    np.testing.assert_array_equal(f32(generic(f, w, rel)), f32(sorted_out))
+    direct = ops.sparse_conv_features_sorted_direct_reference_from_relation(f, w, rel)
+    view = ops.sparse_conv_features_from_implicit_gemm_view(
+        f.astype(mx.float32), w.astype(mx.float32), rel.out_in_map()
+    )
+    for got in (sorted_out, direct, view):
+        np.testing.assert_allclose(f32(got), np.array(dense), rtol=1e-2, atol=1e-2)
+    # store_sorted keeps rows in sorted order.
+    perm = np.array(rel.require_sorted_implicit_gemm().reorder_rows)
+    stored = ops.sparse_conv_features_sorted_from_relation(f, w, rel, store_sorted=True)
+    np.testing.assert_array_equal(f32(stored), f32(sorted_out)[perm])
+    stored_direct = ops.sparse_conv_features_sorted_direct_reference_from_relation(
+        f, w, rel, store_sorted=True
+    )
+    np.testing.assert_array_equal(f32(stored_direct), f32(direct)[perm])
+
+
+@pytest.mark.parametrize("store_sorted", [False, True])
+def test_sorted_path_gradients(rng, ref, store_sorted):
+    coords = ref.random_coords(rng, 300, 7)
+    rel = build_kernel_relation(coords)
+    f = half(rng, (len(coords), 32))
+    w = half(rng, (27, 32, 32), 0.03)
+    probe = half(rng, (len(coords), 32))
+    paths = {
+        "sorted": lambda a, b: ops.sparse_conv_features_sorted_from_relation(
+            a, b, rel, store_sorted=store_sorted
+        ),
+        "direct": lambda a, b: ops.sparse_conv_features_sorted_direct_reference_from_relation(
+            a, b, rel, store_sorted=store_sorted
+        ),
+    }
+    perm = np.array(rel.require_sorted_implicit_gemm().reorder_rows)
+    p = probe[mx.array(perm)] if store_sorted else probe
+    ref_grads = mx.grad(
+        lambda a, b: (generic(a, b, rel).astype(mx.float32) * probe).sum(), argnums=(0, 1)
+    )(f, w)
+    for fn in paths.values():
+        grads = mx.grad(
+            lambda a, b, fn=fn: (fn(a, b).astype(mx.float32) * p).sum(), argnums=(0, 1)
+        )(f, w)
+        for g, r in zip(grads, ref_grads, strict=True):
+            np.testing.assert_allclose(f32(g), f32(r), rtol=2e-2, atol=2e-2)
+    tf, tw = half(rng, f.shape), half(rng, w.shape, 0.03)
+    _, (t,) = mx.jvp(paths["sorted"], [f, w], [tf, tw])
+    expected = paths["sorted"](tf, w).astype(mx.float32) + paths["sorted"](f, tw).astype(mx.float32)
+    np.testing.assert_allclose(f32(t), np.array(expected), rtol=2e-2, atol=2e-2)
+
+
+def test_sorted_path_refuses_other_shapes(rng, ref):
+    rel = build_kernel_relation(ref.random_coords(rng, 50, 5))
+    with pytest.raises(ValueError, match="sorted implicit GEMM is not supported"):
+        ops.sparse_conv_features_sorted_from_relation(
+            mx.zeros((rel.n_in, 16), mx.float16), mx.zeros((27, 16, 16), mx.float16), rel
+        )
+    with pytest.raises(ValueError, match="sorted direct convolution reference is not supported"):
+        ops.sparse_conv_features_sorted_direct_reference_from_relation(
+            mx.zeros((rel.n_in, 32)), mx.zeros((27, 32, 32)), rel
+        )
+
+
+def test_c64_to_c14_head_is_padded_to_c16(rng, ref):
+    coords = ref.random_coords(rng, 6000, 24)
+    rel = build_kernel_relation(coords)
+    assert rel.n_out_capacity >= 4096
+    f = half(rng, (len(coords), 64))
+    w = half(rng, (14, 3, 3, 3, 64), 0.02)
+    out = ops.sparse_conv_features_from_relation(f, w, rel)
+    assert out.shape == (len(coords), 14) and out.dtype == mx.float16
+    np.testing.assert_array_equal(f32(out), f32(generic(f, w, rel)))
+    padded = ops._pad_cout14_weight_to_cout16(w)
+    assert padded.shape == (16, 3, 3, 3, 64)
+    assert ops._pad_cout14_weight_to_cout16(w) is padded
+
+
+def test_mapped_weight_cache_is_never_stale_and_never_keeps_weights_alive(rng):
+    w = mx.array(rng.standard_normal((4, 3, 3, 3, 2)).astype(np.float32))
+    mapped = ops.mapped_conv_weight(w)
+    assert ops.mapped_conv_weight(w) is mapped
+    np.testing.assert_array_equal(
+        np.array(mapped), np.array(w).transpose(1, 2, 3, 4, 0).reshape(27, 2, 4)
+    )
+    w[0] = 7.0  # in-place update: same object, new value
+    fresh = ops.mapped_conv_weight(w)
+    assert fresh is not mapped
+    np.testing.assert_array_equal(np.array(fresh)[:, :, 0], np.full((27, 2), 7.0))
+    alive = weakref.ref(w)
+    key = id(w)
+    del w, mapped, fresh
+    gc.collect()
+    assert alive() is None
+    assert key not in ops._PACKED_WEIGHT_CACHE
+
+
+def test_normalization_denominator(rng, ref):
+    coords = ref.random_coords(rng, 90000, 48, batches=2)
+    rel = build_kernel_relation(coords)
+    assert rel.n_out_capacity >= 1 << 16
+    ones = mx.ones((len(coords), 16), mx.float16)
+    sq = half(rng, (27, 16, 8), 0.1) ** 2
+    den = ops.sparse_conv_normalization_denominator_from_relation(ones, sq, rel)
+    assert den is not None and den.dtype == mx.float16
+    full = generic(ones, sq, rel)
+    np.testing.assert_allclose(f32(den), f32(full), rtol=2e-3, atol=2e-3)
+    # Gradients and tangents are those of the full convolution.
+    probe = half(rng, (len(coords), 8))
+    g_den = mx.grad(
+        lambda a, b: (
+            (ops.sparse_conv_normalization_denominator_from_relation(a, b, rel) * probe)
+            .astype(mx.float32)
+            .sum()
+        ),
+        argnums=(0, 1),
+    )(ones, sq)
+    g_full = mx.grad(
+        lambda a, b: (generic(a, b, rel) * probe).astype(mx.float32).sum(), argnums=(0, 1)
+    )(ones, sq)
+    for a, b in zip(g_den, g_full, strict=True):
+        np.testing.assert_array_equal(f32(a), f32(b))
+    t = half(rng, sq.shape, 0.1)
+    _, (tan,) = mx.jvp(
+        lambda b: ops.sparse_conv_normalization_denominator_from_relation(ones, b, rel), [sq], [t]
+    )
+    np.testing.assert_array_equal(f32(tan), f32(generic(ones, t, rel)))
+    # Cases outside the specialised reduction return None.
+    small = build_kernel_relation(coords[:100])
+    assert ops.sparse_conv_normalization_denominator_from_relation(ones[:100], sq, small) is None
+    assert (
+        ops.sparse_conv_normalization_denominator_from_relation(ones.astype(mx.float32), sq, rel)
+        is None
+    )
+
+
+def test_native_denominator_primitive_autodiff(rng, ref):
+    coords = ref.random_coords(rng, 200, 6)
+    rel = build_kernel_relation(coords)
+    w = mx.array(rng.standard_normal((27, 4, 3)).astype(np.float32))
+    args = (rel.edges.kernel_ids, rel.counts, rel.output_csr.row_offsets)
+    den = ext.sparse_conv_normalization_denominator(w, *args)
+    full = generic(mx.ones((len(coords), 4)), w, rel)
+    np.testing.assert_allclose(np.array(den), np.array(full), rtol=1e-5, atol=1e-5)
+    probe = mx.array(rng.standard_normal(den.shape).astype(np.float32))
+    g = mx.grad(lambda b: (ext.sparse_conv_normalization_denominator(b, *args) * probe).sum())(w)
+    g_ref = mx.grad(lambda b: (generic(mx.ones((len(coords), 4)), b, rel) * probe).sum())(w)
+    np.testing.assert_allclose(np.array(g), np.array(g_ref), rtol=1e-4, atol=1e-4)
+    t = mx.array(rng.standard_normal(w.shape).astype(np.float32))
+    _, (tan,) = mx.jvp(lambda b: ext.sparse_conv_normalization_denominator(b, *args), [w], [t])
+    np.testing.assert_allclose(
+        np.array(tan), np.array(ext.sparse_conv_normalization_denominator(t, *args)), rtol=1e-6
+    )

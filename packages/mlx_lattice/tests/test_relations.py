@@ -1,0 +1,218 @@
+"""Kernel relations against brute-force neighbourhoods."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lattice.core import build_kernel_relation, check_coordinates, kernel_offsets
+from mlx_lattice.core.relations import SORTED_TILE_ROWS
+
+
+def edge_set(rel):
+    return set(
+        zip(
+            rel.edges.in_rows.tolist(),
+            rel.edges.out_rows.tolist(),
+            rel.edges.kernel_ids.tolist(),
+            strict=True,
+        )
+    )
+
+
+def check_groupings(rel):
+    """CSR views are consistent with the edge list, in canonical order."""
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    kid = np.array(rel.edges.kernel_ids)
+    n_out, n_k = rel.n_out_capacity, rel.n_kernels
+    # Grouped by output, offsets strictly ascending within an output.
+    assert np.all(np.diff(out_rows) >= 0)
+    same = np.diff(out_rows) == 0
+    assert np.all(np.diff(kid)[same] > 0)
+    np.testing.assert_array_equal(
+        np.array(rel.output_csr.row_offsets), np.searchsorted(out_rows, np.arange(n_out + 1))
+    )
+    np.testing.assert_array_equal(np.array(rel.output_csr.edge_ids), np.arange(len(out_rows)))
+    np.testing.assert_array_equal(np.array(rel.counts), np.bincount(kid, minlength=n_k))
+    for csr, keys, groups in ((rel.input_csr, in_rows, rel.n_in), (rel.kernel_csr, kid, n_k)):
+        ids = np.array(csr.edge_ids)
+        np.testing.assert_array_equal(ids, np.argsort(keys, kind="stable"))
+        np.testing.assert_array_equal(
+            np.array(csr.row_offsets), np.searchsorted(keys[ids], np.arange(groups + 1))
+        )
+    assert rel.in_edge_ids is rel.input_csr.edge_ids
+    assert rel.kernel_edge_ids is rel.kernel_csr.edge_ids
+
+
+@pytest.mark.parametrize(
+    ("kernel_size", "dilation", "tensor_stride"),
+    [
+        (3, 1, 1),
+        (1, 1, 1),
+        (2, 1, 1),
+        (5, 1, 1),
+        ((3, 1, 5), 1, 1),
+        (3, 2, 1),
+        ((2, 4, 3), (1, 2, 1), 2),
+        (7, 1, 1),
+    ],
+)
+def test_submanifold_matches_brute_force(rng, ref, kernel_size, dilation, tensor_stride):
+    ts = (tensor_stride,) * 3 if isinstance(tensor_stride, int) else tensor_stride
+    coords = ref.random_coords(rng, 300, 9, batches=2, step=ts[0])
+    rel = build_kernel_relation(
+        coords, kernel_size=kernel_size, dilation=dilation, tensor_stride=tensor_stride
+    )
+    ks = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+    dil = (dilation,) * 3 if isinstance(dilation, int) else dilation
+    offsets = ref.offsets(ks, dil, ts)
+    np.testing.assert_array_equal(kernel_offsets(kernel_size, dilation, tensor_stride), offsets)
+    assert rel.contract.kind == "submanifold"
+    assert rel.n_kernels == len(offsets)
+    assert rel.n_out_capacity == len(coords)
+    np.testing.assert_array_equal(np.array(rel.out_coords), coords)
+    assert edge_set(rel) == ref.brute_force_edges(coords, coords, offsets)
+    check_groupings(rel)
+
+
+@pytest.mark.parametrize(
+    ("kernel_size", "stride"), [(2, 2), (3, 2), (3, 1), ((3, 2, 1), (2, 2, 1))]
+)
+def test_forward_computes_strided_outputs(rng, ref, kernel_size, stride):
+    coords = ref.random_coords(rng, 400, 10, batches=2)
+    rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
+    st = np.broadcast_to(np.array(stride), (3,))
+    expected = np.concatenate([coords[:, :1], (coords[:, 1:] // st) * st], axis=1)
+    _, first = np.unique(expected, axis=0, return_index=True)
+    np.testing.assert_array_equal(np.array(rel.out_coords), expected[np.sort(first)])
+    assert rel.contract.out_tensor_stride == tuple(int(s) for s in st)
+    ks = tuple(np.broadcast_to(np.array(kernel_size), (3,)).tolist())
+    out = np.array(rel.out_coords)
+    assert edge_set(rel) == ref.brute_force_edges(
+        coords, out, ref.offsets(ks, (1, 1, 1), (1, 1, 1))
+    )
+    check_groupings(rel)
+
+
+def test_target_is_transpose_of_forward(rng, ref):
+    fine = ref.random_coords(rng, 300, 8, batches=2)
+    down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+    up = build_kernel_relation(down.out_coords, fine, kernel_size=2, tensor_stride=1, kind="target")
+    assert up.contract.kind == "target"
+    assert up.n_out_capacity == len(fine)
+    assert {(o, i, k) for i, o, k in edge_set(down)} == edge_set(up)
+    offsets = ref.offsets((2, 2, 2), (1, 1, 1), (1, 1, 1))
+    assert edge_set(up) == ref.brute_force_edges(np.array(down.out_coords), fine, offsets, sign=-1)
+    check_groupings(up)
+
+
+def test_given_forward_outputs_and_empty_sets(rng, ref):
+    coords = ref.random_coords(rng, 100, 6)
+    far = np.array([[0, 100, 100, 100]], dtype=np.int32)
+    rel = build_kernel_relation(coords, far, kind="forward")
+    assert rel.n_edges == 0
+    assert rel.n_out_capacity == 1
+    empty = build_kernel_relation(np.zeros((0, 4), np.int32))
+    assert empty.n_edges == 0 and empty.n_out_capacity == 0
+    check_groupings(empty)
+
+
+def test_negative_and_large_coordinates(rng, ref):
+    big = 2**31 - 2
+    coords = np.array(
+        [
+            [0, -5, -5, -5],
+            [0, -4, -5, -5],
+            [0, big, 0, 0],
+            [0, big - 1, 0, 0],
+            [1, -(2**31), 7, 7],
+            [3, 0, 0, 0],
+        ],
+        dtype=np.int32,
+    )
+    rel = build_kernel_relation(coords, kernel_size=3)
+    assert edge_set(rel) == ref.brute_force_edges(
+        coords, coords, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
+    )
+
+
+def test_colliding_hash_candidates_never_alias(ref):
+    # Many coordinates that differ only in high bits or batch: exact key
+    # comparison must keep them apart.
+    rows = [[b, x << 16, y << 16, 0] for b in range(3) for x in range(-4, 4) for y in range(-4, 4)]
+    coords = np.array(rows, dtype=np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3, dilation=1 << 16)
+    offsets = ref.offsets((3, 3, 3), (1 << 16,) * 3, (1, 1, 1))
+    assert edge_set(rel) == ref.brute_force_edges(coords, coords, offsets)
+
+
+def test_edge_order_is_deterministic(rng, ref):
+    coords = ref.random_coords(rng, 500, 10, batches=2)
+    a = build_kernel_relation(coords, kernel_size=3, stride=2, kind="forward")
+    b = build_kernel_relation(coords, kernel_size=3, stride=2, kind="forward")
+    for x, y in (
+        (a.edges.in_rows, b.edges.in_rows),
+        (a.edges.kernel_ids, b.edges.kernel_ids),
+        (a.out_coords, b.out_coords),
+    ):
+        np.testing.assert_array_equal(np.array(x), np.array(y))
+
+
+def test_sorted_view(rng, ref):
+    coords = ref.random_coords(rng, 700, 9, batches=2)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    view = rel.require_sorted_implicit_gemm()
+    assert rel.require_sorted_implicit_gemm() is view
+    dense = np.full((rel.n_out_capacity, 27), -1)
+    for i, o, k in edge_set(rel):
+        dense[o, k] = i
+    np.testing.assert_array_equal(np.array(view.out_in_map), dense)
+    perm = np.array(view.reorder_rows)
+    np.testing.assert_array_equal(np.sort(perm), np.arange(len(perm)))
+    sorted_map = np.array(view.sorted_out_in_map)
+    np.testing.assert_array_equal(sorted_map, dense[perm])
+    np.testing.assert_array_equal(np.array(view.sorted_kv_out_in_map), sorted_map.T)
+    masks = ((sorted_map >= 0) * (1 << np.arange(27))).sum(1)
+    assert np.all(np.diff(masks) >= 0)  # rows sorted by neighbourhood shape
+    tiles = np.array(view.tile_masks)
+    assert len(tiles) == -(-len(perm) // SORTED_TILE_ROWS)
+    for t, m in enumerate(tiles):
+        assert m == np.bitwise_or.reduce(masks[t * SORTED_TILE_ROWS : (t + 1) * SORTED_TILE_ROWS])
+
+
+def test_duplicate_coordinates_name_rows():
+    coords = np.array([[0, 1, 2, 3], [0, 4, 5, 6], [0, 1, 2, 3]], dtype=np.int32)
+    with pytest.raises(ValueError, match=r"duplicate coordinate \(0, 1, 2, 3\) at rows 0 and 2"):
+        build_kernel_relation(coords)
+    with pytest.raises(ValueError, match="rows 0 and 2"):
+        check_coordinates(coords)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"kernel_size": 8}, ValueError, "kernel_size"),
+        ({"kernel_size": 0}, ValueError, "kernel_size"),
+        ({"kernel_size": (3, 3)}, TypeError, "kernel_size"),
+        ({"stride": 2}, ValueError, "stride applies to 'forward'"),
+        ({"dilation": 0}, ValueError, "dilation"),
+        ({"kind": "sideways"}, ValueError, "kind"),
+        ({"kind": "target"}, ValueError, "needs out_coords"),
+    ],
+)
+def test_bad_arguments(kwargs, error, match):
+    coords = np.array([[0, 0, 0, 0]], dtype=np.int32)
+    with pytest.raises(error, match=match):
+        build_kernel_relation(coords, **kwargs)
+
+
+def test_bad_coordinates():
+    with pytest.raises(ValueError, match=r"\(N, 4\)"):
+        build_kernel_relation(np.zeros((3, 3), np.int32))
+    with pytest.raises(TypeError, match="integers"):
+        build_kernel_relation(np.zeros((3, 4), np.float32))
+    with pytest.raises(ValueError, match="int32 range"):
+        build_kernel_relation(np.array([[0, 2**40, 0, 0]]))
+    with pytest.raises(ValueError, match="do not pass out_coords"):
+        build_kernel_relation(np.zeros((1, 4), np.int32), np.zeros((1, 4), np.int32))
+    assert build_kernel_relation(mx.array([[0, 1, 2, 3]], dtype=mx.int64)).n_edges == 1

@@ -1,0 +1,215 @@
+"""Bad relations raise ValueError before any kernel reads memory; thread
+counts never change bits."""
+
+import os
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+
+@pytest.fixture
+def setup(rng, ref):
+    coords = ref.random_coords(rng, 120, 5)
+    rel = build_kernel_relation(coords)
+    f = mx.array(rng.standard_normal((len(coords), 4)).astype(np.float32))
+    w = mx.array(rng.standard_normal((27, 4, 3)).astype(np.float32))
+    return rel, f, w
+
+
+def conv_args(rel):
+    return {
+        "in_rows": rel.edges.in_rows,
+        "out_rows": rel.edges.out_rows,
+        "kernel_ids": rel.edges.kernel_ids,
+        "counts": rel.counts,
+        "output_row_offsets": rel.output_csr.row_offsets,
+        "input_row_offsets": rel.input_csr.row_offsets,
+        "input_edge_ids": rel.in_edge_ids,
+        "kernel_row_offsets": rel.kernel_csr.row_offsets,
+        "kernel_edge_ids": rel.kernel_edge_ids,
+        "n_out_capacity": rel.n_out_capacity,
+        "n_kernels": rel.n_kernels,
+    }
+
+
+def edited(a, index, value):
+    n = np.array(a).copy()
+    n[index] = value
+    return mx.array(n)
+
+
+@pytest.mark.parametrize(
+    ("field", "change", "match"),
+    [
+        ("in_rows", lambda a: edited(a, 0, 10_000), r"in_rows\[0\] = 10000 is out of range"),
+        ("in_rows", lambda a: edited(a, -1, -1), "in_rows.* is out of range"),
+        ("kernel_ids", lambda a: edited(a, 0, 27), r"kernel_ids\[0\] = 27 is out of range"),
+        ("out_rows", lambda a: edited(a, 0, 5_000), "out_rows.* is out of range"),
+        ("in_rows", lambda a: a.astype(mx.int64), "in_rows must be an int32 array"),
+        ("in_rows", lambda a: a[:-1], "must have one length"),
+        (
+            "output_row_offsets",
+            lambda a: edited(a, -1, 0),
+            "output_row_offsets must start at 0 and end at",
+        ),
+        ("output_row_offsets", lambda a: a[:-1], "output_row_offsets must have"),
+        ("counts", lambda a: edited(a, 13, 0), r"counts\[13\]"),
+        (
+            "input_edge_ids",
+            lambda a: edited(a, 0, int(np.array(a)[1])),
+            "input_edge_ids must be a permutation",
+        ),
+        (
+            "kernel_edge_ids",
+            lambda a: edited(a, 0, 1 << 30),
+            "kernel_edge_ids must be a permutation",
+        ),
+        (
+            "input_row_offsets",
+            lambda a: a.reshape(1, -1),
+            "input_row_offsets must have 1 dimension",
+        ),
+        ("n_kernels", lambda a: 26, "out of range"),
+        ("n_out_capacity", lambda a: a + 5, "output_row_offsets must have"),
+    ],
+)
+def test_bad_relation_arrays_raise(setup, field, change, match):
+    rel, f, w = setup
+    args = conv_args(rel)
+    args[field] = change(args[field])
+    with pytest.raises(ValueError, match=match):
+        mx.eval(ext.sparse_conv_features(f, w if field != "n_kernels" else w[:26], **args))
+
+
+def test_inconsistent_groupings_raise(setup):
+    rel, f, w = setup
+    args = conv_args(rel)
+    # Edges out of output order: swap two edges of different outputs.
+    out_rows = np.array(args["out_rows"])
+    j = int(np.nonzero(np.diff(out_rows))[0][0]) + 1
+    for name in ("out_rows",):
+        arr = np.array(args[name])
+        arr[[0, j]] = arr[[j, 0]]
+        bad = dict(args, **{name: mx.array(arr)})
+        with pytest.raises(ValueError, match="grouped under"):
+            ext.sparse_conv_features(f, w, **bad)
+    # Two edges of one output through the same offset.
+    kid = np.array(args["kernel_ids"])
+    offs = np.array(args["output_row_offsets"])
+    o = int(np.nonzero(np.diff(offs) >= 2)[0][0])
+    kid[offs[o] + 1] = kid[offs[o]]
+    with pytest.raises(ValueError, match="two edges of kernel offset"):
+        ext.sparse_conv_features(f, w, **dict(args, kernel_ids=mx.array(kid)))
+
+
+def test_mismatched_features_and_weights_raise(setup):
+    rel, f, w = setup
+    with pytest.raises(ValueError, match=r"in_rows.* is out of range"):
+        ops.sparse_conv_features_from_relation(f[:10], w, rel)
+    with pytest.raises(ValueError, match=r"weight must be \(K, Cin, Cout\)"):
+        ops.sparse_conv_features_from_relation(f, w[:, :3], rel)
+    with pytest.raises(ValueError, match="kx\\*ky\\*kz = 27"):
+        ops.sparse_conv_features_from_relation(f, mx.zeros((3, 2, 2, 2, 4)), rel)
+    with pytest.raises(ValueError, match="feats must be float32, float16 or bfloat16"):
+        ops.sparse_conv_features_from_relation(f.astype(mx.int32), w, rel)
+    with pytest.raises(ValueError, match=r"feats must be \(N, C\)"):
+        ops.sparse_conv_features_from_relation(f[None], w, rel)
+
+
+def test_bad_sorted_view_raises(rng, ref):
+    coords = ref.random_coords(rng, 100, 5)
+    rel = build_kernel_relation(coords)
+    view = rel.require_sorted_implicit_gemm()
+    f = mx.zeros((len(coords), 32), mx.float16)
+    w = mx.zeros((27, 32, 32), mx.float16)
+    base = (view.sorted_out_in_map, view.reorder_rows, view.tile_masks, rel.n_out_capacity, 27)
+    perm = np.array(view.reorder_rows)
+    perm[0] = perm[1]
+    with pytest.raises(ValueError, match="reorder_rows must be a permutation"):
+        ext.sparse_conv_features_sorted_direct_reference(f, w, base[0], mx.array(perm), *base[2:])
+    with pytest.raises(ValueError, match=r"tile_masks.* lacks kernel offset"):
+        ext.sparse_conv_features_sorted_direct_reference(
+            f, w, base[0], base[1], mx.zeros_like(view.tile_masks), *base[3:]
+        )
+    bad_map = edited(view.sorted_out_in_map, (0, 13), 99_999)
+    with pytest.raises(ValueError, match=r"sorted_out_in_map.* is out of range"):
+        ext.sparse_conv_features_sorted_direct_reference(f, w, bad_map, *base[1:])
+
+
+def test_relation_arrays_as_compiled_arguments_raise(setup):
+    rel, f, w = setup
+    args = conv_args(rel)
+
+    def fn(x, rows):
+        return ext.sparse_conv_features(x, w, **dict(args, in_rows=rows))
+
+    with pytest.raises(ValueError, match="index arrays must be concrete values"):
+        mx.compile(fn)(f, args["in_rows"])
+
+
+def test_gpu_stream_error_is_clear(setup):
+    if mx.metal.is_available():
+        pytest.skip("this build has a Metal device; the error path is for CPU-only builds")
+    rel, f, w = setup
+    with pytest.raises((ValueError, RuntimeError), match=r"[Dd]evice|[Mm]etal|gpu"):
+        mx.eval(ext.sparse_conv_features(f, w, **conv_args(rel), stream=mx.gpu))
+
+
+@pytest.fixture
+def restore_threads():
+    previous = mlx_lattice.get_num_threads()
+    yield
+    mlx_lattice.set_num_threads(previous)
+
+
+def test_threads_give_identical_bits(rng, ref, restore_threads):
+    coords = ref.random_coords(rng, 3000, 16, batches=2)
+    f = mx.array(rng.standard_normal((len(coords), 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal((27, 64, 96)).astype(np.float32) * 0.05)
+    probe = mx.array(rng.standard_normal((len(coords), 96)).astype(np.float32))
+
+    def run():
+        rel = build_kernel_relation(coords, kernel_size=3)
+        loss = lambda a, b: (ops.sparse_conv_features_from_relation(a, b, rel) * probe).sum()  # noqa: E731
+        out = ops.sparse_conv_features_from_relation(f, w, rel)
+        gf, gw = mx.grad(loss, argnums=(0, 1))(f, w)
+        pooled = ops.sparse_pool_features_from_relation(f, rel, input_exclusive=False, mode="max")
+        gp = mx.grad(
+            lambda a: (
+                ops.sparse_pool_features_from_relation(a, rel, input_exclusive=False, mode="avg")
+                ** 2
+            ).sum()
+        )(f)
+        den = ext.sparse_conv_normalization_denominator(
+            w, rel.edges.kernel_ids, rel.counts, rel.output_csr.row_offsets
+        )
+        return [np.array(a) for a in (rel.edges.in_rows, out, gf, gw, pooled, gp, den)]
+
+    results = {}
+    for n in (1, 2, 4):
+        mlx_lattice.set_num_threads(n)
+        assert mlx_lattice.get_num_threads() == n
+        results[n] = run()
+    for n in (2, 4):
+        for a, b in zip(results[1], results[n], strict=True):
+            np.testing.assert_array_equal(a, b)
+    with pytest.raises(ValueError, match="set_num_threads"):
+        mlx_lattice.set_num_threads(0)
+    with pytest.raises(TypeError):
+        mlx_lattice.set_num_threads(2.0)
+
+
+def test_thread_count_environment_variable():
+    code = "import mlx_lattice; print(mlx_lattice.get_num_threads())"
+    env = dict(os.environ, MLX_LATTICE_NUM_THREADS="3")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "3"

@@ -18,11 +18,19 @@ def _rules() -> list[qr.Rule]:
     return [
         qr.Rule(module_path="head"),
         qr.Rule(module_path="embed/.*", weight_qtype="int8"),
-        qr.Rule(module_path="encoder/[0-9]+/attn/.*", op_names=("einsum",), weight_qtype="int8",
-                act_qtype="int8"),
+        qr.Rule(
+            module_path="encoder/[0-9]+/attn/.*",
+            op_names=("einsum",),
+            weight_qtype="int8",
+            act_qtype="int8",
+        ),
         qr.Rule(module_path="encoder/[0-9]+/mlp/.*", weight_qtype="int4", tile_size=128),
-        qr.Rule(module_path="decoder/.*/conv", op_names=("conv_general_dilated",),
-                weight_qtype="int8", act_qtype="int8"),
+        qr.Rule(
+            module_path="decoder/.*/conv",
+            op_names=("conv_general_dilated",),
+            weight_qtype="int8",
+            act_qtype="int8",
+        ),
         qr.Rule(module_path="decoder/.*", weight_qtype="int8"),
         qr.Rule(module_path=".*norm.*"),
         qr.Rule(weight_qtype="int8"),
@@ -59,12 +67,16 @@ def main() -> None:
     t_list = _best_us(cached_list, 200) / n
     t_tuple = _best_us(cached_tuple, 200) / n
     t_uncached = _best_us(uncached, 20) / (n * len(ops))
-    print(f"quantrules.resolve on {platform.processor() or platform.machine()}, "
-          f"Python {platform.python_version()}, {len(rules)} rules, {n} paths")
+    print(
+        f"quantrules.resolve on {platform.processor() or platform.machine()}, "
+        f"Python {platform.python_version()}, {len(rules)} rules, {n} paths"
+    )
     print(f"  cached, rules as tuple : {t_tuple:6.2f} µs/call")
     print(f"  cached, rules as list  : {t_list:6.2f} µs/call")
-    print(f"  uncached               : {t_uncached:6.2f} µs/call "
-          f"({t_uncached / t_tuple:.0f}x the cached tuple call)")
+    print(
+        f"  uncached               : {t_uncached:6.2f} µs/call "
+        f"({t_uncached / t_tuple:.0f}x the cached tuple call)"
+    )
     print(f"  target: cached < 2 µs -> {'met' if max(t_list, t_tuple) < 2 else 'NOT met'}")
 
 

@@ -40,9 +40,13 @@ def _hand_einsum(x, w):
 def _hand_conv(a, k):
     kq = qwix.quantize(k, jnp.int8, channelwise_axes=(2,))
     aq = qwix.quantize(a, jnp.int8, channelwise_axes=(0,))
-    return qwix.conv_general_dilated(aq, kq, (1,), "SAME",
-                                     dimension_numbers=jax.lax.conv_dimension_numbers(
-                                         a.shape, k.shape, ("NWC", "WIO", "NWC")))
+    return qwix.conv_general_dilated(
+        aq,
+        kq,
+        (1,),
+        "SAME",
+        dimension_numbers=jax.lax.conv_dimension_numbers(a.shape, k.shape, ("NWC", "WIO", "NWC")),
+    )
 
 
 def _hlo(fn, *args) -> str:
@@ -53,8 +57,11 @@ def _hlo(fn, *args) -> str:
 
 def _best_us(fn, *args, number=200) -> float:
     jax.block_until_ready(fn(*args))
-    return min(timeit.repeat(lambda: jax.block_until_ready(fn(*args)), number=number,
-                             repeat=5)) / number * 1e6
+    return (
+        min(timeit.repeat(lambda: jax.block_until_ready(fn(*args)), number=number, repeat=5))
+        / number
+        * 1e6
+    )
 
 
 def _cases(rng, scale: int) -> list:
@@ -64,34 +71,52 @@ def _cases(rng, scale: int) -> list:
     k = jnp.asarray(rng.standard_normal((3, 8 * scale, 8 * scale)), jnp.float32)
     return [
         ("linear w8a8", lambda x, w: tk.linear(x, w, quant=W8A8), _hand_dot, (x, w)),
-        ("dot_general w8a8", lambda x, w: tk.dot_general(x, w, DN, quant=W8A8), _hand_dot,
-         (x, w)),
-        ("einsum w8a8", lambda x, w: tk.einsum("bi,io->bo", x, w, quant=W8A8), _hand_einsum,
-         (x, w)),
-        ("conv w8a8", lambda a, k: tk.conv_general_dilated(
-            a, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"), quant=W8A8),
-         _hand_conv, (a, k)),
+        ("dot_general w8a8", lambda x, w: tk.dot_general(x, w, DN, quant=W8A8), _hand_dot, (x, w)),
+        (
+            "einsum w8a8",
+            lambda x, w: tk.einsum("bi,io->bo", x, w, quant=W8A8),
+            _hand_einsum,
+            (x, w),
+        ),
+        (
+            "conv w8a8",
+            lambda a, k: tk.conv_general_dilated(
+                a, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"), quant=W8A8
+            ),
+            _hand_conv,
+            (a, k),
+        ),
         ("linear dense", lambda x, w: tk.linear(x, w), lambda x, w: x @ w, (x, w)),
-        ("einsum dense", lambda x, w: tk.einsum("bi,io->bo", x, w),
-         lambda x, w: jnp.einsum("bi,io->bo", x, w), (x, w)),
+        (
+            "einsum dense",
+            lambda x, w: tk.einsum("bi,io->bo", x, w),
+            lambda x, w: jnp.einsum("bi,io->bo", x, w),
+            (x, w),
+        ),
     ]
 
 
 def main() -> None:
     rng = np.random.default_rng(0)
     big, small = _cases(rng, 8), _cases(rng, 1)
-    print(f"taktiny_ops vs hand-written Qwix/JAX on {platform.machine()}, "
-          f"{jax.device_count()} {jax.default_backend()} device(s), jax {jax.__version__}")
-    print(f"{'op':18s} {'same HLO':>8s} {'jit ours µs':>12s} {'jit hand µs':>12s} "
-          f"{'ratio':>6s} {'eager overhead µs':>18s} {'noise µs':>9s}")
+    print(
+        f"taktiny_ops vs hand-written Qwix/JAX on {platform.machine()}, "
+        f"{jax.device_count()} {jax.default_backend()} device(s), jax {jax.__version__}"
+    )
+    print(
+        f"{'op':18s} {'same HLO':>8s} {'jit ours µs':>12s} {'jit hand µs':>12s} "
+        f"{'ratio':>6s} {'eager overhead µs':>18s} {'noise µs':>9s}"
+    )
     for (name, ours, hand, args), (_, _, _, small_args) in zip(big, small, strict=True):
         same = _hlo(ours, *args) == _hlo(hand, *args)
         j_ours, j_hand = _best_us(jax.jit(ours), *args), _best_us(jax.jit(hand), *args)
         e_ours = _best_us(ours, *small_args, number=300)
         e_hand = _best_us(hand, *small_args, number=300)
         noise = abs(_best_us(hand, *small_args, number=300) - e_hand)
-        print(f"{name:18s} {'yes' if same else 'NO':>8s} {j_ours:12.1f} {j_hand:12.1f} "
-              f"{j_ours / j_hand:6.2f} {e_ours - e_hand:18.1f} {noise:9.1f}")
+        print(
+            f"{name:18s} {'yes' if same else 'NO':>8s} {j_ours:12.1f} {j_hand:12.1f} "
+            f"{j_ours / j_hand:6.2f} {e_ours - e_hand:18.1f} {noise:9.1f}"
+        )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 #include "gemm.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <string>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -221,10 +223,100 @@ __attribute__((target("avx2,fma"))) void outer_avx2(int64_t m, const float* cons
   }
 }
 
-bool has_avx2() {
-  static const bool value = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return value;
+// AVX-512: one R x (16*V) block (V <= 4, so a 64-wide row in one pass) with
+// masked tails. OUTER selects the addressing: rows (forward: a[r][j] times
+// b[j]) or outer products (weight gradient: a[j][r0 + r] times g[j]). Per
+// output value the sequence is the same as the AVX2 path (C loaded, then one
+// FMA per j ascending), so results match it bit for bit.
+template <int R, int V, bool OUTER>
+__attribute__((target("avx512f"))) inline void block512(const float* const* a, const float* b,
+                                                        const float* const* g, int64_t kdim,
+                                                        int64_t n, int64_t r0,
+                                                        float* const* cr, int64_t n0,
+                                                        int64_t width) {
+  __mmask16 mk[4];
+  for (int v = 0; v < 4; ++v) {
+    const int64_t rem = width - 16 * v;
+    mk[v] = rem >= 16 ? static_cast<__mmask16>(0xffff)
+                      : (rem > 0 ? static_cast<__mmask16>((1u << rem) - 1u) : 0);
+  }
+  const __m512 zero = _mm512_setzero_ps();
+#define DECL(r) __m512 x##r##0 = zero, x##r##1 = zero, x##r##2 = zero, x##r##3 = zero;
+  DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5)
+#undef DECL
+#define LOADC(r, v)                                                         \
+  if constexpr (R > r && V > v) x##r##v = _mm512_maskz_loadu_ps(mk[v], cr[r] + n0 + 16 * v);
+#define LOADROW(r) LOADC(r, 0) LOADC(r, 1) LOADC(r, 2) LOADC(r, 3)
+  LOADROW(0) LOADROW(1) LOADROW(2) LOADROW(3) LOADROW(4) LOADROW(5)
+#undef LOADROW
+#undef LOADC
+  for (int64_t j = 0; j < kdim; ++j) {
+    const float* bj = OUTER ? g[j] + n0 : b + j * n + n0;
+    const float* fj = OUTER ? a[j] + r0 : nullptr;
+    __m512 b0 = _mm512_maskz_loadu_ps(mk[0], bj), b1 = zero, b2 = zero, b3 = zero;
+    if constexpr (V > 1) b1 = _mm512_maskz_loadu_ps(mk[1], bj + 16);
+    if constexpr (V > 2) b2 = _mm512_maskz_loadu_ps(mk[2], bj + 32);
+    if constexpr (V > 3) b3 = _mm512_maskz_loadu_ps(mk[3], bj + 48);
+#define ROW(r)                                                        \
+  if constexpr (R > r) {                                              \
+    const __m512 s = _mm512_set1_ps(OUTER ? fj[r] : a[r][j]);         \
+    x##r##0 = _mm512_fmadd_ps(s, b0, x##r##0);                        \
+    if constexpr (V > 1) x##r##1 = _mm512_fmadd_ps(s, b1, x##r##1);   \
+    if constexpr (V > 2) x##r##2 = _mm512_fmadd_ps(s, b2, x##r##2);   \
+    if constexpr (V > 3) x##r##3 = _mm512_fmadd_ps(s, b3, x##r##3);   \
+  }
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+  }
+#define STOREC(r, v) \
+  if constexpr (R > r && V > v) _mm512_mask_storeu_ps(cr[r] + n0 + 16 * v, mk[v], x##r##v);
+#define STOREROW(r) STOREC(r, 0) STOREC(r, 1) STOREC(r, 2) STOREC(r, 3)
+  STOREROW(0) STOREROW(1) STOREROW(2) STOREROW(3) STOREROW(4) STOREROW(5)
+#undef STOREROW
+#undef STOREC
 }
+
+// All column strips of one R-row block.
+template <int R, bool OUTER>
+__attribute__((target("avx512f"))) void rows512(const float* const* a, const float* b,
+                                                const float* const* g, int64_t kdim, int64_t n,
+                                                int64_t r0, float* const* cr) {
+  int64_t n0 = 0;
+  for (; n0 + 64 <= n; n0 += 64) block512<R, 4, OUTER>(a, b, g, kdim, n, r0, cr, n0, 64);
+  const int64_t rest = n - n0;
+  if (rest > 48) {
+    block512<R, 4, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+  } else if (rest > 32) {
+    block512<R, 3, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+  } else if (rest > 16) {
+    block512<R, 2, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+  } else if (rest > 0) {
+    block512<R, 1, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+  }
+}
+
+enum class Isa { kScalar, kAvx2, kAvx512 };
+
+// The best micro-kernel the CPU supports, or a lower one named by
+// MLX_LATTICE_GEMM_ISA ("avx512f", "avx2-fma", "scalar"), read once; lets
+// tests exercise every path on one machine.
+Isa selected_isa() {
+  static const Isa isa = [] {
+    Isa best = Isa::kScalar;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
+    if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
+    const char* env = std::getenv("MLX_LATTICE_GEMM_ISA");
+    if (!env) return best;
+    const std::string want(env);
+    Isa asked = want == "scalar" ? Isa::kScalar : want == "avx2-fma" ? Isa::kAvx2 : best;
+    return std::min(asked, best);
+  }();
+  return isa;
+}
+
+bool has_avx512() { return selected_isa() == Isa::kAvx512; }
+
+bool has_avx2() { return selected_isa() >= Isa::kAvx2; }
 
 #endif
 
@@ -234,6 +326,12 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
                float* const* c_rows) {
   if (m <= 0 || n <= 0 || kdim <= 0) return;
 #ifdef MLX_LATTICE_X86
+  if (has_avx512()) {
+    for_each_block(m, a_rows, kdim, n, c_rows, [&](const float* const* a, float* const* c) {
+      rows512<6, false>(a, b, nullptr, kdim, n, 0, c);
+    });
+    return;
+  }
   if (has_avx2()) {
     for_each_block(m, a_rows, kdim, n, c_rows,
                    [&](const float* const* a, float* const* c) { block_avx2(a, b, kdim, n, c); });
@@ -249,6 +347,23 @@ void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t
   if (m <= 0 || n <= 0) return;
   int64_t r = r0;
 #ifdef MLX_LATTICE_X86
+  if (has_avx512()) {
+    float* cr[kRows];
+    auto block = [&]<int R>() {
+      for (int i = 0; i < kRows; ++i) cr[i] = c + (r + (i < R ? i : 0)) * n;
+      rows512<R, true>(f, nullptr, g, m, n, r, cr);
+    };
+    for (; r + kRows <= r1; r += kRows) block.template operator()<6>();
+    switch (r1 - r) {
+      case 5: block.template operator()<5>(); break;
+      case 4: block.template operator()<4>(); break;
+      case 3: block.template operator()<3>(); break;
+      case 2: block.template operator()<2>(); break;
+      case 1: block.template operator()<1>(); break;
+      default: break;
+    }
+    return;
+  }
   if (has_avx2()) {
     for (; r + kRows <= r1; r += kRows) outer_avx2<6>(m, f, g, r, c, n);
     switch (r1 - r) {
@@ -275,6 +390,7 @@ void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t
 
 const char* gemm_isa() {
 #ifdef MLX_LATTICE_X86
+  if (has_avx512()) return "avx512f";
   if (has_avx2()) return "avx2-fma";
 #endif
   return "scalar";

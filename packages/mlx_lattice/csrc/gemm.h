@@ -21,7 +21,7 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,
                 float* c, int64_t n);
 
-// Name of the micro-kernel in use ("avx2-fma" or "scalar"), for benchmarks.
+// Name of the micro-kernel in use ("avx512f", "avx2-fma" or "scalar"), for benchmarks.
 const char* gemm_isa();
 
 }  // namespace mlx_lattice

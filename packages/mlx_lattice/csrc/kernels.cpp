@@ -1,7 +1,13 @@
 #include "kernels.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
 
 #include "gemm.h"
 #include "parallel.h"
@@ -18,6 +24,7 @@ struct TileScratch {
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<const float*> pack_a_rows;
+  std::vector<float> tile;
 };
 
 thread_local TileScratch scratch;
@@ -27,6 +34,147 @@ thread_local TileScratch scratch;
 constexpr int64_t kChannelBlock = 16;
 
 }  // namespace
+
+namespace {
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf / nan
+    return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
+  }
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf
+  if (abs < 0x38800000u) {                          // subnormal or zero in half
+    if (abs < 0x33000000u) return sign;
+    const uint32_t exp = abs >> 23;
+    const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exp;  // 14..24
+    uint32_t half_man = man >> shift;
+    const uint32_t rest = man & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half_man & 1u))) ++half_man;
+    return sign | static_cast<uint16_t>(half_man);
+  }
+  uint32_t bits = abs - 0x38000000u;  // rebias exponent
+  const uint32_t rest = bits & 0x1fffu;
+  uint32_t half = bits >> 13;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return sign | static_cast<uint16_t>(half);
+}
+
+uint16_t float_to_bfloat(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+#ifdef MLX_LATTICE_X86
+__attribute__((target("avx2,f16c"))) void half_block_to_float(const uint16_t* src, int64_t n,
+                                                              float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+__attribute__((target("avx2,f16c"))) void float_block_to_half(const float* src, int64_t n,
+                                                              uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+bool has_f16c() {
+  static const bool value = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return value;
+}
+#endif
+
+constexpr int64_t kConvertChunk = 1 << 16;
+
+}  // namespace
+
+void to_float32(const void* src, FloatFormat format, int64_t n, float* dst) {
+  if (format == FloatFormat::kF32) {
+    std::memcpy(dst, src, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
+    const int64_t i0 = chunk * kConvertChunk;
+    const int64_t i1 = std::min(n, i0 + kConvertChunk);
+    if (format == FloatFormat::kBF16) {
+      for (int64_t i = i0; i < i1; ++i) {
+        uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+        std::memcpy(dst + i, &bits, 4);
+      }
+      return;
+    }
+#ifdef MLX_LATTICE_X86
+    if (has_f16c()) {
+      half_block_to_float(s + i0, i1 - i0, dst + i0);
+      return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; ++i) dst[i] = half_to_float(s[i]);
+  });
+}
+
+void from_float32(const float* src, int64_t n, FloatFormat format, void* dst) {
+  if (format == FloatFormat::kF32) {
+    std::memcpy(dst, src, sizeof(float) * n);
+    return;
+  }
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
+    const int64_t i0 = chunk * kConvertChunk;
+    const int64_t i1 = std::min(n, i0 + kConvertChunk);
+    if (format == FloatFormat::kBF16) {
+      for (int64_t i = i0; i < i1; ++i) d[i] = float_to_bfloat(src[i]);
+      return;
+    }
+#ifdef MLX_LATTICE_X86
+    if (has_f16c()) {
+      float_block_to_half(src + i0, i1 - i0, d + i0);
+      return;
+    }
+#endif
+    for (int64_t i = i0; i < i1; ++i) d[i] = float_to_half(src[i]);
+  });
+}
 
 void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<int32_t>& offsets,
               std::vector<int32_t>& edge_ids) {
@@ -117,25 +265,27 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
     const int64_t r0 = tile * kTileRows;
     const int64_t r1 = std::min(n_out, r0 + kTileRows);
     auto& s = scratch;
+    // Accumulate the tile in a local buffer (its rows are scattered in the
+    // output), then write each row once.
+    s.tile.assign((r1 - r0) * cout, 0.0f);
     s.a_ptrs.resize(r1 - r0);
     s.c_ptrs.resize(r1 - r0);
-    for (int64_t r = r0; r < r1; ++r) {
-      int64_t row = store_sorted ? r : reorder[r];
-      std::memset(out + row * cout, 0, sizeof(float) * cout);
-    }
     for (int64_t k = 0; k < n_kernels; ++k) {
       int64_t rows = 0;
       for (int64_t r = r0; r < r1; ++r) {
         int32_t in = sorted_map[r * n_kernels + k];
         if (in < 0) continue;
-        int64_t row = store_sorted ? r : reorder[r];
         s.a_ptrs[rows] = feats + static_cast<int64_t>(in) * cin;
-        s.c_ptrs[rows] = out + row * cout;
+        s.c_ptrs[rows] = s.tile.data() + (r - r0) * cout;
         ++rows;
       }
       if (rows > 0) {
         gemm_rows(rows, s.a_ptrs.data(), weight + k * cin * cout, cin, cout, s.c_ptrs.data());
       }
+    }
+    for (int64_t r = r0; r < r1; ++r) {
+      int64_t row = store_sorted ? r : reorder[r];
+      std::memcpy(out + row * cout, s.tile.data() + (r - r0) * cout, sizeof(float) * cout);
     }
   });
 }

@@ -72,6 +72,13 @@ void denominator_gradient(const float* grad, int64_t cout, const int32_t* kernel
                           const int32_t* out_offsets, int64_t n_out, int64_t n_kernels,
                           float* out);
 
+// Storage formats of floating arrays the kernels read and write.
+enum class FloatFormat { kF32, kF16, kBF16 };
+
+// dst[i] = float(src[i]) / dst[i] = round-to-nearest-even(src[i]), in parallel.
+void to_float32(const void* src, FloatFormat format, int64_t n, float* dst);
+void from_float32(const float* src, int64_t n, FloatFormat format, void* dst);
+
 enum class PoolMode { kMax, kAvg, kSum };
 
 // Pooling over the output CSR; outputs without edges are 0.

@@ -208,8 +208,40 @@ void check_sorted_matches(const std::string& op, const SortedView& view,
   }
 }
 
-mx::array as_f32_public(const mx::array& a, mx::Stream s) {
-  return mx::contiguous(mx::astype(a, mx::float32, s), false, s);
+std::string tag(const std::string& op, ConvDims d, const std::string& extra = "") {
+  return op + "/" + std::to_string(d.n_in) + "/" + std::to_string(d.n_out) + "/" +
+         std::to_string(d.n_kernels) + "/" + extra;
+}
+
+std::vector<mx::array> join(std::vector<mx::array> a, const std::vector<mx::array>& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+std::vector<mx::array> check_denominator_indices(const std::string& op,
+                                                 const mx::array& kernel_ids,
+                                                 const mx::array& counts,
+                                                 const mx::array& output_row_offsets,
+                                                 int64_t n_kernels) {
+  auto a = concrete_indices(
+      op, {{"kernel_ids", kernel_ids}, {"counts", counts}, {"output_row_offsets", output_row_offsets}},
+      {1, 1, 1});
+  const int64_t n_edges = a[0].size();
+  if (a[2].size() < 1) fail(op, "output_row_offsets must have n_out + 1 >= 1 entries.");
+  const int64_t n_out = static_cast<int64_t>(a[2].size()) - 1;
+  check_range(op, "kernel_ids", a[0], 0, n_kernels);
+  check_offsets(op, "output_row_offsets", a[2], n_out, n_edges);
+  if (static_cast<int64_t>(a[1].size()) != n_kernels) {
+    fail(op, "counts must have K = " + str(n_kernels) + " entries, got " + str(a[1].size()) + ".");
+  }
+  std::vector<int64_t> hist(n_kernels, 0);
+  for (int64_t e = 0; e < n_edges; ++e) ++hist[a[0].data<int32_t>()[e]];
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    if (hist[k] != a[1].data<int32_t>()[k]) {
+      fail(op, "counts[" + str(k) + "] does not match kernel_ids.");
+    }
+  }
+  return a;
 }
 
 }  // namespace
@@ -228,9 +260,17 @@ mx::array sparse_conv_features(const mx::array& feats, const mx::array& weight,
   check_static(op, n_out_capacity, n_kernels);
   auto w = conv_weight(op, weight, n_kernels, feats.shape(1), stream);
   ConvDims d{feats.shape(0), n_out_capacity, n_kernels};
-  auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts, output_row_offsets,
-                               input_row_offsets, input_edge_ids, kernel_row_offsets,
-                               kernel_edge_ids, d);
+  auto rel = RelationArrays::from(
+      validated(tag(op, d),
+                {in_rows, out_rows, kernel_ids, counts, output_row_offsets, input_row_offsets,
+                 input_edge_ids, kernel_row_offsets, kernel_edge_ids},
+                [&] {
+                  return validate_relation(op, in_rows, out_rows, kernel_ids, counts,
+                                           output_row_offsets, input_row_offsets, input_edge_ids,
+                                           kernel_row_offsets, kernel_edge_ids, d)
+                      .list();
+                }),
+      0);
   return mx::astype(make_conv(Conv::kForward, feats, w, rel, d, stream), feats.dtype(),
                     stream);
 }
@@ -253,12 +293,22 @@ mx::array sparse_conv_features_sorted_implicit_gemm(
   }
   auto w = conv_weight(op, weight, n_kernels, feats.shape(1), stream);
   ConvDims d{feats.shape(0), n_out_capacity, n_kernels};
-  auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts, output_row_offsets,
-                               input_row_offsets, input_edge_ids, kernel_row_offsets,
-                               kernel_edge_ids, d);
-  auto view = validate_sorted(op, sorted_out_in_map, &sorted_kv_out_in_map, reorder_rows,
-                              tile_masks, d);
-  check_sorted_matches(op, view, rel, d);
+  auto checked = validated(
+      tag(op, d),
+      {in_rows, out_rows, kernel_ids, counts, output_row_offsets, input_row_offsets,
+       input_edge_ids, kernel_row_offsets, kernel_edge_ids, sorted_out_in_map,
+       sorted_kv_out_in_map, reorder_rows, tile_masks},
+      [&] {
+        auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts,
+                                     output_row_offsets, input_row_offsets, input_edge_ids,
+                                     kernel_row_offsets, kernel_edge_ids, d);
+        auto view = validate_sorted(op, sorted_out_in_map, &sorted_kv_out_in_map, reorder_rows,
+                                    tile_masks, d);
+        check_sorted_matches(op, view, rel, d);
+        return join(rel.list(), {view.sorted_map, view.reorder, view.tile_masks});
+      });
+  auto rel = RelationArrays::from(checked, 0);
+  SortedView view{checked[8], checked[9], checked[10]};
   return mx::astype(
       make_sorted(feats, w, view.sorted_map, view.reorder, rel, d, store_sorted, stream),
       feats.dtype(), stream);
@@ -278,7 +328,11 @@ mx::array sparse_conv_features_sorted_direct_reference(
   }
   auto w = conv_weight(op, weight, n_kernels, feats.shape(1), stream);
   ConvDims d{feats.shape(0), n_out_capacity, n_kernels};
-  auto view = validate_sorted(op, sorted_out_in_map, nullptr, reorder_rows, tile_masks, d);
+  auto checked = validated(tag(op, d), {sorted_out_in_map, reorder_rows, tile_masks}, [&] {
+    auto view = validate_sorted(op, sorted_out_in_map, nullptr, reorder_rows, tile_masks, d);
+    return std::vector<mx::array>{view.sorted_map, view.reorder, view.tile_masks};
+  });
+  SortedView view{checked[0], checked[1], checked[2]};
   return mx::astype(make_direct(feats, w, view.sorted_map, view.reorder, view.tile_masks, d,
                                 store_sorted, stream),
                     feats.dtype(), stream);
@@ -324,24 +378,31 @@ mx::array sparse_quantized_conv_features(
                  shape_str(scales.shape()) + " and " + shape_str(biases.shape()) + ".");
   }
   ConvDims d{feats.shape(0), n_out_capacity, n_kernels};
-  auto empty = empty_i32();
-  auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts, output_row_offsets,
-                               empty, empty, empty, empty, d);
-  if (sorted_kv_out_in_map.size() || reorder_rows.size() || tile_masks.size()) {
-    // The sorted view serves the GPU kernels; check it like the float path.
-    if (sorted_kv_out_in_map.ndim() != 2) {
-      fail(op, "sorted_kv_out_in_map must be (n_kernels, n_out), got shape " +
-                   shape_str(sorted_kv_out_in_map.shape()) + ".");
-    }
-    auto map = mx::transpose(sorted_kv_out_in_map, {1, 0}, stream);
-    auto view = validate_sorted(op, map, &sorted_kv_out_in_map, reorder_rows, tile_masks, d);
-    check_sorted_matches(op, view, rel, d);
-  }
+  auto checked = validated(
+      tag(op, d),
+      {in_rows, out_rows, kernel_ids, counts, output_row_offsets, sorted_kv_out_in_map,
+       reorder_rows, tile_masks},
+      [&] {
+        auto empty = empty_i32();
+        auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts,
+                                     output_row_offsets, empty, empty, empty, empty, d);
+        if (sorted_kv_out_in_map.size() || reorder_rows.size() || tile_masks.size()) {
+          // The sorted view serves the GPU kernels; check it like the float path.
+          if (sorted_kv_out_in_map.ndim() != 2) {
+            fail(op, "sorted_kv_out_in_map must be (n_kernels, n_out), got shape " +
+                         shape_str(sorted_kv_out_in_map.shape()) + ".");
+          }
+          auto map = mx::transpose(sorted_kv_out_in_map, {1, 0}, stream);
+          auto view = validate_sorted(op, map, &sorted_kv_out_in_map, reorder_rows, tile_masks, d);
+          check_sorted_matches(op, view, rel, d);
+        }
+        return rel.list();
+      });
+  auto rel = RelationArrays::from(checked, 0);
   auto packed = mx::contiguous(weight, false, stream);
   QuantSpec spec{in_channels, out_channels, storage_in_channels, group_size, bits};
   return mx::astype(
-      make_quantized(feats, {packed, as_f32_public(scales, stream), as_f32_public(biases, stream)},
-                     rel, d, spec, stream),
+      make_quantized(feats, {packed, scales, biases}, rel, d, spec, stream),
       feats.dtype(), stream);
 }
 
@@ -357,25 +418,11 @@ mx::array sparse_conv_normalization_denominator(const mx::array& weight,
     fail(op, "weight must be the mapped (K, Cin, Cout) weight, got shape " +
                  shape_str(weight.shape()) + ".");
   }
-  auto a = concrete_indices(
-      op, {{"kernel_ids", kernel_ids}, {"counts", counts}, {"output_row_offsets", output_row_offsets}},
-      {1, 1, 1});
   const int64_t n_kernels = weight.shape(0);
-  const int64_t n_edges = a[0].size();
-  if (a[2].size() < 1) fail(op, "output_row_offsets must have n_out + 1 >= 1 entries.");
+  auto a = validated(tag(op, {0, 0, n_kernels}), {kernel_ids, counts, output_row_offsets}, [&] {
+    return check_denominator_indices(op, kernel_ids, counts, output_row_offsets, n_kernels);
+  });
   const int64_t n_out = static_cast<int64_t>(a[2].size()) - 1;
-  check_range(op, "kernel_ids", a[0], 0, n_kernels);
-  check_offsets(op, "output_row_offsets", a[2], n_out, n_edges);
-  if (static_cast<int64_t>(a[1].size()) != n_kernels) {
-    fail(op, "counts must have K = " + str(n_kernels) + " entries, got " + str(a[1].size()) + ".");
-  }
-  std::vector<int64_t> hist(n_kernels, 0);
-  for (int64_t e = 0; e < n_edges; ++e) ++hist[a[0].data<int32_t>()[e]];
-  for (int64_t k = 0; k < n_kernels; ++k) {
-    if (hist[k] != a[1].data<int32_t>()[k]) {
-      fail(op, "counts[" + str(k) + "] does not match kernel_ids.");
-    }
-  }
   ConvDims d{0, n_out, n_kernels};
   return mx::astype(
       make_denominator(SparseDenominator::Mode::kDenominator, weight, a[0], a[2], d, stream),
@@ -402,19 +449,25 @@ mx::array sparse_pool_features(const mx::array& feats, const mx::array& in_rows,
     fail(op, "mode must be 'max', 'avg' or 'sum', got '" + mode + "'.");
   }
   ConvDims d{feats.shape(0), n_out_capacity, n_kernels};
-  auto empty = empty_i32();
-  auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts, output_row_offsets,
-                               empty, empty, empty, empty, d);
-  if (input_exclusive) {
-    std::vector<uint8_t> used(d.n_in, 0);
-    const int32_t* rows = idx_or_null(rel.in_rows);
-    for (size_t e = 0; e < rel.in_rows.size(); ++e) {
-      if (used[rows[e]]++) {
-        fail(op, "input_exclusive=True but input row " + str(rows[e]) +
-                     " feeds more than one output (windows overlap); pass False.");
-      }
-    }
-  }
+  auto checked = validated(
+      tag(op, d, input_exclusive ? "exclusive" : ""),
+      {in_rows, out_rows, kernel_ids, counts, output_row_offsets}, [&] {
+        auto empty = empty_i32();
+        auto rel = validate_relation(op, in_rows, out_rows, kernel_ids, counts,
+                                     output_row_offsets, empty, empty, empty, empty, d);
+        if (input_exclusive) {
+          std::vector<uint8_t> used(d.n_in, 0);
+          const int32_t* rows = idx_or_null(rel.in_rows);
+          for (size_t e = 0; e < rel.in_rows.size(); ++e) {
+            if (used[rows[e]]++) {
+              fail(op, "input_exclusive=True but input row " + str(rows[e]) +
+                           " feeds more than one output (windows overlap); pass False.");
+            }
+          }
+        }
+        return rel.list();
+      });
+  auto rel = RelationArrays::from(checked, 0);
   return mx::astype(make_pool(SparsePool::Stage::kForward, pool_mode, {feats}, rel.in_rows,
                               rel.out_offsets, d, stream),
                     feats.dtype(), stream);

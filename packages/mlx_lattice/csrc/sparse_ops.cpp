@@ -15,9 +15,67 @@ namespace {
 
 using Conv = SparseConv::Mode;
 
-mx::array as_f32(const mx::array& a, mx::Stream s) {
-  return mx::contiguous(mx::astype(a, mx::float32, s), false, s);
+// Floating operands share the dtype of the primitive's first operand (the
+// features, or a cotangent of them) and are made row-contiguous.
+mx::array as_dtype(const mx::array& a, mx::Dtype dtype, mx::Stream s) {
+  return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
 }
+
+kernels::FloatFormat format_of(mx::Dtype dtype) {
+  if (dtype == mx::float16) return kernels::FloatFormat::kF16;
+  if (dtype == mx::bfloat16) return kernels::FloatFormat::kBF16;
+  return kernels::FloatFormat::kF32;
+}
+
+// Float32 staging buffers of half-precision operands, kept per evaluating
+// thread: fresh multi-megabyte allocations per call cost more in page faults
+// than the conversions themselves. Slot 0, 1: inputs; slot 2: the output.
+float* staging(int slot, size_t n) {
+  thread_local std::vector<float> buffers[3];
+  auto& b = buffers[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
+// A float32 view of a floating array: its own data, or a converted copy.
+class FloatIn {
+ public:
+  FloatIn(const mx::array& a, int slot) {
+    if (a.dtype() == mx::float32 || a.size() == 0) {
+      ptr_ = a.size() ? a.data<float>() : nullptr;
+    } else {
+      float* buf = staging(slot, a.size());
+      kernels::to_float32(a.data<void>(), format_of(a.dtype()), a.size(), buf);
+      ptr_ = buf;
+    }
+  }
+  const float* get() const { return ptr_; }
+
+ private:
+  const float* ptr_ = nullptr;
+};
+
+// A float32 buffer for an output, written back in the output's dtype.
+class FloatOut {
+ public:
+  explicit FloatOut(mx::array& out) : out_(out) {
+    if (out.dtype() != mx::float32) {
+      ptr_ = staging(2, out.size());
+    } else {
+      ptr_ = out.size() ? out.data<float>() : nullptr;
+    }
+  }
+  float* get() { return ptr_; }
+  void finish() {
+    if (out_.dtype() != mx::float32 && out_.size()) {
+      kernels::from_float32(ptr_, out_.size(), format_of(out_.dtype()), out_.data<void>());
+    }
+  }
+
+ private:
+  mx::array& out_;
+  float* ptr_ = nullptr;
+};
 
 }  // namespace
 
@@ -35,33 +93,37 @@ mx::array make_conv(Conv mode, const mx::array& a, const mx::array& b, const Rel
       shape = {static_cast<int>(d.n_kernels), a.shape(1), b.shape(1)};
       break;
   }
-  std::vector<mx::array> inputs = {as_f32(a, s), as_f32(b, s)};
+  std::vector<mx::array> inputs = {as_dtype(a, a.dtype(), s), as_dtype(b, a.dtype(), s)};
   for (auto& r : rel.list()) inputs.push_back(r);
-  return mx::array(shape, mx::float32, std::make_shared<SparseConv>(s, mode, d), inputs);
+  return mx::array(shape, a.dtype(), std::make_shared<SparseConv>(s, mode, d), inputs);
 }
 
 mx::array make_sorted(const mx::array& f, const mx::array& w, const mx::array& sorted_map,
                       const mx::array& reorder, const RelationArrays& rel, ConvDims d,
                       bool store_sorted, mx::Stream s) {
-  std::vector<mx::array> inputs = {as_f32(f, s), as_f32(w, s), sorted_map, reorder};
+  std::vector<mx::array> inputs = {as_dtype(f, f.dtype(), s), as_dtype(w, f.dtype(), s),
+                                   sorted_map, reorder};
   for (auto& r : rel.list()) inputs.push_back(r);
-  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, mx::float32,
+  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, f.dtype(),
                    std::make_shared<SparseConvSorted>(s, d, store_sorted), inputs);
 }
 
 mx::array make_direct(const mx::array& f, const mx::array& w, const mx::array& sorted_map,
                       const mx::array& reorder, const mx::array& tile_masks, ConvDims d,
                       bool store_sorted, mx::Stream s) {
-  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, mx::float32,
+  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, f.dtype(),
                    std::make_shared<SparseConvDirect>(s, d, store_sorted),
-                   {as_f32(f, s), as_f32(w, s), sorted_map, reorder, tile_masks});
+                   {as_dtype(f, f.dtype(), s), as_dtype(w, f.dtype(), s), sorted_map, reorder,
+                    tile_masks});
 }
 
 mx::array make_quantized(const mx::array& f, const std::vector<mx::array>& quant,
                          const RelationArrays& rel, ConvDims d, QuantSpec spec, mx::Stream s) {
-  std::vector<mx::array> inputs = {as_f32(f, s), quant[0], quant[1], quant[2]};
+  std::vector<mx::array> inputs = {as_dtype(f, f.dtype(), s), quant[0],
+                                   as_dtype(quant[1], mx::float32, s),
+                                   as_dtype(quant[2], mx::float32, s)};
   for (auto& r : rel.list()) inputs.push_back(r);
-  return mx::array({static_cast<int>(d.n_out), static_cast<int>(spec.out_channels)}, mx::float32,
+  return mx::array({static_cast<int>(d.n_out), static_cast<int>(spec.out_channels)}, f.dtype(),
                    std::make_shared<SparseQuantizedConv>(s, d, spec), inputs);
 }
 
@@ -71,8 +133,8 @@ mx::array make_denominator(SparseDenominator::Mode mode, const mx::array& x,
   mx::Shape shape = mode == SparseDenominator::Mode::kDenominator
                         ? mx::Shape{static_cast<int>(d.n_out), x.shape(2)}
                         : mx::Shape{static_cast<int>(d.n_kernels), x.shape(1)};
-  return mx::array(shape, mx::float32, std::make_shared<SparseDenominator>(s, mode, d),
-                   {as_f32(x, s), kernel_ids, out_offsets});
+  return mx::array(shape, x.dtype(), std::make_shared<SparseDenominator>(s, mode, d),
+                   {as_dtype(x, x.dtype(), s), kernel_ids, out_offsets});
 }
 
 mx::array make_pool(SparsePool::Stage stage, kernels::PoolMode mode,
@@ -80,10 +142,10 @@ mx::array make_pool(SparsePool::Stage stage, kernels::PoolMode mode,
                     const mx::array& out_offsets, ConvDims d, mx::Stream s) {
   int rows = static_cast<int>(stage == SparsePool::Stage::kBackward ? d.n_in : d.n_out);
   std::vector<mx::array> inputs;
-  for (auto& f : floats) inputs.push_back(as_f32(f, s));
+  for (auto& f : floats) inputs.push_back(as_dtype(f, floats[0].dtype(), s));
   inputs.push_back(in_rows);
   inputs.push_back(out_offsets);
-  return mx::array({rows, floats[0].shape(1)}, mx::float32,
+  return mx::array({rows, floats[0].shape(1)}, floats[0].dtype(),
                    std::make_shared<SparsePool>(s, stage, mode, d), inputs);
 }
 
@@ -166,17 +228,19 @@ void SparseConv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
              const auto& a = in[0];
              const auto& b = in[1];
              auto rel = RelationArrays::from(in, 2);
-             float* result = out[0].data<float>();
+             FloatIn a32(a, 0), b32(b, 1);
+             FloatOut out32(out[0]);
+             float* result = out32.get();
              if (mode == Conv::kForward) {
                kernels::Csr csr{idx(rel.out_offsets), nullptr, d.n_out};
-               kernels::stationary_conv(a.data<float>(), a.shape(1), b.data<float>(), d.n_kernels,
-                                        result, b.shape(2), csr, idx(rel.in_rows),
-                                        idx(rel.out_rows), idx(rel.kernel_ids));
+               kernels::stationary_conv(a32.get(), a.shape(1), b32.get(), d.n_kernels, result,
+                                        b.shape(2), csr, idx(rel.in_rows), idx(rel.out_rows),
+                                        idx(rel.kernel_ids));
              } else if (mode == Conv::kInputGrad) {
                const int64_t cin = b.shape(1);
                const int64_t cout = b.shape(2);
                std::vector<float> wt(d.n_kernels * cin * cout);
-               const float* w = b.data<float>();
+               const float* w = b32.get();
                for (int64_t k = 0; k < d.n_kernels; ++k) {
                  for (int64_t i = 0; i < cin; ++i) {
                    for (int64_t o = 0; o < cout; ++o) {
@@ -187,16 +251,16 @@ void SparseConv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
                std::vector<int32_t> off, ids;
                auto csr = csr_or_rebuilt(rel.in_offsets, rel.in_edge_ids, rel.in_rows, d.n_in,
                                          off, ids);
-               kernels::stationary_conv(a.data<float>(), cout, wt.data(), d.n_kernels, result, cin,
-                                        csr, idx(rel.out_rows), idx(rel.in_rows),
-                                        idx(rel.kernel_ids));
+               kernels::stationary_conv(a32.get(), cout, wt.data(), d.n_kernels, result, cin, csr,
+                                        idx(rel.out_rows), idx(rel.in_rows), idx(rel.kernel_ids));
              } else {
                std::vector<int32_t> off, ids;
                auto csr = csr_or_rebuilt(rel.k_offsets, rel.k_edge_ids, rel.kernel_ids,
                                          d.n_kernels, off, ids);
-               kernels::weight_gradient(a.data<float>(), a.shape(1), b.data<float>(), b.shape(1),
-                                        csr, idx(rel.in_rows), idx(rel.out_rows), result);
+               kernels::weight_gradient(a32.get(), a.shape(1), b32.get(), b.shape(1), csr,
+                                        idx(rel.in_rows), idx(rel.out_rows), result);
              }
+             out32.finish();
            });
 }
 
@@ -260,9 +324,11 @@ void SparseConvSorted::eval_cpu(const std::vector<mx::array>& inputs,
                                              std::vector<mx::array>& out) {
              const auto& f = in[0];
              const auto& w = in[1];
-             kernels::sorted_conv(f.data<float>(), f.shape(1), w.data<float>(), d.n_kernels,
-                                  w.shape(2), idx(in[2]), idx(in[3]), d.n_out, store,
-                                  out[0].data<float>());
+             FloatIn f32(f, 0), w32(w, 1);
+             FloatOut out32(out[0]);
+             kernels::sorted_conv(f32.get(), f.shape(1), w32.get(), d.n_kernels, w.shape(2),
+                                  idx(in[2]), idx(in[3]), d.n_out, store, out32.get());
+             out32.finish();
            });
 }
 
@@ -315,9 +381,12 @@ void SparseConvDirect::eval_cpu(const std::vector<mx::array>& inputs,
                                              std::vector<mx::array>& out) {
              const auto& f = in[0];
              const auto& w = in[1];
-             kernels::sorted_direct(f.data<float>(), f.shape(1), w.data<float>(), d.n_kernels,
-                                    w.shape(2), idx(in[2]), idx(in[3]), idx(in[4]), d.n_out, store,
-                                    out[0].data<float>());
+             FloatIn f32(f, 0), w32(w, 1);
+             FloatOut out32(out[0]);
+             kernels::sorted_direct(f32.get(), f.shape(1), w32.get(), d.n_kernels, w.shape(2),
+                                    idx(in[2]), idx(in[3]), idx(in[4]), d.n_out, store,
+                                    out32.get());
+             out32.finish();
            });
 }
 
@@ -347,12 +416,14 @@ std::vector<mx::array> SparseConvDirect::vjp(const std::vector<mx::array>& prima
       auto wt = mx::reshape(mx::transpose(w, {2, 0, 1}, s), {cout, k * cin}, s);
       auto contrib = mx::multiply(mx::reshape(mx::matmul(ct, wt, s), {n, k, cin}, s), valid, s);
       auto index = mx::broadcast_to(mx::reshape(flat, {n * k, 1}, s), {n * k, cin}, s);
-      grads.push_back(mx::scatter_add_axis(
-          mx::zeros({static_cast<int>(dims_.n_in), cin}, mx::float32, s), index,
-          mx::reshape(contrib, {n * k, cin}, s), 0, s));
+      grads.push_back(mx::astype(
+          mx::scatter_add_axis(mx::zeros({static_cast<int>(dims_.n_in), cin}, mx::float32, s),
+                               index, mx::reshape(contrib, {n * k, cin}, s), 0, s),
+          f.dtype(), s));
     } else if (arg == 1) {
       auto gathered = mx::multiply(mx::reshape(mx::take(f, flat, 0, s), {n, k, cin}, s), valid, s);
-      grads.push_back(mx::matmul(mx::transpose(gathered, {1, 2, 0}, s), ct, s));
+      grads.push_back(
+          mx::astype(mx::matmul(mx::transpose(gathered, {1, 2, 0}, s), ct, s), w.dtype(), s));
     }
   }
   return zero_grads_for_indices(primals, argnums, 2, grads, s);
@@ -394,9 +465,12 @@ void SparseQuantizedConv::eval_cpu(const std::vector<mx::array>& inputs,
                  in[3].data<float>(), d.n_kernels, q.out_channels, q.in_channels,
                  q.storage_in_channels, q.group_size, q.bits, w.data());
              kernels::Csr csr{idx(rel.out_offsets), nullptr, d.n_out};
-             kernels::stationary_conv(f.data<float>(), q.in_channels, w.data(), d.n_kernels,
-                                      out[0].data<float>(), q.out_channels, csr, idx(rel.in_rows),
+             FloatIn f32(f, 0);
+             FloatOut out32(out[0]);
+             kernels::stationary_conv(f32.get(), q.in_channels, w.data(), d.n_kernels,
+                                      out32.get(), q.out_channels, csr, idx(rel.in_rows),
                                       idx(rel.out_rows), idx(rel.kernel_ids));
+             out32.finish();
            });
 }
 
@@ -454,14 +528,16 @@ void SparseDenominator::eval_cpu(const std::vector<mx::array>& inputs,
   dispatch(stream(), inputs, outputs,
            [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& x = in[0];
+             FloatIn x32(x, 0);
+             FloatOut out32(out[0]);
              if (mode == Mode::kDenominator) {
-               kernels::normalization_denominator(x.data<float>(), d.n_kernels, x.shape(1),
-                                                  x.shape(2), idx(in[1]), idx(in[2]), d.n_out,
-                                                  out[0].data<float>());
+               kernels::normalization_denominator(x32.get(), d.n_kernels, x.shape(1), x.shape(2),
+                                                  idx(in[1]), idx(in[2]), d.n_out, out32.get());
              } else {
-               kernels::denominator_gradient(x.data<float>(), x.shape(1), idx(in[1]), idx(in[2]),
-                                             d.n_out, d.n_kernels, out[0].data<float>());
+               kernels::denominator_gradient(x32.get(), x.shape(1), idx(in[1]), idx(in[2]),
+                                             d.n_out, d.n_kernels, out32.get());
              }
+             out32.finish();
            });
 }
 
@@ -512,17 +588,22 @@ void SparsePool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::
              const int32_t* in_rows = idx(in[n_float]);
              const int32_t* offsets = idx(in[n_float + 1]);
              const int64_t channels = in[0].shape(1);
-             float* result = out[0].data<float>();
+             FloatIn x0(in[0], 0);
+             FloatOut out32(out[0]);
+             float* result = out32.get();
              if (stage == Stage::kForward) {
-               kernels::pool_forward(in[0].data<float>(), channels, in_rows, offsets, d.n_out,
-                                     mode, result);
-             } else if (stage == Stage::kMaxSelect) {
-               kernels::pool_max_select(in[0].data<float>(), in[1].data<float>(), channels,
-                                        in_rows, offsets, d.n_out, result);
+               kernels::pool_forward(x0.get(), channels, in_rows, offsets, d.n_out, mode, result);
              } else {
-               kernels::pool_backward(in[0].data<float>(), in[1].data<float>(), channels, in_rows,
-                                      offsets, d.n_out, d.n_in, mode, result);
+               FloatIn x1(in[1], 1);
+               if (stage == Stage::kMaxSelect) {
+                 kernels::pool_max_select(x0.get(), x1.get(), channels, in_rows, offsets, d.n_out,
+                                          result);
+               } else {
+                 kernels::pool_backward(x0.get(), x1.get(), channels, in_rows, offsets, d.n_out,
+                                        d.n_in, mode, result);
+               }
              }
+             out32.finish();
            });
 }
 

@@ -1,5 +1,7 @@
 #include "validate.h"
 
+#include <list>
+#include <mutex>
 #include <sstream>
 #include <stdexcept>
 
@@ -131,6 +133,57 @@ void check_distinct_kernels(const std::string& op, const std::string& group_name
       stamp[k] = g;
     }
   }
+}
+
+namespace {
+
+struct MemoEntry {
+  std::string key;
+  std::vector<mx::array> pinned;  // the key arrays: keeps their identities unique
+  std::vector<mx::array> result;
+};
+
+// Memo of validated index-array sets: mutable global state because the
+// validation of a relation is O(edges) and every layer call would repeat it.
+struct Memo {
+  std::mutex mutex;
+  std::list<MemoEntry> entries;  // most recently used first
+};
+
+Memo& memo() {
+  static Memo* instance = new Memo();  // never destroyed: arrays may outlive MLX statics
+  return *instance;
+}
+
+}  // namespace
+
+std::vector<mx::array> validated(const std::string& tag, const std::vector<mx::array>& keys,
+                                 const std::function<std::vector<mx::array>()>& validate) {
+  std::ostringstream key;
+  key << tag;
+  for (const auto& a : keys) key << ':' << a.id();
+  const std::string k = key.str();
+  auto& m = memo();
+  {
+    std::lock_guard<std::mutex> lock(m.mutex);
+    for (auto it = m.entries.begin(); it != m.entries.end(); ++it) {
+      if (it->key == k) {
+        m.entries.splice(m.entries.begin(), m.entries, it);
+        return it->result;
+      }
+    }
+  }
+  auto result = validate();  // throws on bad input: nothing is remembered
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.entries.push_front({k, keys, result});
+  while (m.entries.size() > kValidationMemo) m.entries.pop_back();
+  return result;
+}
+
+void clear_validation_memo() {
+  auto& m = memo();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.entries.clear();
 }
 
 }  // namespace mlx_lattice

@@ -213,3 +213,72 @@ def test_thread_count_environment_variable():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "3"
+
+
+_ISA_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+rng = np.random.default_rng(7)
+pts = rng.integers(0, 10, (600, 3))
+coords = np.unique(np.concatenate([rng.integers(0, 2, (600, 1)), pts], 1), axis=0).astype(np.int32)
+rel = build_kernel_relation(coords, kernel_size=3)
+f = mx.array(rng.standard_normal((len(coords), 19)).astype(np.float32))
+w = mx.array(rng.standard_normal((27, 19, 70)).astype(np.float32) * 0.1)
+probe = mx.array(rng.standard_normal((len(coords), 70)).astype(np.float32))
+loss = lambda a, b: (ops.sparse_conv_features_from_relation(a, b, rel) * probe).sum()
+gf, gw = mx.grad(loss, argnums=(0, 1))(f, w)
+out = ops.sparse_conv_features_from_relation(f, w, rel)
+np.savez(sys.argv[1], out=np.array(out), gf=np.array(gf), gw=np.array(gw), isa=ext.gemm_isa())
+"""
+
+
+def test_every_micro_kernel_path(tmp_path):
+    """Each ISA path (forced by MLX_LATTICE_GEMM_ISA) computes the same
+    convolution; the two FMA paths give identical bits."""
+    results = {}
+    for isa in ("avx512f", "avx2-fma", "scalar"):
+        path = tmp_path / f"{isa}.npz"
+        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
+        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], env=env, check=True)
+        results[isa] = np.load(path)
+    used = {str(r["isa"]) for r in results.values()}
+    assert "scalar" in used
+    fma = [r for r in results.values() if str(r["isa"]) != "scalar"]
+    for r in fma[1:]:
+        for key in ("out", "gf", "gw"):
+            np.testing.assert_array_equal(r[key], fma[0][key])
+    for key in ("out", "gf", "gw"):
+        np.testing.assert_allclose(results["scalar"][key], fma[0][key], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_conversions_round_trip_exactly(rng, dtype):
+    """A one-channel 1x1x1 convolution by 1 returns its half-precision input
+    bit for bit, special values included (the native conversions match
+    MLX's); -0 becomes +0, as 0 + (-0) does."""
+    n = 3000
+    coords = np.stack([np.zeros(n), np.arange(n), np.zeros(n), np.zeros(n)], 1).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=1)
+    special = [0.0, np.inf, -np.inf, np.nan, 6.1e-5, 3e-7, -2e-8, 65504.0, 1e-40, -1e-39]
+    values = np.concatenate([rng.standard_normal(n - len(special)) * 10, special])
+    one = mx.ones((1, 1, 1), dtype=dtype)
+    feats = mx.array(values.astype(np.float32).reshape(n, 1)).astype(dtype)
+    out = ops.sparse_conv_features_from_relation(feats, one, rel)
+    nan = np.isnan(np.array(feats.astype(mx.float32)))
+    a, b = np.array(out.view(mx.uint16)), np.array(feats.view(mx.uint16))
+    b = np.where(b == 0x8000, 0, b)  # -0 (also from tiny negatives) -> +0
+    np.testing.assert_array_equal(a[~nan], b[~nan])
+    assert np.isnan(np.array(out.astype(mx.float32))[nan]).all()
+    # float32 -> half rounding matches MLX's astype: products of two half
+    # values are exact in float32 and rounded once on output.
+    scale = mx.array([[[1.37]]]).astype(dtype)
+    product = ops.sparse_conv_features_from_relation(feats, scale, rel)
+    expected = (feats.astype(mx.float32) * scale.astype(mx.float32).reshape(1, 1)).astype(dtype)
+    finite = np.isfinite(np.array(expected.astype(mx.float32)))
+    want = np.array(expected.view(mx.uint16))
+    want = np.where(want == 0x8000, 0, want)
+    np.testing.assert_array_equal(np.array(product.view(mx.uint16))[finite], want[finite])

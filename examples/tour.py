@@ -36,15 +36,30 @@ def main() -> None:
         err = float(jnp.linalg.norm(y - ref) / jnp.linalg.norm(ref))
         print(f"  linear at {path:12s} rel. error vs float = {err:.2e}")
 
+    import time
+
     import mlx.core as mx
 
     import mlx_lattice
-    from mlx_lattice._native import ext
+    from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+    from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 
     print(f"mlx_lattice {mlx_lattice.__version__}")
-    a = mx.array(np.arange(4, dtype=np.float32))
-    out = ext.scaled_add(a, mx.ones(4), alpha=2.0, beta=0.5)
-    print(f"  native primitive 2*[0,1,2,3] + 0.5 = {out.tolist()}")
+    coords = voxelize_points(synthetic_lidar_scan(seed=0).points, 0.05)
+    start = time.perf_counter()
+    rel = build_kernel_relation(coords, kernel_size=3)
+    built = time.perf_counter() - start
+    print(f"  LiDAR scan: {rel.n_in} voxels, {rel.n_edges} edges, relation in {built * 1e3:.1f} ms")
+    feats = mx.array(rng.standard_normal((rel.n_in, 32)).astype(np.float32))
+    weight = mx.array(rng.standard_normal((27, 32, 32)).astype(np.float32) / 30)
+    dense = ops.sparse_conv_features_from_relation(feats, weight, rel)
+    bits = qr.get_qtype(qr.resolve(rules, module_path="encoder/block1/conv",
+                                   op="sparse_conv").rule.weight_qtype).bits
+    quantized = QuantizedWeight.from_float(weight, bits=bits, group_size=32)
+    approx = ops.sparse_quantized_conv_features_from_relation(feats, quantized, rel)
+    err = float(mx.linalg.norm(approx - dense) / mx.linalg.norm(dense))
+    print(f"  submanifold conv 32->32, int{bits} weights (rule of encoder/block1/conv): "
+          f"rel. error vs float = {err:.2e}")
 
 
 if __name__ == "__main__":

@@ -282,3 +282,36 @@ def test_half_conversions_round_trip_exactly(rng, dtype):
     want = np.array(expected.view(mx.uint16))
     want = np.where(want == 0x8000, 0, want)
     np.testing.assert_array_equal(np.array(product.view(mx.uint16))[finite], want[finite])
+
+
+def test_long_kernels_release_the_gil(restore_threads):
+    """Python keeps running while a long convolution evaluates."""
+    import threading
+    import time
+
+    mlx_lattice.set_num_threads(1)  # leave a core for the Python thread
+    rng = np.random.default_rng(0)
+    coords = np.unique(rng.integers(0, 60, (60000, 4)) * [0, 1, 1, 1], axis=0).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    f = mx.array(rng.standard_normal((len(coords), 64)).astype(np.float32))
+    w = mx.array(rng.standard_normal((27, 64, 64)).astype(np.float32))
+    mx.eval(f, w)
+    span = {}
+
+    def work():
+        start = time.perf_counter()
+        out = f
+        for _ in range(4):
+            out = ops.sparse_conv_features_from_relation(out, w, rel)
+        mx.eval(out)
+        span["eval"] = time.perf_counter() - start
+
+    thread = threading.Thread(target=work)
+    ticks = [time.perf_counter()]
+    thread.start()
+    while thread.is_alive():
+        ticks.append(time.perf_counter())
+    thread.join()
+    gap = max(np.diff(ticks)) if len(ticks) > 1 else span["eval"]
+    assert span["eval"] > 0.05
+    assert gap < span["eval"] / 3, (gap, span["eval"])

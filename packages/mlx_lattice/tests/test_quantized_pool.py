@@ -176,3 +176,32 @@ def test_pooling_half_dtype_and_errors(rng, ref):
         ).sum()
     )(f.astype(mx.float32))
     assert g2.shape == f.shape
+
+
+def test_compile_through_pool_quantized_and_sorted(rng, ref):
+    coords = ref.random_coords(rng, 200, 7)
+    rel = build_kernel_relation(coords)
+    down = build_kernel_relation(coords, kernel_size=2, stride=2, kind="forward")
+    qw = QuantizedWeight.from_float(
+        mx.array(rng.standard_normal((27, 32, 32)).astype(np.float32) * 0.05), bits=4, group_size=32
+    )
+    w16 = mx.array(rng.standard_normal((27, 32, 32)).astype(np.float32) * 0.05).astype(mx.float16)
+
+    def step(f):
+        q = ops.sparse_quantized_conv_features_from_relation(f, qw, rel)
+        s = ops.sparse_conv_features_sorted_from_relation(q.astype(mx.float16), w16, rel).astype(
+            mx.float32
+        )
+        pooled = ops.sparse_pool_features_from_relation(s, down, input_exclusive=True, mode="max")
+        return pooled, mx.grad(
+            lambda a: ops.sparse_pool_features_from_relation(
+                ops.sparse_quantized_conv_features_from_relation(a, qw, rel),
+                down,
+                input_exclusive=True,
+                mode="avg",
+            ).sum()
+        )(f)
+
+    f = mx.array(rng.standard_normal((len(coords), 32)).astype(np.float32))
+    for a, b in zip(step(f), mx.compile(step)(f), strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))

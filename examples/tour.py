@@ -13,13 +13,17 @@ def main() -> None:
 
     rules = [
         qr.Rule(module_path="head"),
-        qr.Rule(module_path="encoder/.*", op_names=("sparse_conv",), weight_qtype="int4",
-                tile_size=32),
+        qr.Rule(
+            module_path="encoder/.*", op_names=("sparse_conv",), weight_qtype="int4", tile_size=32
+        ),
         qr.Rule(weight_qtype="int8"),
     ]
     print(f"quantrules {qr.__version__}")
-    for path, op in [("encoder/block1/conv", "sparse_conv"), ("head", "dot_general"),
-                     ("decoder/mlp", "einsum")]:
+    for path, op in [
+        ("encoder/block1/conv", "sparse_conv"),
+        ("head", "dot_general"),
+        ("decoder/mlp", "einsum"),
+    ]:
         print(f"  {path:22s} {op:12s} -> {qr.explain(rules, module_path=path, op=op).summary}")
 
     import jax.numpy as jnp
@@ -53,13 +57,16 @@ def main() -> None:
     feats = mx.array(rng.standard_normal((rel.n_in, 32)).astype(np.float32))
     weight = mx.array(rng.standard_normal((27, 32, 32)).astype(np.float32) / 30)
     dense = ops.sparse_conv_features_from_relation(feats, weight, rel)
-    bits = qr.get_qtype(qr.resolve(rules, module_path="encoder/block1/conv",
-                                   op="sparse_conv").rule.weight_qtype).bits
+    bits = qr.get_qtype(
+        qr.resolve(rules, module_path="encoder/block1/conv", op="sparse_conv").rule.weight_qtype
+    ).bits
     quantized = QuantizedWeight.from_float(weight, bits=bits, group_size=32)
     approx = ops.sparse_quantized_conv_features_from_relation(feats, quantized, rel)
     err = float(mx.linalg.norm(approx - dense) / mx.linalg.norm(dense))
-    print(f"  submanifold conv 32->32, int{bits} weights (rule of encoder/block1/conv): "
-          f"rel. error vs float = {err:.2e}")
+    print(
+        f"  submanifold conv 32->32, int{bits} weights (rule of encoder/block1/conv): "
+        f"rel. error vs float = {err:.2e}"
+    )
 
 
 if __name__ == "__main__":

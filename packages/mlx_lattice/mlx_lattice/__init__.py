@@ -1,10 +1,28 @@
 """Sparse 3-D convolution on MLX.
 
-The engine lives in :mod:`mlx_lattice.core`: coordinates, kernel relations,
-quantized weights and the ops layer over native MLX primitives.
+* :class:`SparseTensor` (coordinates, features, tensor stride) and
+  :func:`sparse_collate`;
+* :mod:`mlx_lattice.ops`: functional sparse convolution, pooling and
+  feature ops; :mod:`mlx_lattice.nn`: the same as ``mlx.nn.Module`` layers;
+* :func:`quantize`: rule-based weight quantization through ``quantrules``;
+* :mod:`mlx_lattice.core`: coordinates, kernel relations, quantized weights
+  and the ops layer over the native MLX primitives;
+* :mod:`mlx_lattice.data`: a seeded synthetic LiDAR scan.
 """
 
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
+from mlx_lattice.quantize import QuantizationReport, quantize
+from mlx_lattice.tensor import CoordinateManager, SparseTensor, SparseTensorError, sparse_collate
 
-__all__ = ["__version__", "get_num_threads", "set_num_threads"]
+__all__ = [
+    "CoordinateManager",
+    "QuantizationReport",
+    "SparseTensor",
+    "SparseTensorError",
+    "__version__",
+    "get_num_threads",
+    "quantize",
+    "set_num_threads",
+    "sparse_collate",
+]

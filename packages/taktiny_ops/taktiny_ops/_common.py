@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+import functools
+import inspect
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -123,3 +126,111 @@ def calibration(rule: quantrules.Rule, is_weight: bool) -> tuple[Any, str] | Non
     if qtype is None:
         return None
     return quantrules.qwix_qtype(qtype), method
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _freeze(value: Any) -> Any:
+    """Lists (e.g. dimension numbers, padding) as tuples, so they can be static."""
+    if isinstance(value, list | tuple):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _canonical_quant(quant: Any) -> Any:
+    """A hashable ``quant`` that resolves exactly as the given one."""
+    if quant is None or isinstance(quant, str | quantrules.Rule):
+        return quant
+    rules, mode = quantrules.as_rules(quant)
+    if mode is None:
+        return rules
+    return quantrules.QtProvider(rules) if mode == "qt" else quantrules.PtqProvider(rules)
+
+
+def _eager_jit_enabled() -> bool:
+    return os.environ.get("TAKTINY_OPS_EAGER_JIT") != "0"
+
+
+def eager_jit(array_params: Sequence[str]) -> Callable[[F], F]:
+    """Run an op called outside any JAX transformation as one cached ``jax.jit``.
+
+    Called eagerly, an op would dispatch each of its JAX/Qwix primitives
+    separately (tens of microseconds each); instead its arrays (the
+    ``array_params``) become the jitted function's arguments and everything
+    else (rules, dimension numbers, dtypes, shardings) static, so a repeated
+    call is one compiled dispatch. Under a transformation (tracer inputs) the
+    op runs inline, so a user's ``jax.jit`` sees exactly the hand-written
+    program. ``TAKTINY_OPS_EAGER_JIT=0`` turns this off (op-by-op eager).
+    """
+    array_order = tuple(array_params)
+    array_params = frozenset(array_params)
+
+    def decorate(fn: F) -> F:
+        signature = inspect.signature(fn)
+        params = list(signature.parameters.values())
+        positional = [
+            p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        var_positional = next((p.name for p in params if p.kind == p.VAR_POSITIONAL), None)
+        names = {p.name for p in params if p.kind != p.VAR_POSITIONAL}
+        defaults = {p.name: p.default for p in params if p.default is not p.empty}
+        required = {p.name for p in params if p.default is p.empty and p.kind != p.VAR_POSITIONAL}
+
+        def bind(args: tuple, kwargs: dict) -> dict[str, Any] | None:
+            """Argument values by name (inspect's bind is ~30 µs); None: let fn raise."""
+            values = dict(defaults)
+            if var_positional is None and len(args) > len(positional):
+                return None
+            values.update(zip(positional, args, strict=False))
+            if var_positional is not None:
+                values[var_positional] = tuple(args[len(positional):])
+            for key, value in kwargs.items():
+                if key not in names or key in positional[: len(args)]:
+                    return None
+                values[key] = value
+            return values if required <= values.keys() else None
+
+        def call(values: dict[str, Any]) -> Any:
+            args = [values[name] for name in positional]
+            if var_positional is not None:
+                args.extend(values[var_positional])
+            kwargs = {k: v for k, v in values.items() if k not in positional and k != var_positional}
+            return fn(*args, **kwargs)
+
+        def traced(key: tuple[tuple[str, ...], tuple[tuple[str, Any], ...]], *arrays: Any) -> Any:
+            present, statics = key
+            values = {**dict(statics), **{name: None for name in array_order}}
+            values.update(zip(present, arrays, strict=True))
+            return call(values)
+
+        @functools.lru_cache(maxsize=256)
+        def compiled_for(key: tuple[tuple[str, ...], tuple[tuple[str, Any], ...]]) -> Any:
+            # One jitted function per static configuration, called with
+            # positional arrays only: JAX's fastest dispatch path.
+            return jax.jit(functools.partial(traced, key))
+
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            values = bind(args, kwargs)
+            if values is None or not _eager_jit_enabled():
+                return fn(*args, **kwargs)
+            # Absent optional arrays (None) stay out of the call: each argument costs.
+            present = tuple(name for name in array_order if values[name] is not None)
+            arrays = [values[name] for name in present]
+            if any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(arrays)):
+                return fn(*args, **kwargs)
+            statics = tuple(
+                (k, _canonical_quant(v) if k == "quant" else _freeze(v))
+                for k, v in values.items()
+                if k not in array_params
+            )
+            try:
+                compiled = compiled_for((present, statics))
+            except TypeError:  # an unhashable static argument: run op by op
+                return fn(*args, **kwargs)
+            return compiled(*arrays)
+
+        return wrapper  # type: ignore[return-value]
+
+    return decorate

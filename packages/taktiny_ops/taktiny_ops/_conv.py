@@ -16,6 +16,7 @@ from taktiny_ops._common import (
     calibration,
     check_qt_sharding,
     dequantize,
+    eager_jit,
     finish,
     is_qarray,
     prepare,
@@ -81,6 +82,7 @@ def _qt_config(rule: Any) -> Any:
     )
 
 
+@eager_jit(("lhs", "rhs"))
 def conv_general_dilated(
     lhs: Any,
     rhs: Any,

@@ -18,6 +18,7 @@ from taktiny_ops._common import (
     check_backend_support,
     check_qt_sharding,
     dequantize,
+    eager_jit,
     finish,
     is_qarray,
     prepare,
@@ -114,6 +115,7 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
 
 
+@eager_jit(("lhs", "rhs"))
 def dot_general(
     lhs: Any,
     rhs: Any,
@@ -167,6 +169,7 @@ def dot_general(
     return finish(out, dtype, out_sharding)
 
 
+@eager_jit(("x", "w", "b"))
 def linear(
     x: Any,
     w: Any,

@@ -17,6 +17,7 @@ from taktiny_ops._common import (
     check_backend_support,
     check_qt_sharding,
     dequantize,
+    eager_jit,
     finish,
     is_qarray,
     prepare,
@@ -90,6 +91,7 @@ def _qt_einsum(subscripts: str, act: jax.Array, weight: jax.Array, rule: Any,
                           _dot_general=qt_dot_general)
 
 
+@eager_jit(("operands",))
 def einsum(
     subscripts: str,
     *operands: Any,

@@ -28,22 +28,27 @@ def test_dense_paths_equal_jax_exactly():
     a, k = arr(2, 11, 3), arr(3, 3, 4)
     args = ((2,), [(1, 1)])
     kw = dict(rhs_dilation=(2,), dimension_numbers=("NWC", "WIO", "NWC"))
-    np.testing.assert_array_equal(tk.conv_general_dilated(a, k, *args, **kw),
-                                  jax.lax.conv_general_dilated(a, k, *args, **kw))
+    np.testing.assert_array_equal(
+        tk.conv_general_dilated(a, k, *args, **kw), jax.lax.conv_general_dilated(a, k, *args, **kw)
+    )
 
 
 def test_three_operand_dense_einsum_with_optimize():
     a, b, c = arr(4, 5), arr(5, 6), arr(6, 3)
-    np.testing.assert_allclose(tk.einsum("ij,jk,kl->il", a, b, c, optimize="greedy"),
-                               a @ b @ c, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        tk.einsum("ij,jk,kl->il", a, b, c, optimize="greedy"), a @ b @ c, rtol=1e-5, atol=1e-5
+    )
 
 
 def test_qarray_inputs_use_qwix_without_quant():
     x, w = arr(4, 32), arr(32, 8)
     wq = qwix.quantize(w, jnp.int8, channelwise_axes=(1,))
     dn = (((1,), (0,)), ((), ()))
-    np.testing.assert_array_equal(tk.dot_general(x, wq, dn), qwix.dot_general(x, wq, dn))
-    np.testing.assert_array_equal(tk.einsum("bi,io->bo", x, wq), qwix.einsum("bi,io->bo", x, wq))
+    # Called eagerly, the ops run compiled: compare with compiled Qwix calls.
+    expected = jax.jit(lambda a, b: qwix.dot_general(a, b, dn))(x, wq)
+    np.testing.assert_array_equal(tk.dot_general(x, wq, dn), expected)
+    expected = jax.jit(lambda a, b: qwix.einsum("bi,io->bo", a, b))(x, wq)
+    np.testing.assert_array_equal(tk.einsum("bi,io->bo", x, wq), expected)
     with pytest.raises(ValueError, match="optimize: QArray inputs without quant need"):
         tk.einsum("bi,io->bo", x, wq, optimize="greedy")
     # a selected rule dequantizes the QArray first, then quantizes again
@@ -60,9 +65,11 @@ BOUNDS = {"int8": 0.02, "fp8": 0.08, "int4": 0.25, "nf4": 0.25}
 def test_quantized_error_within_documented_bounds(qtype):
     x, w = arr(16, 256), arr(256, 32)
     ref = x @ w
-    for out in (tk.linear(x, w, quant=qtype),
-                tk.einsum("bi,io->bo", x, w, quant=qtype),
-                tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=qtype)):
+    for out in (
+        tk.linear(x, w, quant=qtype),
+        tk.einsum("bi,io->bo", x, w, quant=qtype),
+        tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=qtype),
+    ):
         rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
         assert 0 < rel < BOUNDS[qtype], (qtype, rel)
 
@@ -70,8 +77,9 @@ def test_quantized_error_within_documented_bounds(qtype):
 def test_weight_only_conv_works():
     x, k = arr(2, 12, 3), arr(3, 3, 8)
     ref = jax.lax.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"))
-    out = tk.conv_general_dilated(x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"),
-                                  quant="int8")
+    out = tk.conv_general_dilated(
+        x, k, (1,), "SAME", dimension_numbers=("NWC", "WIO", "NWC"), quant="int8"
+    )
     rel = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
     assert 0 < rel < 0.02
 
@@ -120,10 +128,12 @@ def test_qt_einsum_gradients_when_jax_swaps_operands():
     x, w = arr(6, 32), arr(32, 4)
     rule = qr.Rule(weight_qtype="int8", act_qtype="int8", mode="qt")
     for spec in ("bi,io->bo", "bi,io->ob"):
-        gx, gw = jax.grad(lambda a, b, s=spec: jnp.sum(tk.einsum(s, a, b, quant=rule) ** 2),
-                          argnums=(0, 1))(x, w)
-        rx, rw = jax.grad(lambda a, b, s=spec: jnp.sum(jnp.einsum(s, a, b) ** 2),
-                          argnums=(0, 1))(x, w)
+        gx, gw = jax.grad(
+            lambda a, b, s=spec: jnp.sum(tk.einsum(s, a, b, quant=rule) ** 2), argnums=(0, 1)
+        )(x, w)
+        rx, rw = jax.grad(lambda a, b, s=spec: jnp.sum(jnp.einsum(s, a, b) ** 2), argnums=(0, 1))(
+            x, w
+        )
         for g, r in ((gx, rx), (gw, rw)):
             assert g.shape == r.shape
             rel = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
@@ -168,10 +178,13 @@ def test_more_than_two_operands_with_rule_raise():
 def test_dtype_table(inputs, quant, preferred, expected):
     x = jnp.asarray(RNG.integers(-3, 3, (2, 32)), inputs[0])
     w = jnp.asarray(RNG.integers(-3, 3, (32, 4)), inputs[1])
-    for out in (tk.linear(x, w, quant=quant, preferred_element_type=preferred),
-                tk.einsum("bi,io->bo", x, w, quant=quant, preferred_element_type=preferred),
-                tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=quant,
-                               preferred_element_type=preferred)):
+    for out in (
+        tk.linear(x, w, quant=quant, preferred_element_type=preferred),
+        tk.einsum("bi,io->bo", x, w, quant=quant, preferred_element_type=preferred),
+        tk.dot_general(
+            x, w, (((1,), (0,)), ((), ())), quant=quant, preferred_element_type=preferred
+        ),
+    ):
         assert out.dtype == expected
 
 
@@ -203,9 +216,20 @@ def test_jit_grad_vmap_through_every_op():
     assert ein.shape == (4, 8)
     g = jax.grad(lambda a: jnp.sum(tk.dot_general(a, w, (((1,), (0,)), ((), ())))))(x)
     np.testing.assert_allclose(g, jnp.broadcast_to(w.sum(1), x.shape), rtol=1e-5)
-    c = jax.jit(jax.grad(lambda k: jnp.sum(tk.conv_general_dilated(
-        arr(1, 8, 2), k, (1,), "VALID", dimension_numbers=("NWC", "WIO", "NWC"),
-        quant=qr.Rule(weight_qtype="int8", act_qtype="int8", mode="qt")))))(arr(3, 2, 4))
+    c = jax.jit(
+        jax.grad(
+            lambda k: jnp.sum(
+                tk.conv_general_dilated(
+                    arr(1, 8, 2),
+                    k,
+                    (1,),
+                    "VALID",
+                    dimension_numbers=("NWC", "WIO", "NWC"),
+                    quant=qr.Rule(weight_qtype="int8", act_qtype="int8", mode="qt"),
+                )
+            )
+        )
+    )(arr(3, 2, 4))
     assert c.shape == (3, 2, 4)
 
 
@@ -239,19 +263,28 @@ def test_int4_by_int4_on_cpu_raises_clearly():
 def test_stateless_limits_raise_not_implemented():
     x, w = arr(2, 16), arr(16, 4)
     with pytest.raises(NotImplementedError, match="act_static_scale"):
-        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", act_qtype="int8",
-                                      act_static_scale=True))
+        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", act_qtype="int8", act_static_scale=True))
     with pytest.raises(NotImplementedError, match="bwd_stochastic_rounding"):
-        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", mode="qt",
-                                      bwd_stochastic_rounding="uniform"))
+        tk.linear(
+            x, w, quant=qr.Rule(weight_qtype="int8", mode="qt", bwd_stochastic_rounding="uniform")
+        )
     with pytest.raises(NotImplementedError, match="tile_size=8; tiled"):
-        tk.conv_general_dilated(arr(1, 8, 16), arr(3, 16, 4), (1,), "SAME",
-                                dimension_numbers=("NWC", "WIO", "NWC"),
-                                quant=qr.Rule(weight_qtype="int8", tile_size=8))
+        tk.conv_general_dilated(
+            arr(1, 8, 16),
+            arr(3, 16, 4),
+            (1,),
+            "SAME",
+            dimension_numbers=("NWC", "WIO", "NWC"),
+            quant=qr.Rule(weight_qtype="int8", tile_size=8),
+        )
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("x",))
     with pytest.raises(NotImplementedError, match="out_sharding: QT"):
-        tk.linear(x, w, quant=qr.Rule(weight_qtype="int8", mode="qt"),
-                  out_sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+        tk.linear(
+            x,
+            w,
+            quant=qr.Rule(weight_qtype="int8", mode="qt"),
+            out_sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+        )
 
 
 # ---------------------------------------------------------------- bad input
@@ -263,26 +296,49 @@ def test_stateless_limits_raise_not_implemented():
         (lambda: tk.linear(arr(2, 3), arr(4, 5)), ValueError, "w: in_features 4 does not match"),
         (lambda: tk.linear(arr(2, 3), arr(3)), ValueError, r"w: expected shape \(in_features"),
         (lambda: tk.linear(arr(2, 3), arr(3, 4), arr(5)), ValueError, "b: shape"),
-        (lambda: tk.dot_general(arr(2, 3), arr(4, 5), (((1,), (0,)), ((), ()))), ValueError,
-         "contracting dimension sizes differ: lhs axis 1 has 3, rhs axis 0 has 4"),
-        (lambda: tk.dot_general(arr(2, 3), arr(3, 5), (((2,), (0,)), ((), ()))), ValueError,
-         "axis 2 is out of range for lhs of rank 2"),
-        (lambda: tk.dot_general(arr(2, 3), arr(3, 5), "ij,jk"), ValueError,
-         "dimension_numbers: expected"),
+        (
+            lambda: tk.dot_general(arr(2, 3), arr(4, 5), (((1,), (0,)), ((), ()))),
+            ValueError,
+            "contracting dimension sizes differ: lhs axis 1 has 3, rhs axis 0 has 4",
+        ),
+        (
+            lambda: tk.dot_general(arr(2, 3), arr(3, 5), (((2,), (0,)), ((), ()))),
+            ValueError,
+            "axis 2 is out of range for lhs of rank 2",
+        ),
+        (
+            lambda: tk.dot_general(arr(2, 3), arr(3, 5), "ij,jk"),
+            ValueError,
+            "dimension_numbers: expected",
+        ),
         (lambda: tk.einsum("ij,jk->ik", arr(2, 3)), ValueError, "names 2 operand"),
-        (lambda: tk.einsum("ij,jk->ik", arr(2, 3), arr(4, 5)), ValueError,
-         "index 'j' has size 3"),
-        (lambda: tk.einsum("ijk,jk->i", arr(2, 3), arr(3, 4)), ValueError,
-         "term 'ijk' does not fit operand 0"),
+        (lambda: tk.einsum("ij,jk->ik", arr(2, 3), arr(4, 5)), ValueError, "index 'j' has size 3"),
+        (
+            lambda: tk.einsum("ijk,jk->i", arr(2, 3), arr(3, 4)),
+            ValueError,
+            "term 'ijk' does not fit operand 0",
+        ),
         (lambda: tk.einsum(3, arr(2, 3)), ValueError, "subscripts: expected an einsum"),
-        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1,), "FULL"), ValueError,
-         "padding: expected one of"),
-        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1,), [(1, 1), (0, 0)]),
-         ValueError, r"padding: expected 1 \(low, high\) pairs"),
-        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1, 1), "SAME"), ValueError,
-         "window_strides: expected 1 strides"),
-        (lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 4), (1,), "SAME"), ValueError,
-         "rhs: lhs and rhs need the same rank"),
+        (
+            lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1,), "FULL"),
+            ValueError,
+            "padding: expected one of",
+        ),
+        (
+            lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1,), [(1, 1), (0, 0)]),
+            ValueError,
+            r"padding: expected 1 \(low, high\) pairs",
+        ),
+        (
+            lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1, 1), "SAME"),
+            ValueError,
+            "window_strides: expected 1 strides",
+        ),
+        (
+            lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 4), (1,), "SAME"),
+            ValueError,
+            "rhs: lhs and rhs need the same rank",
+        ),
         (lambda: tk.linear(arr(2, 3), arr(3, 4), quant="int9"), ValueError, "unknown qtype 'int9'"),
         (lambda: tk.linear(arr(2, 3), arr(3, 4), quant=7), ValueError, "quant: expected None"),
     ],
@@ -290,3 +346,46 @@ def test_stateless_limits_raise_not_implemented():
 def test_bad_input_raises_clearly(call, exc, message):
     with pytest.raises(exc, match=message):
         call()
+
+
+# ---------------------------------------------------------------- eager calls run compiled
+
+
+def test_eager_calls_run_one_cached_jit(monkeypatch):
+    import taktiny_ops._dot as dot_module
+
+    calls = []
+    real = dot_module.select_rule
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(dot_module, "select_rule", counting)
+    x, w = arr(6, 32), arr(32, 8)
+    rules = [qr.Rule(module_path="enc/.*", weight_qtype="int8", act_qtype="int8")]
+    first = tk.linear(x, w, quant=rules, module_path="enc/fc")
+    again = tk.linear(x, w, quant=list(rules), module_path="enc/fc")  # an equal, new list
+    assert len(calls) == 1  # resolved once, at trace time; the second call hit the cache
+    np.testing.assert_array_equal(first, again)
+    tk.linear(x, w, quant=rules, module_path="dec/fc")  # another static argument: a new trace
+    assert len(calls) == 2
+    np.testing.assert_array_equal(
+        first, jax.jit(lambda a, b: tk.linear(a, b, quant=rules, module_path="enc/fc"))(x, w)
+    )
+
+
+def test_eager_jit_can_be_turned_off(monkeypatch):
+    x, w = arr(6, 32), arr(32, 8)
+    compiled = tk.linear(x, w, quant="int8")
+    monkeypatch.setenv("TAKTINY_OPS_EAGER_JIT", "0")
+    op_by_op = tk.linear(x, w, quant="int8")
+    np.testing.assert_allclose(op_by_op, compiled, rtol=1e-6, atol=1e-6)
+    # Errors are the same either way.
+    with pytest.raises(ValueError, match="w: in_features"):
+        tk.linear(x, arr(16, 8))
+    monkeypatch.delenv("TAKTINY_OPS_EAGER_JIT")
+    with pytest.raises(ValueError, match="w: in_features"):
+        tk.linear(x, arr(16, 8))
+    with pytest.raises(TypeError):
+        tk.linear(x, w, bogus=1)

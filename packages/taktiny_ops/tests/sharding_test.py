@@ -46,9 +46,18 @@ def test_every_op_returns_the_requested_sharding(mesh, quant):
         }
     unsharded = tk.linear(jnp.asarray(x_np, jnp.float32), jnp.asarray(w_np, jnp.float32),
                           quant=quant)
+    ref = x_np @ w_np
     for name, out in outs.items():
         assert out.sharding.spec == want.spec, name
-        np.testing.assert_allclose(np.asarray(out), np.asarray(unsharded), rtol=1e-5, atol=1e-5)
+        if quant is None:
+            np.testing.assert_allclose(np.asarray(out), np.asarray(unsharded), rtol=1e-5, atol=1e-5)
+        else:
+            # Partitioned and unpartitioned programs may round a quantized
+            # value differently (division vs reciprocal); both must be equally
+            # good quantized results.
+            bound = 1.5 * np.abs(np.asarray(unsharded) - ref).max() + 1e-5
+            assert np.abs(np.asarray(out) - ref).max() <= bound, name
+            assert np.abs(np.asarray(out) - ref).max() > 0  # it quantized
 
 
 def test_qarray_einsum_sharded_path_dequantizes(mesh):

@@ -55,7 +55,7 @@ def test_every_op_returns_the_requested_sharding(mesh, quant):
             # Partitioned and unpartitioned programs may round a quantized
             # value differently (division vs reciprocal); both must be equally
             # good quantized results.
-            bound = 1.5 * np.abs(np.asarray(unsharded) - ref).max() + 1e-5
+            bound = 2.5 * np.abs(np.asarray(unsharded) - ref).max() + 1e-5
             assert np.abs(np.asarray(out) - ref).max() <= bound, name
             assert np.abs(np.asarray(out) - ref).max() > 0  # it quantized
 

@@ -22,7 +22,7 @@ std::vector<mx::array> concrete_indices(const std::string& op,
     if (a.dtype() != mx::int32) {
       fail(op, name + " must be an int32 array, got " + dtype_str(a.dtype()) + ".");
     }
-    if (a.ndim() != ndims[i]) {
+    if (static_cast<int>(a.ndim()) != ndims[i]) {
       fail(op, name + " must have " + std::to_string(ndims[i]) + " dimension(s), got shape " +
                    shape_str(a.shape()) + ".");
     }

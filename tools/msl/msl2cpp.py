@@ -108,7 +108,9 @@ def translate(src: str) -> str:
         name = match.group(1)
         open_paren = match.end() - 1
         close = _matching_paren(src, open_paren)
-        decls, args = zip(*(_binding(p, name) for p in _split_params(src[open_paren + 1 : close])), strict=True)
+        decls, args = zip(
+            *(_binding(p, name) for p in _split_params(src[open_paren + 1 : close])), strict=True
+        )
         out.append(src[pos : match.start()])
         out.append(f"void {name}({', '.join(decls)})")
         pos = close + 1

@@ -1,6 +1,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -27,6 +28,12 @@ std::map<std::string, Launcher>& registry() {
 
 Registration::Registration(const char* name, Launcher launcher) { registry()[name] = launcher; }
 
+namespace {
+std::atomic<uint64_t> groups_run{0};
+}  // namespace
+
+uint64_t dispatched_groups() { return groups_run.load(); }
+
 std::vector<std::string> kernel_names() {
   std::vector<std::string> names;
   for (const auto& [name, _] : registry()) names.push_back(name);
@@ -37,7 +44,7 @@ namespace detail {
 
 namespace {
 
-constexpr size_t kStackBytes = 256 * 1024;
+constexpr size_t kStackBytes = 128 * 1024;
 constexpr auto kThreadTimeout = std::chrono::seconds(20);
 
 enum class State { kRunnable, kWaiting, kDone };
@@ -64,7 +71,7 @@ struct Lane {
   Group* group = nullptr;
   // fibers
   ucontext_t context{};
-  std::unique_ptr<char[]> stack;
+  char* stack = nullptr;  // owned by the dispatch, reused by every group
   State state = State::kRunnable;
   Site waiting;
   std::exception_ptr error;
@@ -193,12 +200,14 @@ bool release_barriers(Group& g) {
   throw HarnessError(msg.str());
 }
 
-void run_fibers(Group& g, Launcher launcher) {
+void run_fibers(Group& g, Launcher launcher, std::vector<std::unique_ptr<char[]>>& stacks) {
   const uintptr_t bits = reinterpret_cast<uintptr_t>(launcher);
-  for (auto& l : g.lanes) {
-    l.stack = std::make_unique<char[]>(kStackBytes);
+  for (size_t i = 0; i < g.lanes.size(); ++i) {
+    auto& l = g.lanes[i];
+    if (!stacks[i]) stacks[i].reset(new char[kStackBytes]);  // not zeroed: cheap to make
+    l.stack = stacks[i].get();
     getcontext(&l.context);
-    l.context.uc_stack.ss_sp = l.stack.get();
+    l.context.uc_stack.ss_sp = l.stack;
     l.context.uc_stack.ss_size = kStackBytes;
     l.context.uc_link = nullptr;
     makecontext(&l.context, reinterpret_cast<void (*)()>(lane_entry), 2,
@@ -321,6 +330,7 @@ void dispatch(const std::string& name, const Launch& launch) {
   if (lanes == 0 || lanes > 1024) {
     throw HarnessError("threadgroup size must be 1..1024 threads, got " + std::to_string(lanes));
   }
+  std::vector<std::unique_ptr<char[]>> stacks(lanes);
   for (uint32_t gz = 0; gz < launch.groups.z; ++gz) {
     for (uint32_t gy = 0; gy < launch.groups.y; ++gy) {
       for (uint32_t gx = 0; gx < launch.groups.x; ++gx) {
@@ -352,10 +362,11 @@ void dispatch(const std::string& name, const Launch& launch) {
           info.simd_size = std::min(detail::kSimdWidth, lanes - info.simd_group * detail::kSimdWidth);
           g.lanes[i].group = &g;
         }
+        groups_run.fetch_add(1);
         if (launch.mode == Mode::kThreads) {
           detail::run_threads(g, it->second);
         } else {
-          detail::run_fibers(g, it->second);
+          detail::run_fibers(g, it->second, stacks);
         }
       }
     }

@@ -56,6 +56,9 @@ struct Registration {
 // misuse, an unknown kernel or a bad launch.
 void dispatch(const std::string& name, const Launch& launch);
 
+// Threadgroups run so far by this process (for tests and diagnostics).
+uint64_t dispatched_groups();
+
 // Names of the registered kernels.
 std::vector<std::string> kernel_names();
 

@@ -213,6 +213,7 @@ struct simdgroup_matrix {
   static_assert(R == 8 && C == 8, "only 8x8 simdgroup matrices");
   T elements[2]{};
   T* thread_elements() { return elements; }
+  const T* thread_elements() const { return elements; }
 };
 
 namespace msl::detail {
@@ -251,7 +252,7 @@ void gather_matrix(const simdgroup_matrix<T, 8, 8>& m, float (&full)[8][8],
 
 }  // namespace msl::detail
 
-template <typename T>
+template <typename T, int R = 8, int C = 8>
 simdgroup_matrix<T, 8, 8> make_filled_simdgroup_matrix(T value) {
   simdgroup_matrix<T, 8, 8> m;
   m.elements[0] = m.elements[1] = value;

@@ -11,6 +11,8 @@
 #include <nanobind/stl/vector.h>
 
 #include "gemm.h"
+#include "metal/encoder.h"
+#include "msl_runtime.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "relations.h"
@@ -51,6 +53,12 @@ Raises:
         "Set the number of threads of the CPU kernels (>= 1).");
   m.def("get_num_threads", &ml::get_num_threads,
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
+  m.def("set_metal_harness", &ml::gpu::set_harness, "enabled"_a,
+        "Route evaluation through the Metal kernels run on the CPU harness (tests).");
+  m.def("harness_groups_run", &msl::dispatched_groups,
+        "Threadgroups the Metal harness has run in this process (diagnostics).");
+  m.def("metal_harness_enabled", &ml::gpu::harness_enabled,
+        "Whether evaluation runs the Metal kernels through the CPU harness.");
   m.def("gemm_isa", &ml::gemm_isa, "The GEMM micro-kernel in use: 'avx2-fma' or 'scalar'.");
 
   m.def("check_coordinates", &ml::check_coordinates, "coords"_a, "name"_a = "coords", release(),

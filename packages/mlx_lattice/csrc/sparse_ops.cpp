@@ -5,6 +5,8 @@
 
 #include "common.h"
 #include "kernels.h"
+#include "metal/encoder.h"
+#include "metal/plans.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "primitives.h"
 #include "validate.h"
@@ -214,6 +216,46 @@ std::vector<mx::array> zero_grads_for_indices(const std::vector<mx::array>& prim
   return out;
 }
 
+// -- the GPU encode plans run through the MSL harness (MLX_LATTICE_METAL_HARNESS) --
+
+gpu::Buffer host(const float* p) { return {nullptr, p, 0}; }
+gpu::Buffer host(float* p) { return {nullptr, p, 0}; }
+gpu::Buffer host(const mx::array& a) { return {&a, a.size() ? a.data<void>() : nullptr, a.nbytes()}; }
+gpu::Buffer host(const std::vector<int32_t>& v) { return {nullptr, v.data(), v.size() * 4}; }
+
+// The output row of every edge (edges are grouped by output).
+std::vector<int32_t> rows_of_edges(const mx::array& out_offsets) {
+  const int32_t* off = idx(out_offsets);
+  const int64_t groups = static_cast<int64_t>(out_offsets.size()) - 1;
+  std::vector<int32_t> rows(groups >= 0 ? off[groups] : 0);
+  for (int64_t o = 0; o < groups; ++o) {
+    for (int32_t e = off[o]; e < off[o + 1]; ++e) rows[e] = static_cast<int32_t>(o);
+  }
+  return rows;
+}
+
+// The relation's buffers, with absent input / kernel groupings rebuilt.
+struct HostRelation {
+  std::vector<int32_t> in_off, in_ids, k_off, k_ids;
+  gpu::Relation rel;
+  HostRelation(const RelationArrays& r, int64_t n_in, int64_t n_kernels) {
+    rel = {host(r.in_rows), host(r.out_rows), host(r.kernel_ids), host(r.out_offsets),
+           host(r.in_offsets), host(r.in_edge_ids), host(r.k_offsets), host(r.k_edge_ids)};
+    if (r.in_offsets.size() == 0) {
+      kernels::group_by(idx(r.in_rows), r.in_rows.size(), n_in, in_off, in_ids);
+      rel.in_offsets = host(in_off);
+      rel.in_edge_ids = host(in_ids);
+    }
+    if (r.k_offsets.size() == 0) {
+      kernels::group_by(idx(r.kernel_ids), r.kernel_ids.size(), n_kernels, k_off, k_ids);
+      rel.k_offsets = host(k_off);
+      rel.k_edge_ids = host(k_ids);
+    }
+  }
+};
+
+uint32_t u32(int64_t v) { return static_cast<uint32_t>(v); }
+
 }  // namespace
 
 void SparsePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
@@ -223,6 +265,26 @@ void SparsePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::ar
 // ---------------------------------------------------------------- SparseConv
 
 void SparseConv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  if (gpu::harness_enabled()) {
+    dispatch(stream(), inputs, outputs,
+             [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+               FloatIn a32(in[0], 0), b32(in[1], 1);
+               FloatOut out32(out[0]);
+               HostRelation r(RelationArrays::from(in, 2), d.n_in, d.n_kernels);
+               const bool wgrad = mode == Conv::kWeightGrad;
+               const int64_t cin = wgrad ? in[0].shape(1) : in[1].shape(1);
+               const int64_t cout = wgrad ? in[1].shape(1) : in[1].shape(2);
+               const auto face = mode == Conv::kForward     ? gpu::ConvFace::kForward
+                                 : mode == Conv::kInputGrad ? gpu::ConvFace::kInputGrad
+                                                            : gpu::ConvFace::kWeightGrad;
+               auto enc = gpu::harness_encoder();
+               gpu::encode_conv(*enc, face, host(a32.get()), host(b32.get()), r.rel,
+                                host(out32.get()), u32(d.n_in), u32(d.n_out), u32(d.n_kernels),
+                                u32(cin), u32(cout));
+               out32.finish();
+             });
+    return;
+  }
   dispatch(stream(), inputs, outputs,
            [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& a = in[0];
@@ -319,6 +381,32 @@ bool SparseConv::is_equivalent(const mx::Primitive& other) const {
 
 void SparseConvSorted::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
+  if (gpu::harness_enabled()) {
+    dispatch(stream(), inputs, outputs,
+             [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
+                                               std::vector<mx::array>& out) {
+               FloatIn f32(in[0], 0), w32(in[1], 1);
+               FloatOut out32(out[0]);
+               // Tile masks from the map (the validated masks are supersets).
+               const int32_t* map = idx(in[2]);
+               const int64_t tiles = (d.n_out + kernels::kSortedTileRows - 1) / kernels::kSortedTileRows;
+               std::vector<int32_t> masks(tiles, 0);
+               for (int64_t r = 0; r < d.n_out; ++r) {
+                 for (int64_t k = 0; k < d.n_kernels; ++k) {
+                   if (map[r * d.n_kernels + k] >= 0) {
+                     masks[r / kernels::kSortedTileRows] |= static_cast<int32_t>(1u << k);
+                   }
+                 }
+               }
+               auto enc = gpu::harness_encoder();
+               gpu::encode_sorted_conv(*enc, false, host(f32.get()), host(w32.get()), host(in[2]),
+                                       host(in[3]), host(masks), host(out32.get()), u32(d.n_out),
+                                       u32(d.n_kernels), u32(in[1].shape(1)), u32(in[1].shape(2)),
+                                       store);
+               out32.finish();
+             });
+    return;
+  }
   dispatch(stream(), inputs, outputs,
            [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
                                              std::vector<mx::array>& out) {
@@ -376,6 +464,21 @@ bool SparseConvSorted::is_equivalent(const mx::Primitive& other) const {
 
 void SparseConvDirect::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
+  if (gpu::harness_enabled()) {
+    dispatch(stream(), inputs, outputs,
+             [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
+                                               std::vector<mx::array>& out) {
+               FloatIn f32(in[0], 0), w32(in[1], 1);
+               FloatOut out32(out[0]);
+               auto enc = gpu::harness_encoder();
+               gpu::encode_sorted_conv(*enc, true, host(f32.get()), host(w32.get()), host(in[2]),
+                                       host(in[3]), host(in[4]), host(out32.get()), u32(d.n_out),
+                                       u32(d.n_kernels), u32(in[1].shape(1)), u32(in[1].shape(2)),
+                                       store);
+               out32.finish();
+             });
+    return;
+  }
   dispatch(stream(), inputs, outputs,
            [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
                                              std::vector<mx::array>& out) {
@@ -453,6 +556,22 @@ bool SparseConvDirect::is_equivalent(const mx::Primitive& other) const {
 
 void SparseQuantizedConv::eval_cpu(const std::vector<mx::array>& inputs,
                                    std::vector<mx::array>& outputs) {
+  if (gpu::harness_enabled()) {
+    dispatch(stream(), inputs, outputs,
+             [d = dims_, q = spec_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+               FloatIn f32(in[0], 0);
+               FloatOut out32(out[0]);
+               HostRelation r(RelationArrays::from(in, 4), d.n_in, d.n_kernels);
+               auto enc = gpu::harness_encoder();
+               gpu::encode_quantized_conv(
+                   *enc, host(f32.get()), host(in[1]), host(in[2]), host(in[3]), r.rel,
+                   host(out32.get()), u32(d.n_out), u32(d.n_kernels), u32(q.in_channels),
+                   u32(q.out_channels), u32(in[1].shape(2) * 4),
+                   u32(q.storage_in_channels / q.group_size), u32(q.group_size), u32(q.bits));
+               out32.finish();
+             });
+    return;
+  }
   dispatch(stream(), inputs, outputs,
            [d = dims_, q = spec_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& f = in[0];
@@ -525,6 +644,28 @@ bool SparseQuantizedConv::is_equivalent(const mx::Primitive& other) const {
 
 void SparseDenominator::eval_cpu(const std::vector<mx::array>& inputs,
                                  std::vector<mx::array>& outputs) {
+  if (gpu::harness_enabled()) {
+    dispatch(stream(), inputs, outputs,
+             [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+               FloatIn x32(in[0], 0);
+               FloatOut out32(out[0]);
+               auto enc = gpu::harness_encoder();
+               if (mode == Mode::kDenominator) {
+                 gpu::encode_denominator(*enc, host(x32.get()), host(in[1]), host(in[2]),
+                                         host(out32.get()), u32(d.n_out), u32(d.n_kernels),
+                                         u32(in[0].shape(1)), u32(in[0].shape(2)));
+               } else {
+                 auto rows = rows_of_edges(in[2]);
+                 std::vector<int32_t> k_off, k_ids;
+                 kernels::group_by(idx(in[1]), in[1].size(), d.n_kernels, k_off, k_ids);
+                 gpu::encode_denominator_grad(*enc, host(x32.get()), host(rows), host(k_off),
+                                              host(k_ids), host(out32.get()), u32(d.n_kernels),
+                                              u32(in[0].shape(1)));
+               }
+               out32.finish();
+             });
+    return;
+  }
   dispatch(stream(), inputs, outputs,
            [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& x = in[0];
@@ -581,6 +722,35 @@ bool SparseDenominator::is_equivalent(const mx::Primitive& other) const {
 // ---------------------------------------------------------------- SparsePool
 
 void SparsePool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+  if (gpu::harness_enabled()) {
+    dispatch(stream(), inputs, outputs,
+             [stage = stage_, mode = mode_, d = dims_](std::vector<mx::array>& in,
+                                                      std::vector<mx::array>& out) {
+               const size_t n_float = stage == Stage::kForward ? 1 : 2;
+               const auto& in_rows = in[n_float];
+               const auto& offsets = in[n_float + 1];
+               FloatIn x0(in[0], 0);
+               FloatIn x1(in[n_float == 2 ? 1 : 0], 1);
+               FloatOut out32(out[0]);
+               auto rows = rows_of_edges(offsets);
+               std::vector<int32_t> in_off, in_ids;
+               kernels::group_by(idx(in_rows), in_rows.size(), d.n_in, in_off, in_ids);
+               gpu::Relation rel{host(in_rows), host(rows), {}, host(offsets), host(in_off),
+                                 host(in_ids), {}, {}};
+               const auto gstage = stage == Stage::kForward     ? gpu::PoolStage::kForward
+                                   : stage == Stage::kMaxSelect ? gpu::PoolStage::kMaxSelect
+                                                                : gpu::PoolStage::kBackward;
+               const uint32_t gmode = mode == kernels::PoolMode::kMax   ? 0
+                                      : mode == kernels::PoolMode::kAvg ? 1
+                                                                        : 2;
+               auto enc = gpu::harness_encoder();
+               gpu::encode_pool(*enc, gstage, gmode, host(x0.get()), host(x1.get()), rel,
+                                host(out32.get()), u32(d.n_in), u32(d.n_out),
+                                u32(in[0].shape(1)));
+               out32.finish();
+             });
+    return;
+  }
   dispatch(stream(), inputs, outputs,
            [stage = stage_, mode = mode_, d = dims_](std::vector<mx::array>& in,
                                                     std::vector<mx::array>& out) {

@@ -1,0 +1,70 @@
+// The harness encoder: binds host pointers and runs the preprocessed MSL
+// kernels with tools/msl's runtime (fiber schedule, forward order).
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "encoder.h"
+#include "msl_runtime.h"
+
+namespace mlx_lattice::gpu {
+
+namespace {
+
+// -1: not yet read from the environment.
+std::atomic<int> harness_flag{-1};
+
+class HarnessEncoder final : public KernelEncoder {
+ public:
+  void kernel(const std::string& name) override {
+    name_ = name;
+    launch_ = msl::Launch{};
+    owned_.clear();
+  }
+  void input(int index, Buffer buffer) override { bind(index, const_cast<void*>(buffer.host)); }
+  void output(int index, Buffer buffer) override { bind(index, const_cast<void*>(buffer.host)); }
+  void bytes(int index, const void* data, size_t size) override {
+    owned_.emplace_back(size);
+    std::memcpy(owned_.back().data(), data, size);
+    bind(index, owned_.back().data());
+  }
+  void threadgroup_memory(int index, size_t size) override {
+    if (launch_.threadgroup_bytes.size() <= static_cast<size_t>(index)) {
+      launch_.threadgroup_bytes.resize(index + 1);
+    }
+    launch_.threadgroup_bytes[index] = size;
+  }
+  void dispatch(Size3 groups, Size3 group_size) override {
+    launch_.groups = {groups.x, groups.y, groups.z};
+    launch_.group_size = {group_size.x, group_size.y, group_size.z};
+    if (groups.x && groups.y && groups.z) msl::dispatch(name_, launch_);
+  }
+
+ private:
+  void bind(int index, void* p) {
+    if (launch_.buffers.size() <= static_cast<size_t>(index)) launch_.buffers.resize(index + 1);
+    launch_.buffers[index] = p;
+  }
+  std::string name_;
+  msl::Launch launch_;
+  std::vector<std::vector<unsigned char>> owned_;
+};
+
+}  // namespace
+
+std::unique_ptr<KernelEncoder> harness_encoder() { return std::make_unique<HarnessEncoder>(); }
+
+bool harness_enabled() {
+  int flag = harness_flag.load();
+  if (flag < 0) {
+    const char* env = std::getenv("MLX_LATTICE_METAL_HARNESS");
+    flag = env && std::strcmp(env, "1") == 0 ? 1 : 0;
+    harness_flag.store(flag);
+  }
+  return flag == 1;
+}
+
+void set_harness(bool enabled) { harness_flag.store(enabled ? 1 : 0); }
+
+}  // namespace mlx_lattice::gpu

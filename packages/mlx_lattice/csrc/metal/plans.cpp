@@ -1,0 +1,175 @@
+#include "plans.h"
+
+#include <stdexcept>
+
+namespace mlx_lattice::gpu {
+
+namespace {
+
+// Parameter blocks, laid out as the MSL structs of the same names.
+struct ConvDims {
+  uint32_t n_rows, cin, cout, n_kernels;
+};
+struct QuantDims {
+  uint32_t n_rows, cin, cout, n_kernels, row_bytes, groups, group_size, bits;
+};
+struct PoolDims {
+  uint32_t n_rows, channels, mode;
+};
+struct SortedDims {
+  uint32_t n_out, n_kernels, cin, cout, store_sorted;
+};
+
+constexpr uint32_t kGroupX = 32;  // threads along channels
+constexpr uint32_t kGroupY = 4;   // rows per threadgroup
+
+uint32_t ceil_div(uint32_t a, uint32_t b) { return (a + b - 1) / b; }
+
+// A (channels x rows) grid of single-value threads.
+void dispatch_rows(KernelEncoder& enc, uint32_t channels, uint32_t rows, uint32_t depth = 1) {
+  enc.dispatch({ceil_div(channels, kGroupX), ceil_div(rows, kGroupY), depth}, {kGroupX, kGroupY, 1});
+}
+
+}  // namespace
+
+void encode_conv(KernelEncoder& enc, ConvFace face, Buffer a, Buffer b, const Relation& rel,
+                 Buffer out, uint32_t n_in, uint32_t n_out, uint32_t n_kernels, uint32_t cin,
+                 uint32_t cout) {
+  switch (face) {
+    case ConvFace::kForward:
+      enc.kernel("mlxl_conv_forward");
+      enc.input(0, a);
+      enc.input(1, b);
+      enc.input(2, rel.in_rows);
+      enc.input(3, rel.kernel_ids);
+      enc.input(4, rel.out_offsets);
+      enc.output(5, out);
+      enc.value(6, ConvDims{n_out, cin, cout, n_kernels});
+      dispatch_rows(enc, cout, n_out);
+      return;
+    case ConvFace::kInputGrad:
+      enc.kernel("mlxl_conv_input_grad");
+      enc.input(0, a);
+      enc.input(1, b);
+      enc.input(2, rel.out_rows);
+      enc.input(3, rel.kernel_ids);
+      enc.input(4, rel.in_offsets);
+      enc.input(5, rel.in_edge_ids);
+      enc.output(6, out);
+      enc.value(7, ConvDims{n_in, cin, cout, n_kernels});
+      dispatch_rows(enc, cin, n_in);
+      return;
+    case ConvFace::kWeightGrad:
+      enc.kernel("mlxl_conv_weight_grad");
+      enc.input(0, a);
+      enc.input(1, b);
+      enc.input(2, rel.in_rows);
+      enc.input(3, rel.out_rows);
+      enc.input(4, rel.k_offsets);
+      enc.input(5, rel.k_edge_ids);
+      enc.output(6, out);
+      enc.value(7, ConvDims{0, cin, cout, n_kernels});
+      enc.dispatch({ceil_div(cout, kGroupX), ceil_div(cin, kGroupY), n_kernels}, {kGroupX, kGroupY, 1});
+      return;
+  }
+}
+
+void encode_quantized_conv(KernelEncoder& enc, Buffer feats, Buffer packed, Buffer scales,
+                           Buffer biases, const Relation& rel, Buffer out, uint32_t n_out,
+                           uint32_t n_kernels, uint32_t cin, uint32_t cout, uint32_t row_bytes,
+                           uint32_t groups, uint32_t group_size, uint32_t bits) {
+  enc.kernel("mlxl_quantized_conv_forward");
+  enc.input(0, feats);
+  enc.input(1, packed);
+  enc.input(2, scales);
+  enc.input(3, biases);
+  enc.input(4, rel.in_rows);
+  enc.input(5, rel.kernel_ids);
+  enc.input(6, rel.out_offsets);
+  enc.output(7, out);
+  enc.value(8, QuantDims{n_out, cin, cout, n_kernels, row_bytes, groups, group_size, bits});
+  dispatch_rows(enc, cout, n_out);
+}
+
+void encode_denominator(KernelEncoder& enc, Buffer weight, Buffer kernel_ids, Buffer out_offsets,
+                        Buffer out, uint32_t n_out, uint32_t n_kernels, uint32_t cin,
+                        uint32_t cout) {
+  enc.kernel("mlxl_denominator");
+  enc.input(0, weight);
+  enc.input(1, kernel_ids);
+  enc.input(2, out_offsets);
+  enc.output(3, out);
+  enc.value(4, ConvDims{n_out, cin, cout, n_kernels});
+  dispatch_rows(enc, cout, n_out);
+}
+
+void encode_denominator_grad(KernelEncoder& enc, Buffer grad, Buffer out_rows, Buffer k_offsets,
+                             Buffer k_edge_ids, Buffer out, uint32_t n_kernels, uint32_t cout) {
+  enc.kernel("mlxl_denominator_grad");
+  enc.input(0, grad);
+  enc.input(1, out_rows);
+  enc.input(2, k_offsets);
+  enc.input(3, k_edge_ids);
+  enc.output(4, out);
+  enc.value(5, ConvDims{n_kernels, 0, cout, n_kernels});
+  dispatch_rows(enc, cout, n_kernels);
+}
+
+void encode_pool(KernelEncoder& enc, PoolStage stage, uint32_t mode, Buffer x, Buffer y,
+                 const Relation& rel, Buffer out, uint32_t n_in, uint32_t n_out,
+                 uint32_t channels) {
+  if (stage == PoolStage::kForward) {
+    enc.kernel("mlxl_pool_forward");
+    enc.input(0, x);
+    enc.input(1, rel.in_rows);
+    enc.input(2, rel.out_offsets);
+    enc.output(3, out);
+    enc.value(4, PoolDims{n_out, channels, mode});
+    dispatch_rows(enc, channels, n_out);
+  } else if (stage == PoolStage::kMaxSelect) {
+    enc.kernel("mlxl_pool_max_select");
+    enc.input(0, x);
+    enc.input(1, y);
+    enc.input(2, rel.in_rows);
+    enc.input(3, rel.out_offsets);
+    enc.output(4, out);
+    enc.value(5, PoolDims{n_out, channels, mode});
+    dispatch_rows(enc, channels, n_out);
+  } else {
+    enc.kernel("mlxl_pool_backward");
+    enc.input(0, x);
+    enc.input(1, y);
+    enc.input(2, rel.in_rows);
+    enc.input(3, rel.out_rows);
+    enc.input(4, rel.out_offsets);
+    enc.input(5, rel.in_offsets);
+    enc.input(6, rel.in_edge_ids);
+    enc.output(7, out);
+    enc.value(8, PoolDims{n_in, channels, mode});
+    dispatch_rows(enc, channels, n_in);
+  }
+}
+
+void encode_sorted_conv(KernelEncoder& enc, bool direct, Buffer feats, Buffer weight,
+                        Buffer sorted_map, Buffer reorder, Buffer tile_masks, Buffer out,
+                        uint32_t n_out, uint32_t n_kernels, uint32_t cin, uint32_t cout,
+                        bool store_sorted) {
+  if (!direct && ((cin != 32 && cin != 64) || (cout != 32 && cout != 64))) {
+    throw std::invalid_argument("the sorted implicit-GEMM kernel supports 32 or 64 channels");
+  }
+  enc.kernel(direct ? "mlxl_sorted_direct" : "mlxl_sorted_conv");
+  enc.input(0, feats);
+  enc.input(1, weight);
+  enc.input(2, sorted_map);
+  enc.input(3, reorder);
+  enc.input(4, tile_masks);
+  enc.output(5, out);
+  enc.value(6, SortedDims{n_out, n_kernels, cin, cout, store_sorted ? 1u : 0u});
+  if (direct) {
+    dispatch_rows(enc, cout, n_out);
+  } else {
+    enc.dispatch({ceil_div(n_out, 32), 1, 1}, {32, 1, 1});
+  }
+}
+
+}  // namespace mlx_lattice::gpu

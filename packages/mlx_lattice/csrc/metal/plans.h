@@ -1,0 +1,52 @@
+// Encode plans: one per GPU kernel, written against KernelEncoder.
+// Floating buffers are float32; index buffers int32, validated by the ops.
+#pragma once
+
+#include <cstdint>
+
+#include "encoder.h"
+
+namespace mlx_lattice::gpu {
+
+struct Relation {
+  Buffer in_rows, out_rows, kernel_ids, out_offsets, in_offsets, in_edge_ids, k_offsets, k_edge_ids;
+};
+
+enum class ConvFace { kForward, kInputGrad, kWeightGrad };
+
+// kForward: out (n_out, cout) = conv(a = F (n_in, cin), b = W (K, cin, cout)).
+// kInputGrad: out (n_in, cin) from a = G (n_out, cout), b = W.
+// kWeightGrad: out (K, cin, cout) from a = F, b = G.
+void encode_conv(KernelEncoder& enc, ConvFace face, Buffer a, Buffer b, const Relation& rel,
+                 Buffer out, uint32_t n_in, uint32_t n_out, uint32_t n_kernels, uint32_t cin,
+                 uint32_t cout);
+
+void encode_quantized_conv(KernelEncoder& enc, Buffer feats, Buffer packed, Buffer scales,
+                           Buffer biases, const Relation& rel, Buffer out, uint32_t n_out,
+                           uint32_t n_kernels, uint32_t cin, uint32_t cout, uint32_t row_bytes,
+                           uint32_t groups, uint32_t group_size, uint32_t bits);
+
+void encode_denominator(KernelEncoder& enc, Buffer weight, Buffer kernel_ids, Buffer out_offsets,
+                        Buffer out, uint32_t n_out, uint32_t n_kernels, uint32_t cin,
+                        uint32_t cout);
+
+void encode_denominator_grad(KernelEncoder& enc, Buffer grad, Buffer out_rows, Buffer k_offsets,
+                             Buffer k_edge_ids, Buffer out, uint32_t n_kernels, uint32_t cout);
+
+enum class PoolStage { kForward, kMaxSelect, kBackward };
+
+// mode: 0 max, 1 avg, 2 sum. kForward: out (n_out, C) from x; kMaxSelect:
+// from (x = feats, y = tangent); kBackward: out (n_in, C) from (x = grad,
+// y = feats).
+void encode_pool(KernelEncoder& enc, PoolStage stage, uint32_t mode, Buffer x, Buffer y,
+                 const Relation& rel, Buffer out, uint32_t n_in, uint32_t n_out,
+                 uint32_t channels);
+
+// The sorted implicit GEMM (simdgroup MMA; cin, cout in {32, 64}) or, with
+// direct = true, its direct reference.
+void encode_sorted_conv(KernelEncoder& enc, bool direct, Buffer feats, Buffer weight,
+                        Buffer sorted_map, Buffer reorder, Buffer tile_masks, Buffer out,
+                        uint32_t n_out, uint32_t n_kernels, uint32_t cin, uint32_t cout,
+                        bool store_sorted);
+
+}  // namespace mlx_lattice::gpu

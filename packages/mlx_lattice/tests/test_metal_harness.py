@@ -1,0 +1,203 @@
+"""The Metal kernels, run on the CPU through the MSL harness, against the CPU
+kernels (eval_cpu) on fresh random relations.
+
+Tolerances: float32 paths 1e-5 relative; half inputs 1e-2 (inputs rounded to
+half; sums in float32 in another order); the sorted implicit GEMM stages
+inputs as half (1e-2).
+"""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+
+
+@pytest.fixture
+def harness():
+    """Runs a function with the Metal harness on, and off, and returns both."""
+
+    def both(fn, expect_groups=True):
+        mlx_lattice.set_metal_harness(False)
+        cpu = fn()
+        mx.eval(cpu)
+        before = ext.harness_groups_run()
+        mlx_lattice.set_metal_harness(True)
+        try:
+            gpu = fn()
+            mx.eval(gpu)
+        finally:
+            mlx_lattice.set_metal_harness(False)
+        assert (ext.harness_groups_run() > before) == expect_groups  # the Metal kernels ran
+        return cpu, gpu
+
+    yield both
+    mlx_lattice.set_metal_harness(False)
+
+
+def close(a, b, tol):
+    a = [a] if isinstance(a, mx.array) else list(a)
+    b = [b] if isinstance(b, mx.array) else list(b)
+    for x, y in zip(a, b, strict=True):
+        x, y = np.array(x.astype(mx.float32)), np.array(y.astype(mx.float32))
+        assert x.shape == y.shape
+        np.testing.assert_allclose(
+            y, x, rtol=tol, atol=tol * max(1.0, float(np.abs(x).max(initial=0)))
+        )
+
+
+def rand(rng, shape, dtype=mx.float32, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+
+@pytest.mark.parametrize(
+    ("kind", "ks", "stride"),
+    [("submanifold", 3, 1), ("forward", 2, 2), ("forward", 3, 2), ("target", 2, 1)],
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_generic_conv_and_gradients(rng, ref, harness, kind, ks, stride, dtype):
+    fine = ref.random_coords(rng, 120, 6, batches=2)
+    if kind == "target":
+        coarse = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward").out_coords
+        rel = build_kernel_relation(coarse, fine, kernel_size=2, kind="target")
+    else:
+        rel = build_kernel_relation(fine, kernel_size=ks, stride=stride, kind=kind)
+    f = rand(rng, (rel.n_in, 5), dtype)
+    w = rand(rng, (rel.n_kernels, 5, 7), dtype, 0.3)
+    probe = rand(rng, (rel.n_out_capacity, 7))
+
+    def run():
+        out = ops.sparse_conv_features_from_relation(f, w, rel)
+        grads = mx.grad(
+            lambda a, b: (
+                ops.sparse_conv_features_from_relation(a, b, rel).astype(mx.float32) * probe
+            ).sum(),
+            argnums=(0, 1),
+        )(f, w)
+        return [out, *grads]
+
+    cpu, gpu = harness(run)
+    close(cpu, gpu, 1e-5 if dtype == mx.float32 else 2e-2)
+
+
+def test_empty_relation_and_rows_without_edges(rng, ref, harness):
+    empty = build_kernel_relation(np.zeros((0, 4), np.int32))
+    cpu, gpu = harness(
+        lambda: ops.sparse_conv_features_from_relation(
+            mx.zeros((0, 3)), mx.zeros((27, 3, 4)), empty
+        ),
+        expect_groups=False,  # nothing to run
+    )
+    assert gpu.shape == (0, 4)
+    coords = ref.random_coords(rng, 30, 4)
+    lonely = build_kernel_relation(
+        coords, np.array([[0, 50, 50, 50], [0, 0, 0, 0]], np.int32), kind="forward"
+    )
+    f = rand(rng, (len(coords), 3))
+    cpu, gpu = harness(
+        lambda: ops.sparse_conv_features_from_relation(f, rand(rng, (27, 3, 4)) * 0 + 1, lonely)
+    )
+    close(cpu, gpu, 1e-5)
+    assert np.all(np.array(gpu)[0] == 0)
+
+
+@pytest.mark.parametrize("channels", [32, 64])
+@pytest.mark.parametrize("store_sorted", [False, True])
+def test_sorted_implicit_gemm_with_simdgroup_mma(rng, ref, harness, channels, store_sorted):
+    # 33 and 65 rows: tiles with a single row; a sparse set: offsets absent
+    # from whole tiles.
+    for n in (33, 65):
+        coords = ref.random_coords(rng, n, 9)
+        rel = build_kernel_relation(coords)
+        masks = np.array(rel.require_sorted_implicit_gemm().tile_masks).astype(np.uint32)
+        assert any(bin(int(m)).count("1") < 27 for m in masks)
+        f = rand(rng, (rel.n_in, channels), mx.float16)
+        w = rand(rng, (27, channels, channels), mx.float16, 0.05)
+
+        def run(f=f, w=w, rel=rel):
+            a = ops.sparse_conv_features_sorted_from_relation(f, w, rel, store_sorted=store_sorted)
+            b = ops.sparse_conv_features_sorted_direct_reference_from_relation(
+                f, w, rel, store_sorted=store_sorted
+            )
+            return [a, b]
+
+        cpu, gpu = harness(run)
+        close(cpu, gpu, 1e-2)
+    # Gradients through the GPU path (the sorted vjp runs the generic kernels).
+    probe = rand(rng, (rel.n_out_capacity, channels))
+
+    def grads():
+        return mx.grad(
+            lambda a: (
+                ops.sparse_conv_features_sorted_from_relation(a, w, rel).astype(mx.float32) * probe
+            ).sum()
+        )(f)
+
+    cpu, gpu = harness(grads)
+    close(cpu, gpu, 2e-2)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantized_conv(rng, ref, harness, bits):
+    coords = ref.random_coords(rng, 150, 6, batches=2)
+    rel = build_kernel_relation(coords)
+    qw = QuantizedWeight.from_float(rand(rng, (27, 40, 6)), bits=bits, group_size=32)
+    f = rand(rng, (rel.n_in, 40))
+    probe = rand(rng, (rel.n_out_capacity, 6))
+
+    def run():
+        out = ops.sparse_quantized_conv_features_from_relation(f, qw, rel)
+        g = mx.grad(
+            lambda a: (ops.sparse_quantized_conv_features_from_relation(a, qw, rel) * probe).sum()
+        )(f)
+        return [out, g]
+
+    cpu, gpu = harness(run)
+    close(cpu, gpu, 1e-5)
+
+
+def test_denominator_and_its_gradient(rng, ref, harness):
+    coords = ref.random_coords(rng, 150, 6)
+    rel = build_kernel_relation(coords)
+    w = rand(rng, (27, 4, 3))
+    args = (rel.edges.kernel_ids, rel.counts, rel.output_csr.row_offsets)
+    probe = rand(rng, (rel.n_out_capacity, 3))
+
+    def run():
+        den = ext.sparse_conv_normalization_denominator(w, *args)
+        g = mx.grad(lambda b: (ext.sparse_conv_normalization_denominator(b, *args) * probe).sum())(
+            w
+        )
+        return [den, g]
+
+    cpu, gpu = harness(run)
+    close(cpu, gpu, 1e-5)
+
+
+@pytest.mark.parametrize("mode", ["max", "avg", "sum"])
+def test_pooling_and_gradients(rng, ref, harness, mode):
+    coords = ref.random_coords(rng, 150, 6, batches=2)
+    rel = build_kernel_relation(coords, kernel_size=3, stride=2, kind="forward")
+    f = rand(rng, (rel.n_in, 5))
+    t = rand(rng, (rel.n_in, 5))
+    probe = rand(rng, (rel.n_out_capacity, 5))
+
+    def pool(a):
+        return ops.sparse_pool_features_from_relation(a, rel, input_exclusive=False, mode=mode)
+
+    def run():
+        out = pool(f)
+        g = mx.grad(lambda a: (pool(a) * probe).sum())(f)
+        _, (tan,) = mx.jvp(pool, [f], [t])
+        return [out, g, tan]
+
+    cpu, gpu = harness(run)
+    close(cpu, gpu, 1e-5)
+
+
+def test_harness_switch():
+    assert not mlx_lattice.metal_harness_enabled()
+    with pytest.raises(TypeError):
+        mlx_lattice.set_metal_harness(1)

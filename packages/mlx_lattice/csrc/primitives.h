@@ -41,7 +41,15 @@ struct ConvDims {
 class SparsePrimitive : public mx::Primitive {
  public:
   using mx::Primitive::Primitive;
+  // Metal kernels on macOS builds; elsewhere a clear "built without Metal
+  // kernels" error.
   void eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) override;
+
+ protected:
+  // With the MSL harness switched on, evaluates through the GPU encode plans
+  // on the CPU and returns true.
+  bool run_harness_if_enabled(const std::vector<mx::array>& inputs,
+                              std::vector<mx::array>& outputs);
 };
 
 // The three bilinear faces of one sparse convolution:
@@ -65,6 +73,7 @@ class SparseConv : public SparsePrimitive {
   bool is_equivalent(const mx::Primitive& other) const override;
 
   Mode mode() const { return mode_; }
+  const ConvDims& dims() const { return dims_; }
 
  private:
   Mode mode_;
@@ -87,6 +96,8 @@ class SparseConvSorted : public SparsePrimitive {
                              const std::vector<int>& argnums) override;
   const char* name() const override { return "SparseConvSorted"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  const ConvDims& dims() const { return dims_; }
+  bool store_sorted() const { return store_sorted_; }
 
  private:
   ConvDims dims_;
@@ -109,6 +120,8 @@ class SparseConvDirect : public SparsePrimitive {
                              const std::vector<int>& argnums) override;
   const char* name() const override { return "SparseConvDirect"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  const ConvDims& dims() const { return dims_; }
+  bool store_sorted() const { return store_sorted_; }
 
  private:
   ConvDims dims_;
@@ -140,6 +153,8 @@ class SparseQuantizedConv : public SparsePrimitive {
                              const std::vector<int>& argnums) override;
   const char* name() const override { return "SparseQuantizedConv"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  const ConvDims& dims() const { return dims_; }
+  const QuantSpec& spec() const { return spec_; }
 
  private:
   ConvDims dims_;
@@ -163,6 +178,8 @@ class SparseDenominator : public SparsePrimitive {
                              const std::vector<int>& argnums) override;
   const char* name() const override { return "SparseDenominator"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  Mode mode() const { return mode_; }
+  const ConvDims& dims() const { return dims_; }
 
  private:
   Mode mode_;
@@ -186,6 +203,9 @@ class SparsePool : public SparsePrimitive {
                              const std::vector<int>& argnums) override;
   const char* name() const override { return "SparsePool"; }
   bool is_equivalent(const mx::Primitive& other) const override;
+  Stage stage() const { return stage_; }
+  kernels::PoolMode mode() const { return mode_; }
+  const ConvDims& dims() const { return dims_; }
 
  private:
   Stage stage_;

@@ -1,6 +1,8 @@
 #include "sparse_ops.h"
 
 #include <algorithm>
+#include <functional>
+#include <list>
 #include <sstream>
 
 #include "common.h"
@@ -20,7 +22,13 @@ using Conv = SparseConv::Mode;
 // Floating operands share the dtype of the primitive's first operand (the
 // features, or a cotangent of them) and are made row-contiguous.
 mx::array as_dtype(const mx::array& a, mx::Dtype dtype, mx::Stream s) {
+  if (s.device == mx::Device::gpu) dtype = mx::float32;  // the Metal kernels are float32
   return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
+}
+
+// The dtype a primitive computes in on stream s.
+mx::Dtype compute_dtype(mx::Dtype dtype, mx::Stream s) {
+  return s.device == mx::Device::gpu ? mx::float32 : dtype;
 }
 
 kernels::FloatFormat format_of(mx::Dtype dtype) {
@@ -97,7 +105,8 @@ mx::array make_conv(Conv mode, const mx::array& a, const mx::array& b, const Rel
   }
   std::vector<mx::array> inputs = {as_dtype(a, a.dtype(), s), as_dtype(b, a.dtype(), s)};
   for (auto& r : rel.list()) inputs.push_back(r);
-  return mx::array(shape, a.dtype(), std::make_shared<SparseConv>(s, mode, d), inputs);
+  return mx::array(shape, compute_dtype(a.dtype(), s), std::make_shared<SparseConv>(s, mode, d),
+                   inputs);
 }
 
 mx::array make_sorted(const mx::array& f, const mx::array& w, const mx::array& sorted_map,
@@ -106,14 +115,14 @@ mx::array make_sorted(const mx::array& f, const mx::array& w, const mx::array& s
   std::vector<mx::array> inputs = {as_dtype(f, f.dtype(), s), as_dtype(w, f.dtype(), s),
                                    sorted_map, reorder};
   for (auto& r : rel.list()) inputs.push_back(r);
-  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, f.dtype(),
+  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, compute_dtype(f.dtype(), s),
                    std::make_shared<SparseConvSorted>(s, d, store_sorted), inputs);
 }
 
 mx::array make_direct(const mx::array& f, const mx::array& w, const mx::array& sorted_map,
                       const mx::array& reorder, const mx::array& tile_masks, ConvDims d,
                       bool store_sorted, mx::Stream s) {
-  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, f.dtype(),
+  return mx::array({static_cast<int>(d.n_out), w.shape(2)}, compute_dtype(f.dtype(), s),
                    std::make_shared<SparseConvDirect>(s, d, store_sorted),
                    {as_dtype(f, f.dtype(), s), as_dtype(w, f.dtype(), s), sorted_map, reorder,
                     tile_masks});
@@ -125,7 +134,8 @@ mx::array make_quantized(const mx::array& f, const std::vector<mx::array>& quant
                                    as_dtype(quant[1], mx::float32, s),
                                    as_dtype(quant[2], mx::float32, s)};
   for (auto& r : rel.list()) inputs.push_back(r);
-  return mx::array({static_cast<int>(d.n_out), static_cast<int>(spec.out_channels)}, f.dtype(),
+  return mx::array({static_cast<int>(d.n_out), static_cast<int>(spec.out_channels)},
+                   compute_dtype(f.dtype(), s),
                    std::make_shared<SparseQuantizedConv>(s, d, spec), inputs);
 }
 
@@ -135,7 +145,8 @@ mx::array make_denominator(SparseDenominator::Mode mode, const mx::array& x,
   mx::Shape shape = mode == SparseDenominator::Mode::kDenominator
                         ? mx::Shape{static_cast<int>(d.n_out), x.shape(2)}
                         : mx::Shape{static_cast<int>(d.n_kernels), x.shape(1)};
-  return mx::array(shape, x.dtype(), std::make_shared<SparseDenominator>(s, mode, d),
+  return mx::array(shape, compute_dtype(x.dtype(), s),
+                   std::make_shared<SparseDenominator>(s, mode, d),
                    {as_dtype(x, x.dtype(), s), kernel_ids, out_offsets});
 }
 
@@ -147,7 +158,7 @@ mx::array make_pool(SparsePool::Stage stage, kernels::PoolMode mode,
   for (auto& f : floats) inputs.push_back(as_dtype(f, floats[0].dtype(), s));
   inputs.push_back(in_rows);
   inputs.push_back(out_offsets);
-  return mx::array({rows, floats[0].shape(1)}, floats[0].dtype(),
+  return mx::array({rows, floats[0].shape(1)}, compute_dtype(floats[0].dtype(), s),
                    std::make_shared<SparsePool>(s, stage, mode, d), inputs);
 }
 
@@ -216,12 +227,51 @@ std::vector<mx::array> zero_grads_for_indices(const std::vector<mx::array>& prim
   return out;
 }
 
-// -- the GPU encode plans run through the MSL harness (MLX_LATTICE_METAL_HARNESS) --
+// -- the GPU path: encode plans run by the Metal encoder (macOS) or by the
+// MSL CPU harness (set_metal_harness / MLX_LATTICE_METAL_HARNESS) --
 
-gpu::Buffer host(const float* p) { return {nullptr, p, 0}; }
-gpu::Buffer host(float* p) { return {nullptr, p, 0}; }
-gpu::Buffer host(const mx::array& a) { return {&a, a.size() ? a.data<void>() : nullptr, a.nbytes()}; }
-gpu::Buffer host(const std::vector<int32_t>& v) { return {nullptr, v.data(), v.size() * 4}; }
+// The buffers of one GPU evaluation. On the harness, half-precision operands
+// are staged as float32 host memory and outputs converted back by finish();
+// on Metal the (float32) arrays are bound directly.
+class Operands {
+ public:
+  explicit Operands(bool host) : host_(host) {}
+  Operands(const Operands&) = delete;
+  Operands& operator=(const Operands&) = delete;
+
+  gpu::Buffer floats(const mx::array& a) {
+    if (!host_) return {&a, nullptr, a.nbytes()};
+    if (a.dtype() == mx::float32 || a.size() == 0) return index(a);
+    auto& buf = staged_.emplace_back(a.size());
+    kernels::to_float32(a.data<void>(), format_of(a.dtype()), a.size(), buf.data());
+    return {nullptr, buf.data(), buf.size() * 4};
+  }
+  gpu::Buffer output(mx::array& a) {
+    if (!host_ || a.dtype() == mx::float32 || a.size() == 0) return index(a);
+    auto& buf = staged_.emplace_back(a.size());
+    pending_.push_back({&a, buf.data()});
+    return {nullptr, buf.data(), buf.size() * 4};
+  }
+  gpu::Buffer index(const mx::array& a) {
+    return {&a, host_ && a.size() ? a.data<void>() : nullptr, a.nbytes()};
+  }
+  // Host-made index data (rebuilt groupings); the Metal encoder uploads it.
+  gpu::Buffer made(std::vector<int32_t> v) {
+    auto& kept = made_.emplace_back(std::move(v));
+    return {nullptr, kept.data(), kept.size() * 4};
+  }
+  void finish() {
+    for (auto& [array, data] : pending_) {
+      kernels::from_float32(data, array->size(), format_of(array->dtype()), array->data<void>());
+    }
+  }
+
+ private:
+  bool host_;
+  std::list<std::vector<float>> staged_;  // list: stable addresses
+  std::list<std::vector<int32_t>> made_;
+  std::vector<std::pair<mx::array*, const float*>> pending_;
+};
 
 // The output row of every edge (edges are grouped by output).
 std::vector<int32_t> rows_of_edges(const mx::array& out_offsets) {
@@ -234,57 +284,188 @@ std::vector<int32_t> rows_of_edges(const mx::array& out_offsets) {
   return rows;
 }
 
+std::vector<int32_t> grouping(const mx::array& keys, int64_t groups, bool offsets) {
+  std::vector<int32_t> off, ids;
+  kernels::group_by(idx(keys), keys.size(), groups, off, ids);
+  return offsets ? off : ids;
+}
+
 // The relation's buffers, with absent input / kernel groupings rebuilt.
-struct HostRelation {
-  std::vector<int32_t> in_off, in_ids, k_off, k_ids;
-  gpu::Relation rel;
-  HostRelation(const RelationArrays& r, int64_t n_in, int64_t n_kernels) {
-    rel = {host(r.in_rows), host(r.out_rows), host(r.kernel_ids), host(r.out_offsets),
-           host(r.in_offsets), host(r.in_edge_ids), host(r.k_offsets), host(r.k_edge_ids)};
-    if (r.in_offsets.size() == 0) {
-      kernels::group_by(idx(r.in_rows), r.in_rows.size(), n_in, in_off, in_ids);
-      rel.in_offsets = host(in_off);
-      rel.in_edge_ids = host(in_ids);
-    }
-    if (r.k_offsets.size() == 0) {
-      kernels::group_by(idx(r.kernel_ids), r.kernel_ids.size(), n_kernels, k_off, k_ids);
-      rel.k_offsets = host(k_off);
-      rel.k_edge_ids = host(k_ids);
-    }
+gpu::Relation relation_buffers(Operands& ops, const RelationArrays& r, int64_t n_in,
+                               int64_t n_kernels) {
+  gpu::Relation rel{ops.index(r.in_rows),     ops.index(r.out_rows),    ops.index(r.kernel_ids),
+                    ops.index(r.out_offsets), ops.index(r.in_offsets),  ops.index(r.in_edge_ids),
+                    ops.index(r.k_offsets),   ops.index(r.k_edge_ids)};
+  if (r.in_offsets.size() == 0) {
+    rel.in_offsets = ops.made(grouping(r.in_rows, n_in, true));
+    rel.in_edge_ids = ops.made(grouping(r.in_rows, n_in, false));
   }
-};
+  if (r.k_offsets.size() == 0) {
+    rel.k_offsets = ops.made(grouping(r.kernel_ids, n_kernels, true));
+    rel.k_edge_ids = ops.made(grouping(r.kernel_ids, n_kernels, false));
+  }
+  return rel;
+}
 
 uint32_t u32(int64_t v) { return static_cast<uint32_t>(v); }
 
+using GpuBody = std::function<void(gpu::KernelEncoder&, Operands&, std::vector<mx::array>&,
+                                   std::vector<mx::array>&)>;
+
+// Runs a GPU body on the CPU stream through the MSL harness.
+void run_on_harness(mx::Stream stream, const std::vector<mx::array>& inputs,
+                    std::vector<mx::array>& outputs, GpuBody body) {
+  dispatch(stream, inputs, outputs,
+           [body](std::vector<mx::array>& in, std::vector<mx::array>& out) {
+             auto enc = gpu::harness_encoder();
+             Operands ops(true);
+             body(*enc, ops, in, out);
+             ops.finish();
+           });
+}
+
+
+GpuBody conv_body(SparseConv::Mode mode, ConvDims d) {
+  return [mode, d](gpu::KernelEncoder& enc, Operands& ops, std::vector<mx::array>& in,
+                   std::vector<mx::array>& out) {
+    using M = SparseConv::Mode;
+    auto rel = relation_buffers(ops, RelationArrays::from(in, 2), d.n_in, d.n_kernels);
+    const bool wgrad = mode == M::kWeightGrad;
+    const int64_t cin = wgrad ? in[0].shape(1) : in[1].shape(1);
+    const int64_t cout = wgrad ? in[1].shape(1) : in[1].shape(2);
+    const auto face = mode == M::kForward     ? gpu::ConvFace::kForward
+                      : mode == M::kInputGrad ? gpu::ConvFace::kInputGrad
+                                              : gpu::ConvFace::kWeightGrad;
+    gpu::encode_conv(enc, face, ops.floats(in[0]), ops.floats(in[1]), rel, ops.output(out[0]),
+                     u32(d.n_in), u32(d.n_out), u32(d.n_kernels), u32(cin), u32(cout));
+  };
+}
+
+GpuBody sorted_body(ConvDims d, bool store_sorted, bool direct) {
+  return [d, store_sorted, direct](gpu::KernelEncoder& enc, Operands& ops,
+                                   std::vector<mx::array>& in, std::vector<mx::array>& out) {
+    gpu::Buffer masks;
+    if (direct) {
+      masks = ops.index(in[4]);
+    } else {
+      // Tile masks from the map (the validated masks are supersets of these).
+      const int32_t* map = idx(in[2]);
+      std::vector<int32_t> m((d.n_out + kernels::kSortedTileRows - 1) / kernels::kSortedTileRows, 0);
+      for (int64_t r = 0; r < d.n_out; ++r) {
+        for (int64_t k = 0; k < d.n_kernels; ++k) {
+          if (map[r * d.n_kernels + k] >= 0) {
+            m[r / kernels::kSortedTileRows] |= static_cast<int32_t>(1u << k);
+          }
+        }
+      }
+      masks = ops.made(std::move(m));
+    }
+    gpu::encode_sorted_conv(enc, direct, ops.floats(in[0]), ops.floats(in[1]), ops.index(in[2]),
+                            ops.index(in[3]), masks, ops.output(out[0]), u32(d.n_out),
+                            u32(d.n_kernels), u32(in[1].shape(1)), u32(in[1].shape(2)),
+                            store_sorted);
+  };
+}
+
+GpuBody quantized_body(ConvDims d, QuantSpec q) {
+  return [d, q](gpu::KernelEncoder& enc, Operands& ops, std::vector<mx::array>& in,
+                std::vector<mx::array>& out) {
+    auto rel = relation_buffers(ops, RelationArrays::from(in, 4), d.n_in, d.n_kernels);
+    gpu::encode_quantized_conv(enc, ops.floats(in[0]), ops.index(in[1]), ops.floats(in[2]),
+                               ops.floats(in[3]), rel, ops.output(out[0]), u32(d.n_out),
+                               u32(d.n_kernels), u32(q.in_channels), u32(q.out_channels),
+                               u32(in[1].shape(2) * 4), u32(q.storage_in_channels / q.group_size),
+                               u32(q.group_size), u32(q.bits));
+  };
+}
+
+GpuBody denominator_body(SparseDenominator::Mode mode, ConvDims d) {
+  return [mode, d](gpu::KernelEncoder& enc, Operands& ops, std::vector<mx::array>& in,
+                   std::vector<mx::array>& out) {
+    if (mode == SparseDenominator::Mode::kDenominator) {
+      gpu::encode_denominator(enc, ops.floats(in[0]), ops.index(in[1]), ops.index(in[2]),
+                              ops.output(out[0]), u32(d.n_out), u32(d.n_kernels),
+                              u32(in[0].shape(1)), u32(in[0].shape(2)));
+    } else {
+      gpu::encode_denominator_grad(enc, ops.floats(in[0]), ops.made(rows_of_edges(in[2])),
+                                   ops.made(grouping(in[1], d.n_kernels, true)),
+                                   ops.made(grouping(in[1], d.n_kernels, false)),
+                                   ops.output(out[0]), u32(d.n_kernels), u32(in[0].shape(1)));
+    }
+  };
+}
+
+GpuBody pool_body(SparsePool::Stage stage, kernels::PoolMode mode, ConvDims d) {
+  return [stage, mode, d](gpu::KernelEncoder& enc, Operands& ops, std::vector<mx::array>& in,
+                          std::vector<mx::array>& out) {
+    using S = SparsePool::Stage;
+    const size_t n_float = stage == S::kForward ? 1 : 2;
+    const auto& in_rows = in[n_float];
+    const auto& offsets = in[n_float + 1];
+    gpu::Relation rel{ops.index(in_rows),
+                      ops.made(rows_of_edges(offsets)),
+                      {},
+                      ops.index(offsets),
+                      ops.made(grouping(in_rows, d.n_in, true)),
+                      ops.made(grouping(in_rows, d.n_in, false)),
+                      {},
+                      {}};
+    const auto gstage = stage == S::kForward     ? gpu::PoolStage::kForward
+                        : stage == S::kMaxSelect ? gpu::PoolStage::kMaxSelect
+                                                 : gpu::PoolStage::kBackward;
+    const uint32_t gmode = mode == kernels::PoolMode::kMax ? 0 : mode == kernels::PoolMode::kAvg ? 1 : 2;
+    gpu::Buffer second = n_float == 2 ? ops.floats(in[1]) : gpu::Buffer{};
+    gpu::encode_pool(enc, gstage, gmode, ops.floats(in[0]), second, rel, ops.output(out[0]),
+                     u32(d.n_in), u32(d.n_out), u32(in[0].shape(1)));
+  };
+}
+
+// The GPU body of any sparse primitive.
+GpuBody body_for(const SparsePrimitive& p) {
+  if (auto* c = dynamic_cast<const SparseConv*>(&p)) return conv_body(c->mode(), c->dims());
+  if (auto* c = dynamic_cast<const SparseConvSorted*>(&p)) {
+    return sorted_body(c->dims(), c->store_sorted(), false);
+  }
+  if (auto* c = dynamic_cast<const SparseConvDirect*>(&p)) {
+    return sorted_body(c->dims(), c->store_sorted(), true);
+  }
+  if (auto* c = dynamic_cast<const SparseQuantizedConv*>(&p)) {
+    return quantized_body(c->dims(), c->spec());
+  }
+  if (auto* c = dynamic_cast<const SparseDenominator*>(&p)) {
+    return denominator_body(c->mode(), c->dims());
+  }
+  if (auto* c = dynamic_cast<const SparsePool*>(&p)) return pool_body(c->stage(), c->mode(), c->dims());
+  throw std::logic_error("no GPU body for primitive " + std::string(p.name()));
+}
+
 }  // namespace
 
-void SparsePrimitive::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+void SparsePrimitive::eval_gpu(const std::vector<mx::array>& inputs,
+                               std::vector<mx::array>& outputs) {
+#ifdef MLX_LATTICE_METAL
+  // Metal: bind the (float32) arrays and encode on the stream's command encoder.
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto enc = gpu::metal_encoder(stream());
+  Operands ops(false);
+  std::vector<mx::array> in = inputs;
+  body_for(*this)(*enc, ops, in, outputs);
+#else
   throw_no_gpu(name());
+#endif
+}
+
+bool SparsePrimitive::run_harness_if_enabled(const std::vector<mx::array>& inputs,
+                                             std::vector<mx::array>& outputs) {
+  if (!gpu::harness_enabled()) return false;
+  run_on_harness(stream(), inputs, outputs, body_for(*this));
+  return true;
 }
 
 // ---------------------------------------------------------------- SparseConv
 
 void SparseConv::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  if (gpu::harness_enabled()) {
-    dispatch(stream(), inputs, outputs,
-             [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
-               FloatIn a32(in[0], 0), b32(in[1], 1);
-               FloatOut out32(out[0]);
-               HostRelation r(RelationArrays::from(in, 2), d.n_in, d.n_kernels);
-               const bool wgrad = mode == Conv::kWeightGrad;
-               const int64_t cin = wgrad ? in[0].shape(1) : in[1].shape(1);
-               const int64_t cout = wgrad ? in[1].shape(1) : in[1].shape(2);
-               const auto face = mode == Conv::kForward     ? gpu::ConvFace::kForward
-                                 : mode == Conv::kInputGrad ? gpu::ConvFace::kInputGrad
-                                                            : gpu::ConvFace::kWeightGrad;
-               auto enc = gpu::harness_encoder();
-               gpu::encode_conv(*enc, face, host(a32.get()), host(b32.get()), r.rel,
-                                host(out32.get()), u32(d.n_in), u32(d.n_out), u32(d.n_kernels),
-                                u32(cin), u32(cout));
-               out32.finish();
-             });
-    return;
-  }
+  if (run_harness_if_enabled(inputs, outputs)) return;
   dispatch(stream(), inputs, outputs,
            [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& a = in[0];
@@ -381,32 +562,7 @@ bool SparseConv::is_equivalent(const mx::Primitive& other) const {
 
 void SparseConvSorted::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  if (gpu::harness_enabled()) {
-    dispatch(stream(), inputs, outputs,
-             [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
-                                               std::vector<mx::array>& out) {
-               FloatIn f32(in[0], 0), w32(in[1], 1);
-               FloatOut out32(out[0]);
-               // Tile masks from the map (the validated masks are supersets).
-               const int32_t* map = idx(in[2]);
-               const int64_t tiles = (d.n_out + kernels::kSortedTileRows - 1) / kernels::kSortedTileRows;
-               std::vector<int32_t> masks(tiles, 0);
-               for (int64_t r = 0; r < d.n_out; ++r) {
-                 for (int64_t k = 0; k < d.n_kernels; ++k) {
-                   if (map[r * d.n_kernels + k] >= 0) {
-                     masks[r / kernels::kSortedTileRows] |= static_cast<int32_t>(1u << k);
-                   }
-                 }
-               }
-               auto enc = gpu::harness_encoder();
-               gpu::encode_sorted_conv(*enc, false, host(f32.get()), host(w32.get()), host(in[2]),
-                                       host(in[3]), host(masks), host(out32.get()), u32(d.n_out),
-                                       u32(d.n_kernels), u32(in[1].shape(1)), u32(in[1].shape(2)),
-                                       store);
-               out32.finish();
-             });
-    return;
-  }
+  if (run_harness_if_enabled(inputs, outputs)) return;
   dispatch(stream(), inputs, outputs,
            [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
                                              std::vector<mx::array>& out) {
@@ -464,21 +620,7 @@ bool SparseConvSorted::is_equivalent(const mx::Primitive& other) const {
 
 void SparseConvDirect::eval_cpu(const std::vector<mx::array>& inputs,
                                 std::vector<mx::array>& outputs) {
-  if (gpu::harness_enabled()) {
-    dispatch(stream(), inputs, outputs,
-             [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
-                                               std::vector<mx::array>& out) {
-               FloatIn f32(in[0], 0), w32(in[1], 1);
-               FloatOut out32(out[0]);
-               auto enc = gpu::harness_encoder();
-               gpu::encode_sorted_conv(*enc, true, host(f32.get()), host(w32.get()), host(in[2]),
-                                       host(in[3]), host(in[4]), host(out32.get()), u32(d.n_out),
-                                       u32(d.n_kernels), u32(in[1].shape(1)), u32(in[1].shape(2)),
-                                       store);
-               out32.finish();
-             });
-    return;
-  }
+  if (run_harness_if_enabled(inputs, outputs)) return;
   dispatch(stream(), inputs, outputs,
            [d = dims_, store = store_sorted_](std::vector<mx::array>& in,
                                              std::vector<mx::array>& out) {
@@ -556,22 +698,7 @@ bool SparseConvDirect::is_equivalent(const mx::Primitive& other) const {
 
 void SparseQuantizedConv::eval_cpu(const std::vector<mx::array>& inputs,
                                    std::vector<mx::array>& outputs) {
-  if (gpu::harness_enabled()) {
-    dispatch(stream(), inputs, outputs,
-             [d = dims_, q = spec_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
-               FloatIn f32(in[0], 0);
-               FloatOut out32(out[0]);
-               HostRelation r(RelationArrays::from(in, 4), d.n_in, d.n_kernels);
-               auto enc = gpu::harness_encoder();
-               gpu::encode_quantized_conv(
-                   *enc, host(f32.get()), host(in[1]), host(in[2]), host(in[3]), r.rel,
-                   host(out32.get()), u32(d.n_out), u32(d.n_kernels), u32(q.in_channels),
-                   u32(q.out_channels), u32(in[1].shape(2) * 4),
-                   u32(q.storage_in_channels / q.group_size), u32(q.group_size), u32(q.bits));
-               out32.finish();
-             });
-    return;
-  }
+  if (run_harness_if_enabled(inputs, outputs)) return;
   dispatch(stream(), inputs, outputs,
            [d = dims_, q = spec_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& f = in[0];
@@ -644,28 +771,7 @@ bool SparseQuantizedConv::is_equivalent(const mx::Primitive& other) const {
 
 void SparseDenominator::eval_cpu(const std::vector<mx::array>& inputs,
                                  std::vector<mx::array>& outputs) {
-  if (gpu::harness_enabled()) {
-    dispatch(stream(), inputs, outputs,
-             [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
-               FloatIn x32(in[0], 0);
-               FloatOut out32(out[0]);
-               auto enc = gpu::harness_encoder();
-               if (mode == Mode::kDenominator) {
-                 gpu::encode_denominator(*enc, host(x32.get()), host(in[1]), host(in[2]),
-                                         host(out32.get()), u32(d.n_out), u32(d.n_kernels),
-                                         u32(in[0].shape(1)), u32(in[0].shape(2)));
-               } else {
-                 auto rows = rows_of_edges(in[2]);
-                 std::vector<int32_t> k_off, k_ids;
-                 kernels::group_by(idx(in[1]), in[1].size(), d.n_kernels, k_off, k_ids);
-                 gpu::encode_denominator_grad(*enc, host(x32.get()), host(rows), host(k_off),
-                                              host(k_ids), host(out32.get()), u32(d.n_kernels),
-                                              u32(in[0].shape(1)));
-               }
-               out32.finish();
-             });
-    return;
-  }
+  if (run_harness_if_enabled(inputs, outputs)) return;
   dispatch(stream(), inputs, outputs,
            [mode = mode_, d = dims_](std::vector<mx::array>& in, std::vector<mx::array>& out) {
              const auto& x = in[0];
@@ -722,35 +828,7 @@ bool SparseDenominator::is_equivalent(const mx::Primitive& other) const {
 // ---------------------------------------------------------------- SparsePool
 
 void SparsePool::eval_cpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
-  if (gpu::harness_enabled()) {
-    dispatch(stream(), inputs, outputs,
-             [stage = stage_, mode = mode_, d = dims_](std::vector<mx::array>& in,
-                                                      std::vector<mx::array>& out) {
-               const size_t n_float = stage == Stage::kForward ? 1 : 2;
-               const auto& in_rows = in[n_float];
-               const auto& offsets = in[n_float + 1];
-               FloatIn x0(in[0], 0);
-               FloatIn x1(in[n_float == 2 ? 1 : 0], 1);
-               FloatOut out32(out[0]);
-               auto rows = rows_of_edges(offsets);
-               std::vector<int32_t> in_off, in_ids;
-               kernels::group_by(idx(in_rows), in_rows.size(), d.n_in, in_off, in_ids);
-               gpu::Relation rel{host(in_rows), host(rows), {}, host(offsets), host(in_off),
-                                 host(in_ids), {}, {}};
-               const auto gstage = stage == Stage::kForward     ? gpu::PoolStage::kForward
-                                   : stage == Stage::kMaxSelect ? gpu::PoolStage::kMaxSelect
-                                                                : gpu::PoolStage::kBackward;
-               const uint32_t gmode = mode == kernels::PoolMode::kMax   ? 0
-                                      : mode == kernels::PoolMode::kAvg ? 1
-                                                                        : 2;
-               auto enc = gpu::harness_encoder();
-               gpu::encode_pool(*enc, gstage, gmode, host(x0.get()), host(x1.get()), rel,
-                                host(out32.get()), u32(d.n_in), u32(d.n_out),
-                                u32(in[0].shape(1)));
-               out32.finish();
-             });
-    return;
-  }
+  if (run_harness_if_enabled(inputs, outputs)) return;
   dispatch(stream(), inputs, outputs,
            [stage = stage_, mode = mode_, d = dims_](std::vector<mx::array>& in,
                                                     std::vector<mx::array>& out) {

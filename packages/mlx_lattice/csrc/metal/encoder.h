@@ -47,6 +47,10 @@ class KernelEncoder {
   }
 };
 
+// Encodes on the stream's Metal command encoder (macOS builds with
+// MLX_LATTICE_METAL only; kernels compiled at run time from the MSL sources).
+std::unique_ptr<KernelEncoder> metal_encoder(mx::Stream stream);
+
 // Runs the MSL kernels through the CPU harness.
 std::unique_ptr<KernelEncoder> harness_encoder();
 

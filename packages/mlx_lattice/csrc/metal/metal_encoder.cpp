@@ -1,0 +1,78 @@
+// The Metal encoder (macOS): MLX's command encoder, with this folder's MSL
+// sources compiled at run time into one cached library. Built only where
+// MLX_LATTICE_METAL is defined (see the package BUILD's select on the OS).
+// NOT compiled or run on the Linux machines this project is developed on.
+#ifdef MLX_LATTICE_METAL
+
+#include <vector>
+
+#include "encoder.h"
+#include "metal_sources.h"  // generated: kMetalSources, the .metal files concatenated
+#include "mlx/backend/metal/device.h"
+#include "mlx/version.h"
+
+namespace mlx_lattice::gpu {
+
+namespace {
+
+namespace metal = mx::metal;
+
+metal::CommandEncoder& command_encoder(mx::Stream stream) {
+#if MLX_VERSION_NUMERIC >= 31002
+  return metal::get_command_encoder(stream);
+#else
+  return metal::device(stream.device).get_command_encoder(stream.index);
+#endif
+}
+
+class MetalEncoder final : public KernelEncoder {
+ public:
+  explicit MetalEncoder(mx::Stream stream)
+      : device_(metal::device(stream.device)), encoder_(command_encoder(stream)) {}
+
+  void kernel(const std::string& name) override {
+    auto* library = device_.get_library("mlx_lattice_kernels", [] { return std::string(kMetalSources); });
+    encoder_.set_compute_pipeline_state(device_.get_kernel(name, library));
+  }
+  void input(int index, Buffer buffer) override { encoder_.set_input_array(array_of(buffer), index); }
+  void output(int index, Buffer buffer) override {
+    encoder_.set_output_array(const_cast<mx::array&>(*buffer.array), index);
+  }
+  void bytes(int index, const void* data, size_t size) override {
+    encoder_.set_bytes(static_cast<const uint8_t*>(data), static_cast<int>(size), index);
+  }
+  void threadgroup_memory(int index, size_t size) override {
+    encoder_.set_threadgroup_memory_length(size, index);
+  }
+  void dispatch(Size3 groups, Size3 group_size) override {
+    if (!groups.x || !groups.y || !groups.z) return;
+    encoder_.dispatch_threadgroups(MTL::Size(groups.x, groups.y, groups.z),
+                                   MTL::Size(group_size.x, group_size.y, group_size.z));
+  }
+
+ private:
+  // Host-made index data (rebuilt groupings) goes up as a temporary array.
+  const mx::array& array_of(const Buffer& buffer) {
+    if (buffer.array) return *buffer.array;
+    const auto* data = static_cast<const int32_t*>(buffer.host);
+    const int n = static_cast<int>(buffer.bytes / sizeof(int32_t));
+    uploads_.push_back(n ? mx::array(data, {n}, mx::int32) : mx::zeros({1}, mx::int32));
+    mx::eval(uploads_.back());
+    encoder_.add_temporary(uploads_.back());
+    return uploads_.back();
+  }
+
+  metal::Device& device_;
+  metal::CommandEncoder& encoder_;
+  std::vector<mx::array> uploads_;
+};
+
+}  // namespace
+
+std::unique_ptr<KernelEncoder> metal_encoder(mx::Stream stream) {
+  return std::make_unique<MetalEncoder>(stream);
+}
+
+}  // namespace mlx_lattice::gpu
+
+#endif  // MLX_LATTICE_METAL

@@ -33,10 +33,18 @@ def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/li
         name = name + ".so",
         srcs = srcs,
         copts = NATIVE_COPTS + copts,
-        linkopts = [
-            "-Wl,-rpath," + mlx_rpath,
-            "-Wl,--as-needed",
-        ],
+        linkopts = select({
+            # macOS: @loader_path is the dyld spelling of $ORIGIN.
+            "@bazel_tools//src/conditions:darwin": [
+                "-Wl,-rpath," + mlx_rpath.replace("$$ORIGIN", "@loader_path"),
+                "-undefined",
+                "dynamic_lookup",
+            ],
+            "//conditions:default": [
+                "-Wl,-rpath," + mlx_rpath,
+                "-Wl,--as-needed",
+            ],
+        }),
         linkshared = True,
         deps = deps + [
             "@py_env//:mlx",

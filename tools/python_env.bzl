@@ -11,6 +11,9 @@ environment inside the external repository, installs the lock with
 
 Editing the lock file re-runs the rule (Bazel tracks files a repository rule
 reads). Set QUANTLATTICE_PYTHON to choose the interpreter explicitly.
+
+On macOS the `macos_lock` is installed instead (the Metal MLX runtime:
+libmlx.dylib, metal-cpp headers, the Metal frameworks).
 """
 
 _SITE = "venv/lib/python{version}/site-packages"
@@ -47,14 +50,15 @@ cc_library(
 
 cc_import(
     name = "libmlx",
-    interface_library = "site/mlx/lib/libmlx.so",
+    interface_library = "site/mlx/lib/{libmlx}",
     system_provided = 1,
 )
 
 cc_library(
     name = "mlx",
-    hdrs = glob(["site/mlx/include/**/*.h"]),
-    includes = ["site/mlx/include"],
+    hdrs = glob(["site/mlx/include/**/*.h", "site/mlx/include/**/*.hpp"]),
+    includes = {mlx_includes},
+    linkopts = {mlx_linkopts},
     deps = [":libmlx"],
 )
 
@@ -117,11 +121,15 @@ def _run(rctx, args, what, timeout = 600):
 def _python_env_impl(rctx):
     version = rctx.attr.python_version
     python, include = _find_python(rctx, version)
-    lock = rctx.path(rctx.attr.lock)  # read here, so editing the lock re-runs this rule
+    macos = rctx.os.name.lower().startswith("mac")
+    if macos and rctx.attr.macos_lock == None:
+        fail("python_env: no macos_lock is set for this macOS machine")
+    lock_label = rctx.attr.macos_lock if macos else rctx.attr.lock
+    lock = rctx.path(lock_label)  # read here, so editing the lock re-runs this rule
     rctx.report_progress("creating the virtual environment")
     _run(rctx, [python, "-m", "venv", "--clear", "venv"], "creating the venv")
     venv_python = rctx.path("venv/bin/python3")
-    rctx.report_progress("installing %s" % rctx.attr.lock.name)
+    rctx.report_progress("installing %s" % lock_label.name)
     _run(rctx, [
         venv_python,
         "-m",
@@ -147,12 +155,16 @@ def _python_env_impl(rctx):
     rctx.file("tags.bzl", 'NATIVE_TAG = "%s"\n' % tag)
     rctx.file("BUILD.bazel", _BUILD.format(
         interpreter = str(venv_python),
+        libmlx = "libmlx.dylib" if macos else "libmlx.so",
+        mlx_includes = repr(["site/mlx/include", "site/mlx/include/metal_cpp"] if macos else ["site/mlx/include"]),
+        mlx_linkopts = repr(["-framework", "Metal", "-framework", "Foundation", "-framework", "QuartzCore"] if macos else []),
     ))
 
 python_env = repository_rule(
     implementation = _python_env_impl,
     attrs = {
         "lock": attr.label(allow_single_file = True, mandatory = True),
+        "macos_lock": attr.label(allow_single_file = True),
         "python_version": attr.string(mandatory = True),
     },
     environ = ["QUANTLATTICE_PYTHON"],

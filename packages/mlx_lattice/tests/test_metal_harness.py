@@ -1,10 +1,14 @@
 """The Metal kernels, run on the CPU through the MSL harness, against the CPU
-kernels (eval_cpu) on fresh random relations.
+kernels (eval_cpu) on fresh random relations. With MLX_LATTICE_TEST_GPU=1
+(the macOS target :metal_gpu_tests) the same tests run the Metal kernels on
+the GPU stream instead.
 
 Tolerances: float32 paths 1e-5 relative; half inputs 1e-2 (inputs rounded to
 half; sums in float32 in another order); the sorted implicit GEMM stages
 inputs as half (1e-2).
 """
+
+import os
 
 import mlx.core as mx
 import numpy as np
@@ -14,10 +18,22 @@ import mlx_lattice
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
+ON_GPU = os.environ.get("MLX_LATTICE_TEST_GPU") == "1"
+
 
 @pytest.fixture
 def harness():
-    """Runs a function with the Metal harness on, and off, and returns both."""
+    """Runs a function with the Metal kernels (harness, or the GPU stream) and
+    with the CPU kernels, and returns both results."""
+
+    def on_gpu(fn, expect_groups=True):
+        with mx.stream(mx.cpu):
+            cpu = fn()
+            mx.eval(cpu)
+        with mx.stream(mx.gpu):
+            gpu = fn()
+            mx.eval(gpu)
+        return cpu, gpu
 
     def both(fn, expect_groups=True):
         mlx_lattice.set_metal_harness(False)
@@ -33,7 +49,11 @@ def harness():
         assert (ext.harness_groups_run() > before) == expect_groups  # the Metal kernels ran
         return cpu, gpu
 
-    yield both
+    if ON_GPU:
+        assert mx.metal.is_available(), "MLX_LATTICE_TEST_GPU=1 needs a Metal device"
+        yield on_gpu
+    else:
+        yield both
     mlx_lattice.set_metal_harness(False)
 
 

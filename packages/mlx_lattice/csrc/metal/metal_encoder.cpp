@@ -6,6 +6,12 @@
 
 #include <vector>
 
+// metal-cpp is header-only: one translation unit of each image defines its
+// selector and class symbols (libmlx exports only MLX_API symbols).
+#define NS_PRIVATE_IMPLEMENTATION
+#define CA_PRIVATE_IMPLEMENTATION
+#define MTL_PRIVATE_IMPLEMENTATION
+
 #include "encoder.h"
 #include "metal_sources.h"  // generated: kMetalSources, the .metal files concatenated
 #include "mlx/backend/metal/device.h"

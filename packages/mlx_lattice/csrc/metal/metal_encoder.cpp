@@ -4,7 +4,8 @@
 // NOT compiled or run on the Linux machines this project is developed on.
 #ifdef MLX_LATTICE_METAL
 
-#include <vector>
+#include <algorithm>
+#include <list>
 
 // metal-cpp is header-only: one translation unit of each image defines its
 // selector and class symbols (libmlx exports only MLX_API symbols).
@@ -60,17 +61,18 @@ class MetalEncoder final : public KernelEncoder {
   // Host-made index data (rebuilt groupings) goes up as a temporary array.
   const mx::array& array_of(const Buffer& buffer) {
     if (buffer.array) return *buffer.array;
-    const auto* data = static_cast<const int32_t*>(buffer.host);
+    static const int32_t kZero = 0;  // Metal wants a non-empty buffer
     const int n = static_cast<int>(buffer.bytes / sizeof(int32_t));
-    uploads_.push_back(n ? mx::array(data, {n}, mx::int32) : mx::zeros({1}, mx::int32));
-    mx::eval(uploads_.back());
+    const auto* data = n ? static_cast<const int32_t*>(buffer.host) : &kZero;
+    // Arrays made from host data hold it already: nothing to evaluate.
+    uploads_.push_back(mx::array(data, {std::max(n, 1)}, mx::int32));
     encoder_.add_temporary(uploads_.back());
     return uploads_.back();
   }
 
   metal::Device& device_;
   metal::CommandEncoder& encoder_;
-  std::vector<mx::array> uploads_;
+  std::list<mx::array> uploads_;  // stable addresses
 };
 
 }  // namespace

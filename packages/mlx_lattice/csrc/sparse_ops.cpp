@@ -179,6 +179,20 @@ std::optional<mx::array> tangent_of(int arg, const std::vector<mx::array>& tange
   return std::nullopt;
 }
 
+// The jvp of a bilinear op(a, b): op(ta, b) + op(a, tb) over the tangents given.
+template <typename Op>
+std::vector<mx::array> bilinear_jvp(Op op, const std::vector<mx::array>& primals,
+                                    const std::vector<mx::array>& tangents,
+                                    const std::vector<int>& argnums, mx::Stream s) {
+  auto ta = tangent_of(0, tangents, argnums);
+  auto tb = tangent_of(1, tangents, argnums);
+  std::optional<mx::array> first, second;
+  if (ta) first = op(*ta, primals[1]);
+  if (tb) second = op(primals[0], *tb);
+  if (!first && !second) return {mx::zeros_like(op(primals[0], primals[1]), s)};
+  return {sum_terms(first, second, s)};
+}
+
 // Runs `body` on the stream's CPU encoder with weak copies of the arrays.
 template <typename Body>
 void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
@@ -541,16 +555,10 @@ std::vector<mx::array> SparseConv::jvp(const std::vector<mx::array>& primals,
                                        const std::vector<mx::array>& tangents,
                                        const std::vector<int>& argnums) {
   auto rel = RelationArrays::from(primals, 2);
-  auto ta = tangent_of(0, tangents, argnums);
-  auto tb = tangent_of(1, tangents, argnums);
-  std::optional<mx::array> first, second;
-  if (ta) first = make_conv(mode_, *ta, primals[1], rel, dims_, stream());
-  if (tb) second = make_conv(mode_, primals[0], *tb, rel, dims_, stream());
-  if (!first && !second) {
-    return {mx::zeros(
-        make_conv(mode_, primals[0], primals[1], rel, dims_, stream()).shape(), mx::float32)};
-  }
-  return {sum_terms(first, second, stream())};
+  auto op = [&](const mx::array& a, const mx::array& b) {
+    return make_conv(mode_, a, b, rel, dims_, stream());
+  };
+  return bilinear_jvp(op, primals, tangents, argnums, stream());
 }
 
 bool SparseConv::is_equivalent(const mx::Primitive& other) const {
@@ -599,16 +607,10 @@ std::vector<mx::array> SparseConvSorted::jvp(const std::vector<mx::array>& prima
                                              const std::vector<mx::array>& tangents,
                                              const std::vector<int>& argnums) {
   auto rel = RelationArrays::from(primals, 4);
-  auto run = [&](const mx::array& f, const mx::array& w) {
+  auto op = [&](const mx::array& f, const mx::array& w) {
     return make_sorted(f, w, primals[2], primals[3], rel, dims_, store_sorted_, stream());
   };
-  auto tf = tangent_of(0, tangents, argnums);
-  auto tw = tangent_of(1, tangents, argnums);
-  std::optional<mx::array> first, second;
-  if (tf) first = run(*tf, primals[1]);
-  if (tw) second = run(primals[0], *tw);
-  if (!first && !second) return {mx::zeros_like(run(primals[0], primals[1]))};
-  return {sum_terms(first, second, stream())};
+  return bilinear_jvp(op, primals, tangents, argnums, stream());
 }
 
 bool SparseConvSorted::is_equivalent(const mx::Primitive& other) const {
@@ -677,16 +679,10 @@ std::vector<mx::array> SparseConvDirect::vjp(const std::vector<mx::array>& prima
 std::vector<mx::array> SparseConvDirect::jvp(const std::vector<mx::array>& primals,
                                              const std::vector<mx::array>& tangents,
                                              const std::vector<int>& argnums) {
-  auto run = [&](const mx::array& f, const mx::array& w) {
+  auto op = [&](const mx::array& f, const mx::array& w) {
     return make_direct(f, w, primals[2], primals[3], primals[4], dims_, store_sorted_, stream());
   };
-  auto tf = tangent_of(0, tangents, argnums);
-  auto tw = tangent_of(1, tangents, argnums);
-  std::optional<mx::array> first, second;
-  if (tf) first = run(*tf, primals[1]);
-  if (tw) second = run(primals[0], *tw);
-  if (!first && !second) return {mx::zeros_like(run(primals[0], primals[1]))};
-  return {sum_terms(first, second, stream())};
+  return bilinear_jvp(op, primals, tangents, argnums, stream());
 }
 
 bool SparseConvDirect::is_equivalent(const mx::Primitive& other) const {

@@ -242,17 +242,36 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
     const int64_t r1 = std::min(cin, r0 + row_block);
     float* dw = dweight + k * cin * cout;
     std::memset(dw + r0 * cout, 0, sizeof(float) * (r1 - r0) * cout);
+    const int64_t j_begin = kernel_csr.offsets[k];
+    const int64_t j_end = kernel_csr.offsets[k + 1];
     auto& s = scratch;
-    s.a_ptrs.resize(kChunk);
-    s.pack_a_rows.resize(kChunk);
-    for (int64_t j0 = kernel_csr.offsets[k]; j0 < kernel_csr.offsets[k + 1]; j0 += kChunk) {
-      const int64_t m = std::min<int64_t>(kChunk, kernel_csr.offsets[k + 1] - j0);
+    // Two pointer buffers: the next chunk's rows are gathered and prefetched
+    // while the current chunk computes (its first pass is otherwise bound by
+    // the latency of rows scattered over the whole feature arrays).
+    s.a_ptrs.resize(2 * kChunk);
+    s.pack_a_rows.resize(2 * kChunk);
+    auto gather = [&](int64_t j0, int slot) {
+      const int64_t m = std::min<int64_t>(kChunk, j_end - j0);
+      const float** f = s.pack_a_rows.data() + slot * kChunk;
+      const float** g = s.a_ptrs.data() + slot * kChunk;
       for (int64_t j = 0; j < m; ++j) {
-        int64_t e = kernel_csr.edge_ids ? kernel_csr.edge_ids[j0 + j] : j0 + j;
-        s.a_ptrs[j] = feats + static_cast<int64_t>(in_rows[e]) * cin;
-        s.pack_a_rows[j] = grad + static_cast<int64_t>(out_rows[e]) * cout;
+        const int64_t e = kernel_csr.edge_ids ? kernel_csr.edge_ids[j0 + j] : j0 + j;
+        f[j] = feats + static_cast<int64_t>(in_rows[e]) * cin;
+        g[j] = grad + static_cast<int64_t>(out_rows[e]) * cout;
+        for (int64_t x = 0; x < cin; x += 16) __builtin_prefetch(f[j] + x);
+        for (int64_t x = 0; x < cout; x += 16) __builtin_prefetch(g[j] + x);
       }
-      gemm_outer(m, s.a_ptrs.data(), s.pack_a_rows.data(), r0, r1, dw, cout);
+      return m;
+    };
+    if (j_begin >= j_end) return;
+    int slot = 0;
+    int64_t m = gather(j_begin, slot);
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
+      const int64_t next = j0 + kChunk < j_end ? gather(j0 + kChunk, 1 - slot) : 0;
+      gemm_outer(m, s.pack_a_rows.data() + slot * kChunk, s.a_ptrs.data() + slot * kChunk, r0, r1,
+                 dw, cout);
+      slot = 1 - slot;
+      m = next;
     }
   });
 }

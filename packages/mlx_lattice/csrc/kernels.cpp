@@ -21,6 +21,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Per-thread scratch of the tile loops, reused across calls.
 struct TileScratch {
   std::vector<int32_t> counts;
+  std::vector<int32_t> cursor;
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<const float*> pack_a_rows;
@@ -209,10 +210,10 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
     const int64_t n_tile = j1 - j0;
     s.a_ptrs.resize(n_tile);
     s.c_ptrs.resize(n_tile);
-    std::vector<int32_t> cursor(s.counts.begin(), s.counts.end() - 1);
+    s.cursor.assign(s.counts.begin(), s.counts.end() - 1);
     for (int64_t j = j0; j < j1; ++j) {
       int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      int32_t slot = cursor[kernel_ids[e]]++;
+      int32_t slot = s.cursor[kernel_ids[e]]++;
       s.a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
       s.c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
     }

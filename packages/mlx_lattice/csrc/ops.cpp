@@ -50,6 +50,25 @@ mx::array conv_weight(const std::string& op, const mx::array& weight, int64_t n_
                shape_str(weight.shape()) + ".");
 }
 
+// counts[k] must be the number of edges of kernel offset k.
+void check_counts(const std::string& op, const mx::array& counts, const mx::array& kernel_ids,
+                  int64_t n_kernels) {
+  if (static_cast<int64_t>(counts.size()) != n_kernels) {
+    fail(op, "counts must have n_kernels = " + str(n_kernels) + " entries, got " +
+                 str(counts.size()) + ".");
+  }
+  std::vector<int64_t> hist(n_kernels, 0);
+  const int32_t* kid = idx_or_null(kernel_ids);
+  for (size_t e = 0; e < kernel_ids.size(); ++e) ++hist[kid[e]];
+  const int32_t* cnt = idx_or_null(counts);
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    if (cnt[k] != hist[k]) {
+      fail(op, "counts[" + str(k) + "] = " + str(cnt[k]) + " but the relation has " +
+                   str(hist[k]) + " edges of kernel offset " + str(k) + ".");
+    }
+  }
+}
+
 RelationArrays validate_relation(const std::string& op, const mx::array& in_rows,
                                  const mx::array& out_rows, const mx::array& kernel_ids,
                                  const mx::array& counts, const mx::array& out_offsets,
@@ -80,21 +99,7 @@ RelationArrays validate_relation(const std::string& op, const mx::array& in_rows
   check_offsets(op, "output_row_offsets", rel.out_offsets, d.n_out, n_edges);
   check_grouping(op, "output_row_offsets", "", rel.out_offsets, nullptr, "out_rows", rel.out_rows);
   check_distinct_kernels(op, "output", rel.out_offsets, nullptr, rel.kernel_ids, d.n_kernels);
-  // counts: edges per kernel offset.
-  const mx::array& cnt = a[3];
-  if (static_cast<int64_t>(cnt.size()) != d.n_kernels) {
-    fail(op, "counts must have n_kernels = " + str(d.n_kernels) + " entries, got " +
-                 str(cnt.size()) + ".");
-  }
-  std::vector<int64_t> hist(d.n_kernels, 0);
-  const int32_t* kid = rel.kernel_ids.size() ? rel.kernel_ids.data<int32_t>() : nullptr;
-  for (int64_t e = 0; e < n_edges; ++e) ++hist[kid[e]];
-  for (int64_t k = 0; k < d.n_kernels; ++k) {
-    if (cnt.data<int32_t>()[k] != hist[k]) {
-      fail(op, "counts[" + str(k) + "] = " + str(cnt.data<int32_t>()[k]) + " but the relation has " +
-                   str(hist[k]) + " edges of kernel offset " + str(k) + ".");
-    }
-  }
+  check_counts(op, a[3], rel.kernel_ids, d.n_kernels);
   if (rel.in_offsets.size() || rel.in_edge_ids.size()) {
     check_offsets(op, "input_row_offsets", rel.in_offsets, d.n_in, n_edges);
     if (static_cast<int64_t>(rel.in_edge_ids.size()) != n_edges) {
@@ -231,16 +236,7 @@ std::vector<mx::array> check_denominator_indices(const std::string& op,
   const int64_t n_out = static_cast<int64_t>(a[2].size()) - 1;
   check_range(op, "kernel_ids", a[0], 0, n_kernels);
   check_offsets(op, "output_row_offsets", a[2], n_out, n_edges);
-  if (static_cast<int64_t>(a[1].size()) != n_kernels) {
-    fail(op, "counts must have K = " + str(n_kernels) + " entries, got " + str(a[1].size()) + ".");
-  }
-  std::vector<int64_t> hist(n_kernels, 0);
-  for (int64_t e = 0; e < n_edges; ++e) ++hist[a[0].data<int32_t>()[e]];
-  for (int64_t k = 0; k < n_kernels; ++k) {
-    if (hist[k] != a[1].data<int32_t>()[k]) {
-      fail(op, "counts[" + str(k) + "] does not match kernel_ids.");
-    }
-  }
+  check_counts(op, a[1], a[0], n_kernels);
   return a;
 }
 

@@ -59,8 +59,6 @@ class CoordTable {
     }
   }
 
-  int32_t find(const int32_t* c) const { return find_hashed(c, hash_coord(c)); }
-
   // Starts loading the slot a lookup of hash h will read first.
   void prefetch(uint64_t h) const { __builtin_prefetch(slots_.data() + (h & mask_)); }
 

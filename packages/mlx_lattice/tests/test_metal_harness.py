@@ -126,11 +126,16 @@ def test_empty_relation_and_rows_without_edges(rng, ref, harness):
 @pytest.mark.parametrize("channels", [32, 64])
 @pytest.mark.parametrize("store_sorted", [False, True])
 def test_sorted_implicit_gemm_with_simdgroup_mma(rng, ref, harness, channels, store_sorted):
-    # 33 and 65 rows: tiles with a single row; a sparse set: offsets absent
-    # from whole tiles.
+    # Exactly 33 and 65 rows: a last tile with a single row. 32 isolated
+    # voxels (only the centre offset) sort into one tile: offsets absent from
+    # a whole tile.
+    isolated = np.array([[0, 100 + 10 * i, 100, 100] for i in range(32)], np.int32)
     for n in (33, 65):
-        coords = ref.random_coords(rng, n, 9)
+        cells = rng.choice(9**3, n - 32, replace=False)
+        grid = np.stack([np.zeros(n - 32), cells // 81, cells // 9 % 9, cells % 9], 1)
+        coords = np.concatenate([isolated, grid.astype(np.int32)])
         rel = build_kernel_relation(coords)
+        assert rel.n_out_capacity == n
         masks = np.array(rel.require_sorted_implicit_gemm().tile_masks).astype(np.uint32)
         assert any(bin(int(m)).count("1") < 27 for m in masks)
         f = rand(rng, (rel.n_in, channels), mx.float16)

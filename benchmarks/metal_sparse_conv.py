@@ -14,26 +14,15 @@ the script itself is checked everywhere; the Metal numbers need macOS.
 from __future__ import annotations
 
 import platform
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.timing import median_s
 from mlx_lattice.core import build_kernel_relation, ops
 from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 
 CHANNELS = 64
-
-
-def _median_s(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -79,9 +68,9 @@ def main() -> None:
             mx.eval(mx.matmul(lhs, weight[0].astype(lhs.dtype)))
 
         times = {
-            "ours (sorted implicit GEMM)": _median_s(ours),
-            "mx.gather_mm + scatter": _median_s(gather_mm),
-            "mx.matmul, same FLOPs": _median_s(dense),
+            "ours (sorted implicit GEMM)": median_s(ours, repeats=5),
+            "mx.gather_mm + scatter": median_s(gather_mm, repeats=5),
+            "mx.matmul, same FLOPs": median_s(dense, repeats=5),
         }
 
     where = (

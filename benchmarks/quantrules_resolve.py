@@ -8,9 +8,9 @@ cached under 2 µs per call.
 from __future__ import annotations
 
 import platform
-import timeit
 
 import quantrules as qr
+from benchmarks.timing import best_us
 from quantrules import _resolve
 
 
@@ -37,10 +37,6 @@ def _rules() -> list[qr.Rule]:
     ]
 
 
-def _best_us(fn, number: int) -> float:
-    return min(timeit.repeat(fn, number=number, repeat=5)) / number * 1e6
-
-
 def main() -> None:
     rules = _rules()
     paths = [f"encoder/{i}/mlp/fc{j}" for i in range(16) for j in range(4)]
@@ -64,9 +60,9 @@ def main() -> None:
 
     cached_list()
     n = len(paths)
-    t_list = _best_us(cached_list, 200) / n
-    t_tuple = _best_us(cached_tuple, 200) / n
-    t_uncached = _best_us(uncached, 20) / (n * len(ops))
+    t_list = best_us(cached_list, 200) / n
+    t_tuple = best_us(cached_tuple, 200) / n
+    t_uncached = best_us(uncached, 20) / (n * len(ops))
     print(
         f"quantrules.resolve on {platform.processor() or platform.machine()}, "
         f"Python {platform.python_version()}, {len(rules)} rules, {n} paths"

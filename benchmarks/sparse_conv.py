@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 
 import mlx.core as mx
 import numpy as np
 
 import mlx_lattice
+from benchmarks.timing import median_s
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
@@ -26,21 +25,11 @@ from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 CHANNELS = 64
 
 
-def _median_s(fn, repeats: int = 7) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def _sgemm_rate(m: int, k: int, n: int) -> float:
     rng = np.random.default_rng(0)
     a = rng.standard_normal((m, k), dtype=np.float32)
     b = rng.standard_normal((k, n), dtype=np.float32)
-    return 2 * m * k * n / _median_s(lambda: a @ b) / 1e9
+    return 2 * m * k * n / median_s(lambda: a @ b) / 1e9
 
 
 def main() -> None:
@@ -48,7 +37,7 @@ def main() -> None:
     scan = synthetic_lidar_scan(seed=0)
     coords = mx.array(voxelize_points(scan.points, 0.05))
     mx.eval(coords)
-    build_s = _median_s(lambda: build_kernel_relation(coords, kernel_size=3))
+    build_s = median_s(lambda: build_kernel_relation(coords, kernel_size=3))
     rel = build_kernel_relation(coords, kernel_size=3)
     n, edges = rel.n_in, rel.n_edges
     flops = 2 * edges * CHANNELS * CHANNELS
@@ -82,7 +71,7 @@ def main() -> None:
             ops.sparse_quantized_conv_features_from_relation(f16, q4, rel)
         ),
     }
-    times = {name: _median_s(fn) for name, fn in cases.items()}
+    times = {name: median_s(fn) for name, fn in cases.items()}
 
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores; "

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import os
 import platform
-import statistics
-import time
 
 import mlx.core as mx
 import mlx.nn as mnn
@@ -19,6 +17,7 @@ import numpy as np
 
 import mlx_lattice
 import quantrules as qr
+from benchmarks.timing import median_s
 from examples.sparse_unet import SparseUNet
 from mlx_lattice import SparseTensor
 from mlx_lattice._native import ext
@@ -26,16 +25,6 @@ from mlx_lattice.data import synthetic_lidar_scan
 
 WIDTHS = (32, 64, 96, 128)
 VOXEL = 0.05
-
-
-def _median(fn, repeats: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def _model(kind: str) -> SparseUNet:
@@ -78,14 +67,14 @@ def main() -> None:
         def forward(x: SparseTensor, model: SparseUNet = model) -> None:
             mx.eval(model(x).feats)
 
-        cold = _median(lambda dtype=dtype, forward=forward: forward(fresh(dtype)))
-        warm = _median(lambda forward=forward, x=warm_input: forward(x))
+        cold = median_s(lambda dtype=dtype, forward=forward: forward(fresh(dtype)), repeats=5)
+        warm = median_s(lambda forward=forward, x=warm_input: forward(x), repeats=5)
 
         def loss(m: SparseUNet, x: SparseTensor = warm_input) -> mx.array:
             return m(x).feats.astype(mx.float32).square().mean()
 
         step = mnn.value_and_grad(model, loss)
-        train = _median(lambda step=step, model=model: mx.eval(step(model)))
+        train = median_s(lambda step=step, model=model: mx.eval(step(model)), repeats=5)
         share = max(cold - warm, 0.0) / cold
         print(
             f"{kind:<9}{n / warm:>15,.0f}{n / train:>15,.0f}{cold * 1e3:>13.1f}{warm * 1e3:>13.1f}{share:>10.0%}"

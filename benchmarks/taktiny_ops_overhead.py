@@ -22,6 +22,7 @@ import qwix
 
 import quantrules as qr
 import taktiny_ops as tk
+from benchmarks.timing import best_us
 
 W8A8 = qr.Rule(weight_qtype="int8", act_qtype="int8")
 DN = (((1,), (0,)), ((), ()))
@@ -57,13 +58,8 @@ def _hlo(fn, *args) -> str:
     return re.sub(r"loc\(.*?\)", "", text)
 
 
-def _best_us(fn, *args, number=200) -> float:
-    jax.block_until_ready(fn(*args))
-    return (
-        min(timeit.repeat(lambda: jax.block_until_ready(fn(*args)), number=number, repeat=5))
-        / number
-        * 1e6
-    )
+def _best_us(fn, *args) -> float:
+    return best_us(lambda: jax.block_until_ready(fn(*args)), number=200)
 
 
 def _dispatch_us(fn, *args, number=500, repeat=15) -> float:

@@ -1,19 +1,21 @@
 """The ops layer: validate, choose a dataflow, call the native primitives.
 
 Which dataflow runs is explicit (:mod:`mlx_lattice.core.dataflow`: force one
-with ``use_dataflow``, observe with ``record_dataflows``). Under ``"auto"``:
+with ``use_dataflow``, observe with ``record_dataflows``). Under ``"auto"``
+(rules kept only where ``benchmarks/sparse_conv.py``, which times every
+dataflow per dtype, shows them winning on the CPU; see the README):
 
-* :func:`sparse_conv_features_from_relation` runs ``"sorted"`` for float16
-  features and weights, 27 offsets and square C32/C64 channels;
-  ``"padded_c16"`` for a float16 C64 -> C14 submanifold head on at least
-  4096 outputs; ``"generic"`` otherwise. (``benchmarks/sparse_conv.py``
-  times every dataflow per dtype; the README lists the numbers behind these
-  rules.)
+* :func:`sparse_conv_features_from_relation` runs ``"padded_c16"`` for a
+  float16 C64 -> C14 submanifold head on at least 4096 outputs; on a GPU
+  stream, ``"sorted"`` for float16 features and weights, 27 offsets and
+  square C32/C64 channels (the Metal kernel's case; not measurable here: on
+  the CPU the sorted kernel is slower than ``"generic"`` for every dtype);
+  ``"generic"`` otherwise.
 * :func:`sparse_conv_normalization_denominator_from_relation` runs
-  ``"denominator_csr"`` for float16 submanifold relations with 27 offsets, at
-  least ``2**16`` rows and channels a multiple of 4 that are not a square
-  C32/C64 convolution, and returns ``None`` otherwise (callers then run the
-  full convolution).
+  ``"denominator_csr"`` for submanifold relations with 27 offsets, at least
+  ``2**16`` rows and channels a multiple of 4 (unless the numerator runs
+  ``"sorted"``), and returns ``None`` otherwise (callers then run the full
+  convolution).
 * :func:`sparse_quantized_conv_features_from_relation` has one dataflow,
   ``"quantized"``.
 
@@ -79,8 +81,12 @@ def _sorted_applies(feats: mx.array, weight: mx.array, relation: KernelRelation)
     return int(feats.shape[1]) == cin and cin in (32, 64) and cout in (32, 64)
 
 
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
 def _auto_sorted(feats: mx.array, weight: mx.array, relation: KernelRelation) -> bool:
-    if not _sorted_applies(feats, weight, relation):
+    if not _on_gpu() or not _sorted_applies(feats, weight, relation):
         return False
     cin, cout = _channels(weight)
     return feats.dtype == mx.float16 and relation.n_kernels == 27 and cin == cout
@@ -324,7 +330,7 @@ def _auto_denominator(
 ) -> bool:
     if relation.contract.kind != "submanifold" or relation.n_kernels != 27:
         return False
-    if unit_feats.dtype != mx.float16 or squared_weight.dtype != mx.float16:
+    if unit_feats.dtype not in _FLOAT_DTYPES or squared_weight.dtype != unit_feats.dtype:
         return False
     if unit_feats.ndim != 2 or int(unit_feats.shape[0]) < _NORMALIZATION_CSR_MIN_ROWS:
         return False

@@ -135,10 +135,14 @@ class SortedImplicitGemmView:
     ``[t * SORTED_TILE_ROWS, (t + 1) * SORTED_TILE_ROWS)``.
     """
 
-    out_in_map: mx.array
     sorted_out_in_map: mx.array
     reorder_rows: mx.array
     tile_masks: mx.array
+
+    @property
+    def out_in_map(self) -> mx.array:
+        """The map in output-row order (derived; no kernel reads it)."""
+        return mx.take(self.sorted_out_in_map, mx.argsort(self.reorder_rows), axis=0)
 
     @property
     def sorted_kv_out_in_map(self) -> mx.array:
@@ -223,13 +227,11 @@ class KernelRelation:
         else:
             tile_masks = np.zeros(tiles, dtype=np.uint32)
         view = SortedImplicitGemmView(
-            out_in_map=mx.array(out_in),
             sorted_out_in_map=mx.array(sorted_map),
             reorder_rows=mx.array(reorder),
             tile_masks=mx.array(tile_masks.view(np.int32)),
         )
         mx.eval(
-            view.out_in_map,
             view.sorted_out_in_map,
             view.reorder_rows,
             view.tile_masks,

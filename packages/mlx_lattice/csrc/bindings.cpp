@@ -1,8 +1,11 @@
-// Python bindings of mlx_lattice._native.ext: thin wrappers, real docstrings.
+// Python bindings of the extension: thin wrappers, real docstrings.
 //
-// Every function releases the GIL while it validates index arrays or builds
-// relations; kernels themselves run when MLX evaluates the result.
-#include <nanobind/nanobind.h>
+// A relation crosses as one Python object (core/relations.py's
+// KernelRelation), read here into RelationArrays; a sorted view and a
+// quantized weight likewise. Every function releases the GIL while it
+// validates index arrays or builds relations; kernels run when MLX evaluates.
+#include "bindings.h"
+
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
@@ -10,58 +13,101 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
-#include "gemm.h"
-#include "metal/encoder.h"
-#include "msl_runtime.h"
-#include "kernels.h"
-#include "parallel.h"
-#include "relations.h"
-#include "scaled_add.h"
-#include "sparse_ops.h"
+#include "cpu/gemm.h"
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
+#include "ops.h"
+#include "relation_builder.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
-namespace ml = mlx_lattice;
+namespace mx = mlx::core;
 
-NB_MODULE(ext, m) {
-  m.doc() = "Native MLX primitives of mlx_lattice (import mlx.core first).";
-  using release = nb::call_guard<nb::gil_scoped_release>;
+namespace mlx_lattice {
 
+namespace {
+
+using release = nb::call_guard<nb::gil_scoped_release>;
+
+nb::object field(nb::handle obj, const std::string& path) {
+  nb::object cur = nb::borrow(obj);
+  size_t start = 0;
+  while (true) {
+    size_t dot = path.find('.', start);
+    std::string name = path.substr(start, dot == std::string::npos ? dot : dot - start);
+    if (!nb::hasattr(cur, name.c_str())) {
+      throw nb::type_error(("expected an object with a '" + path + "' attribute").c_str());
+    }
+    cur = cur.attr(name.c_str());
+    if (dot == std::string::npos) return cur;
+    start = dot + 1;
+  }
+}
+
+mx::array array_field(nb::handle obj, const char* what, const std::string& path) {
+  nb::object v = field(obj, path);
+  if (!nb::isinstance<mx::array>(v)) {
+    throw nb::type_error((std::string(what) + "." + path + " must be an mlx.core.array, got " +
+                          nb::type_name(v.type()).c_str() + ".")
+                             .c_str());
+  }
+  return nb::cast<mx::array>(v);
+}
+
+int64_t int_field(nb::handle obj, const char* what, const std::string& path) {
+  nb::object v = field(obj, path);
+  if (!nb::isinstance<nb::int_>(v)) {
+    throw nb::type_error((std::string(what) + "." + path + " must be an int.").c_str());
+  }
+  return nb::cast<int64_t>(v);
+}
+
+RelationArrays relation_from(nb::handle r) {
+  const char* w = "relation";
+  return {array_field(r, w, "edges.in_rows"),          array_field(r, w, "edges.out_rows"),
+          array_field(r, w, "edges.kernel_ids"),       array_field(r, w, "output_csr.row_offsets"),
+          array_field(r, w, "input_csr.row_offsets"),  array_field(r, w, "input_csr.edge_ids"),
+          array_field(r, w, "kernel_csr.row_offsets"), array_field(r, w, "kernel_csr.edge_ids"),
+          int_field(r, w, "n_in"),                     int_field(r, w, "n_out_capacity"),
+          int_field(r, w, "n_kernels")};
+}
+
+SortedArrays sorted_from(nb::handle v) {
+  const char* w = "view";
+  return {array_field(v, w, "sorted_out_in_map"), array_field(v, w, "reorder_rows"),
+          array_field(v, w, "tile_masks")};
+}
+
+QuantizedArrays quantized_from(nb::handle q) {
+  const char* w = "weight";
+  auto i = [&](const char* name) { return static_cast<int>(int_field(q, w, name)); };
+  return {array_field(q, w, "weight"), array_field(q, w, "scales"), array_field(q, w, "biases"),
+          i("in_channels"),            i("out_channels"),           i("storage_in_channels"),
+          i("group_size"),             i("bits")};
+}
+
+}  // namespace
+
+void bind_ops(nb::module_& m) {
   // A second Python handle sharing the array's current value (descriptor):
   // it keeps that value alive, so `same_value` stays exact after the original
   // Python object is updated in place (which swaps its descriptor).
   m.def(
-      "array_value", [](const mlx::core::array& a) { return mlx::core::array(a); }, "a"_a,
+      "array_value", [](const mx::array& a) { return mx::array(a); }, "a"_a,
       "A handle on the current value of ``a`` (for caches).");
   m.def(
-      "same_value",
-      [](const mlx::core::array& handle, const mlx::core::array& a) { return handle.id() == a.id(); },
+      "same_value", [](const mx::array& handle, const mx::array& a) { return handle.id() == a.id(); },
       "handle"_a, "a"_a, "Whether ``a`` still holds the value captured by ``array_value``.");
 
-  m.attr("SORTED_TILE_ROWS") = ml::kernels::kSortedTileRows;
+  m.attr("SORTED_TILE_ROWS") = kernels::kSortedTileRows;
 
-  m.def("scaled_add", &ml::scaled_add, "x"_a, "y"_a, nb::kw_only(), "alpha"_a = 1.0f,
-        "beta"_a = 1.0f, "stream"_a = nb::none(),
-        R"pbdoc(
-Compute ``alpha * x + beta * y`` as one MLX primitive (the extension's smoke test).
-
-Raises:
-    ValueError: if the shapes or dtypes of ``x`` and ``y`` differ.
-)pbdoc");
-
-  m.def("set_num_threads", &ml::set_num_threads, "n"_a, release(),
+  m.def("set_num_threads", &set_num_threads, "n"_a, release(),
         "Set the number of threads of the CPU kernels (>= 1).");
-  m.def("get_num_threads", &ml::get_num_threads,
+  m.def("get_num_threads", &get_num_threads,
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
-  m.def("set_metal_harness", &ml::gpu::set_harness, "enabled"_a,
-        "Route evaluation through the Metal kernels run on the CPU harness (tests).");
-  m.def("harness_groups_run", &msl::dispatched_groups,
-        "Threadgroups the Metal harness has run in this process (diagnostics).");
-  m.def("metal_harness_enabled", &ml::gpu::harness_enabled,
-        "Whether evaluation runs the Metal kernels through the CPU harness.");
-  m.def("gemm_isa", &ml::gemm_isa, "The GEMM micro-kernel in use: 'avx2-fma' or 'scalar'.");
+  m.def("gemm_isa", &gemm_isa, "The GEMM micro-kernel in use: 'avx2-fma' or 'scalar'.");
 
-  m.def("check_coordinates", &ml::check_coordinates, "coords"_a, "name"_a = "coords", release(),
+  m.def("check_coordinates", &check_coordinates, "coords"_a, "name"_a = "coords", release(),
         R"pbdoc(
 Check an ``(N, 4)`` int32 coordinate set (batch, x, y, z) for duplicates.
 
@@ -69,10 +115,26 @@ Raises:
     ValueError: naming both rows of the first duplicate, or a wrong dtype/shape.
 )pbdoc");
 
-  m.def("build_kernel_relation", &ml::build_kernel_relation, "in_coords"_a,
-        "out_coords"_a = nb::none(), nb::kw_only(), "kernel_size"_a, "stride"_a, "dilation"_a,
-        "tensor_stride"_a, "kind"_a, release(),
-        R"pbdoc(
+  m.def(
+      "build_kernel_relation",
+      [](const mx::array& in_coords, const std::optional<mx::array>& out_coords, Triple kernel_size,
+         Triple stride, Triple dilation, Triple tensor_stride, const std::string& kind) {
+        auto raw = build_kernel_relation(in_coords, out_coords, kernel_size, stride, dilation,
+                                         tensor_stride, kind);
+        // Validated once here, where it is built; later calls find it in the memo.
+        const int64_t n_kernels =
+            static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
+        validated_relation("build_kernel_relation",
+                           {raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
+                            raw.at("output_row_offsets"), raw.at("input_row_offsets"),
+                            raw.at("input_edge_ids"), raw.at("kernel_row_offsets"),
+                            raw.at("kernel_edge_ids"), in_coords.shape(0),
+                            raw.at("out_coords").shape(0), n_kernels});
+        return raw;
+      },
+      "in_coords"_a, "out_coords"_a = nb::none(), nb::kw_only(), "kernel_size"_a, "stride"_a,
+      "dilation"_a, "tensor_stride"_a, "kind"_a, release(),
+      R"pbdoc(
 Build the edge list between two coordinate sets for one kernel shape.
 
 Offsets are enumerated x-major, ``offset(i) = (i - (size - 1) // 2) *
@@ -80,78 +142,94 @@ dilation * tensor_stride`` per axis; an edge joins input ``p`` to output
 ``q`` when ``p == q + offset`` (``submanifold``, ``forward``) or
 ``p == q - offset`` (``target``). Returns a dict of int32 arrays:
 ``out_coords``, ``in_rows``, ``out_rows``, ``kernel_ids``, ``counts``,
-``output_row_offsets``, ``output_edge_ids``, ``input_row_offsets``,
-``input_edge_ids``, ``kernel_row_offsets``, ``kernel_edge_ids``.
+``output_row_offsets``, ``input_row_offsets``, ``input_edge_ids``,
+``kernel_row_offsets``, ``kernel_edge_ids``.
 )pbdoc");
 
-  m.def("sparse_conv_features", &ml::sparse_conv_features, "feats"_a, "weight"_a, "in_rows"_a,
-        "out_rows"_a, "kernel_ids"_a, "counts"_a, "output_row_offsets"_a, "input_row_offsets"_a,
-        "input_edge_ids"_a, "kernel_row_offsets"_a, "kernel_edge_ids"_a, "n_out_capacity"_a,
-        "n_kernels"_a, nb::kw_only(), "stream"_a = nb::none(), release(),
-        R"pbdoc(
-Sparse convolution ``out[o] = sum_e feats[in_rows[e]] @ W[kernel_ids[e]]``.
+  m.def(
+      "sparse_conv_features",
+      [](const mx::array& feats, const mx::array& weight, nb::handle relation,
+         mx::StreamOrDevice s) {
+        auto rel = relation_from(relation);
+        nb::gil_scoped_release unlocked;
+        return sparse_conv_features(feats, weight, rel, s);
+      },
+      "feats"_a, "weight"_a, "relation"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"pbdoc(
+Sparse convolution ``out[o] = sum_e feats[in_rows[e]] @ W[kernel_ids[e]]``
+over a ``KernelRelation`` (the generic output-stationary dataflow).
 
-``weight`` is ``(K, Cin, Cout)`` or ``(Cout, kx, ky, kz, Cin)``. Edges must be
-grouped by output (``output_row_offsets``) with offsets ascending in each
-group; the input and kernel groupings may be empty arrays (rebuilt when a
-gradient needs them). Differentiable in ``feats`` and ``weight``; the result
-has the dtype of ``feats``.
+``weight`` is the mapped ``(K, Cin, Cout)`` weight. Differentiable in
+``feats`` and ``weight``; the result has the dtype of ``feats``.
 
 Raises:
-    ValueError: for a bad shape or dtype, or an index array that is out of
-        range or inconsistent with the relation.
+    ValueError: for a bad shape or dtype, or a relation whose index arrays
+        are out of range or inconsistent.
 )pbdoc");
 
-  m.def("sparse_conv_features_sorted_implicit_gemm",
-        &ml::sparse_conv_features_sorted_implicit_gemm, "feats"_a, "weight"_a,
-        "sorted_out_in_map"_a, "sorted_kv_out_in_map"_a, "reorder_rows"_a, "tile_masks"_a,
-        "in_rows"_a, "out_rows"_a, "kernel_ids"_a, "counts"_a, "output_row_offsets"_a,
-        "input_row_offsets"_a, "input_edge_ids"_a, "kernel_row_offsets"_a, "kernel_edge_ids"_a,
-        "n_out_capacity"_a, "n_kernels"_a, nb::kw_only(), "store_sorted"_a = false,
-        "stream"_a = nb::none(), release(),
-        R"pbdoc(
-Sparse convolution through the sorted implicit-GEMM view.
+  m.def(
+      "sparse_conv_features_sorted_implicit_gemm",
+      [](const mx::array& feats, const mx::array& weight, nb::handle relation, nb::handle view,
+         bool store_sorted, mx::StreamOrDevice s) {
+        auto rel = relation_from(relation);
+        auto sorted = sorted_from(view);
+        nb::gil_scoped_release unlocked;
+        return sparse_conv_features_sorted_implicit_gemm(feats, weight, rel, sorted, store_sorted,
+                                                         s);
+      },
+      "feats"_a, "weight"_a, "relation"_a, "view"_a, nb::kw_only(), "store_sorted"_a = false,
+      "stream"_a = nb::none(),
+      R"pbdoc(
+Sparse convolution through the relation's sorted implicit-GEMM ``view``.
 
-Row ``r`` of the sorted view is output row ``reorder_rows[r]``; with
+Row ``r`` of the view is output row ``view.reorder_rows[r]``; with
 ``store_sorted=True`` results stay in sorted order. ``weight`` is the mapped
 ``(K, Cin, Cout)`` weight. Gradients use the relation's edge groupings.
 )pbdoc");
 
-  m.def("sparse_conv_features_sorted_direct_reference",
-        &ml::sparse_conv_features_sorted_direct_reference, "feats"_a, "weight"_a,
-        "sorted_out_in_map"_a, "reorder_rows"_a, "tile_masks"_a, "n_out_capacity"_a,
-        "n_kernels"_a, nb::kw_only(), "store_sorted"_a = false, "stream"_a = nb::none(),
-        release(),
-        "The sorted dataflow computed by direct loops, for diagnostics and tests.");
+  m.def(
+      "sparse_quantized_conv_features",
+      [](const mx::array& feats, nb::handle weight, nb::handle relation, mx::StreamOrDevice s) {
+        auto q = quantized_from(weight);
+        auto rel = relation_from(relation);
+        nb::gil_scoped_release unlocked;
+        return sparse_quantized_conv_features(feats, q, rel, s);
+      },
+      "feats"_a, "weight"_a, "relation"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"pbdoc(
+Sparse convolution with a group-affine ``QuantizedWeight``.
 
-  m.def("sparse_quantized_conv_features", &ml::sparse_quantized_conv_features, "feats"_a,
-        "weight"_a, "scales"_a, "biases"_a, "in_rows"_a, "out_rows"_a, "kernel_ids"_a, "counts"_a,
-        "output_row_offsets"_a, "sorted_kv_out_in_map"_a, "reorder_rows"_a, "tile_masks"_a,
-        "n_out_capacity"_a, "n_kernels"_a, "in_channels"_a, "out_channels"_a,
-        "storage_in_channels"_a, "group_size"_a, "bits"_a, nb::kw_only(),
-        "stream"_a = nb::none(), release(),
-        R"pbdoc(
-Sparse convolution with group-affine quantized weights.
-
-``weight`` is uint32 ``(K, Cout, storage_in_channels * bits / 32)`` in
-``mx.quantize``'s layout with ``scales``/``biases`` of shape
+``weight.weight`` is uint32 ``(K, Cout, storage_in_channels * bits / 32)``
+in ``mx.quantize``'s layout with ``scales``/``biases`` of shape
 ``(K, Cout, storage_in_channels / group_size)``. Weights are dequantized
 inside the kernel; differentiable in ``feats``.
 )pbdoc");
 
-  m.def("sparse_conv_normalization_denominator", &ml::sparse_conv_normalization_denominator,
-        "weight"_a, "kernel_ids"_a, "counts"_a, "output_row_offsets"_a, nb::kw_only(),
-        "stream"_a = nb::none(), release(),
-        R"pbdoc(
+  m.def(
+      "sparse_conv_normalization_denominator",
+      [](const mx::array& weight, nb::handle relation, mx::StreamOrDevice s) {
+        auto rel = relation_from(relation);
+        nb::gil_scoped_release unlocked;
+        return sparse_conv_normalization_denominator(weight, rel, s);
+      },
+      "weight"_a, "relation"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"pbdoc(
 ``out[o] = sum over edges e of o of sum_c weight[kernel_ids[e], c, :]``: the
 convolution of all-ones features with ``weight``, reduced in output-CSR edge
 order in float32.
 )pbdoc");
 
-  m.def("sparse_pool_features", &ml::sparse_pool_features, "feats"_a, "in_rows"_a, "out_rows"_a,
-        "kernel_ids"_a, "output_row_offsets"_a, "counts"_a, "input_exclusive"_a, "mode"_a,
-        "n_out_capacity"_a, "n_kernels"_a, nb::kw_only(), "stream"_a = nb::none(), release(),
-        R"pbdoc(
+  m.def(
+      "sparse_pool_features",
+      [](const mx::array& feats, nb::handle relation, bool input_exclusive,
+         const std::string& mode, mx::StreamOrDevice s) {
+        auto rel = relation_from(relation);
+        nb::gil_scoped_release unlocked;
+        return sparse_pool_features(feats, rel, input_exclusive, mode, s);
+      },
+      "feats"_a, "relation"_a, nb::kw_only(), "input_exclusive"_a, "mode"_a,
+      "stream"_a = nb::none(),
+      R"pbdoc(
 Sparse pooling over a relation: ``mode`` is ``'max'``, ``'avg'`` (mean over
 the present neighbours) or ``'sum'``; outputs without neighbours are 0.
 ``input_exclusive=True`` asserts every input row feeds at most one output
@@ -159,3 +237,5 @@ the present neighbours) or ``'sum'``; outputs without neighbours are 0.
 max gradient goes to the first maximum in edge order.
 )pbdoc");
 }
+
+}  // namespace mlx_lattice

@@ -140,7 +140,7 @@ namespace {
 struct MemoEntry {
   std::string key;
   std::vector<mx::array> pinned;  // the key arrays: keeps their identities unique
-  std::vector<mx::array> result;
+  std::shared_ptr<const void> result;
 };
 
 // Memo of validated index-array sets: mutable global state because the
@@ -157,8 +157,8 @@ Memo& memo() {
 
 }  // namespace
 
-std::vector<mx::array> validated(const std::string& tag, const std::vector<mx::array>& keys,
-                                 const std::function<std::vector<mx::array>()>& validate) {
+std::shared_ptr<const void> validated(const std::string& tag, const std::vector<mx::array>& keys,
+                                      const std::function<std::shared_ptr<const void>()>& validate) {
   std::ostringstream key;
   key << tag;
   for (const auto& a : keys) key << ':' << a.id();

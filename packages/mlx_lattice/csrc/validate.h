@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -48,15 +49,15 @@ void check_distinct_kernels(const std::string& op, const std::string& group_name
                             const mx::array& offsets, const mx::array* edge_ids,
                             const mx::array& kernel_ids, int64_t n_kernels);
 
-// Runs `validate` once per distinct set of index arrays: the result (the
-// concrete arrays it returns) is remembered under `tag` and the identities of
-// `keys`. Entries hold references to the keys, so an identity cannot be reused
-// while remembered; an array updated in place gets a new identity and is
-// validated again. At most kValidationMemo sets are kept (least recently
-// used first out), so dead relations are released soon.
-constexpr size_t kValidationMemo = 16;
-std::vector<mx::array> validated(const std::string& tag, const std::vector<mx::array>& keys,
-                                 const std::function<std::vector<mx::array>()>& validate);
+// Runs `validate` once per distinct set of index arrays: its result is
+// remembered under `tag` and the identities of `keys`. Entries hold
+// references to the keys, so an identity cannot be reused while remembered;
+// an array updated in place gets a new identity and is validated again. At
+// most kValidationMemo sets are kept (least recently used first out), so dead
+// relations are released soon.
+constexpr size_t kValidationMemo = 32;
+std::shared_ptr<const void> validated(const std::string& tag, const std::vector<mx::array>& keys,
+                                      const std::function<std::shared_ptr<const void>()>& validate);
 
 // Forgets all remembered validations.
 void clear_validation_memo();

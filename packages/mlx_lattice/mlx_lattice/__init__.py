@@ -10,7 +10,6 @@
 * :mod:`mlx_lattice.data`: a seeded synthetic LiDAR scan.
 """
 
-from mlx_lattice._backend import metal_harness_enabled, set_metal_harness
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
 from mlx_lattice.quantize import QuantizationReport, quantize
@@ -23,9 +22,7 @@ __all__ = [
     "SparseTensorError",
     "__version__",
     "get_num_threads",
-    "metal_harness_enabled",
     "quantize",
-    "set_metal_harness",
     "set_num_threads",
     "sparse_collate",
 ]

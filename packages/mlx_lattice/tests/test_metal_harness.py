@@ -1,24 +1,41 @@
 """The Metal kernels, run on the CPU through the MSL harness, against the CPU
-kernels (eval_cpu) on fresh random relations. With MLX_LATTICE_TEST_GPU=1
-(the macOS target :metal_gpu_tests) the same tests run the Metal kernels on
-the GPU stream instead.
+kernels (eval_cpu) on seeded random relations. The harness is a test-only
+extension (tests/harness_ext.so: the product's sources with eval_cpu running
+the Metal encode bodies); the ops layer is pointed at it for the Metal half
+of each comparison. With MLX_LATTICE_TEST_GPU=1 (the macOS target
+:metal_gpu_tests) the same tests run the Metal kernels on the GPU stream
+instead.
 
 Tolerances: float32 paths 1e-5 relative; half inputs 1e-2 (inputs rounded to
 half; sums in float32 in another order); the sorted implicit GEMM stages
 inputs as half (1e-2).
 """
 
+import importlib.util
 import os
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
-import mlx_lattice
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 ON_GPU = os.environ.get("MLX_LATTICE_TEST_GPU") == "1"
+
+
+def _load_harness():
+    path = Path(__file__).with_name("harness_ext.so")
+    if ON_GPU and not path.exists():
+        return None
+    spec = importlib.util.spec_from_file_location("harness_ext", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+harness_ext = _load_harness()
 
 
 @pytest.fixture
@@ -36,17 +53,17 @@ def harness():
         return cpu, gpu
 
     def both(fn, expect_groups=True):
-        mlx_lattice.set_metal_harness(False)
+        assert ops.ext is ext
         cpu = fn()
         mx.eval(cpu)
-        before = ext.harness_groups_run()
-        mlx_lattice.set_metal_harness(True)
+        before = harness_ext.harness_groups_run()
+        ops.ext = harness_ext
         try:
             gpu = fn()
             mx.eval(gpu)
         finally:
-            mlx_lattice.set_metal_harness(False)
-        assert (ext.harness_groups_run() > before) == expect_groups  # the Metal kernels ran
+            ops.ext = ext
+        assert (harness_ext.harness_groups_run() > before) == expect_groups  # Metal kernels ran
         return cpu, gpu
 
     if ON_GPU:
@@ -54,7 +71,6 @@ def harness():
         yield on_gpu
     else:
         yield both
-    mlx_lattice.set_metal_harness(False)
 
 
 def close(a, b, tol):
@@ -142,14 +158,17 @@ def test_sorted_implicit_gemm_with_simdgroup_mma(rng, ref, harness, channels, st
         w = rand(rng, (27, channels, channels), mx.float16, 0.05)
 
         def run(f=f, w=w, rel=rel):
-            a = ops.sparse_conv_features_sorted_from_relation(f, w, rel, store_sorted=store_sorted)
-            b = ops.sparse_conv_features_sorted_direct_reference_from_relation(
+            return ops.sparse_conv_features_sorted_from_relation(
                 f, w, rel, store_sorted=store_sorted
             )
-            return [a, b]
 
         cpu, gpu = harness(run)
         close(cpu, gpu, 1e-2)
+        # And against the reference built from MLX ops over the same view.
+        reference = ops.sparse_conv_features_sorted_direct_reference_from_relation(
+            f, w, rel, store_sorted=store_sorted
+        )
+        close(reference, gpu, 1e-2)
     # Gradients through the GPU path (the sorted vjp runs the generic kernels).
     probe = rand(rng, (rel.n_out_capacity, channels))
 
@@ -187,12 +206,12 @@ def test_denominator_and_its_gradient(rng, ref, harness):
     coords = ref.random_coords(rng, 150, 6)
     rel = build_kernel_relation(coords)
     w = rand(rng, (27, 4, 3))
-    args = (rel.edges.kernel_ids, rel.counts, rel.output_csr.row_offsets)
     probe = rand(rng, (rel.n_out_capacity, 3))
 
     def run():
-        den = ext.sparse_conv_normalization_denominator(w, *args)
-        g = mx.grad(lambda b: (ext.sparse_conv_normalization_denominator(b, *args) * probe).sum())(
+        native = ops.ext  # the product or the harness extension
+        den = native.sparse_conv_normalization_denominator(w, rel)
+        g = mx.grad(lambda b: (native.sparse_conv_normalization_denominator(b, rel) * probe).sum())(
             w
         )
         return [den, g]
@@ -222,7 +241,21 @@ def test_pooling_and_gradients(rng, ref, harness, mode):
     close(cpu, gpu, 1e-5)
 
 
-def test_harness_switch():
-    assert not mlx_lattice.metal_harness_enabled()
-    with pytest.raises(TypeError):
-        mlx_lattice.set_metal_harness(1)
+def test_product_extension_carries_no_harness():
+    import mlx_lattice
+
+    for name in ("set_metal_harness", "metal_harness_enabled", "harness_groups_run", "scaled_add"):
+        assert not hasattr(ext, name), name
+        assert not hasattr(mlx_lattice, name), name
+
+
+@pytest.mark.skipif(ON_GPU, reason="the message is for builds without Metal kernels")
+def test_builds_without_metal_kernels_say_so():
+    """eval_gpu of the product's no_metal.cpp (compiled into the harness
+    extension too), called directly: MLX's CPU-only build refuses a GPU
+    stream before a primitive could be asked, so Python cannot reach it."""
+    message = harness_ext.no_metal_eval_gpu_error()
+    assert message == (
+        "SparseConv: mlx_lattice was built without Metal kernels; run it on the CPU stream "
+        "(mx.cpu)."
+    )

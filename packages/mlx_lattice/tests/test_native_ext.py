@@ -1,84 +1,144 @@
-"""The native extension's plumbing: a real MLX primitive across nanobind."""
+"""The native layer's plumbing: one relation object across the boundary, its
+validation memo under in-place updates, and the MLX transforms (vmap,
+compile) of every primitive, against independent references."""
+
+import dataclasses
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 from mlx_lattice._native import ext
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+
+
+def f32(a):
+    return np.array(a.astype(mx.float32))
+
+
+def rand(rng, shape, dtype=mx.float32, scale=1.0):
+    return mx.array((rng.standard_normal(shape) * scale).astype(np.float32)).astype(dtype)
+
+
+def numpy_conv(f, w, rel):
+    """out[o] += f[in] @ w[k] over the edges, in float64."""
+    out = np.zeros((rel.n_out_capacity, w.shape[2]))
+    for i, o, k in zip(
+        np.array(rel.edges.in_rows),
+        np.array(rel.edges.out_rows),
+        np.array(rel.edges.kernel_ids),
+        strict=True,
+    ):
+        out[o] += np.asarray(f, np.float64)[i] @ np.asarray(w, np.float64)[k]
+    return out
 
 
 @pytest.fixture
-def rng():
-    return np.random.default_rng()
+def setup(rng, ref):
+    rel = build_kernel_relation(ref.random_coords(rng, 80, 5))
+    return rel, rand(rng, (rel.n_in, 4)), rand(rng, (27, 4, 3))
 
 
-def test_scaled_add_matches_numpy(rng):
-    x = rng.standard_normal((5, 7)).astype(np.float32)
-    y = rng.standard_normal((5, 7)).astype(np.float32)
-    out = ext.scaled_add(mx.array(x), mx.array(y), alpha=1.5, beta=-0.25)
-    assert isinstance(out, mx.array)
-    assert out.dtype == mx.float32
-    np.testing.assert_allclose(np.array(out), 1.5 * x - 0.25 * y, rtol=1e-6, atol=1e-6)
+def test_relation_crosses_as_one_object(setup):
+    rel, f, w = setup
+    out = ext.sparse_conv_features(f, w, rel)
+    np.testing.assert_allclose(np.array(out), numpy_conv(f, w, rel), rtol=1e-5, atol=1e-5)
+    with pytest.raises(TypeError, match=r"'edges\.in_rows' attribute"):
+        ext.sparse_conv_features(f, w, object())
+    numpy_edges = dataclasses.replace(
+        rel, edges=dataclasses.replace(rel.edges, in_rows=np.array(rel.edges.in_rows))
+    )
+    with pytest.raises(TypeError, match=r"relation.edges.in_rows must be an mlx.core.array"):
+        ext.sparse_conv_features(f, w, numpy_edges)
 
 
-@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
-def test_scaled_add_half_dtypes(rng, dtype):
-    x = mx.array(rng.standard_normal(64).astype(np.float32)).astype(dtype)
-    y = mx.array(rng.standard_normal(64).astype(np.float32)).astype(dtype)
-    out = ext.scaled_add(x, y, alpha=2.0, beta=3.0)
-    assert out.dtype == dtype
-    ref = 2.0 * np.array(x.astype(mx.float32)) + 3.0 * np.array(y.astype(mx.float32))
-    np.testing.assert_allclose(np.array(out.astype(mx.float32)), ref, rtol=1e-2, atol=1e-2)
+def test_validation_memo_sees_in_place_updates(setup):
+    rel, f, w = setup
+    expected = numpy_conv(f, w, rel)
+    np.testing.assert_allclose(np.array(ext.sparse_conv_features(f, w, rel)), expected, rtol=1e-5)
+    original = int(np.array(rel.edges.in_rows)[0])
+    rel.edges.in_rows[0] = 10_000  # in place: same Python object, new value
+    with pytest.raises(ValueError, match=r"in_rows\[0\] = 10000 is out of range"):
+        ext.sparse_conv_features(f, w, rel)
+    rel.edges.in_rows[0] = original
+    np.testing.assert_allclose(np.array(ext.sparse_conv_features(f, w, rel)), expected, rtol=1e-5)
+    # A valid in-place change of a grouping is checked again too.
+    rel.kernel_csr.edge_ids[0] = rel.kernel_csr.edge_ids[1]
+    with pytest.raises(ValueError, match="kernel_edge_ids must be a permutation"):
+        ext.sparse_conv_features(f, w, rel)
 
 
-def test_scaled_add_non_contiguous_input(rng):
-    x = mx.array(rng.standard_normal((4, 6)).astype(np.float32))
-    y = mx.array(rng.standard_normal((6, 4)).astype(np.float32))
-    out = ext.scaled_add(x, y.T, alpha=1.0, beta=2.0)
-    np.testing.assert_allclose(np.array(out), np.array(x) + 2.0 * np.array(y).T, rtol=1e-6)
+def stacked(fn, *batched):
+    """The loop that vmap must equal: fn on each slice, stacked."""
+    return mx.stack([fn(*parts) for parts in zip(*batched, strict=True)])
 
 
-def test_grad_through_primitive(rng):
-    x = mx.array(rng.standard_normal(10).astype(np.float32))
-    y = mx.array(rng.standard_normal(10).astype(np.float32))
+def test_vmap_of_every_primitive_matches_a_loop(rng, ref):
+    coords = ref.random_coords(rng, 120, 6)
+    rel = build_kernel_relation(coords)
+    fs = rand(rng, (3, rel.n_in, 32))
+    ws = rand(rng, (3, 27, 32, 32), scale=0.1)
+    cases = {
+        "conv, batched features": (
+            lambda f: ext.sparse_conv_features(f, ws[0], rel),
+            (fs,),
+        ),
+        "conv, batched weights": (
+            lambda w: ext.sparse_conv_features(fs[0], w, rel),
+            (ws,),
+        ),
+        "sorted, both batched": (
+            lambda f, w: ops.sparse_conv_features_sorted_from_relation(f, w, rel),
+            (fs, ws),
+        ),
+        "quantized, batched features": (
+            lambda f: ops.sparse_quantized_conv_features_from_relation(
+                f, QuantizedWeight.from_float(ws[0], bits=8, group_size=32), rel
+            ),
+            (fs,),
+        ),
+        "denominator, batched weights": (
+            lambda w: ext.sparse_conv_normalization_denominator(w, rel),
+            (ws,),
+        ),
+        "pool, batched features": (
+            lambda f: ops.sparse_pool_features_from_relation(
+                f, rel, input_exclusive=False, mode="max"
+            ),
+            (fs,),
+        ),
+    }
+    for name, (fn, batched) in cases.items():
+        got = mx.vmap(fn)(*batched)
+        np.testing.assert_array_equal(f32(got), f32(stacked(fn, *batched)), err_msg=name)
+    # vmap inside grad: the gradient of a vmapped conv is the sum of the
+    # per-slice gradients.
+    probe = rand(rng, (3, rel.n_out_capacity, 32))
+    g = mx.grad(
+        lambda w: (mx.vmap(lambda f: ext.sparse_conv_features(f, w, rel))(fs) * probe).sum()
+    )(ws[0])
+    g_ref = sum(
+        mx.grad(lambda w, i=i: (ext.sparse_conv_features(fs[i], w, rel) * probe[i]).sum())(ws[0])
+        for i in range(3)
+    )
+    np.testing.assert_allclose(f32(g), f32(g_ref), rtol=1e-4, atol=1e-4)
 
-    def loss(a, b):
-        return (ext.scaled_add(a, b, alpha=3.0, beta=-2.0) ** 2).sum()
 
-    gx, gy = mx.grad(loss, argnums=(0, 1))(x, y)
-    z = 3.0 * np.array(x) - 2.0 * np.array(y)
-    np.testing.assert_allclose(np.array(gx), 2 * z * 3.0, rtol=1e-5)
-    np.testing.assert_allclose(np.array(gy), 2 * z * -2.0, rtol=1e-5)
+def test_compile_matches_eager(setup):
+    rel, f, w = setup
 
+    def fn(a, b):
+        return ext.sparse_conv_features(a, b, rel) * 2.0
 
-def test_jvp_vmap_and_compile(rng):
-    x = mx.array(rng.standard_normal(8).astype(np.float32))
-    y = mx.array(rng.standard_normal(8).astype(np.float32))
-    tx = mx.array(rng.standard_normal(8).astype(np.float32))
-    ty = mx.array(rng.standard_normal(8).astype(np.float32))
-    _, (t,) = mx.jvp(lambda a, b: ext.scaled_add(a, b, alpha=0.5, beta=4.0), [x, y], [tx, ty])
-    np.testing.assert_allclose(np.array(t), 0.5 * np.array(tx) + 4.0 * np.array(ty), rtol=1e-6)
-
-    xs = mx.array(rng.standard_normal((3, 8)).astype(np.float32))
-    out = mx.vmap(lambda a: ext.scaled_add(a, y, alpha=2.0, beta=1.0))(xs)
-    np.testing.assert_allclose(np.array(out), 2.0 * np.array(xs) + np.array(y), rtol=1e-6)
-
-    compiled = mx.compile(lambda a, b: ext.scaled_add(a, b, alpha=2.0, beta=-1.0))
-    np.testing.assert_allclose(np.array(compiled(x, y)), 2 * np.array(x) - np.array(y), rtol=1e-6)
+    np.testing.assert_array_equal(np.array(mx.compile(fn)(f, w)), np.array(fn(f, w)))
+    np.testing.assert_allclose(np.array(fn(f, w)), 2 * numpy_conv(f, w, rel), rtol=1e-5, atol=1e-5)
 
 
-def test_shape_mismatch_raises_value_error():
-    with pytest.raises(ValueError, match=r"same shape.*\(2, 3\).*\(3, 2\)"):
-        ext.scaled_add(mx.zeros((2, 3)), mx.zeros((3, 2)))
-
-
-def test_integer_dtype_raises_value_error():
-    with pytest.raises(ValueError, match="x must be float32, float16 or bfloat16"):
-        ext.scaled_add(mx.zeros((2,), dtype=mx.int32), mx.zeros((2,), dtype=mx.int32))
-
-
-def test_gpu_stream_reports_missing_metal():
-    if mx.metal.is_available():
-        pytest.skip("real Metal device present")
-    with pytest.raises((RuntimeError, ValueError)):
-        mx.eval(ext.scaled_add(mx.ones(2), mx.ones(2), stream=mx.gpu))
+def test_array_value_handle_tracks_in_place_updates(rng):
+    a = rand(rng, (4,))
+    handle = ext.array_value(a)
+    assert ext.same_value(handle, a)
+    before = np.array(a)
+    a[0] = 5.0
+    assert not ext.same_value(handle, a)
+    np.testing.assert_array_equal(np.array(handle), before)  # the old value stays alive

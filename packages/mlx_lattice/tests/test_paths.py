@@ -1,6 +1,7 @@
 """All convolution dataflows agree: generic, sorted implicit GEMM, direct
-reference, the implicit-GEMM view in plain MLX, the C14 head and the
-normalization denominator."""
+reference, the implicit-GEMM view in plain MLX, the padded C16 head and the
+normalization denominator; the automatic choice and a forced one are
+observed (record_dataflows), not assumed."""
 
 import gc
 import weakref
@@ -10,7 +11,14 @@ import numpy as np
 import pytest
 
 from mlx_lattice._native import ext
-from mlx_lattice.core import build_kernel_relation, ops
+from mlx_lattice.core import (
+    DataflowError,
+    build_kernel_relation,
+    ops,
+    record_dataflows,
+    use_dataflow,
+    weights,
+)
 
 
 def half(rng, shape, scale=1.0):
@@ -22,12 +30,19 @@ def f32(a):
 
 
 def generic(f, w, rel):
-    """The generic native kernel, bypassing the dispatch."""
-    return ext.sparse_conv_features(
-        f, w, rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.counts,
-        rel.output_csr.row_offsets, rel.input_csr.row_offsets, rel.in_edge_ids,
-        rel.kernel_csr.row_offsets, rel.kernel_edge_ids, rel.n_out_capacity, rel.n_kernels,
-    )  # fmt: skip
+    """The generic native kernel, forced (and checked to have run)."""
+    with use_dataflow("generic"), record_dataflows() as runs:
+        out = ops.sparse_conv_features_from_relation(f, w, rel)
+    assert runs == [("sparse_conv_features", "generic")]
+    return out
+
+
+def auto(f, w, rel):
+    """The automatic choice: (result, dataflow that ran)."""
+    with record_dataflows() as runs:
+        out = ops.sparse_conv_features_from_relation(f, w, rel)
+    assert len(runs) == 1 and runs[0][0] == "sparse_conv_features"
+    return out, runs[0][1]
 
 
 @pytest.mark.parametrize("channels", [32, 64])
@@ -44,10 +59,11 @@ def test_sorted_paths_agree(rng, ref, channels, kind):
     )  # fmt: skip
     sorted_out = ops.sparse_conv_features_sorted_from_relation(f, w, rel)
     assert sorted_out.dtype == mx.float16
-    # The dispatch picks the sorted path for this shape.
-    np.testing.assert_array_equal(
-        f32(ops.sparse_conv_features_from_relation(f, w, rel)), f32(sorted_out)
-    )
+    # The automatic choice: the sorted path on a GPU stream; on the CPU the
+    # generic kernel (the benchmark shows it faster there).
+    chosen, flow = auto(f, w, rel)
+    assert flow == ("sorted" if mx.default_device() == mx.gpu else "generic")
+    np.testing.assert_array_equal(f32(chosen), f32(sorted_out))
     # Same reduction order as the generic kernel: identical bits.
     np.testing.assert_array_equal(f32(generic(f, w, rel)), f32(sorted_out))
     direct = ops.sparse_conv_features_sorted_direct_reference_from_relation(f, w, rel)
@@ -106,7 +122,7 @@ def test_sorted_path_refuses_other_shapes(rng, ref):
         )
     with pytest.raises(ValueError, match="sorted direct convolution reference is not supported"):
         ops.sparse_conv_features_sorted_direct_reference_from_relation(
-            mx.zeros((rel.n_in, 32)), mx.zeros((27, 32, 32)), rel
+            mx.zeros((rel.n_in, 32)), mx.zeros((27, 32, 32), mx.float16), rel
         )
 
 
@@ -116,12 +132,17 @@ def test_c64_to_c14_head_is_padded_to_c16(rng, ref):
     assert rel.n_out_capacity >= 4096
     f = half(rng, (len(coords), 64))
     w = half(rng, (14, 3, 3, 3, 64), 0.02)
-    out = ops.sparse_conv_features_from_relation(f, w, rel)
-    assert out.shape == (len(coords), 14) and out.dtype == mx.float16
+    out, flow = auto(f, w, rel)
+    assert flow == "padded_c16" and out.dtype == mx.float16
     np.testing.assert_array_equal(f32(out), f32(generic(f, w, rel)))
-    padded = ops._pad_cout14_weight_to_cout16(w)
-    assert padded.shape == (16, 3, 3, 3, 64)
-    assert ops._pad_cout14_weight_to_cout16(w) is padded
+    padded = ops._padded_weight(w)
+    np.testing.assert_array_equal(
+        np.array(padded), np.pad(np.array(ops.mapped_conv_weight(w)), [(0, 0), (0, 0), (0, 2)])
+    )
+    assert ops._padded_weight(w) is padded
+    # Smaller relations stay generic.
+    small = build_kernel_relation(coords[:500])
+    assert auto(f[:500], w, small)[1] == "generic"
 
 
 def test_mapped_weight_cache_is_never_stale_and_never_keeps_weights_alive(rng):
@@ -140,7 +161,7 @@ def test_mapped_weight_cache_is_never_stale_and_never_keeps_weights_alive(rng):
     del w, mapped, fresh
     gc.collect()
     assert alive() is None
-    assert key not in ops._PACKED_WEIGHT_CACHE
+    assert key not in weights._MAPPED_WEIGHT_CACHE
 
 
 def test_normalization_denominator(rng, ref):
@@ -149,7 +170,9 @@ def test_normalization_denominator(rng, ref):
     assert rel.n_out_capacity >= 1 << 16
     ones = mx.ones((len(coords), 16), mx.float16)
     sq = half(rng, (27, 16, 8), 0.1) ** 2
-    den = ops.sparse_conv_normalization_denominator_from_relation(ones, sq, rel)
+    with record_dataflows() as runs:
+        den = ops.sparse_conv_normalization_denominator_from_relation(ones, sq, rel)
+    assert runs == [("sparse_conv_normalization_denominator", "denominator_csr")]
     assert den is not None and den.dtype == mx.float16
     full = generic(ones, sq, rel)
     np.testing.assert_allclose(f32(den), f32(full), rtol=2e-3, atol=2e-3)
@@ -180,22 +203,62 @@ def test_normalization_denominator(rng, ref):
         ops.sparse_conv_normalization_denominator_from_relation(ones.astype(mx.float32), sq, rel)
         is None
     )
+    # float32 takes the specialised reduction too.
+    ones32, sq32 = ones.astype(mx.float32), sq.astype(mx.float32)
+    with record_dataflows() as runs:
+        den32 = ops.sparse_conv_normalization_denominator_from_relation(ones32, sq32, rel)
+    assert runs == [("sparse_conv_normalization_denominator", "denominator_csr")]
+    np.testing.assert_allclose(
+        np.array(den32), np.array(generic(ones32, sq32, rel)), rtol=1e-5, atol=1e-5
+    )
 
 
 def test_native_denominator_primitive_autodiff(rng, ref):
     coords = ref.random_coords(rng, 200, 6)
     rel = build_kernel_relation(coords)
     w = mx.array(rng.standard_normal((27, 4, 3)).astype(np.float32))
-    args = (rel.edges.kernel_ids, rel.counts, rel.output_csr.row_offsets)
-    den = ext.sparse_conv_normalization_denominator(w, *args)
+    den = ext.sparse_conv_normalization_denominator(w, rel)
     full = generic(mx.ones((len(coords), 4)), w, rel)
     np.testing.assert_allclose(np.array(den), np.array(full), rtol=1e-5, atol=1e-5)
     probe = mx.array(rng.standard_normal(den.shape).astype(np.float32))
-    g = mx.grad(lambda b: (ext.sparse_conv_normalization_denominator(b, *args) * probe).sum())(w)
+    g = mx.grad(lambda b: (ext.sparse_conv_normalization_denominator(b, rel) * probe).sum())(w)
     g_ref = mx.grad(lambda b: (generic(mx.ones((len(coords), 4)), b, rel) * probe).sum())(w)
     np.testing.assert_allclose(np.array(g), np.array(g_ref), rtol=1e-4, atol=1e-4)
     t = mx.array(rng.standard_normal(w.shape).astype(np.float32))
-    _, (tan,) = mx.jvp(lambda b: ext.sparse_conv_normalization_denominator(b, *args), [w], [t])
+    _, (tan,) = mx.jvp(lambda b: ext.sparse_conv_normalization_denominator(b, rel), [w], [t])
     np.testing.assert_allclose(
-        np.array(tan), np.array(ext.sparse_conv_normalization_denominator(t, *args)), rtol=1e-6
+        np.array(tan), np.array(ext.sparse_conv_normalization_denominator(t, rel)), rtol=1e-6
     )
+
+
+def test_forced_dataflows_run_and_agree(rng, ref):
+    """Every dataflow that applies, forced, runs (observed) and agrees with the
+    dense reference; forcing one that cannot apply raises naming it."""
+    coords = ref.random_coords(rng, 300, 7)
+    rel = build_kernel_relation(coords)
+    for dtype, tol in ((mx.float32, 1e-4), (mx.float16, 1e-2), (mx.bfloat16, 5e-2)):
+        f = mx.array(rng.standard_normal((len(coords), 32)).astype(np.float32)).astype(dtype)
+        w = mx.array((rng.standard_normal((32, 3, 3, 3, 32)) * 0.05).astype(np.float32))
+        w = w.astype(dtype)
+        dense = np.array(
+            ref.dense_conv(
+                coords, f.astype(mx.float32), w.astype(mx.float32), grid=(7, 7, 7), batches=1,
+                out_coords=np.array(rel.out_coords),
+            )
+        )  # fmt: skip
+        for flow in ("generic", "sorted"):
+            with use_dataflow(flow), record_dataflows() as runs:
+                out = ops.sparse_conv_features_from_relation(f, w, rel)
+            assert runs == [("sparse_conv_features", flow)]
+            np.testing.assert_allclose(f32(out), dense, rtol=tol, atol=tol, err_msg=f"{flow}")
+        w14 = w[:14]
+        with use_dataflow("padded_c16"), record_dataflows() as runs:
+            out = ops.sparse_conv_features_from_relation(f, w14, rel)
+        assert runs == [("sparse_conv_features", "padded_c16")]
+        np.testing.assert_allclose(f32(out), dense[:, :14], rtol=tol, atol=tol)
+    with use_dataflow("sorted"), pytest.raises(DataflowError, match="dataflow 'sorted' needs"):
+        ops.sparse_conv_features_from_relation(f[:, :16], w[:, :, :, :, :16], rel)
+    with use_dataflow("padded_c16"), pytest.raises(DataflowError, match="'padded_c16' needs"):
+        ops.sparse_conv_features_from_relation(f, w, rel)
+    with pytest.raises(DataflowError, match="dataflow must be one of"), use_dataflow("fastest"):
+        pass

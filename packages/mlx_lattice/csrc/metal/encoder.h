@@ -2,8 +2,9 @@
 //
 // Two implementations: the Metal encoder (macOS, metal_encoder.cpp: MLX's
 // command encoder, kernels compiled at run time from the MSL sources in this
-// folder) and the harness encoder (harness_encoder.cpp: the same MSL sources,
-// preprocessed into C++, run on the CPU by tools/msl). A plan binds buffers
+// folder) and, in the test-only harness extension, the harness encoder
+// (harness/encoder.cpp: the same MSL sources, preprocessed into C++, run on
+// the CPU by tools/msl). A plan binds buffers
 // and bytes and dispatches threadgroups; it never knows which one it drives.
 #pragma once
 
@@ -50,13 +51,5 @@ class KernelEncoder {
 // Encodes on the stream's Metal command encoder (macOS builds with
 // MLX_LATTICE_METAL only; kernels compiled at run time from the MSL sources).
 std::unique_ptr<KernelEncoder> metal_encoder(mx::Stream stream);
-
-// Runs the MSL kernels through the CPU harness.
-std::unique_ptr<KernelEncoder> harness_encoder();
-
-// Whether evaluation should go through the harness encoder: set by
-// set_metal_harness(true) or MLX_LATTICE_METAL_HARNESS=1.
-bool harness_enabled();
-void set_harness(bool enabled);
 
 }  // namespace mlx_lattice::gpu

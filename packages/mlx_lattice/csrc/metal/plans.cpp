@@ -150,14 +150,14 @@ void encode_pool(KernelEncoder& enc, PoolStage stage, uint32_t mode, Buffer x, B
   }
 }
 
-void encode_sorted_conv(KernelEncoder& enc, bool direct, Buffer feats, Buffer weight,
+void encode_sorted_conv(KernelEncoder& enc, Buffer feats, Buffer weight,
                         Buffer sorted_map, Buffer reorder, Buffer tile_masks, Buffer out,
                         uint32_t n_out, uint32_t n_kernels, uint32_t cin, uint32_t cout,
                         bool store_sorted) {
-  if (!direct && ((cin != 32 && cin != 64) || (cout != 32 && cout != 64))) {
+  if ((cin != 32 && cin != 64) || (cout != 32 && cout != 64)) {
     throw std::invalid_argument("the sorted implicit-GEMM kernel supports 32 or 64 channels");
   }
-  enc.kernel(direct ? "mlxl_sorted_direct" : "mlxl_sorted_conv");
+  enc.kernel("mlxl_sorted_conv");
   enc.input(0, feats);
   enc.input(1, weight);
   enc.input(2, sorted_map);
@@ -165,11 +165,7 @@ void encode_sorted_conv(KernelEncoder& enc, bool direct, Buffer feats, Buffer we
   enc.input(4, tile_masks);
   enc.output(5, out);
   enc.value(6, SortedDims{n_out, n_kernels, cin, cout, store_sorted ? 1u : 0u});
-  if (direct) {
-    dispatch_rows(enc, cout, n_out);
-  } else {
-    enc.dispatch({ceil_div(n_out, 32), 1, 1}, {32, 1, 1});
-  }
+  enc.dispatch({ceil_div(n_out, 32), 1, 1}, {32, 1, 1});
 }
 
 }  // namespace mlx_lattice::gpu

@@ -42,9 +42,9 @@ void encode_pool(KernelEncoder& enc, PoolStage stage, uint32_t mode, Buffer x, B
                  const Relation& rel, Buffer out, uint32_t n_in, uint32_t n_out,
                  uint32_t channels);
 
-// The sorted implicit GEMM (simdgroup MMA; cin, cout in {32, 64}) or, with
-// direct = true, its direct reference.
-void encode_sorted_conv(KernelEncoder& enc, bool direct, Buffer feats, Buffer weight,
+// The sorted implicit GEMM (simdgroup MMA; cin, cout in {32, 64}); tile_masks
+// are the relation's (kernels::kSortedTileRows rows per tile).
+void encode_sorted_conv(KernelEncoder& enc, Buffer feats, Buffer weight,
                         Buffer sorted_map, Buffer reorder, Buffer tile_masks, Buffer out,
                         uint32_t n_out, uint32_t n_kernels, uint32_t cin, uint32_t cout,
                         bool store_sorted);

@@ -1,5 +1,5 @@
 // Sorted implicit-GEMM convolution (TorchSparse++'s sorted dataflow) with
-// simdgroup_matrix 8x8 multiply-accumulate, and its direct reference.
+// simdgroup_matrix 8x8 multiply-accumulate.
 //
 // One threadgroup (one simdgroup of 32 threads) per tile of 32 sorted rows.
 // For every offset present in the tile's mask, the tile's neighbour rows and
@@ -81,29 +81,4 @@ kernel void mlxl_sorted_conv(
     const uint dst = d.store_sorted ? row : uint(reorder[row]);
     for (uint c = 0; c < d.cout; ++c) out[size_t(dst) * d.cout + c] = c_tile[lane * d.cout + c];
   }
-}
-
-// The same contract computed directly: one thread per (sorted row, channel).
-kernel void mlxl_sorted_direct(
-    device const float* feats [[buffer(0)]],
-    device const float* weight [[buffer(1)]],
-    device const int* sorted_map [[buffer(2)]],
-    device const int* reorder [[buffer(3)]],
-    device const int* tile_masks [[buffer(4)]],
-    device float* out [[buffer(5)]],
-    constant SortedDims& d [[buffer(6)]],
-    uint2 pos [[thread_position_in_grid]]) {
-  const uint c = pos.x, r = pos.y;
-  if (c >= d.cout || r >= d.n_out) return;
-  const uint mask = uint(tile_masks[r / kTile]);
-  float acc = 0.0f;
-  for (uint k = 0; k < d.n_kernels; ++k) {
-    if (k < 32 && ((mask >> k) & 1u) == 0) continue;
-    const int in = sorted_map[size_t(r) * d.n_kernels + k];
-    if (in < 0) continue;
-    for (uint i = 0; i < d.cin; ++i) {
-      acc += feats[size_t(in) * d.cin + i] * weight[(size_t(k) * d.cin + i) * d.cout + c];
-    }
-  }
-  out[size_t(d.store_sorted ? r : uint(reorder[r])) * d.cout + c] = acc;
 }

@@ -1,7 +1,14 @@
 """The engine of mlx_lattice: coordinates, kernel relations, quantized
-weights and the ops layer over the native primitives."""
+weights, the ops layer over the native primitives, and the dataflow choice."""
 
 from mlx_lattice.core.coordinates import check_coordinates
+from mlx_lattice.core.dataflow import (
+    DataflowError,
+    get_dataflow,
+    record_dataflows,
+    set_dataflow,
+    use_dataflow,
+)
 from mlx_lattice.core.quantized import QuantizedWeight
 from mlx_lattice.core.relations import (
     KernelRelation,
@@ -14,6 +21,7 @@ from mlx_lattice.core.relations import (
 )
 
 __all__ = [
+    "DataflowError",
     "KernelRelation",
     "QuantizedWeight",
     "RelationCSR",
@@ -22,5 +30,9 @@ __all__ = [
     "SortedImplicitGemmView",
     "build_kernel_relation",
     "check_coordinates",
+    "get_dataflow",
     "kernel_offsets",
+    "record_dataflows",
+    "set_dataflow",
+    "use_dataflow",
 ]

@@ -1,36 +1,40 @@
 """The ops layer: validate, choose a dataflow, call the native primitives.
 
-Dispatch rules:
+Which dataflow runs is explicit (:mod:`mlx_lattice.core.dataflow`: force one
+with ``use_dataflow``, observe with ``record_dataflows``). Under ``"auto"``
+(rules kept only where ``benchmarks/sparse_conv.py``, which times every
+dataflow per dtype, shows them winning on the CPU; see the README):
 
-* :func:`sparse_conv_features_from_relation` takes the sorted implicit-GEMM
-  path for float16 features and weights, 27 offsets and square C32/C64
-  channels on ``forward``/``target``/``submanifold`` relations; a float16
-  C64 -> C14 submanifold head on at least 4096 outputs is padded to C16 and
-  sliced back; everything else runs the generic output-stationary kernel.
-* :func:`sparse_quantized_conv_features_from_relation` hands the sorted view
-  to the native op when it qualifies (float16, 27 offsets, C32/C64 without
-  channel padding, ``group_size <= in_channels``).
-* :func:`sparse_conv_normalization_denominator_from_relation` returns ``None``
-  unless the specialised output-CSR reduction applies (float16 submanifold,
-  27 offsets, at least ``2**16`` rows, channels a multiple of 4, not a
-  square C32/C64 convolution); callers then use the full convolution.
+* :func:`sparse_conv_features_from_relation` runs ``"padded_c16"`` for a
+  float16 C64 -> C14 submanifold head on at least 4096 outputs; on a GPU
+  stream, ``"sorted"`` for float16 features and weights, 27 offsets and
+  square C32/C64 channels (the Metal kernel's case; not measurable here: on
+  the CPU the sorted kernel is slower than ``"generic"`` for every dtype);
+  ``"generic"`` otherwise.
+* :func:`sparse_conv_normalization_denominator_from_relation` runs
+  ``"denominator_csr"`` for submanifold relations with 27 offsets, at least
+  ``2**16`` rows and channels a multiple of 4 (unless the numerator runs
+  ``"sorted"``), and returns ``None`` otherwise (callers then run the full
+  convolution).
+* :func:`sparse_quantized_conv_features_from_relation` has one dataflow,
+  ``"quantized"``.
 
 Weights are ``(K, Cin, Cout)`` ("mapped") or ``(Cout, kx, ky, kz, Cin)``;
-:func:`mapped_conv_weight` converts the latter and caches the result per
-weight *value*: an array updated in place, or a new array at a reused
-``id``, never gets a stale entry, and a dead weight is never kept alive.
+:func:`mapped_conv_weight` (:mod:`mlx_lattice.core.weights`) converts the
+latter once per weight value.
 """
 
 from __future__ import annotations
 
-import weakref
 from typing import Literal, cast
 
 import mlx.core as mx
 
 from mlx_lattice._native import ext
+from mlx_lattice.core.dataflow import DataflowError, get_dataflow, note
 from mlx_lattice.core.quantized import QuantizedWeight
-from mlx_lattice.core.relations import KernelRelation
+from mlx_lattice.core.relations import SORTED_TILE_ROWS, KernelRelation
+from mlx_lattice.core.weights import _CacheEntry, cached_per_value, mapped_conv_weight
 
 __all__ = [
     "mapped_conv_weight",
@@ -43,11 +47,7 @@ __all__ = [
     "sparse_quantized_conv_features_from_relation",
 ]
 
-# Cache entries: id(weight) -> (weakref to the weight, handle on the value it
-# had, derived array). The value handle makes in-place updates miss the cache.
-_CacheEntry = tuple[weakref.ReferenceType[mx.array], mx.array, mx.array]
-_PACKED_WEIGHT_CACHE: dict[int, _CacheEntry] = {}
-_PADDED_COUT16_WEIGHT_CACHE: dict[int, _CacheEntry] = {}
+_PADDED_WEIGHT_CACHE: dict[int, _CacheEntry] = {}
 
 # Small relations do not amortize a specialized denominator dispatch.
 _NORMALIZATION_CSR_MIN_ROWS = 1 << 16
@@ -55,32 +55,196 @@ _NORMALIZATION_CSR_MIN_ROWS = 1 << 16
 _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 
-def _cached(cache: dict[int, _CacheEntry], weight: mx.array, derive) -> mx.array:  # noqa: ANN001
-    key = id(weight)
-    entry = cache.get(key)
-    if entry is not None:
-        ref, value, derived = entry
-        if ref() is weight and ext.same_value(value, weight):
-            return derived
-    derived = derive(weight)
-
-    def forget(dead: weakref.ReferenceType[mx.array], key: int = key) -> None:
-        current = cache.get(key)
-        if current is not None and current[0] is dead:
-            cache.pop(key, None)
-
-    cache[key] = (weakref.ref(weight, forget), ext.array_value(weight), derived)
-    return derived
-
-
-def _empty_i32() -> mx.array:
-    return mx.array([], dtype=mx.int32)
-
-
 def _require_static(relation: KernelRelation) -> tuple[int, int]:
     if relation.n_out_capacity is None or relation.n_kernels is None:
         raise ValueError("kernel relation is missing static shape metadata.")
     return relation.n_out_capacity, relation.n_kernels
+
+
+def _channels(weight: mx.array) -> tuple[int, int]:
+    """(Cin, Cout) of a mapped or 5-D weight."""
+    if weight.ndim == 5:
+        return int(weight.shape[4]), int(weight.shape[0])
+    return int(weight.shape[-2]), int(weight.shape[-1])
+
+
+# ------------------------------------------------------- dataflow applicability
+
+
+def _sorted_applies(feats: mx.array, weight: mx.array, relation: KernelRelation) -> bool:
+    """The sorted kernels: C32/C64 in and out, at most 32 offsets (tile masks)."""
+    if feats.ndim != 2 or weight.ndim not in (3, 5) or feats.dtype not in _FLOAT_DTYPES:
+        return False
+    if weight.dtype != feats.dtype or int(relation.n_kernels or 0) > 32:
+        return False
+    cin, cout = _channels(weight)
+    return int(feats.shape[1]) == cin and cin in (32, 64) and cout in (32, 64)
+
+
+def _on_gpu() -> bool:
+    return mx.default_device() == mx.gpu
+
+
+def _auto_sorted(feats: mx.array, weight: mx.array, relation: KernelRelation) -> bool:
+    if not _on_gpu() or not _sorted_applies(feats, weight, relation):
+        return False
+    cin, cout = _channels(weight)
+    return feats.dtype == mx.float16 and relation.n_kernels == 27 and cin == cout
+
+
+def _padded_applies(weight: mx.array) -> bool:
+    return weight.ndim in (3, 5) and _channels(weight)[1] % 16 != 0
+
+
+def _auto_padded(feats: mx.array, weight: mx.array, relation: KernelRelation) -> bool:
+    return (
+        relation.contract.kind == "submanifold"
+        and relation.n_kernels == 27
+        and int(relation.n_out_capacity or 0) >= 4096
+        and feats.dtype == mx.float16
+        and weight.dtype == mx.float16
+        and feats.ndim == 2
+        and int(feats.shape[1]) == 64
+        and weight.ndim in (3, 5)
+        and _channels(weight) == (64, 14)
+    )
+
+
+def _conv_dataflow(feats: mx.array, weight: mx.array, relation: KernelRelation) -> str:
+    forced = get_dataflow()
+    if forced == "sorted" and not _sorted_applies(feats, weight, relation):
+        raise DataflowError(
+            "dataflow 'sorted' needs C32/C64 input and output channels, one float dtype for "
+            f"features and weight and at most 32 offsets; got features {feats.dtype} "
+            f"{tuple(feats.shape)}, weight {weight.dtype} {tuple(weight.shape)}, "
+            f"{relation.n_kernels} offsets."
+        )
+    if forced == "padded_c16" and not _padded_applies(weight):
+        raise DataflowError(
+            "dataflow 'padded_c16' needs output channels that are not a multiple of 16; got "
+            f"weight {tuple(weight.shape)}."
+        )
+    if forced in ("sorted", "padded_c16"):
+        return forced
+    if forced != "auto":
+        return "generic"
+    if _auto_padded(feats, weight, relation):
+        return "padded_c16"
+    if _auto_sorted(feats, weight, relation):
+        return "sorted"
+    return "generic"
+
+
+def _padded_weight(weight: mx.array) -> mx.array:
+    def pad(w: mx.array) -> mx.array:
+        mapped = mapped_conv_weight(w, cache=False)
+        return mx.pad(mapped, [(0, 0), (0, 0), (0, -int(mapped.shape[2]) % 16)])
+
+    return cached_per_value(_PADDED_WEIGHT_CACHE, weight, pad)
+
+
+# ------------------------------------------------------------------- the ops
+
+
+def sparse_conv_features_from_relation(
+    feats: mx.array,
+    weight: mx.array,
+    relation: KernelRelation,
+) -> mx.array:
+    """Execute sparse convolution over a prebuilt relation.
+
+    ``out[o] = sum over edges e of o of feats[in_rows[e]] @ W[kernel_ids[e]]``,
+    in the features' dtype (float32 accumulation). The dataflow follows
+    :mod:`mlx_lattice.core.dataflow`.
+
+    >>> from mlx_lattice.core.relations import build_kernel_relation
+    >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
+    >>> rel = build_kernel_relation(coords)
+    >>> w = mx.zeros((27, 1, 1)).at[13].add(2.0).at[22].add(1.0)
+    >>> sparse_conv_features_from_relation(mx.array([[1.0], [10.0]]), w, rel).tolist()
+    [[12.0], [20.0]]
+    """
+    _require_static(relation)
+    flow = _conv_dataflow(feats, weight, relation)
+    note("sparse_conv_features", flow)
+    if flow == "sorted":
+        return _sorted(feats, weight, relation, store_sorted=False)
+    if flow == "padded_c16":
+        cout = _channels(weight)[1]
+        return ext.sparse_conv_features(feats, _padded_weight(weight), relation)[:, :cout]
+    return ext.sparse_conv_features(feats, mapped_conv_weight(weight), relation)
+
+
+def _sorted(
+    feats: mx.array, weight: mx.array, relation: KernelRelation, *, store_sorted: bool
+) -> mx.array:
+    return ext.sparse_conv_features_sorted_implicit_gemm(
+        feats,
+        mapped_conv_weight(weight),
+        relation,
+        relation.require_sorted_implicit_gemm(),
+        store_sorted=store_sorted,
+    )
+
+
+def sparse_conv_features_sorted_from_relation(
+    feats: mx.array,
+    weight: mx.array,
+    relation: KernelRelation,
+    *,
+    store_sorted: bool = False,
+) -> mx.array:
+    """Execute the sorted implicit-GEMM convolution path explicitly.
+
+    With ``store_sorted=True`` row ``r`` of the result is output row
+    ``relation.require_sorted_implicit_gemm().reorder_rows[r]``.
+
+    Raises:
+        ValueError: unless features and weight share a float dtype, have
+            C32/C64 input and output channels and the kernel has at most 32
+            offsets.
+    """
+    _require_static(relation)
+    if not _sorted_applies(feats, weight, relation):
+        raise ValueError(
+            "sorted implicit GEMM is not supported for this relation, feature tensor, or "
+            "weight tensor (needs C32/C64 channels, one float dtype, <= 32 offsets)."
+        )
+    note("sparse_conv_features", "sorted")
+    return _sorted(feats, weight, relation, store_sorted=store_sorted)
+
+
+def sparse_conv_features_sorted_direct_reference_from_relation(
+    feats: mx.array,
+    weight: mx.array,
+    relation: KernelRelation,
+    *,
+    store_sorted: bool = False,
+) -> mx.array:
+    """The sorted dataflow computed from plain MLX ops, to check the sorted path.
+
+    Reads the sorted view (``sorted_out_in_map``, ``reorder_rows``,
+    ``tile_masks``: an offset absent from a tile's mask is skipped) and
+    computes every sorted row with a gather and an einsum in float32.
+    Differentiable through MLX's own gradients.
+    """
+    _require_static(relation)
+    if not _sorted_applies(feats, weight, relation):
+        raise ValueError(
+            "sorted direct convolution reference is not supported for this relation, feature "
+            "tensor, or weight tensor."
+        )
+    view = relation.require_sorted_implicit_gemm()
+    n_out, n_kernels = int(relation.n_out_capacity or 0), int(relation.n_kernels or 0)
+    rows = mx.arange(n_out) // SORTED_TILE_ROWS
+    tile_bits = mx.take(view.tile_masks, rows, axis=0)[:, None] >> mx.arange(n_kernels)[None, :]
+    masked = mx.where((tile_bits & 1) == 1, view.sorted_out_in_map, -1)
+    out = sparse_conv_features_from_implicit_gemm_view(
+        feats.astype(mx.float32), mapped_conv_weight(weight).astype(mx.float32), masked
+    )
+    if not store_sorted:
+        out = mx.take(out, mx.argsort(view.reorder_rows), axis=0)
+    return out.astype(feats.dtype)
 
 
 def sparse_quantized_conv_features_from_relation(
@@ -95,180 +259,19 @@ def sparse_quantized_conv_features_from_relation(
     >>> from mlx_lattice.core.relations import build_kernel_relation
     >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
     >>> rel = build_kernel_relation(coords)
-    >>> qw = QuantizedWeight.from_float(mx.random.normal((27, 32, 8)), bits=8, group_size=32)
-    >>> sparse_quantized_conv_features_from_relation(mx.ones((2, 32)), qw, rel).shape
-    (2, 8)
+    >>> w = mx.zeros((27, 32, 8)).at[13].add(0.5)
+    >>> qw = QuantizedWeight.from_float(w, bits=8, group_size=32)
+    >>> sparse_quantized_conv_features_from_relation(mx.ones((2, 32)), qw, rel)[:, 0].tolist()
+    [16.0, 16.0]
     """
     if feats.dtype not in _FLOAT_DTYPES:
         raise ValueError("features must be float16, bfloat16 or float32.")
-    n_out, n_kernels = _require_static(relation)
-    output_dtype = feats.dtype
-    feats = feats.astype(weight.scales.dtype)
-    if n_kernels != weight.weight.shape[0]:
+    _require_static(relation)
+    if relation.n_kernels != weight.n_kernels:
         raise ValueError("quantized weight kernel rows must match the relation.")
-    sorted_kv_out_in_map = _empty_i32()
-    reorder_rows = _empty_i32()
-    tile_masks = _empty_i32()
-    if _can_use_sorted_quantized_implicit_gemm(feats, weight, relation):
-        view = relation.require_sorted_implicit_gemm()
-        sorted_kv_out_in_map = view.sorted_kv_out_in_map
-        reorder_rows = view.reorder_rows
-        tile_masks = view.tile_masks
-    out = ext.sparse_quantized_conv_features(
-        feats,
-        weight.weight,
-        weight.scales,
-        weight.biases,
-        relation.edges.in_rows,
-        relation.edges.out_rows,
-        relation.edges.kernel_ids,
-        relation.counts,
-        relation.output_csr.row_offsets,
-        sorted_kv_out_in_map,
-        reorder_rows,
-        tile_masks,
-        n_out,
-        n_kernels,
-        weight.in_channels,
-        weight.out_channels,
-        weight.storage_in_channels,
-        weight.group_size,
-        weight.bits,
-    )
-    return out.astype(output_dtype)
-
-
-def _can_use_sorted_quantized_implicit_gemm(
-    feats: mx.array,
-    weight: QuantizedWeight,
-    relation: KernelRelation,
-) -> bool:
-    return (
-        relation.contract.kind in ("forward", "target", "submanifold")
-        and feats.dtype == mx.float16
-        and relation.n_kernels == 27
-        and weight.storage_in_channels == weight.in_channels
-        and weight.in_channels in (32, 64)
-        and weight.out_channels in (32, 64)
-        and weight.group_size <= weight.in_channels
-    )
-
-
-def sparse_conv_features_from_relation(
-    feats: mx.array,
-    weight: mx.array,
-    relation: KernelRelation,
-) -> mx.array:
-    """Execute sparse convolution over a prebuilt relation.
-
-    ``out[o] = sum over edges e of o of feats[in_rows[e]] @ W[kernel_ids[e]]``,
-    in the features' dtype (float32 accumulation).
-
-    >>> from mlx_lattice.core.relations import build_kernel_relation
-    >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
-    >>> rel = build_kernel_relation(coords)
-    >>> w = mx.zeros((27, 1, 1)).at[13].add(2.0).at[22].add(1.0)
-    >>> sparse_conv_features_from_relation(mx.array([[1.0], [10.0]]), w, rel).tolist()
-    [[12.0], [20.0]]
-    """
-    n_out, n_kernels = _require_static(relation)
-    if _can_pad_cout14_to_cout16(feats, weight, relation):
-        return sparse_conv_features_from_relation(
-            feats, _pad_cout14_weight_to_cout16(weight), relation
-        )[:, :14]
-    if _can_use_sorted_implicit_gemm(feats, weight, relation):
-        return sparse_conv_features_sorted_from_relation(feats, weight, relation)
-    input_csr = relation.input_csr
-    kernel_csr = relation.kernel_csr
-    if input_csr.edge_ids is None or kernel_csr.edge_ids is None:
-        raise ValueError("kernel relation is missing grouped CSR views.")
-    return ext.sparse_conv_features(
-        feats,
-        weight,
-        relation.edges.in_rows,
-        relation.edges.out_rows,
-        relation.edges.kernel_ids,
-        relation.counts,
-        relation.output_csr.row_offsets,
-        input_csr.row_offsets,
-        input_csr.edge_ids,
-        kernel_csr.row_offsets,
-        kernel_csr.edge_ids,
-        n_out,
-        n_kernels,
-    )
-
-
-def _can_pad_cout14_to_cout16(
-    feats: mx.array,
-    weight: mx.array,
-    relation: KernelRelation,
-) -> bool:
-    """Use the C16 dense kernel for large C64-to-C14 output heads."""
-    if (
-        relation.contract.kind != "submanifold"
-        or relation.n_kernels != 27
-        or relation.n_out_capacity is None
-        or relation.n_out_capacity < 4096
-        or feats.dtype != mx.float16
-        or feats.ndim != 2
-        or int(feats.shape[1]) != 64
-        or weight.dtype != mx.float16
-    ):
-        return False
-    if weight.ndim == 3:
-        return tuple(int(d) for d in weight.shape) == (27, 64, 14)
-    return weight.ndim == 5 and tuple(int(d) for d in weight.shape) == (14, 3, 3, 3, 64)
-
-
-def _pad_cout14_weight_to_cout16(weight: mx.array) -> mx.array:
-    def pad(w: mx.array) -> mx.array:
-        widths = (
-            [(0, 0), (0, 0), (0, 2)] if w.ndim == 3 else [(0, 2), (0, 0), (0, 0), (0, 0), (0, 0)]
-        )
-        return mx.pad(w, widths)
-
-    return _cached(_PADDED_COUT16_WEIGHT_CACHE, weight, pad)
-
-
-def sparse_conv_features_sorted_from_relation(
-    feats: mx.array,
-    weight: mx.array,
-    relation: KernelRelation,
-    *,
-    store_sorted: bool = False,
-) -> mx.array:
-    """Execute the sorted implicit-GEMM convolution path explicitly.
-
-    With ``store_sorted=True`` row ``r`` of the result is output row
-    ``relation.require_sorted_implicit_gemm().reorder_rows[r]``.
-    """
-    n_out, n_kernels = _require_static(relation)
-    if not _can_use_sorted_implicit_gemm(feats, weight, relation):
-        raise ValueError(
-            "sorted implicit GEMM is not supported for this relation, feature tensor, or weight tensor."
-        )
-    view = relation.require_sorted_implicit_gemm()
-    return ext.sparse_conv_features_sorted_implicit_gemm(
-        feats,
-        mapped_conv_weight(weight),
-        view.sorted_out_in_map,
-        view.sorted_kv_out_in_map,
-        view.reorder_rows,
-        view.tile_masks,
-        relation.edges.in_rows,
-        relation.edges.out_rows,
-        relation.edges.kernel_ids,
-        relation.counts,
-        relation.output_csr.row_offsets,
-        relation.input_csr.row_offsets,
-        relation.in_edge_ids,
-        relation.kernel_csr.row_offsets,
-        relation.kernel_edge_ids,
-        n_out,
-        n_kernels,
-        store_sorted=store_sorted,
-    )
+    note("sparse_quantized_conv_features", "quantized")
+    out = ext.sparse_quantized_conv_features(feats.astype(weight.scales.dtype), weight, relation)
+    return out.astype(feats.dtype)
 
 
 def sparse_conv_normalization_denominator_from_relation(
@@ -276,48 +279,33 @@ def sparse_conv_normalization_denominator_from_relation(
     squared_weight: mx.array,
     relation: KernelRelation,
 ) -> mx.array | None:
-    """Reduce FP16 denominators in canonical output-CSR edge order.
+    """The normalization denominator as a dedicated output-CSR reduction.
 
     Returns ``conv(unit_feats, squared_weight)`` for all-ones ``unit_feats``
-    through a specialised reduction, or ``None`` when it does not apply (the
-    caller then runs the full convolution). Gradients and tangents are those
-    of the full convolution.
+    through the ``"denominator_csr"`` dataflow, or ``None`` when that is not
+    chosen (the caller then runs the full convolution). Gradients and
+    tangents are those of the full convolution.
     """
-    if relation.contract.kind != "submanifold":
+    forced = get_dataflow()
+    if forced == "auto":
+        if not _auto_denominator(unit_feats, squared_weight, relation):
+            return None
+    elif forced != "denominator_csr":
         return None
-    if unit_feats.dtype != mx.float16 or squared_weight.dtype != mx.float16:
-        return None
-    if (
-        relation.n_kernels != 27
-        or unit_feats.ndim != 2
-        or int(unit_feats.shape[0]) < _NORMALIZATION_CSR_MIN_ROWS
-    ):
-        return None
-    mapped_weight = mapped_conv_weight(squared_weight)
-    if (
-        mapped_weight.ndim != 3
-        or int(mapped_weight.shape[0]) != 27
-        or int(mapped_weight.shape[1]) % 4 != 0
-        or int(mapped_weight.shape[1]) != int(unit_feats.shape[1])
-    ):
-        return None
-    # Square C32/C64 convolutions use a different accumulation contract. Keep
-    # their denominator on the numerator's existing kernel.
-    if _can_use_sorted_implicit_gemm(unit_feats, squared_weight, relation):
-        return None
+    elif unit_feats.ndim != 2 or _channels(squared_weight)[0] != int(unit_feats.shape[1]):
+        raise DataflowError(
+            "dataflow 'denominator_csr' needs (N, C) unit features and a weight with C input "
+            f"channels; got {tuple(unit_feats.shape)} and {tuple(squared_weight.shape)}."
+        )
+    note("sparse_conv_normalization_denominator", "denominator_csr")
 
     def full_denominator(feats_arg: mx.array, weight_arg: mx.array) -> mx.array:
-        return sparse_conv_features_from_relation(feats_arg, weight_arg, relation)
+        return ext.sparse_conv_features(feats_arg, mapped_conv_weight(weight_arg), relation)
 
     @mx.custom_function
     def csr_denominator(feats_arg: mx.array, weight_arg: mx.array) -> mx.array:
         del feats_arg
-        return ext.sparse_conv_normalization_denominator(
-            mapped_conv_weight(weight_arg),
-            relation.edges.kernel_ids,
-            relation.counts,
-            relation.output_csr.row_offsets,
-        )
+        return ext.sparse_conv_normalization_denominator(mapped_conv_weight(weight_arg), relation)
 
     @csr_denominator.vjp
     def denominator_vjp(primals, cotangent, output):  # noqa: ANN001
@@ -337,69 +325,23 @@ def sparse_conv_normalization_denominator_from_relation(
     return cast(mx.array, csr_denominator(unit_feats, squared_weight))
 
 
-def sparse_conv_features_sorted_direct_reference_from_relation(
-    feats: mx.array,
-    weight: mx.array,
-    relation: KernelRelation,
-    *,
-    store_sorted: bool = False,
-) -> mx.array:
-    """Execute the sorted direct reference path for diagnostics/tests."""
-    n_out, n_kernels = _require_static(relation)
-    if not _can_use_sorted_implicit_gemm(feats, weight, relation):
-        raise ValueError(
-            "sorted direct convolution reference is not supported for this relation, feature tensor, or weight tensor."
-        )
-    view = relation.require_sorted_implicit_gemm()
-    return ext.sparse_conv_features_sorted_direct_reference(
-        feats,
-        mapped_conv_weight(weight),
-        view.sorted_out_in_map,
-        view.reorder_rows,
-        view.tile_masks,
-        n_out,
-        n_kernels,
-        store_sorted=store_sorted,
-    )
-
-
-def _can_use_sorted_implicit_gemm(
-    feats: mx.array,
-    weight: mx.array,
-    relation: KernelRelation,
+def _auto_denominator(
+    unit_feats: mx.array, squared_weight: mx.array, relation: KernelRelation
 ) -> bool:
-    if relation.contract.kind not in ("forward", "target", "submanifold"):
+    if relation.contract.kind != "submanifold" or relation.n_kernels != 27:
         return False
-    if feats.dtype != mx.float16 or weight.dtype != mx.float16:
+    if unit_feats.dtype not in _FLOAT_DTYPES or squared_weight.dtype != unit_feats.dtype:
         return False
-    if relation.n_kernels != 27:
+    if unit_feats.ndim != 2 or int(unit_feats.shape[0]) < _NORMALIZATION_CSR_MIN_ROWS:
         return False
-    if feats.ndim != 2 or int(feats.shape[1]) not in (32, 64):
+    if squared_weight.ndim not in (3, 5):
         return False
-    channels = int(feats.shape[1])
-    if weight.ndim == 3:
-        return int(weight.shape[0]) == 27 and tuple(weight.shape[1:]) == (channels, channels)
-    return weight.ndim == 5 and tuple(weight.shape) == (channels, 3, 3, 3, channels)
-
-
-def mapped_conv_weight(weight: mx.array) -> mx.array:
-    """``(Cout, kx, ky, kz, Cin)`` -> contiguous ``(K, Cin, Cout)``; 3-D passes through.
-
-    >>> mapped_conv_weight(mx.zeros((8, 3, 3, 3, 4))).shape
-    (27, 4, 8)
-    """
-    if weight.ndim == 3:
-        return weight
-    if weight.ndim != 5:
-        raise ValueError(
-            f"weight must be (K, Cin, Cout) or (Cout, kx, ky, kz, Cin), got shape {tuple(weight.shape)}."
-        )
-
-    def pack(w: mx.array) -> mx.array:
-        out_channels, in_channels = int(w.shape[0]), int(w.shape[4])
-        return mx.contiguous(w.transpose(1, 2, 3, 4, 0).reshape((-1, in_channels, out_channels)))
-
-    return _cached(_PACKED_WEIGHT_CACHE, weight, pack)
+    cin = _channels(squared_weight)[0]
+    if cin % 4 != 0 or cin != int(unit_feats.shape[1]):
+        return False
+    # Square C32/C64 convolutions use the sorted numerator's accumulation
+    # contract; keep their denominator on the same kernel.
+    return not _auto_sorted(unit_feats, squared_weight, relation)
 
 
 def sparse_conv_features_from_implicit_gemm_view(
@@ -410,6 +352,11 @@ def sparse_conv_features_from_implicit_gemm_view(
     """Execute dense convolution from an output-row by kernel-offset map.
 
     Plain MLX ops (gather, mask, einsum): a reference for the native paths.
+
+    >>> m = mx.array([[0, -1], [1, 0]], dtype=mx.int32)
+    >>> w = mx.array([[[1.0]], [[10.0]]])
+    >>> sparse_conv_features_from_implicit_gemm_view(mx.array([[1.0], [2.0]]), w, m).tolist()
+    [[1.0], [12.0]]
     """
     mapped = mapped_conv_weight(weight)
     if mapped.ndim == 2:
@@ -433,17 +380,13 @@ def sparse_pool_features_from_relation(
 
     ``avg`` divides by the number of present neighbours; outputs with none
     are 0. ``input_exclusive=True`` asserts non-overlapping windows.
+
+    >>> from mlx_lattice.core.relations import build_kernel_relation
+    >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
+    >>> rel = build_kernel_relation(coords, kernel_size=2, stride=2, kind="forward")
+    >>> f = mx.array([[1.0], [3.0]])
+    >>> sparse_pool_features_from_relation(f, rel, input_exclusive=True, mode="avg").tolist()
+    [[2.0]]
     """
-    n_out, n_kernels = _require_static(relation)
-    return ext.sparse_pool_features(
-        feats,
-        relation.edges.in_rows,
-        relation.edges.out_rows,
-        relation.edges.kernel_ids,
-        relation.output_csr.row_offsets,
-        relation.counts,
-        input_exclusive,
-        mode,
-        n_out,
-        n_kernels,
-    )
+    _require_static(relation)
+    return ext.sparse_pool_features(feats, relation, input_exclusive=input_exclusive, mode=mode)

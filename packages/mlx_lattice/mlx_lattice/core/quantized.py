@@ -6,22 +6,12 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from mlx_lattice.core.weights import mapped_conv_weight
+
 __all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight"]
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
-
-
-def _mapped(weight: mx.array) -> mx.array:
-    """(K, Cin, Cout) or (Cout, kx, ky, kz, Cin) -> (K, Cin, Cout)."""
-    if weight.ndim == 3:
-        return weight
-    if weight.ndim == 5:
-        cout, cin = int(weight.shape[0]), int(weight.shape[4])
-        return weight.transpose(1, 2, 3, 4, 0).reshape(-1, cin, cout)
-    raise ValueError(
-        f"weight must be (K, Cin, Cout) or (Cout, kx, ky, kz, Cin), got shape {tuple(weight.shape)}."
-    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +100,7 @@ class QuantizedWeight:
             )
         if not mx.issubdtype(weight.dtype, mx.floating):
             raise TypeError(f"weight must be floating, got {weight.dtype}.")
-        mapped = _mapped(weight)
+        mapped = mapped_conv_weight(weight, cache=False)
         _, cin, cout = (int(d) for d in mapped.shape)
         storage = -(-cin // group_size) * group_size
         per_offset = mapped.transpose(0, 2, 1)  # (K, Cout, Cin)

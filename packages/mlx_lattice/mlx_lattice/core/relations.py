@@ -135,11 +135,19 @@ class SortedImplicitGemmView:
     ``[t * SORTED_TILE_ROWS, (t + 1) * SORTED_TILE_ROWS)``.
     """
 
-    out_in_map: mx.array
     sorted_out_in_map: mx.array
-    sorted_kv_out_in_map: mx.array
     reorder_rows: mx.array
     tile_masks: mx.array
+
+    @property
+    def out_in_map(self) -> mx.array:
+        """The map in output-row order (derived; no kernel reads it)."""
+        return mx.take(self.sorted_out_in_map, mx.argsort(self.reorder_rows), axis=0)
+
+    @property
+    def sorted_kv_out_in_map(self) -> mx.array:
+        """``sorted_out_in_map`` in offset-major order (derived; no kernel reads it)."""
+        return mx.contiguous(self.sorted_out_in_map.T)
 
 
 @dataclass(frozen=True, eq=False)
@@ -148,6 +156,10 @@ class KernelRelation:
 
     Build one with :func:`build_kernel_relation`. Arrays are int32 and
     evaluated; the relation is immutable and safe to share between layers.
+    It crosses into the native ops as this one object: they read ``edges``,
+    the three ``*_csr`` groupings, ``n_in``, ``n_out_capacity`` and
+    ``n_kernels``, and validate them once (again only if an index array is
+    replaced or updated in place).
     """
 
     contract: RelationContract
@@ -215,16 +227,12 @@ class KernelRelation:
         else:
             tile_masks = np.zeros(tiles, dtype=np.uint32)
         view = SortedImplicitGemmView(
-            out_in_map=mx.array(out_in),
             sorted_out_in_map=mx.array(sorted_map),
-            sorted_kv_out_in_map=mx.array(np.ascontiguousarray(sorted_map.T)),
             reorder_rows=mx.array(reorder),
             tile_masks=mx.array(tile_masks.view(np.int32)),
         )
         mx.eval(
-            view.out_in_map,
             view.sorted_out_in_map,
-            view.sorted_kv_out_in_map,
             view.reorder_rows,
             view.tile_masks,
         )
@@ -277,7 +285,11 @@ def build_kernel_relation(
         out_coords=raw["out_coords"],
         edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
         counts=raw["counts"],
-        output_csr=RelationCSR(raw["output_row_offsets"], raw["output_edge_ids"]),
+        # Edges are stored grouped by output: the output grouping's edge ids are
+        # the identity, derived lazily (MLX evaluates them only if read).
+        output_csr=RelationCSR(
+            raw["output_row_offsets"], mx.arange(int(raw["in_rows"].shape[0]), dtype=mx.int32)
+        ),
         input_csr=RelationCSR(raw["input_row_offsets"], raw["input_edge_ids"]),
         kernel_csr=RelationCSR(raw["kernel_row_offsets"], raw["kernel_edge_ids"]),
         n_out_capacity=int(raw["out_coords"].shape[0]),

@@ -1,4 +1,4 @@
-#include "relations.h"
+#include "relation_builder.h"
 
 #include <algorithm>
 #include <cstring>
@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "common.h"
-#include "kernels.h"
-#include "parallel.h"
+#include "cpu/kernels.h"
+#include "cpu/parallel.h"
 #include "validate.h"
 
 namespace mlx_lattice {
@@ -301,9 +301,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       kernels::group_by(kernel_ids.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
     }
   });
-  std::vector<int32_t> counts(n_kernels), out_edge_ids(n_edges);
+  std::vector<int32_t> counts(n_kernels);
   for (int64_t k = 0; k < n_kernels; ++k) counts[k] = k_offsets[k + 1] - k_offsets[k];
-  for (int64_t e = 0; e < n_edges; ++e) out_edge_ids[e] = static_cast<int32_t>(e);
 
   const int e = static_cast<int>(n_edges);
   std::map<std::string, mx::array> result;
@@ -313,7 +312,6 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   result.emplace("kernel_ids", to_array(kernel_ids, {e}));
   result.emplace("counts", to_array(counts, {static_cast<int>(n_kernels)}));
   result.emplace("output_row_offsets", to_array(out_offsets, {static_cast<int>(n_out + 1)}));
-  result.emplace("output_edge_ids", to_array(out_edge_ids, {e}));
   result.emplace("input_row_offsets", to_array(in_offsets, {static_cast<int>(n_in + 1)}));
   result.emplace("input_edge_ids", to_array(in_edge_ids, {e}));
   result.emplace("kernel_row_offsets", to_array(k_offsets, {static_cast<int>(n_kernels + 1)}));

@@ -1,4 +1,5 @@
-// Kernel relations between coordinate sets, built natively.
+// Kernel relations between coordinate sets, built natively (the builder;
+// relation.h is the validated object the primitives share).
 //
 // Coordinates are (N, 4) int32 rows (batch, x, y, z). Kernel offset k
 // enumerates (ix, iy, iz) x-major: k = (ix * ky + iy) * kz + iz, and along
@@ -27,8 +28,9 @@ namespace mx = mlx::core;
 using Triple = std::array<int, 3>;
 
 // Returns out_coords, in_rows, out_rows, kernel_ids, counts,
-// output_row_offsets, output_edge_ids, input_row_offsets, input_edge_ids,
-// kernel_row_offsets, kernel_edge_ids (all int32).
+// output_row_offsets, input_row_offsets, input_edge_ids, kernel_row_offsets,
+// kernel_edge_ids (all int32). (Edges are stored grouped by output, so the
+// output grouping needs no edge ids.)
 std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coords,
                                                        const std::optional<mx::array>& out_coords,
                                                        Triple kernel_size, Triple stride,

@@ -51,11 +51,6 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
                  int64_t cout, const int32_t* sorted_map, const int32_t* reorder, int64_t n_out,
                  bool store_sorted, float* out);
 
-// The same contract, computed directly (scalar loops, tile masks honoured).
-void sorted_direct(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
-                   int64_t cout, const int32_t* sorted_map, const int32_t* reorder,
-                   const int32_t* tile_masks, int64_t n_out, bool store_sorted, float* out);
-
 // Dequantizes per-offset group-affine weights (mx.quantize layout, rows of
 // `storage_in` values, `bits` each, packed little-endian) to (K, cin, cout).
 void dequantize_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,

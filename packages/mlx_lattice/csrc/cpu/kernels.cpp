@@ -310,31 +310,6 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
   });
 }
 
-void sorted_direct(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
-                   int64_t cout, const int32_t* sorted_map, const int32_t* reorder,
-                   const int32_t* tile_masks, int64_t n_out, bool store_sorted, float* out) {
-  const int64_t tiles = ceil_div(n_out, kSortedTileRows);
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t r0 = tile * kSortedTileRows;
-    const int64_t r1 = std::min(n_out, r0 + kSortedTileRows);
-    const uint32_t mask = static_cast<uint32_t>(tile_masks[tile]);
-    for (int64_t r = r0; r < r1; ++r) {
-      float* o = out + (store_sorted ? r : reorder[r]) * cout;
-      std::fill(o, o + cout, 0.0f);
-      for (int64_t k = 0; k < n_kernels; ++k) {
-        if (k < 32 && !((mask >> k) & 1u)) continue;
-        int32_t in = sorted_map[r * n_kernels + k];
-        if (in < 0) continue;
-        const float* f = feats + static_cast<int64_t>(in) * cin;
-        const float* w = weight + k * cin * cout;
-        for (int64_t i = 0; i < cin; ++i) {
-          for (int64_t x = 0; x < cout; ++x) o[x] += f[i] * w[i * cout + x];
-        }
-      }
-    }
-  });
-}
-
 void dequantize_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
                        const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
                        int64_t storage_in, int64_t group_size, int bits, float* out) {

@@ -1,19 +1,15 @@
-// The harness encoder: binds host pointers and runs the preprocessed MSL
+// The harness encoder (test-only): binds host pointers and runs the preprocessed MSL
 // kernels with tools/msl's runtime (fiber schedule, forward order).
-#include <atomic>
-#include <cstdlib>
 #include <cstring>
 #include <vector>
 
-#include "encoder.h"
+#include "../metal/encoder.h"
+#include "harness.h"
 #include "msl_runtime.h"
 
 namespace mlx_lattice::gpu {
 
 namespace {
-
-// -1: not yet read from the environment.
-std::atomic<int> harness_flag{-1};
 
 class HarnessEncoder final : public KernelEncoder {
  public:
@@ -54,17 +50,5 @@ class HarnessEncoder final : public KernelEncoder {
 }  // namespace
 
 std::unique_ptr<KernelEncoder> harness_encoder() { return std::make_unique<HarnessEncoder>(); }
-
-bool harness_enabled() {
-  int flag = harness_flag.load();
-  if (flag < 0) {
-    const char* env = std::getenv("MLX_LATTICE_METAL_HARNESS");
-    flag = env && std::strcmp(env, "1") == 0 ? 1 : 0;
-    harness_flag.store(flag);
-  }
-  return flag == 1;
-}
-
-void set_harness(bool enabled) { harness_flag.store(enabled ? 1 : 0); }
 
 }  // namespace mlx_lattice::gpu

@@ -1,0 +1,86 @@
+// CPU evaluation of the convolution primitives: SparseConv (three faces),
+// SparseConvSorted and SparseQuantizedConv.
+#include <vector>
+
+#include "../primitives.h"
+#include "eval.h"
+#include "kernels.h"
+
+namespace mlx_lattice {
+
+using cpu::dispatch;
+using cpu::FloatIn;
+using cpu::FloatOut;
+using cpu::idx;
+
+void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
+  dispatch(stream(), inputs, out,
+           [mode = mode_, rel = rel_](std::vector<array>& in, array& o) {
+             const auto& a = in[0];
+             const auto& b = in[1];
+             const Relation& r = *rel;
+             FloatIn a32(a, 0), b32(b, 1);
+             FloatOut out32(o);
+             if (mode == Mode::kForward) {
+               kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+               kernels::stationary_conv(a32.get(), a.shape(1), b32.get(), r.n_kernels,
+                                        out32.get(), b.shape(2), csr, idx(r.in_rows),
+                                        idx(r.out_rows), idx(r.kernel_ids));
+             } else if (mode == Mode::kInputGrad) {
+               const int64_t cin = b.shape(1);
+               const int64_t cout = b.shape(2);
+               std::vector<float> wt(r.n_kernels * cin * cout);
+               const float* w = b32.get();
+               for (int64_t k = 0; k < r.n_kernels; ++k) {
+                 for (int64_t i = 0; i < cin; ++i) {
+                   for (int64_t x = 0; x < cout; ++x) {
+                     wt[(k * cout + x) * cin + i] = w[(k * cin + i) * cout + x];
+                   }
+                 }
+               }
+               kernels::Csr csr{idx(r.in_offsets), idx(r.in_edge_ids), r.n_in};
+               kernels::stationary_conv(a32.get(), cout, wt.data(), r.n_kernels, out32.get(), cin,
+                                        csr, idx(r.out_rows), idx(r.in_rows), idx(r.kernel_ids));
+             } else {
+               kernels::Csr csr{idx(r.k_offsets), idx(r.k_edge_ids), r.n_kernels};
+               kernels::weight_gradient(a32.get(), a.shape(1), b32.get(), b.shape(1), csr,
+                                        idx(r.in_rows), idx(r.out_rows), out32.get());
+             }
+             out32.finish();
+           });
+}
+
+void SparseConvSorted::eval_cpu(const std::vector<array>& inputs, array& out) {
+  dispatch(stream(), inputs, out,
+           [rel = rel_, view = view_, store = store_sorted_](std::vector<array>& in, array& o) {
+             const auto& f = in[0];
+             const auto& w = in[1];
+             FloatIn f32(f, 0), w32(w, 1);
+             FloatOut out32(o);
+             kernels::sorted_conv(f32.get(), f.shape(1), w32.get(), rel->n_kernels, w.shape(2),
+                                  idx(view->sorted_map), idx(view->reorder), rel->n_out, store,
+                                  out32.get());
+             out32.finish();
+           });
+}
+
+void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out) {
+  dispatch(stream(), inputs, out, [rel = rel_, q = spec_](std::vector<array>& in, array& o) {
+    const Relation& r = *rel;
+    const auto& packed = in[1];
+    std::vector<float> w(r.n_kernels * q.in_channels * q.out_channels);
+    kernels::dequantize_weight(packed.size() ? packed.data<uint8_t>() : nullptr,
+                               static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),
+                               in[3].data<float>(), r.n_kernels, q.out_channels, q.in_channels,
+                               q.storage_in_channels, q.group_size, q.bits, w.data());
+    kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+    FloatIn f32(in[0], 0);
+    FloatOut out32(o);
+    kernels::stationary_conv(f32.get(), q.in_channels, w.data(), r.n_kernels, out32.get(),
+                             q.out_channels, csr, idx(r.in_rows), idx(r.out_rows),
+                             idx(r.kernel_ids));
+    out32.finish();
+  });
+}
+
+}  // namespace mlx_lattice

@@ -1,0 +1,92 @@
+// Shared plumbing of the CPU evaluations (cpu/<op>.cpp): output allocation,
+// the stream's CPU encoder, and float32 views of half-precision operands.
+#pragma once
+
+#include <cstdint>
+#include <utility>
+#include <vector>
+
+#include "kernels.h"
+#include "mlx/backend/cpu/encoder.h"
+#include "mlx/mlx.h"
+
+namespace mlx_lattice::cpu {
+
+namespace mx = mlx::core;
+
+inline kernels::FloatFormat format_of(mx::Dtype dtype) {
+  if (dtype == mx::float16) return kernels::FloatFormat::kF16;
+  if (dtype == mx::bfloat16) return kernels::FloatFormat::kBF16;
+  return kernels::FloatFormat::kF32;
+}
+
+inline const int32_t* idx(const mx::array& a) { return a.size() ? a.data<int32_t>() : nullptr; }
+
+// Float32 staging buffers of half-precision operands, kept per evaluating
+// thread: fresh multi-megabyte allocations per call cost more in page faults
+// than the conversions themselves. Slot 0, 1: inputs; slot 2: the output.
+inline float* staging(int slot, size_t n) {
+  thread_local std::vector<float> buffers[3];
+  auto& b = buffers[slot];
+  if (b.size() < n) b.resize(n);
+  return b.data();
+}
+
+// A float32 view of a floating array: its own data, or a converted copy.
+class FloatIn {
+ public:
+  FloatIn(const mx::array& a, int slot) {
+    if (a.dtype() == mx::float32 || a.size() == 0) {
+      ptr_ = a.size() ? a.data<float>() : nullptr;
+    } else {
+      float* buf = staging(slot, a.size());
+      kernels::to_float32(a.data<void>(), format_of(a.dtype()), a.size(), buf);
+      ptr_ = buf;
+    }
+  }
+  const float* get() const { return ptr_; }
+
+ private:
+  const float* ptr_ = nullptr;
+};
+
+// A float32 buffer for an output, written back in the output's dtype.
+class FloatOut {
+ public:
+  explicit FloatOut(mx::array& out) : out_(out) {
+    if (out.dtype() != mx::float32) {
+      ptr_ = staging(2, out.size());
+    } else {
+      ptr_ = out.size() ? out.data<float>() : nullptr;
+    }
+  }
+  float* get() { return ptr_; }
+  void finish() {
+    if (out_.dtype() != mx::float32 && out_.size()) {
+      kernels::from_float32(ptr_, out_.size(), format_of(out_.dtype()), out_.data<void>());
+    }
+  }
+
+ private:
+  mx::array& out_;
+  float* ptr_ = nullptr;
+};
+
+// Allocates `out` and runs body(inputs, out) on the stream's CPU encoder,
+// with weak copies of the arrays (the encoder keeps the originals alive).
+template <typename Body>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Body body) {
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in;
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  encoder.set_output_array(out);
+  encoder.dispatch([in = std::move(in), o = mx::array::unsafe_weak_copy(out), body]() mutable {
+    body(in, o);
+  });
+}
+
+}  // namespace mlx_lattice::cpu

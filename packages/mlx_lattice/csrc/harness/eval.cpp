@@ -1,0 +1,42 @@
+// eval_cpu of every primitive in the test-only harness extension: the
+// primitive's Metal encode body (metal/<op>.cpp) run on the CPU stream by
+// the MSL harness. The product extension compiles cpu/<op>.cpp instead.
+#include "../cpu/eval.h"
+#include "../metal/encode.h"
+#include "harness.h"
+
+namespace mlx_lattice {
+
+namespace {
+
+template <typename P>
+void eval_on_harness(P& p, const std::vector<array>& inputs, array& out) {
+  // The task runs after eval_cpu returns: keep the primitive alive with it.
+  auto prim = std::static_pointer_cast<P>(out.primitive_ptr());
+  cpu::dispatch(p.stream(), inputs, out, [prim](std::vector<array>& in, array& o) {
+    auto enc = gpu::harness_encoder();
+    gpu::Operands ops(true);
+    gpu::encode(*prim, *enc, ops, in, o);
+    ops.finish();
+  });
+}
+
+}  // namespace
+
+void SparseConv::eval_cpu(const std::vector<array>& in, array& out) {
+  eval_on_harness(*this, in, out);
+}
+void SparseConvSorted::eval_cpu(const std::vector<array>& in, array& out) {
+  eval_on_harness(*this, in, out);
+}
+void SparseQuantizedConv::eval_cpu(const std::vector<array>& in, array& out) {
+  eval_on_harness(*this, in, out);
+}
+void SparseDenominator::eval_cpu(const std::vector<array>& in, array& out) {
+  eval_on_harness(*this, in, out);
+}
+void SparsePool::eval_cpu(const std::vector<array>& in, array& out) {
+  eval_on_harness(*this, in, out);
+}
+
+}  // namespace mlx_lattice

@@ -1,0 +1,47 @@
+// The public operations of the extension (bound in bindings.cpp).
+//
+// Each validates its arguments and the relation (relation.h, memoized),
+// builds its primitive (transforms.cpp) and returns the result in the
+// features' dtype (kernels accumulate in float32). Weights are the mapped
+// (K, Cin, Cout) layout; mlx_lattice.core.weights converts the 5-D layout.
+#pragma once
+
+#include <string>
+
+#include "mlx/mlx.h"
+#include "relation.h"
+
+namespace mlx_lattice {
+
+namespace mx = mlx::core;
+
+// A quantized weight (core/quantized.py's QuantizedWeight): packed uint32
+// (K, Cout, storage_in_channels * bits / 32), scales and biases
+// (K, Cout, storage_in_channels / group_size).
+struct QuantizedArrays {
+  mx::array packed, scales, biases;
+  int in_channels, out_channels, storage_in_channels, group_size, bits;
+};
+
+mx::array sparse_conv_features(const mx::array& feats, const mx::array& weight,
+                               const RelationArrays& relation, mx::StreamOrDevice s = {});
+
+mx::array sparse_conv_features_sorted_implicit_gemm(const mx::array& feats,
+                                                    const mx::array& weight,
+                                                    const RelationArrays& relation,
+                                                    const SortedArrays& view, bool store_sorted,
+                                                    mx::StreamOrDevice s = {});
+
+mx::array sparse_quantized_conv_features(const mx::array& feats, const QuantizedArrays& weight,
+                                         const RelationArrays& relation,
+                                         mx::StreamOrDevice s = {});
+
+mx::array sparse_conv_normalization_denominator(const mx::array& weight,
+                                                const RelationArrays& relation,
+                                                mx::StreamOrDevice s = {});
+
+mx::array sparse_pool_features(const mx::array& feats, const RelationArrays& relation,
+                               bool input_exclusive, const std::string& mode,
+                               mx::StreamOrDevice s = {});
+
+}  // namespace mlx_lattice

@@ -1,0 +1,63 @@
+// The one relation object the primitives share, and its validation.
+//
+// A kernel relation crosses from Python as one object (core/relations.py's
+// KernelRelation, read by bindings.cpp into RelationArrays). It is validated
+// once (memoized by the identities of its arrays, so an index array updated
+// in place is checked again) into an immutable Relation that every primitive
+// built on it holds by shared pointer: the relation is graph-constant data,
+// not a primitive input. Only fields some kernel reads cross the boundary.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "mlx/mlx.h"
+
+namespace mlx_lattice {
+
+namespace mx = mlx::core;
+
+// The relation as handed over (not yet validated). Groupings: edges by output
+// (offsets only: edges are stored grouped by output), by input and by kernel
+// offset (offsets + edge ids).
+struct RelationArrays {
+  mx::array in_rows, out_rows, kernel_ids;
+  mx::array out_offsets;
+  mx::array in_offsets, in_edge_ids;
+  mx::array k_offsets, k_edge_ids;
+  int64_t n_in = 0, n_out = 0, n_kernels = 0;
+};
+
+// A validated relation: evaluated, row-contiguous int32 arrays whose indices
+// are in range and whose groupings are consistent.
+struct Relation {
+  mx::array in_rows, out_rows, kernel_ids;
+  mx::array out_offsets;
+  mx::array in_offsets, in_edge_ids;
+  mx::array k_offsets, k_edge_ids;
+  int64_t n_in = 0, n_out = 0, n_kernels = 0;
+  int64_t n_edges() const { return static_cast<int64_t>(in_rows.size()); }
+};
+using RelationPtr = std::shared_ptr<const Relation>;
+
+// The sorted implicit-GEMM view of a relation (core/relations.py's
+// SortedImplicitGemmView): sorted_out_in_map (n_out, K), reorder_rows (n_out,)
+// and tile_masks (ceil(n_out / kSortedTileRows),).
+struct SortedArrays {
+  mx::array sorted_map, reorder, tile_masks;
+};
+using SortedPtr = std::shared_ptr<const SortedArrays>;
+
+// Validates `r` (or returns the remembered result). Raises ValueError naming
+// `op` and the offending field.
+RelationPtr validated_relation(const std::string& op, const RelationArrays& r);
+
+// Validates a sorted view against its (validated) relation.
+SortedPtr validated_sorted_view(const std::string& op, const SortedArrays& v,
+                                const RelationPtr& rel);
+
+// Checks that no input row feeds more than one output (remembered too).
+void check_input_exclusive(const std::string& op, const RelationPtr& rel);
+
+}  // namespace mlx_lattice

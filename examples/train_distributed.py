@@ -1,0 +1,212 @@
+"""Data-parallel training of the sparse U-Net on synthetic LiDAR scans.
+
+One process trains alone; under MLX's launcher every process is a rank that
+trains on its shard of the scans and averages gradients with the others
+(``mlx_lattice.distributed``)::
+
+    ./bazelw build //examples:train_distributed
+    # one host, two processes (ring back-end over 127.0.0.1):
+    mlx.launch --backend ring -n 2 --python <venv python> bazel-bin/examples/train_distributed --steps 20
+    # several hosts: a host file lists them (mlx.distributed_config writes one)
+    mlx.launch --backend ring --hostfile hosts.json --python <python> train_distributed.py
+
+Each step uses ``--global-batch`` scans split evenly over the ranks, so the
+step is the same whatever the number of processes. Rank 0 prints every
+rank's throughput and the global steps/s; ``--json`` adds one machine-readable
+line (used by ``//benchmarks:distributed``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import mlx.nn as mnn
+import mlx.optimizers as optim
+import numpy as np
+from mlx.utils import tree_flatten
+
+import mlx_lattice
+from examples.sparse_unet import SparseUNet
+from mlx_lattice import SparseTensor, distributed, sparse_collate
+from mlx_lattice.data import SceneConfig, synthetic_lidar_scan
+
+__all__ = ["load_scan", "main", "parse_args"]
+
+CLASSES = 4
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
+    p.add_argument(
+        "--global-batch", type=int, default=4, help="scans per step over all ranks (default 4)"
+    )
+    p.add_argument("--scans", type=int, default=16, help="scans in the dataset (default 16)")
+    p.add_argument("--voxel", type=float, default=0.2, help="voxel size in metres (default 0.2)")
+    p.add_argument(
+        "--widths", default="16,32,48", help="U-Net channel widths per level (default 16,32,48)"
+    )
+    p.add_argument("--small-scene", action="store_true", help="a 16-beam sensor (fast tests)")
+    p.add_argument("--sync-bn", action="store_true", help="synchronised batch norm")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None, help="mlx_lattice kernel threads")
+    p.add_argument(
+        "--timeout", type=float, default=120.0, help="seconds any one step may take (default 120)"
+    )
+    p.add_argument("--json", action="store_true", help="print a JSON summary line on rank 0")
+    args = p.parse_args(argv)
+    for name in ("steps", "global_batch", "scans"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.warmup < 0:
+        p.error("--warmup must be >= 0")
+    return args
+
+
+def load_scan(index: int, voxel: float, small: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Voxel coordinates ``(N, 3)``, features (occupancy, height) and the
+    label of each voxel's first point, for scan ``index``.
+
+    >>> coords, feats, labels = load_scan(0, 0.5, small=True)
+    >>> coords.shape[1], feats.shape[1], len(labels) == len(coords)
+    (3, 2, True)
+    """
+    config = SceneConfig(beams=16, azimuth_steps=500) if small else None
+    scan = synthetic_lidar_scan(seed=index, config=config)
+    cells = np.floor(scan.points / voxel).astype(np.int32)
+    coords, first = np.unique(cells, axis=0, return_index=True)
+    height = scan.points[first, 2:3]
+    feats = np.concatenate([np.ones_like(height), height], axis=1).astype(np.float32)
+    return coords, feats, scan.labels[first].astype(np.int32)
+
+
+def _scan_order(n: int, rank: int, size: int, seed: int) -> Iterator[int]:
+    """This rank's scans, epoch after epoch, reshuffled each epoch."""
+    for epoch in itertools.count():
+        yield from distributed.shard_indices(
+            n, rank=rank, size=size, seed=seed, epoch=epoch
+        ).tolist()
+
+
+def _batch(scans: list) -> tuple[SparseTensor, mx.array]:
+    x = sparse_collate([s[0] for s in scans], [s[1] for s in scans])
+    return x, mx.array(np.concatenate([s[2] for s in scans]))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads is not None:
+        mlx_lattice.set_num_threads(args.threads)
+    group = distributed.init(timeout_s=args.timeout)
+    rank, size = group.rank(), group.size()
+    if args.global_batch % size:
+        print(
+            f"--global-batch {args.global_batch} must be a multiple of the {size} ranks",
+            file=sys.stderr,
+        )
+        return 2
+    per_rank = args.global_batch // size
+
+    mx.random.seed(args.seed)  # every rank starts from the same weights
+    widths = tuple(int(w) for w in args.widths.split(","))
+    model = SparseUNet(2, CLASSES, widths)
+    if args.sync_bn:
+        distributed.convert_sync_batchnorm(model)
+    model.train()
+    opt = optim.SGD(learning_rate=args.lr, momentum=0.9)
+    scans = {}
+
+    def loss_fn(m: SparseUNet, x: SparseTensor, y: mx.array, scale: mx.array) -> mx.array:
+        # Sum over this rank's voxels times size / (voxels of all ranks): the
+        # average over ranks is the mean over the global batch.
+        return mnn.losses.cross_entropy(m(x).feats, y, reduction="sum") * scale
+
+    step = mnn.value_and_grad(model, loss_fn)
+    compute_s = reduce_s = 0.0
+    voxels = 0
+    grad_bytes = 0
+    loss = float("nan")
+    order = _scan_order(args.scans, rank, size, args.seed)
+    total_steps = args.warmup + args.steps
+    for i in range(total_steps):
+        picked = [next(order) for _ in range(per_rank)]
+        for j in picked:
+            if j not in scans:
+                scans[j] = load_scan(j, args.voxel, args.small_scene)
+        x, y = _batch([scans[j] for j in picked])
+
+        with distributed.deadline(args.timeout, f"training step {i}"):
+            count = mx.distributed.all_sum(mx.array(float(x.num_points)), group=group)
+            mx.eval(count)
+            t0 = time.perf_counter()
+            value, grads = step(model, x, y, size / count)
+            mx.eval(value, grads)
+            t1 = time.perf_counter()
+            grads = distributed.average_gradients(grads)
+            mx.eval(grads)
+            t2 = time.perf_counter()
+            opt.update(model, grads)
+            mx.eval(model.state, opt.state)
+            t3 = time.perf_counter()
+        if i >= args.warmup:
+            compute_s += (t1 - t0) + (t3 - t2)
+            reduce_s += t2 - t1
+            voxels += x.num_points
+        grad_bytes = sum(g.nbytes for _, g in tree_flatten(grads))
+        if i == 0 or (i + 1) % max(1, total_steps // 5) == 0 or i + 1 == total_steps:
+            with distributed.deadline(args.timeout, "averaging the loss"):
+                loss = float((mx.distributed.all_sum(value, group=group) / size).item())
+            if rank == 0:
+                print(f"step {i + 1}/{total_steps}  loss {loss:.4f}", flush=True)
+
+    # Every rank's numbers, gathered (a tiny message).
+    mine = mx.array([compute_s, reduce_s, float(voxels)], dtype=mx.float32)
+    with distributed.deadline(args.timeout, "gathering throughput"):
+        table = np.array(mx.distributed.all_gather(mine[None], group=group)).reshape(size, 3)
+    if rank != 0:
+        return 0
+    n = args.steps
+    print(
+        f"{size} rank(s), {mlx_lattice.get_num_threads()} kernel thread(s) each; "
+        f"global batch {args.global_batch} scans, {per_rank} per rank; sync-bn {args.sync_bn}"
+    )
+    for r, (c, a, v) in enumerate(table):
+        step_s = (c + a) / n
+        print(
+            f"rank {r}: {1 / step_s:6.2f} steps/s  {v / (c + a):10.0f} voxels/s  "
+            f"compute {c / n * 1e3:7.1f} ms/step  all-reduce {a / n * 1e3:6.2f} ms/step"
+        )
+    slowest = float(np.max(table[:, 0] + table[:, 1])) / n
+    print(
+        f"global: {1 / slowest:.2f} steps/s, {float(table[:, 2].sum()) / (slowest * n):.0f} voxels/s; "
+        f"gradient {grad_bytes / 1e6:.2f} MB/step; final loss {loss:.4f}"
+    )
+    if args.json:
+        print(
+            "JSON "
+            + json.dumps(
+                {
+                    "ranks": size,
+                    "threads": mlx_lattice.get_num_threads(),
+                    "step_s": slowest,
+                    "compute_s": float(np.max(table[:, 0])) / n,
+                    "allreduce_s": float(np.max(table[:, 1])) / n,
+                    "grad_bytes": grad_bytes,
+                    "voxels_per_step": float(table[:, 2].sum()) / n,
+                    "loss": loss,
+                }
+            )
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,127 @@
+"""taktiny_ops across 2 JAX processes on CPU (jax.distributed on 127.0.0.1,
+gloo collectives), against the same program in one process.
+
+Equality: the 2-process run and a single process with 2 host devices
+compile the same partitioned program (same mesh, same shardings), and a
+2-way sum does not depend on order, so every output must match bit for bit.
+Against the unpartitioned 1-device program the quantized outputs differ by a
+few int8 rounding steps (the partitioned program has its own partial sums,
+collectives and fusions, so a value near a rounding boundary can land on the
+other side, as in sharding_test): the float forward agrees to 1e-5, the
+quantized forward is as close to the float result as the 1-device one is (2.5x
+slack as in sharding_test), and after 3 QT steps parameters agree to 1e-3
+(observed 1e-4; learning rate 0.05 times gradients of order 1).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+    env.pop("XLA_FLAGS", None)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(argvs: list[list[str]], timeout_s: float = 50) -> tuple[list[int], list[str], float]:
+    """Start one process per argv, wait at most timeout_s, kill what is left."""
+    start = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(EXAMPLE), *argv],
+            env=_env(),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,
+        )
+        for argv in argvs
+    ]
+    outs = []
+    try:
+        for p in procs:
+            left = max(1.0, timeout_s - (time.monotonic() - start))
+            outs.append(p.communicate(timeout=left)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return [p.returncode for p in procs], outs, time.monotonic() - start
+
+
+def _two(port: int, *extra: str, out: Path | None = None) -> tuple[list[int], list[str], float]:
+    common = ["--num-processes", "2", "--port", str(port), "--timeout", "30", *extra]
+    first = [*common, "--process-id", "0"] + (["--out", str(out)] if out else [])
+    return _spawn([first, [*common, "--process-id", "1"]])
+
+
+def test_two_processes_equal_the_single_process_program(tmp_path: Path) -> None:
+    codes, outs, _ = _two(_free_port(), out=tmp_path / "multi.npz")
+    assert codes == [0, 0], "\n".join(outs)
+    for r, out in enumerate(outs):
+        # Each process holds half of w1: the weights are sharded across processes.
+        assert f"process {r}/2: 2 devices on the mesh, w1 shard (64, 64) of (64, 128)" in out, out
+    losses = [out.split("QT losses ")[1].split(";")[0] for out in outs]
+    assert losses[0] == losses[1]
+
+    codes, outs, _ = _spawn(
+        [["--single", "2", "--out", str(tmp_path / "two.npz")],
+         ["--single", "1", "--out", str(tmp_path / "one.npz")]]
+    )  # fmt: skip
+    assert codes == [0, 0], "\n".join(outs)
+    multi, two, one = (dict(np.load(tmp_path / f)) for f in ("multi.npz", "two.npz", "one.npz"))
+    assert set(multi) == set(two) == {
+        "forward", "forward_float", "losses",
+        "trained_w1", "trained_b1", "trained_w2", "trained_b2",
+    }  # fmt: skip
+    for k in multi:
+        np.testing.assert_array_equal(multi[k], two[k], err_msg=k)
+
+    np.testing.assert_allclose(multi["forward_float"], one["forward_float"], rtol=1e-5, atol=1e-5)
+    err_multi = np.abs(multi["forward"] - multi["forward_float"]).max()
+    err_one = np.abs(one["forward"] - one["forward_float"]).max()
+    assert 0 < err_multi <= 2.5 * err_one + 1e-5, (err_multi, err_one)
+    assert multi["losses"][-1] < multi["losses"][0]  # QT training makes progress
+    np.testing.assert_allclose(multi["losses"], one["losses"], rtol=1e-3)
+    for k in ("trained_w1", "trained_b1", "trained_w2", "trained_b2"):
+        np.testing.assert_allclose(multi[k], one[k], atol=1e-3, err_msg=k)
+
+
+def test_peer_death_ends_the_survivor_quickly() -> None:
+    codes, outs, seconds = _two(_free_port(), "--die-before-train")
+    assert codes[1] == 3, outs[1]
+    assert codes[0] == 1, outs[0]
+    assert "process 0: a collective failed; a peer process has probably died" in outs[0], outs[0]
+    assert seconds < 45
+
+
+def test_taken_coordinator_port_ends_both_processes() -> None:
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(4)
+        codes, outs, seconds = _two(holder.getsockname()[1], "--timeout", "8")
+    # Both exit by themselves with a message (JAX alone would crash the
+    # coordinator and abort the other process).
+    assert codes == [2, 2], (codes, outs)
+    assert "process 0: cannot serve as coordinator" in outs[0], outs[0]
+    assert "process 1: could not join the 2 JAX processes at 127.0.0.1" in outs[1], outs[1]
+    assert seconds < 45

@@ -20,6 +20,7 @@ def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/li
       mlx_rpath: where an installed wheel finds `libmlx.so`, relative to the
         extension ($ORIGIN). Inside Bazel, `import mlx.core` loads it first.
       copts: extra compiler options.
+      **kwargs: passed to cc_binary (visibility, tags, ...).
     """
     cc_binary(
         name = name + ".so",

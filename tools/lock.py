@@ -1,24 +1,30 @@
-"""Regenerate third_party/python/requirements_lock.txt from requirements.in.
+"""Regenerate the hashed Python locks in third_party/python from requirements*.in.
 
 Uses nothing but pip: `pip install --dry-run --report` resolves the full set
-of binary wheels for this interpreter and platform, and the report carries
-each wheel's sha256. Run it with the interpreter the build uses:
+of binary wheels for a target interpreter and platform, and the report
+carries each wheel's sha256. One command rewrites (or checks) every lock:
 
-    python3.11 tools/lock.py            # rewrite the lock
-    python3.11 tools/lock.py --check    # exit 1 if the lock is stale
-    python3.11 tools/lock.py --platform macos-arm64   # the macOS lock
+    python3 tools/lock.py                       # rewrite all locks
+    python3 tools/lock.py --check               # exit 1 if any lock is stale
+    python3 tools/lock.py --platform linux-cp312   # just one
 
-For another platform pip resolves wheels with ``--platform``; dependency
-markers are still evaluated for this machine, so platform-only packages are
-listed in that platform's requirements file.
+Linux locks (CPython 3.11, 3.12, 3.13 on x86_64) are resolved by that
+interpreter itself when one is found (PATH, then pyenv), so dependency
+markers are evaluated exactly; otherwise pip resolves for the target with
+``--python-version``/``--platform`` from the running interpreter. The macOS
+lock is always cross-resolved; platform-only packages are listed in its
+requirements file.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import hashlib
 import json
+import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,15 +33,27 @@ import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PYTHON_DIR = ROOT / "third_party" / "python"
-# platform -> (requirements, lock, pip target-platform arguments, label)
+_LINUX = ["--platform", "manylinux_2_36_x86_64", "--implementation", "cp"]
+
+
+def _linux(version: str, lock: str) -> tuple:
+    cp = "cp" + version.replace(".", "")
+    args = [*_LINUX, "--python-version", version, "--abi", cp]
+    return (PYTHON_DIR / "requirements.in", PYTHON_DIR / lock, args, "linux-x86_64", version)
+
+
+# platform -> (requirements, lock, pip cross-resolution arguments, label, python)
 PLATFORMS = {
-    "host": (PYTHON_DIR / "requirements.in", PYTHON_DIR / "requirements_lock.txt", [], None),
+    "linux-cp311": _linux("3.11", "requirements_lock.txt"),
+    "linux-cp312": _linux("3.12", "requirements_lock_cp312.txt"),
+    "linux-cp313": _linux("3.13", "requirements_lock_cp313.txt"),
     "macos-arm64": (
         PYTHON_DIR / "requirements_macos.in",
         PYTHON_DIR / "requirements_lock_macos_arm64.txt",
         ["--platform", "macosx_14_0_arm64", "--python-version", "3.11", "--implementation", "cp",
          "--abi", "cp311"],
         "macosx-14.0-arm64",
+        "3.11",
     ),
 }  # fmt: skip
 HEADER = """\
@@ -54,19 +72,42 @@ def _sha256(url: str) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def resolve(requirements: pathlib.Path, target: list[str]) -> list[tuple[str, str, str]]:
-    """Return sorted (name, version, sha256) for the full resolved set."""
+def find_interpreter(version: str) -> str | None:
+    """A CPython `version` that runs here: PATH first, then pyenv's versions."""
+    candidates = [shutil.which(f"python{version}")]
+    pyenv_root = os.environ.get("PYENV_ROOT", os.path.expanduser("~/.pyenv"))
+    candidates += sorted(glob.glob(f"{pyenv_root}/versions/{version}.*/bin/python{version}"))
+    for candidate in filter(None, candidates):
+        probe = subprocess.run(
+            [candidate, "-c", "import sys, pip; print('%d.%d' % sys.version_info[:2])"],
+            capture_output=True,
+            text=True,
+        )
+        if probe.returncode == 0 and probe.stdout.strip() == version:
+            return candidate
+    return None
+
+
+def resolve(requirements: pathlib.Path, target: list[str], python: str) -> list[tuple[str, str, str]]:
+    """Return sorted (name, version, sha256) for the full resolved set.
+
+    `python` resolves natively when it is an interpreter of the target (then
+    `target` is ignored); otherwise the running one cross-resolves with `target`.
+    """
     with tempfile.TemporaryDirectory() as tmp:
         report = pathlib.Path(tmp) / "report.json"
+        if python != sys.executable:
+            target = []
         if target:  # pip wants a target directory with --platform
             target = [*target, "--target", str(pathlib.Path(tmp) / "target")]
         subprocess.run(
             [
-                sys.executable,
+                python,
                 "-m",
                 "pip",
                 "install",
                 "--quiet",
+                "--disable-pip-version-check",
                 "--dry-run",
                 "--ignore-installed",
                 "--only-binary=:all:",
@@ -89,38 +130,43 @@ def resolve(requirements: pathlib.Path, target: list[str]) -> list[tuple[str, st
     return sorted(pinned)
 
 
-def render(pinned: list[tuple[str, str, str]], platform: str | None, requirements: str) -> str:
-    import sysconfig
-
-    lines = [
-        HEADER.format(
-            requirements=requirements,
-            python="{}.{}".format(*sys.version_info[:2]),
-            platform=platform or sysconfig.get_platform(),
-        )
-    ]
+def render(pinned: list[tuple[str, str, str]], platform: str, python: str, requirements: str) -> str:
+    lines = [HEADER.format(requirements=requirements, python=python, platform=platform)]
     for name, version, digest in pinned:
         lines.append(f"{name}=={version} \\\n    --hash=sha256:{digest}\n")
     return "".join(lines)
 
 
+def lock_text(platform: str) -> tuple[pathlib.Path, str]:
+    requirements, lock, target, label, version = PLATFORMS[platform]
+    native = label.startswith("linux") and find_interpreter(version)
+    python = native or sys.executable
+    return lock, render(resolve(requirements, target, python), label, version, requirements.name)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--check", action="store_true", help="do not write; exit 1 if the lock differs"
+        "--check", action="store_true", help="do not write; exit 1 if a lock differs"
     )
-    parser.add_argument("--platform", choices=sorted(PLATFORMS), default="host")
+    parser.add_argument(
+        "--platform", choices=sorted(PLATFORMS), action="append",
+        help="only this lock (repeatable); default: every lock",
+    )  # fmt: skip
     args = parser.parse_args()
-    requirements, lock, target, label = PLATFORMS[args.platform]
-    text = render(resolve(requirements, target), label, requirements.name)
-    if args.check:
-        if lock.read_text() != text:
-            print(f"{lock.relative_to(ROOT)} is stale; run tools/lock.py", file=sys.stderr)
-            return 1
-        return 0
-    lock.write_text(text)
-    print(f"wrote {lock.relative_to(ROOT)}")
-    return 0
+    stale = 0
+    for platform in args.platform or sorted(PLATFORMS):
+        lock, text = lock_text(platform)
+        if args.check:
+            if not lock.exists() or lock.read_text() != text:
+                print(f"{lock.relative_to(ROOT)} is stale; run tools/lock.py", file=sys.stderr)
+                stale += 1
+            else:
+                print(f"{lock.relative_to(ROOT)} is current")
+        else:
+            lock.write_text(text)
+            print(f"wrote {lock.relative_to(ROOT)}")
+    return 1 if stale else 0
 
 
 if __name__ == "__main__":

@@ -6,16 +6,8 @@ runs with), with NB_DOMAIN=mlx so `mx.array` arguments are accepted.
 """
 
 load("@rules_cc//cc:defs.bzl", "cc_binary")
+load("//tools:cc_flags.bzl", "NATIVE_COPTS")
 
-NATIVE_COPTS = [
-    "-std=c++20",
-    "-O3",
-    "-fvisibility=hidden",
-    "-fno-strict-aliasing",
-    "-Wall",
-    "-Wextra",
-    "-Wno-unused-parameter",
-]
 
 def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/lib", copts = [], **kwargs):
     """Builds `<name>.so`, importable as the module `name`'s last component.
@@ -28,6 +20,7 @@ def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/li
       mlx_rpath: where an installed wheel finds `libmlx.so`, relative to the
         extension ($ORIGIN). Inside Bazel, `import mlx.core` loads it first.
       copts: extra compiler options.
+      **kwargs: passed to cc_binary (visibility, tags, ...).
     """
     cc_binary(
         name = name + ".so",

@@ -37,6 +37,17 @@ def py_pytest(name, srcs, deps = [], data = [], args = [], doctest_srcs = [], si
     """A py_test running pytest over `srcs` (and doctests of `doctest_srcs`).
 
     JUnit XML reaches Bazel through XML_OUTPUT_FILE.
+
+    Args:
+      name: the test target.
+      srcs: pytest files.
+      deps: py_library targets the tests import.
+      data: runtime data files.
+      args: extra pytest arguments.
+      doctest_srcs: modules whose doctests run too.
+      size: the test size.
+      tags: test tags.
+      **kwargs: passed to py_test (env, timeout, ...).
     """
     extra = []
     if doctest_srcs:
@@ -67,7 +78,15 @@ def py_lint_test(name, srcs):
     )
 
 def py_wheel_install_test(name, module, wheels, requires = [], smoke = ""):
-    """Installs `wheels` into a fresh directory and imports `module` from it."""
+    """Installs `wheels` into a fresh directory and imports `module` from it.
+
+    Args:
+      name: the test target.
+      module: the import name to import from the installed wheels.
+      wheels: wheel targets to install (offline, with the locked environment's pip).
+      requires: requirement strings the installed set must satisfy.
+      smoke: Python code run after the import.
+    """
     args = ["--module", module]
     for req in requires:
         args += ["--requires", "'%s'" % req]

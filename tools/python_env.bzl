@@ -91,9 +91,10 @@ _PROBE = "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); print(sy
 # The wheel tag of native extensions built against this interpreter.
 _TAG_PROBE = "import sys, sysconfig; i = 'cp%d%d' % sys.version_info[:2]; print('%s-%s-%s' % (i, i, sysconfig.get_platform().replace('-', '_').replace('.', '_')))"
 
-def _find_python(rctx, version):
+def _find_python(rctx, versions):
+    """The first candidate interpreter whose minor version has a lock."""
     override = rctx.os.environ.get("QUANTLATTICE_PYTHON")
-    candidates = [override] if override else ["python" + version, "python3"]
+    candidates = [override] if override else ["python3"] + ["python" + v for v in versions]
     seen = []
     for name in candidates:
         path = rctx.which(name) if "/" not in name else rctx.path(name)
@@ -104,12 +105,12 @@ def _find_python(rctx, version):
             seen.append("%s (does not run)" % path)
             continue
         found_version, include = probe.stdout.strip().split("\n")
-        if found_version == version:
-            return path, include
+        if found_version in versions:
+            return path, found_version, include
         seen.append("%s is Python %s" % (path, found_version))
-    fail(("python_env needs CPython %s (the lock file is resolved for it), but found %s. " +
-          "Install python%s or point QUANTLATTICE_PYTHON at one.") %
-         (version, ", ".join(seen) if seen else "none on PATH", version))
+    fail(("python_env needs CPython %s (the versions with a lock file), but found %s. " +
+          "Install one of them or point QUANTLATTICE_PYTHON at one.") %
+         (", ".join(versions), ", ".join(seen) if seen else "none on PATH"))
 
 def _run(rctx, args, what, timeout = 600):
     result = rctx.execute(args, timeout = timeout, quiet = True)
@@ -119,12 +120,12 @@ def _run(rctx, args, what, timeout = 600):
     return result
 
 def _python_env_impl(rctx):
-    version = rctx.attr.python_version
-    python, include = _find_python(rctx, version)
+    locks = _locks(rctx.attr)
+    python, version, include = _find_python(rctx, sorted(locks))
     macos = rctx.os.name.lower().startswith("mac")
     if macos and rctx.attr.macos_lock == None:
         fail("python_env: no macos_lock is set for this macOS machine")
-    lock_label = rctx.attr.macos_lock if macos else rctx.attr.lock
+    lock_label = rctx.attr.macos_lock if macos else locks[version]
     lock = rctx.path(lock_label)  # read here, so editing the lock re-runs this rule
     rctx.report_progress("creating the virtual environment")
     _run(rctx, [python, "-m", "venv", "--clear", "venv"], "creating the venv")
@@ -160,12 +161,24 @@ def _python_env_impl(rctx):
         mlx_linkopts = repr(["-framework", "Metal", "-framework", "Foundation", "-framework", "QuartzCore"] if macos else []),
     ))
 
+def _locks(attr):
+    """{minor version: lock label} from `locks` plus the single `lock`."""
+    locks = {version: label for label, version in attr.locks.items()}
+    if attr.lock:
+        locks[attr.python_version] = attr.lock
+    if not locks:
+        fail("python_env: give `locks` (or `lock` and `python_version`)")
+    return locks
+
+_ATTRS = {
+    "lock": attr.label(allow_single_file = True, doc = "the lock of `python_version` (older form)"),
+    "locks": attr.label_keyed_string_dict(allow_files = True, doc = "lock file -> CPython minor version"),
+    "macos_lock": attr.label(allow_single_file = True),
+    "python_version": attr.string(default = "3.11"),
+}
+
 python_env = repository_rule(
     implementation = _python_env_impl,
-    attrs = {
-        "lock": attr.label(allow_single_file = True, mandatory = True),
-        "macos_lock": attr.label(allow_single_file = True),
-        "python_version": attr.string(mandatory = True),
-    },
+    attrs = _ATTRS,
     environ = ["QUANTLATTICE_PYTHON"],
 )

@@ -50,6 +50,6 @@ py_wheel_package = rule(
         "sibling_requires": attr.string_list(),
         "platform_specific": attr.bool(default = False),
         "lock": attr.label(default = "//third_party/python:requirements_lock.txt", allow_single_file = True),
-        "_builder": attr.label(default = "//tools:build_wheel", executable = True, cfg = "host"),
+        "_builder": attr.label(default = "//tools:build_wheel", executable = True, cfg = "exec"),
     },
 )

@@ -20,15 +20,29 @@ from mlx_lattice.core.relations import normalize_triple
 from mlx_lattice.tensor import SparseTensor
 
 __all__ = [
+    "GELU",
     "AvgPool3d",
     "BatchNorm",
     "Conv3d",
     "ConvTranspose3d",
+    "Dropout",
+    "Features",
+    "GlobalAvgPool",
+    "GlobalMaxPool",
+    "GlobalSumPool",
+    "LayerNorm",
+    "LeakyReLU",
     "Linear",
     "MaxPool3d",
     "QuantizedConv",
+    "RMSNorm",
     "ReLU",
+    "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "Softplus",
     "SubMConv3d",
+    "Tanh",
     "is_sparse_conv",
 ]
 
@@ -288,3 +302,151 @@ class Linear(mlx_nn.Linear):
         if isinstance(x, SparseTensor):
             return x.replace(super().__call__(x.feats))
         return super().__call__(x)
+
+
+# -- feature layers --------------------------------------------------------------------------
+
+
+class GELU(mlx_nn.Module):
+    """GELU of the features, exact (``approximate="none"``) or the tanh form."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
+        self._approximate = approximate
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.gelu(x, self._approximate)  # type: ignore[arg-type]
+
+
+class SiLU(mlx_nn.Module):
+    """SiLU (swish) of the features."""
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.silu(x)
+
+
+class LeakyReLU(mlx_nn.Module):
+    """Leaky ReLU of the features."""
+
+    def __init__(self, negative_slope: float = 0.01) -> None:
+        super().__init__()
+        self._negative_slope = float(negative_slope)
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.leaky_relu(x, self._negative_slope)
+
+
+class Sigmoid(mlx_nn.Module):
+    """Logistic sigmoid of the features."""
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.sigmoid(x)
+
+
+class Tanh(mlx_nn.Module):
+    """Hyperbolic tangent of the features."""
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.tanh(x)
+
+
+class Softplus(mlx_nn.Module):
+    """``log(1 + exp(beta * x)) / beta`` of the features."""
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        if not beta > 0:
+            raise ValueError(f"beta must be positive, got {beta!r}.")
+        self._beta = float(beta)
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.softplus(x, self._beta)
+
+
+class Dropout(mlx_nn.Module):
+    """Dropout of feature entries while training; the identity after ``eval()``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability p must be in [0, 1), got {p!r}.")
+        self._p = float(p)
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.dropout(x, self._p, training=self.training)
+
+
+class LayerNorm(mlx_nn.LayerNorm):
+    """``mlx.nn.LayerNorm`` over each point's channels (parameters ``weight``, ``bias``)."""
+
+    def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
+        if isinstance(x, SparseTensor):
+            return x.replace(super().__call__(x.feats))
+        return super().__call__(x)
+
+
+class RMSNorm(mlx_nn.RMSNorm):
+    """``mlx.nn.RMSNorm`` over each point's channels (parameter ``weight``)."""
+
+    def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
+        if isinstance(x, SparseTensor):
+            return x.replace(super().__call__(x.feats))
+        return super().__call__(x)
+
+
+class Features(mlx_nn.Module):
+    """Apply any array -> array layer (e.g. an ``mlx.nn`` module) to the features,
+    so it can sit in an ``mlx.nn.Sequential`` of sparse layers.
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0]], dtype=mx.int32), mx.array([[-2.0]]))
+    >>> mlx_nn.Sequential(Features(mlx_nn.ReLU()), Sigmoid())(x).feats.item()
+    0.5
+    """
+
+    def __init__(self, layer: mlx_nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return x.replace(self.layer(x.feats))
+
+
+#: ``mlx.nn.Sequential`` works with sparse layers as is (each layer gets the
+#: previous one's ``SparseTensor``); re-exported for convenience.
+Sequential = mlx_nn.Sequential
+
+
+# -- global pooling --------------------------------------------------------------------------
+
+
+class _GlobalPool(mlx_nn.Module):
+    def __init__(self, batch_size: int | None = None) -> None:
+        super().__init__()
+        self._batch_size = batch_size
+
+
+class GlobalSumPool(_GlobalPool):
+    """``(B, C)`` per-batch sums (see :func:`mlx_lattice.ops.global_sum_pool`)."""
+
+    def __call__(self, x: SparseTensor) -> mx.array:
+        return ops.global_sum_pool(x, self._batch_size)
+
+
+class GlobalAvgPool(_GlobalPool):
+    """``(B, C)`` per-batch means; empty entries get 0."""
+
+    def __call__(self, x: SparseTensor) -> mx.array:
+        return ops.global_avg_pool(x, self._batch_size)
+
+
+class GlobalMaxPool(_GlobalPool):
+    """``(B, C)`` per-batch maxima; empty entries get ``empty`` (default 0, ``None`` raises)."""
+
+    def __init__(self, batch_size: int | None = None, empty: float | None = 0.0) -> None:
+        super().__init__(batch_size)
+        self._empty = empty
+
+    def __call__(self, x: SparseTensor) -> mx.array:
+        return ops.global_max_pool(x, self._batch_size, empty=self._empty)

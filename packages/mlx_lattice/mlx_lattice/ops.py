@@ -8,9 +8,12 @@ coordinate manager, so layers at one level share them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import mlx.core as mx
+import mlx.nn as mlx_nn
 import numpy as np
 
 from mlx_lattice.core import ops as core_ops
@@ -25,17 +28,27 @@ __all__ = [
     "cat",
     "conv3d",
     "conv_transpose3d",
+    "dropout",
+    "gelu",
     "generative_conv_transpose3d",
     "global_avg_pool",
     "global_max_pool",
     "global_sum_pool",
+    "layer_norm",
+    "leaky_relu",
+    "linear",
     "max_pool3d",
     "mul",
     "normalized_conv3d",
     "prune",
     "relu",
+    "rms_norm",
+    "sigmoid",
+    "silu",
+    "softplus",
     "subm_conv3d",
     "sum_pool3d",
+    "tanh",
 ]
 
 Weight = mx.array | QuantizedWeight
@@ -234,23 +247,74 @@ def _batch_index(x: SparseTensor) -> mx.array:
     return x.coords[:, 0]
 
 
-def global_sum_pool(x: SparseTensor) -> mx.array:
-    """``(B, C)`` per-batch sums of the features."""
-    out = mx.zeros((x.batch_size, x.num_channels), dtype=x.dtype)
+def _global_batch_size(x: SparseTensor, batch_size: int | None) -> int:
+    if batch_size is None:
+        return x.batch_size
+    if not isinstance(batch_size, int | np.integer) or isinstance(batch_size, bool):
+        raise SparseTensorError(f"batch_size must be an int or None, got {batch_size!r}.")
+    if batch_size < x.batch_size:
+        raise SparseTensorError(
+            f"batch_size {batch_size} is smaller than the {x.batch_size} batch entries x holds."
+        )
+    return int(batch_size)
+
+
+def _batch_counts(x: SparseTensor, batch_size: int) -> mx.array:
+    return mx.zeros((batch_size,), dtype=mx.float32).at[_batch_index(x)].add(1.0)
+
+
+def global_sum_pool(x: SparseTensor, batch_size: int | None = None) -> mx.array:
+    """``(B, C)`` per-batch sums of the features; an empty batch entry sums to 0.
+
+    ``batch_size`` (default ``x.batch_size``) keeps trailing empty entries.
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32), mx.ones((2, 1)))
+    >>> global_sum_pool(x, batch_size=2).tolist()
+    [[2.0], [0.0]]
+    """
+    b = _global_batch_size(x, batch_size)
+    out = mx.zeros((b, x.num_channels), dtype=x.dtype)
     return out.at[_batch_index(x)].add(x.feats)
 
 
-def global_avg_pool(x: SparseTensor) -> mx.array:
-    """``(B, C)`` per-batch means (0 for an empty batch item)."""
-    counts = mx.zeros((x.batch_size,), dtype=mx.float32).at[_batch_index(x)].add(1.0)
-    return (global_sum_pool(x) / mx.maximum(counts, 1.0)[:, None]).astype(x.dtype)
+def global_avg_pool(x: SparseTensor, batch_size: int | None = None) -> mx.array:
+    """``(B, C)`` per-batch means; an empty batch entry gets 0."""
+    b = _global_batch_size(x, batch_size)
+    counts = _batch_counts(x, b)
+    sums = global_sum_pool(x, b).astype(mx.float32)
+    return (sums / mx.maximum(counts, 1.0)[:, None]).astype(x.dtype)
 
 
-def global_max_pool(x: SparseTensor) -> mx.array:
-    """``(B, C)`` per-batch maxima (0 for an empty batch item)."""
-    low = mx.full((x.batch_size, x.num_channels), -mx.inf, dtype=x.dtype)
+def global_max_pool(
+    x: SparseTensor, batch_size: int | None = None, *, empty: float | None = 0.0
+) -> mx.array:
+    """``(B, C)`` per-batch maxima.
+
+    An empty batch entry (no rows with that batch index, below ``batch_size``)
+    is filled with ``empty`` (default 0); ``empty=None`` raises instead.
+
+    >>> x = SparseTensor(mx.array([[1, 0, 0, 0]], dtype=mx.int32), mx.full((1, 1), -3.0))
+    >>> global_max_pool(x).tolist()
+    [[0.0], [-3.0]]
+    >>> global_max_pool(x, empty=None)
+    Traceback (most recent call last):
+    ...
+    mlx_lattice.tensor.SparseTensorError: global_max_pool: batch entry 0 has no rows; pass empty= to fill it.
+    """
+    b = _global_batch_size(x, batch_size)
+    counts = _batch_counts(x, b)
+    if empty is None:
+        missing = np.nonzero(np.array(counts) == 0)[0]
+        if missing.size:
+            raise SparseTensorError(
+                f"global_max_pool: batch entry {int(missing[0])} has no rows; pass empty= to fill it."
+            )
+        fill = 0.0
+    else:
+        fill = float(empty)
+    low = mx.full((b, x.num_channels), -mx.inf, dtype=x.dtype)
     out = low.at[_batch_index(x)].maximum(x.feats)
-    return mx.where(out == -mx.inf, mx.zeros_like(out), out)
+    return mx.where((counts > 0)[:, None], out, mx.array(fill, dtype=x.dtype))
 
 
 def _same_coords(xs: Sequence[SparseTensor], what: str) -> None:
@@ -290,6 +354,119 @@ def apply(x: SparseTensor, fn: Callable[[mx.array], mx.array]) -> SparseTensor:
 def relu(x: SparseTensor) -> SparseTensor:
     """Elementwise ReLU of the features."""
     return x.replace(mx.maximum(x.feats, 0))
+
+
+# -- feature layers: elementwise on the features, coordinates unchanged --------------------------
+
+_SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def gelu(x: SparseTensor, approximate: Literal["none", "tanh"] = "none") -> SparseTensor:
+    """GELU of the features: exact ``x * Phi(x)`` (``approximate="none"``) or
+    the tanh form ``0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))``.
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0]], dtype=mx.int32), mx.array([[1.0]]))
+    >>> round(gelu(x).feats.item(), 4), round(gelu(x, approximate="tanh").feats.item(), 4)
+    (0.8413, 0.8412)
+    """
+    f = x.feats
+    if approximate == "none":
+        return x.replace(mlx_nn.gelu(f))
+    if approximate == "tanh":
+        inner = _SQRT_2_OVER_PI * (f + 0.044715 * f * f * f)
+        return x.replace(0.5 * f * (1.0 + mx.tanh(inner)))
+    raise SparseTensorError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
+
+
+def silu(x: SparseTensor) -> SparseTensor:
+    """SiLU (swish) of the features: ``x * sigmoid(x)``."""
+    return x.replace(x.feats * mx.sigmoid(x.feats))
+
+
+def leaky_relu(x: SparseTensor, negative_slope: float = 0.01) -> SparseTensor:
+    """Leaky ReLU of the features: ``x`` where positive, ``negative_slope * x`` elsewhere."""
+    return x.replace(mx.where(x.feats > 0, x.feats, negative_slope * x.feats))
+
+
+def sigmoid(x: SparseTensor) -> SparseTensor:
+    """Logistic sigmoid of the features."""
+    return x.replace(mx.sigmoid(x.feats))
+
+
+def tanh(x: SparseTensor) -> SparseTensor:
+    """Hyperbolic tangent of the features."""
+    return x.replace(mx.tanh(x.feats))
+
+
+def softplus(x: SparseTensor, beta: float = 1.0) -> SparseTensor:
+    """``log(1 + exp(beta * x)) / beta`` of the features (overflow-free)."""
+    if not beta > 0:
+        raise SparseTensorError(f"beta must be positive, got {beta!r}.")
+    f = x.feats
+    return x.replace(mx.logaddexp(beta * f, mx.zeros_like(f)) / beta)
+
+
+def dropout(
+    x: SparseTensor, p: float = 0.5, *, training: bool = True, key: mx.array | None = None
+) -> SparseTensor:
+    """Zero each feature entry with probability ``p`` and scale the rest by ``1 / (1 - p)``.
+
+    With ``training=False`` (or ``p == 0``) the tensor is returned as is.
+    ``key`` is an ``mx.random`` key (default: MLX's global generator).
+    """
+    if not 0.0 <= p < 1.0:
+        raise SparseTensorError(f"dropout probability p must be in [0, 1), got {p!r}.")
+    if not training or p == 0.0:
+        return x
+    keep = mx.random.bernoulli(1.0 - p, x.feats.shape, key=key)
+    return x.replace(mx.where(keep, x.feats / (1.0 - p), mx.zeros_like(x.feats)))
+
+
+def _norm_params(
+    x: SparseTensor, weight: mx.array | None, bias: mx.array | None, what: str
+) -> None:
+    for name, value in (("weight", weight), ("bias", bias)):
+        if value is not None and tuple(value.shape) != (x.num_channels,):
+            raise SparseTensorError(
+                f"{what}: {name} must have shape ({x.num_channels},), got {tuple(value.shape)}."
+            )
+
+
+def layer_norm(
+    x: SparseTensor,
+    weight: mx.array | None = None,
+    bias: mx.array | None = None,
+    *,
+    eps: float = 1e-5,
+) -> SparseTensor:
+    """Layer normalization over each point's channels (``mx.fast.layer_norm``).
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0]], dtype=mx.int32), mx.array([[1.0, 3.0]]))
+    >>> [round(v, 3) for v in layer_norm(x).feats[0].tolist()]
+    [-1.0, 1.0]
+    """
+    _norm_params(x, weight, bias, "layer_norm")
+    return x.replace(mx.fast.layer_norm(x.feats, weight, bias, eps))
+
+
+def rms_norm(x: SparseTensor, weight: mx.array | None = None, *, eps: float = 1e-5) -> SparseTensor:
+    """RMS normalization over each point's channels: ``x / sqrt(mean(x^2) + eps) * weight``."""
+    _norm_params(x, weight, None, "rms_norm")
+    if weight is None:
+        weight = mx.ones((x.num_channels,), dtype=x.dtype)
+    return x.replace(mx.fast.rms_norm(x.feats, weight, eps))
+
+
+def linear(x: SparseTensor, weight: mx.array, bias: mx.array | None = None) -> SparseTensor:
+    """``x @ weight.T (+ bias)`` on the features; ``weight`` is ``(Cout, Cin)``."""
+    if weight.ndim != 2 or int(weight.shape[1]) != x.num_channels:
+        raise SparseTensorError(
+            f"weight must be (Cout, {x.num_channels}), got shape {tuple(weight.shape)}."
+        )
+    out = x.feats @ weight.T
+    if bias is not None:
+        out = out + bias
+    return x.replace(out)
 
 
 def prune(x: SparseTensor, mask: mx.array | np.ndarray) -> SparseTensor:

@@ -6,6 +6,7 @@ for transposed convolutions), brute-force neighbourhoods, NumPy/SciPy
 trilinear interpolation; gradients against central finite differences.
 """
 
+import functools
 import itertools
 
 import mlx.core as mx
@@ -466,3 +467,55 @@ def test_bad_padding_and_coordinates_raise(seeded, ref):
         ops.normalized_subm_conv3d(x, qw)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no coordinates="):
         nn.SubMConv3d(3, 2)(x, coordinates=x)
+
+
+def directional_check(loss, args, seeded, h=1e-2, tol=2e-3):
+    """<grad, v> against a central difference along a random direction v."""
+    grads = mx.grad(loss, argnums=tuple(range(len(args))))(*args)
+    grads = grads if isinstance(grads, tuple | list) else (grads,)
+    vs = [arr(seeded, *a.shape) for a in args]
+    plus = loss(*[a + h * v for a, v in zip(args, vs, strict=True)]).item()
+    minus = loss(*[a - h * v for a, v in zip(args, vs, strict=True)]).item()
+    analytic = sum((g * v).sum().item() for g, v in zip(grads, vs, strict=True))
+    assert analytic == pytest.approx((plus - minus) / (2 * h), rel=tol, abs=tol)
+
+
+@pytest.mark.parametrize("mode", ["sum", "avg"])
+def test_pool_gradients_match_finite_differences(seeded, ref, mode):
+    coords = ref.random_coords(seeded, 80, 6, batches=2)
+    x = SparseTensor(coords, arr(seeded, len(coords), 3))
+    down = ops.pool3d(x, 3, 2, padding=(0, 1, 2), dilation=(1, 2, 1), mode=mode)
+    d1 = arr(seeded, *down.feats.shape)
+    directional_check(
+        lambda f: (
+            ops.pool3d(x.replace(f), 3, 2, padding=(0, 1, 2), dilation=(1, 2, 1), mode=mode).feats
+            * d1
+        ).sum(),
+        [x.feats],
+        seeded,
+    )
+    d2 = arr(seeded, len(coords), 3)
+    directional_check(
+        lambda f: (ops.pool_transpose3d(down.replace(f), 3, 2, mode=mode).feats * d2).sum(),
+        [down.feats],
+        seeded,
+    )
+
+
+def test_transposed_and_normalized_gradients_match_finite_differences(seeded, ref):
+    coords = ref.random_coords(seeded, 30, 3, batches=1, step=2)
+    x = SparseTensor(coords, arr(seeded, len(coords), 2), tensor_stride=2)
+    w = arr(seeded, 3, 3, 2, 3, 2)
+    n_out = ops.generative_conv_transpose3d(x, w, padding=(1, 0, 2), dilation=(1, 2, 1)).num_points
+    d = arr(seeded, n_out, 3)
+    # eps 0.5 keeps the normalization smooth at the finite-difference step: an
+    # output reached by one small weight is sharply curved in it at eps 1e-6.
+    normalized = functools.partial(ops.normalized_generative_conv_transpose3d, eps=0.5)
+    for fn in (ops.generative_conv_transpose3d, normalized):
+        directional_check(
+            lambda f, weight, fn=fn: (
+                fn(x.replace(f), weight, padding=(1, 0, 2), dilation=(1, 2, 1)).feats * d
+            ).sum(),
+            [x.feats, w],
+            seeded,
+        )

@@ -246,3 +246,16 @@ def test_sequential_of_sparse_layers_trains_and_round_trips(seeded, ref, tmp_pat
     clone.load_weights(str(path))
     clone.eval()
     np.testing.assert_array_equal(np.array(clone(x).feats), out)
+
+
+def test_linear_function_matches_numpy(seeded, ref):
+    x, _ = tensor(seeded, ref, channels=6)
+    w = mx.array(seeded.standard_normal((4, 6)).astype(np.float32))
+    b = mx.array(seeded.standard_normal(4).astype(np.float32))
+    expected = np.array(x.feats).astype(np.float64) @ np.array(w).T.astype(np.float64) + np.array(b)
+    np.testing.assert_allclose(np.array(ops.linear(x, w, b).feats), expected, rtol=1e-5, atol=1e-5)
+    layer = nn.Linear(6, 4)
+    layer.weight, layer.bias = w, b
+    np.testing.assert_allclose(np.array(layer(x).feats), expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(SparseTensorError, match=r"weight must be \(Cout, 6\)"):
+        ops.linear(x, mx.ones((4, 5)))

@@ -563,10 +563,22 @@ class TrilinearUpsample3d(mlx_nn.Module):
 
 class BatchNorm(mlx_nn.BatchNorm):
     """``mlx.nn.BatchNorm`` over the features of a sparse tensor (statistics
-    over all points of the batch; ``train()`` / ``eval()`` as usual)."""
+    over all points of the batch; ``train()`` / ``eval()`` as usual).
+
+    Half-precision features are normalized in float32 and cast back (MLX's
+    CPU half-precision elementwise ops are several times slower than the
+    casts); running statistics keep their dtype.
+    """
 
     def __call__(self, x: SparseTensor) -> SparseTensor:  # type: ignore[override]
-        return x.replace(super().__call__(x.feats))
+        f = x.feats
+        if f.dtype not in (mx.float16, mx.bfloat16):
+            return x.replace(super().__call__(f))
+        stats = {k: self[k].dtype for k in ("running_mean", "running_var") if k in self}
+        out = super().__call__(f.astype(mx.float32)).astype(f.dtype)
+        for k, dtype in stats.items():
+            self[k] = self[k].astype(dtype)
+        return x.replace(out)
 
 
 class ReLU(mlx_nn.Module):
@@ -797,20 +809,23 @@ class Dropout(mlx_nn.Module):
 
 
 class LayerNorm(mlx_nn.LayerNorm):
-    """``mlx.nn.LayerNorm`` over each point's channels (parameters ``weight``, ``bias``)."""
+    """``mlx.nn.LayerNorm`` over each point's channels (parameters ``weight``,
+    ``bias``); half-precision features are normalized in float32
+    (:func:`mlx_lattice.ops.layer_norm`)."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
-            return x.replace(super().__call__(x.feats))
+            return ops.layer_norm(x, self.get("weight"), self.get("bias"), eps=self.eps)
         return super().__call__(x)
 
 
 class RMSNorm(mlx_nn.RMSNorm):
-    """``mlx.nn.RMSNorm`` over each point's channels (parameter ``weight``)."""
+    """``mlx.nn.RMSNorm`` over each point's channels (parameter ``weight``);
+    half-precision features are normalized in float32."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
-            return x.replace(super().__call__(x.feats))
+            return ops.rms_norm(x, self.get("weight"), eps=self.eps)
         return super().__call__(x)
 
 

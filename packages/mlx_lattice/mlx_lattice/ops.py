@@ -645,6 +645,8 @@ def trilinear_upsample3d(
             fine_stride,
         )
 
+    if x.num_points == 0:  # nothing to gather from: every output has no corner
+        return x.at(out_key, mx.zeros((int(m.coords(out_key).shape[0]), x.num_channels), x.dtype))
     rows, weights = m.memo(("trilinear", x.coordinate_key, out_key), build)
     w = weights.astype(x.dtype)
     feats = x.feats
@@ -770,6 +772,16 @@ def relu(x: SparseTensor) -> SparseTensor:
 # -- feature layers: elementwise on the features, coordinates unchanged --------------------------
 
 _SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+_HALF = (mx.float16, mx.bfloat16)
+
+
+def _in_float32(f: mx.array, fn: Callable[[mx.array], mx.array]) -> mx.array:
+    """``fn(f)``, computed in float32 for half-precision ``f`` and cast back:
+    MLX's CPU half-precision elementwise ops are several times slower than
+    the two casts (measured by ``//benchmarks:sparse_layers``)."""
+    if f.dtype in _HALF:
+        return fn(f.astype(mx.float32)).astype(f.dtype)
+    return fn(f)
 
 
 def gelu(x: SparseTensor, approximate: Literal["none", "tanh"] = "none") -> SparseTensor:
@@ -780,41 +792,44 @@ def gelu(x: SparseTensor, approximate: Literal["none", "tanh"] = "none") -> Spar
     >>> round(gelu(x).feats.item(), 4), round(gelu(x, approximate="tanh").feats.item(), 4)
     (0.8413, 0.8412)
     """
-    f = x.feats
     if approximate == "none":
-        return x.replace(mlx_nn.gelu(f))
+        return x.replace(_in_float32(x.feats, mlx_nn.gelu))
     if approximate == "tanh":
-        inner = _SQRT_2_OVER_PI * (f + 0.044715 * f * f * f)
-        return x.replace(0.5 * f * (1.0 + mx.tanh(inner)))
+
+        def tanh_form(f: mx.array) -> mx.array:
+            return 0.5 * f * (1.0 + mx.tanh(_SQRT_2_OVER_PI * (f + 0.044715 * f * f * f)))
+
+        return x.replace(_in_float32(x.feats, tanh_form))
     raise SparseTensorError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
 
 
 def silu(x: SparseTensor) -> SparseTensor:
     """SiLU (swish) of the features: ``x * sigmoid(x)``."""
-    return x.replace(x.feats * mx.sigmoid(x.feats))
+    return x.replace(_in_float32(x.feats, lambda f: f * mx.sigmoid(f)))
 
 
 def leaky_relu(x: SparseTensor, negative_slope: float = 0.01) -> SparseTensor:
     """Leaky ReLU of the features: ``x`` where positive, ``negative_slope * x`` elsewhere."""
-    return x.replace(mx.where(x.feats > 0, x.feats, negative_slope * x.feats))
+    return x.replace(_in_float32(x.feats, lambda f: mx.where(f > 0, f, negative_slope * f)))
 
 
 def sigmoid(x: SparseTensor) -> SparseTensor:
     """Logistic sigmoid of the features."""
-    return x.replace(mx.sigmoid(x.feats))
+    return x.replace(_in_float32(x.feats, mx.sigmoid))
 
 
 def tanh(x: SparseTensor) -> SparseTensor:
     """Hyperbolic tangent of the features."""
-    return x.replace(mx.tanh(x.feats))
+    return x.replace(_in_float32(x.feats, mx.tanh))
 
 
 def softplus(x: SparseTensor, beta: float = 1.0) -> SparseTensor:
     """``log(1 + exp(beta * x)) / beta`` of the features (overflow-free)."""
     if not beta > 0:
         raise SparseTensorError(f"beta must be positive, got {beta!r}.")
-    f = x.feats
-    return x.replace(mx.logaddexp(beta * f, mx.zeros_like(f)) / beta)
+    return x.replace(
+        _in_float32(x.feats, lambda f: mx.logaddexp(beta * f, mx.zeros_like(f)) / beta)
+    )
 
 
 def dropout(
@@ -857,15 +872,16 @@ def layer_norm(
     [-1.0, 1.0]
     """
     _norm_params(x, weight, bias, "layer_norm")
-    return x.replace(mx.fast.layer_norm(x.feats, weight, bias, eps))
+    w = None if weight is None else weight.astype(mx.float32)
+    b = None if bias is None else bias.astype(mx.float32)
+    return x.replace(_in_float32(x.feats, lambda f: mx.fast.layer_norm(f, w, b, eps)))
 
 
 def rms_norm(x: SparseTensor, weight: mx.array | None = None, *, eps: float = 1e-5) -> SparseTensor:
     """RMS normalization over each point's channels: ``x / sqrt(mean(x^2) + eps) * weight``."""
     _norm_params(x, weight, None, "rms_norm")
-    if weight is None:
-        weight = mx.ones((x.num_channels,), dtype=x.dtype)
-    return x.replace(mx.fast.rms_norm(x.feats, weight, eps))
+    w = mx.ones((x.num_channels,)) if weight is None else weight.astype(mx.float32)
+    return x.replace(_in_float32(x.feats, lambda f: mx.fast.rms_norm(f, w, eps)))
 
 
 def linear(x: SparseTensor, weight: mx.array, bias: mx.array | None = None) -> SparseTensor:

@@ -519,3 +519,14 @@ def test_transposed_and_normalized_gradients_match_finite_differences(seeded, re
             [x.feats, w],
             seeded,
         )
+
+
+def test_empty_inputs_give_empty_or_zero_outputs():
+    e = SparseTensor(np.zeros((0, 4), np.int32), mx.zeros((0, 3)), tensor_stride=2)
+    target = SparseTensor(np.array([[0, 0, 0, 0]], np.int32), mx.zeros((1, 1)))
+    assert ops.trilinear_upsample3d(e, target).feats.tolist() == [[0.0, 0.0, 0.0]]
+    assert ops.trilinear_upsample3d(e, stride=2).feats.shape == (0, 3)
+    assert ops.generative_conv_transpose3d(e, mx.ones((2, 2, 2, 2, 3))).feats.shape == (0, 2)
+    assert ops.conv3d(e, mx.ones((2, 3, 3, 3, 3)), padding=0).feats.shape == (0, 2)
+    assert ops.pool3d(e, 3, 2, padding=1).feats.shape == (0, 3)
+    assert ops.global_max_pool(e, batch_size=2).tolist() == [[0.0] * 3] * 2

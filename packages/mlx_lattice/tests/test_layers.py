@@ -259,3 +259,39 @@ def test_linear_function_matches_numpy(seeded, ref):
     np.testing.assert_allclose(np.array(layer(x).feats), expected, rtol=1e-5, atol=1e-5)
     with pytest.raises(SparseTensorError, match=r"weight must be \(Cout, 6\)"):
         ops.linear(x, mx.ones((4, 5)))
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_half_precision_features_keep_their_dtype(seeded, ref, name):
+    fn = ACTIVATIONS[name][0]
+    x, _ = tensor(seeded, ref)
+    for dtype in (mx.float16, mx.bfloat16):
+        half = x.astype(dtype)
+        y = fn(half)
+        assert y.dtype == dtype
+        # Computed in float32 from the rounded inputs, then rounded once.
+        expected = np.array(fn(half.astype(mx.float32)).feats.astype(dtype).astype(mx.float32))
+        np.testing.assert_array_equal(np.array(y.feats.astype(mx.float32)), expected)
+
+
+def test_half_precision_norms(seeded, ref):
+    x, _ = tensor(seeded, ref, channels=8)
+    half = x.astype(mx.float16)
+    w = mx.array(seeded.standard_normal(8).astype(np.float32))
+    for fn in (lambda t: ops.layer_norm(t, w, w), lambda t: ops.rms_norm(t, w)):
+        y = fn(half)
+        assert y.dtype == mx.float16
+        expected = np.array(fn(half.astype(mx.float32)).feats)
+        np.testing.assert_allclose(
+            np.array(y.feats.astype(mx.float32)), expected, rtol=1e-3, atol=1e-2
+        )
+    bn = nn.BatchNorm(8)
+    bn.apply(lambda p: p.astype(mx.float16))
+    ref_bn = nn.BatchNorm(8)
+    y = bn(half)
+    assert y.dtype == mx.float16 and bn.running_mean.dtype == mx.float16
+    expected = np.array(ref_bn(half.astype(mx.float32)).feats)
+    np.testing.assert_allclose(np.array(y.feats.astype(mx.float32)), expected, rtol=1e-3, atol=1e-2)
+    np.testing.assert_allclose(
+        np.array(bn.running_mean.astype(mx.float32)), np.array(ref_bn.running_mean), atol=1e-3
+    )

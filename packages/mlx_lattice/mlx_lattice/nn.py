@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 
 from mlx_lattice import ops
+from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedWeight
 from mlx_lattice.core.relations import normalize_triple
 from mlx_lattice.tensor import SparseTensor
@@ -589,11 +590,12 @@ class ReLU(mlx_nn.Module):
 
 
 class Linear(mlx_nn.Linear):
-    """``mlx.nn.Linear`` over the features (a 1x1x1 convolution); also takes plain arrays."""
+    """``mlx.nn.Linear`` over the features, run as a 1x1x1 sparse convolution
+    (:func:`mlx_lattice.ops.linear`); plain arrays go through ``mlx.nn.Linear``."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
-            return x.replace(super().__call__(x.feats))
+            return ops.linear(x, self.weight, self.get("bias"))
         return super().__call__(x)
 
     def to_quantized(  # type: ignore[override]
@@ -698,9 +700,33 @@ class QuantizedLinear(mlx_nn.Module):
         bias = self.get("bias")
         return out if bias is None else out + bias
 
+    def _pointwise(self, x: SparseTensor) -> mx.array:
+        """Sparse features through the native quantized 1x1x1 convolution."""
+        q = self.quantization
+        if x.num_channels != self.in_features:
+            raise ValueError(
+                f"x has {x.num_channels} features but the layer expects {self.in_features}."
+            )
+        feats = x.feats if q.act_bits is None else fake_quantize_rows(x.feats, q.act_bits)
+        weight = QuantizedWeight(
+            self.weight[None],
+            self.scales[None],
+            self.biases[None],
+            self.in_features,
+            self.out_features,
+            q.storage_in_channels,
+            q.group_size,
+            q.bits,
+        )
+        out = core_ops.sparse_quantized_conv_features_from_relation(
+            feats, weight, ops.pointwise_relation(x)
+        )
+        bias = self.get("bias")
+        return out if bias is None else out + bias.astype(out.dtype)
+
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:
         if isinstance(x, SparseTensor):
-            return x.replace(self._apply(x.feats))
+            return x.replace(self._pointwise(x))
         return self._apply(x)
 
     def _extra_repr(self) -> str:

@@ -19,7 +19,12 @@ import numpy as np
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.coordinates import check_coordinates
 from mlx_lattice.core.quantized import QuantizedWeight
-from mlx_lattice.core.relations import KernelRelation, kernel_offsets, normalize_triple
+from mlx_lattice.core.relations import (
+    KernelRelation,
+    build_kernel_relation,
+    kernel_offsets,
+    normalize_triple,
+)
 from mlx_lattice.tensor import CoordinateKey, SparseTensor, SparseTensorError
 
 __all__ = [
@@ -46,6 +51,7 @@ __all__ = [
     "normalized_conv_transpose3d",
     "normalized_generative_conv_transpose3d",
     "normalized_subm_conv3d",
+    "pointwise_relation",
     "pool3d",
     "pool_transpose3d",
     "prune",
@@ -884,15 +890,35 @@ def rms_norm(x: SparseTensor, weight: mx.array | None = None, *, eps: float = 1e
     return x.replace(_in_float32(x.feats, lambda f: mx.fast.rms_norm(f, w, eps)))
 
 
+def pointwise_relation(x: SparseTensor) -> KernelRelation:
+    """The 1x1x1 relation of ``x``'s coordinate set (every row to itself),
+    built once per set and kept by its manager."""
+    return x.manager.memo(
+        ("pointwise", x.coordinate_key),
+        lambda: build_kernel_relation(x.coords, kernel_size=1, tensor_stride=x.tensor_stride),
+    )
+
+
 def linear(x: SparseTensor, weight: mx.array, bias: mx.array | None = None) -> SparseTensor:
-    """``x @ weight.T (+ bias)`` on the features; ``weight`` is ``(Cout, Cin)``."""
+    """``x @ weight.T (+ bias)`` on the features; ``weight`` is ``(Cout, Cin)``.
+
+    Runs as a 1x1x1 sparse convolution over :func:`pointwise_relation` (the
+    native GEMM kernels, with their gradients): on CPU this is several times
+    faster than ``mx.matmul`` on the same features
+    (``//benchmarks:sparse_layers``).
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0]], dtype=mx.int32), mx.array([[1.0, 2.0]]))
+    >>> linear(x, mx.array([[1.0, 1.0], [0.0, 3.0]]), mx.array([0.5, 0.0])).feats.tolist()
+    [[3.5, 6.0]]
+    """
     if weight.ndim != 2 or int(weight.shape[1]) != x.num_channels:
         raise SparseTensorError(
             f"weight must be (Cout, {x.num_channels}), got shape {tuple(weight.shape)}."
         )
-    out = x.feats @ weight.T
+    mapped = mx.contiguous(weight.T.astype(x.dtype))[None]  # (K=1, Cin, Cout)
+    out = core_ops.sparse_conv_features_from_relation(x.feats, mapped, pointwise_relation(x))
     if bias is not None:
-        out = out + bias
+        out = out + bias.astype(out.dtype)
     return x.replace(out)
 
 

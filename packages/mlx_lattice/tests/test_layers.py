@@ -295,3 +295,21 @@ def test_half_precision_norms(seeded, ref):
     np.testing.assert_allclose(
         np.array(bn.running_mean.astype(mx.float32)), np.array(ref_bn.running_mean), atol=1e-3
     )
+
+
+def test_linear_gradients_match_finite_differences(seeded, ref):
+    x, _ = tensor(seeded, ref, n=50, channels=5)
+    w = mx.array(seeded.standard_normal((3, 5)).astype(np.float32))
+    b = mx.array(seeded.standard_normal(3).astype(np.float32))
+    direction = mx.array(seeded.standard_normal((x.num_points, 3)).astype(np.float32))
+
+    def loss(f, weight, bias):
+        return (ops.linear(x.replace(f), weight, bias).feats * direction).sum()
+
+    grads = mx.grad(loss, argnums=(0, 1, 2))(x.feats, w, b)
+    vs = [mx.array(seeded.standard_normal(a.shape).astype(np.float32)) for a in (x.feats, w, b)]
+    h = 1e-2
+    plus = loss(*[a + h * v for a, v in zip((x.feats, w, b), vs, strict=True)]).item()
+    minus = loss(*[a - h * v for a, v in zip((x.feats, w, b), vs, strict=True)]).item()
+    analytic = sum((g * v).sum().item() for g, v in zip(grads, vs, strict=True))
+    assert analytic == pytest.approx((plus - minus) / (2 * h), rel=1e-3, abs=1e-3)

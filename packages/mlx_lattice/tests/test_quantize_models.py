@@ -81,10 +81,11 @@ def test_quantized_linear_matches_dequantized_product(seeded):
         # Against the float layer: documented bounds (int8 1%, int4 group <=128 20%).
         bound = 0.01 if bits == 8 else 0.2
         assert rel_err(q(x), layer(x)) < bound
-        # Sparse tensors go through the features.
+        # Sparse tensors take the native 1x1x1 quantized convolution: the same
+        # product, summed in another order.
         coords = np.stack([np.zeros(50), np.arange(50), np.zeros(50), np.zeros(50)], 1)
         st = SparseTensor(coords.astype(np.int32), x)
-        np.testing.assert_array_equal(np.array(q(st).feats), np.array(q(x)))
+        np.testing.assert_allclose(np.array(q(st).feats), expected, rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="expects 40"):
         nn.QuantizedLinear.from_linear(nn.Linear(40, 2), bits=8, group_size=32)(mx.ones((1, 39)))
     with pytest.raises(ValueError, match="group_size must be"):
@@ -100,6 +101,9 @@ def test_activation_fake_quantization_matches_numpy(seeded, ref):
         layer.bias
     )
     np.testing.assert_allclose(np.array(q(mx.array(x))), expected, rtol=1e-4, atol=1e-4)
+    coords = np.stack([np.zeros(30), np.arange(30), np.zeros(30), np.zeros(30)], 1)
+    st = SparseTensor(coords.astype(np.int32), mx.array(x))
+    np.testing.assert_allclose(np.array(q(st).feats), expected, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(
         np.array(nn.fake_quantize_rows(mx.array(x), 4)), np_fake_quant(x, 4), rtol=1e-6, atol=1e-6
     )

@@ -816,7 +816,9 @@ def silu(x: SparseTensor) -> SparseTensor:
 
 def leaky_relu(x: SparseTensor, negative_slope: float = 0.01) -> SparseTensor:
     """Leaky ReLU of the features: ``x`` where positive, ``negative_slope * x`` elsewhere."""
-    return x.replace(_in_float32(x.feats, lambda f: mx.where(f > 0, f, negative_slope * f)))
+    # max/min instead of a select: MLX's CPU select is ~10x slower (sparse_layers).
+    pick = mx.maximum if negative_slope <= 1 else mx.minimum
+    return x.replace(_in_float32(x.feats, lambda f: pick(f, negative_slope * f)))
 
 
 def sigmoid(x: SparseTensor) -> SparseTensor:

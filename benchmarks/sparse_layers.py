@@ -1,9 +1,10 @@
 """Benchmark: mlx_lattice feature layers next to the convolution they sit between.
 
 One run, one machine, 100k points x 64 channels: forward+backward time of
-each feature layer (norms, activations, dropout) in float32, in float16 as
-the library runs it (half features computed in float32 and cast back), and in
-float16 through the same MLX ops directly, as ratios; and each layer's time
+each feature layer (norms, activations) in float32, in float16 as the library
+runs it (activations and BatchNorm computed in float32 and cast back; the
+mx.fast norms on half inputs directly), and in float16 through the same MLX
+ops directly, as ratios; and each layer's time
 as a share of one 3x3x3 64->64 submanifold convolution's forward+backward.
 Also the quantized linear layer with and without activation fake-quantization.
 """

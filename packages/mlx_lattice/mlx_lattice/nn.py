@@ -836,8 +836,7 @@ class Dropout(mlx_nn.Module):
 
 class LayerNorm(mlx_nn.LayerNorm):
     """``mlx.nn.LayerNorm`` over each point's channels (parameters ``weight``,
-    ``bias``); half-precision features are normalized in float32
-    (:func:`mlx_lattice.ops.layer_norm`)."""
+    ``bias``; :func:`mlx_lattice.ops.layer_norm`)."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
@@ -846,8 +845,8 @@ class LayerNorm(mlx_nn.LayerNorm):
 
 
 class RMSNorm(mlx_nn.RMSNorm):
-    """``mlx.nn.RMSNorm`` over each point's channels (parameter ``weight``);
-    half-precision features are normalized in float32."""
+    """``mlx.nn.RMSNorm`` over each point's channels (parameter ``weight``;
+    :func:`mlx_lattice.ops.rms_norm`)."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):

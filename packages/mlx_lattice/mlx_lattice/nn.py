@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
+import numpy as np
 
 from mlx_lattice import ops
 from mlx_lattice.core import ops as core_ops
@@ -121,13 +122,13 @@ def _config(
     eps: float | None = None,
 ) -> ConvConfig:
     for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive int, got {value!r}.")
     if eps is not None and not eps >= 0:
         raise ValueError(f"eps must be >= 0, got {eps!r}.")
     return ConvConfig(
-        in_channels,
-        out_channels,
+        int(in_channels),
+        int(out_channels),
         normalize_triple(kernel_size, "kernel_size", high=7),
         normalize_triple(stride, "stride"),
         normalize_triple(dilation, "dilation"),
@@ -142,7 +143,9 @@ def fake_quantize_rows(x: mx.array, bits: int) -> mx.array:
 
     ``scale = max|row| / (2**(bits-1) - 1)``, ``round(x / scale) * scale``;
     an all-zero row stays zero. This models an integer activation path; the
-    arithmetic stays in float (the integer kernel is a separate issue).
+    arithmetic stays in float (the integer kernel is a separate issue). The
+    gradient passes straight through (the identity), so layers before a
+    fake-quantized one still train.
 
     >>> fake_quantize_rows(mx.array([[1.0, -0.5, 0.26]]), 2).tolist()
     [[1.0, -0.0, 0.0]]
@@ -150,7 +153,8 @@ def fake_quantize_rows(x: mx.array, bits: int) -> mx.array:
     qmax = float(2 ** (bits - 1) - 1)
     scale = mx.max(mx.abs(x), axis=-1, keepdims=True) / qmax
     safe = mx.where(scale > 0, scale, mx.ones_like(scale))
-    return mx.clip(mx.round(x / safe), -qmax, qmax) * safe
+    quantized = mx.clip(mx.round(x / safe), -qmax, qmax) * safe
+    return x + mx.stop_gradient(quantized - x)
 
 
 class _SparseConv(mlx_nn.Module):

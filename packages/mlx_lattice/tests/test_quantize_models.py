@@ -121,6 +121,10 @@ def test_activation_fake_quantization_matches_numpy(seeded, ref):
     )
     with pytest.raises(ValueError, match="act_bits must be"):
         layer.to_quantized(act_bits=16)
+    # The gradient passes straight through the fake quantization.
+    direction = mx.array(seeded.standard_normal(x.shape).astype(np.float32))
+    grad = mx.grad(lambda v: (nn.fake_quantize_rows(v, 8) * direction).sum())(mx.array(x))
+    np.testing.assert_array_equal(np.array(grad), np.array(direction))
 
 
 def test_quantize_covers_convolutions_and_linear_layers(seeded, ref, tmp_path):

@@ -530,3 +530,24 @@ def test_empty_inputs_give_empty_or_zero_outputs():
     assert ops.conv3d(e, mx.ones((2, 3, 3, 3, 3)), padding=0).feats.shape == (0, 2)
     assert ops.pool3d(e, 3, 2, padding=1).feats.shape == (0, 3)
     assert ops.global_max_pool(e, batch_size=2).tolist() == [[0.0] * 3] * 2
+
+
+def test_compile_and_vmap_over_features(seeded, ref):
+    coords = ref.random_coords(seeded, 200, GRID, batches=2)
+    x = SparseTensor(coords, arr(seeded, len(coords), 4))
+    coarse = ops.max_pool3d(x)
+    w = arr(seeded, 3, 3, 3, 3, 4)
+    cases = [
+        (lambda f: ops.trilinear_upsample3d(coarse.replace(f), x).feats, coarse.feats),
+        (lambda f: ops.conv3d(x.replace(f), w, stride=2, padding=0).feats, x.feats),
+        (lambda f: ops.pool_transpose3d(coarse.replace(f), 3, 2).feats, coarse.feats),
+        (lambda f: ops.linear(x.replace(f), w[:, 0, 0, 0, :]).feats, x.feats),
+    ]
+    for fn, feats in cases:
+        np.testing.assert_array_equal(np.array(mx.compile(fn)(feats)), np.array(fn(feats)))
+    # Trilinear upsampling is plain MLX ops: it vmaps over a stack of feature sets.
+    stack = mx.stack([coarse.feats, 2 * coarse.feats])
+    upsample = cases[0][0]
+    np.testing.assert_allclose(
+        np.array(mx.vmap(upsample)(stack)[1]), np.array(upsample(2 * coarse.feats)), rtol=1e-6
+    )

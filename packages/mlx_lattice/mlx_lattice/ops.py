@@ -771,8 +771,9 @@ def apply(x: SparseTensor, fn: Callable[[mx.array], mx.array]) -> SparseTensor:
 
 
 def relu(x: SparseTensor) -> SparseTensor:
-    """Elementwise ReLU of the features."""
-    return x.replace(mx.maximum(x.feats, 0))
+    """Elementwise ReLU of the features (half precision computed in float32:
+    3x faster forward+backward, 1.4x slower forward alone, measured)."""
+    return x.replace(_in_float32(x.feats, lambda f: mx.maximum(f, 0)))
 
 
 # -- feature layers: elementwise on the features, coordinates unchanged --------------------------

@@ -3,7 +3,12 @@
 Convolution weights are ``(Cout, kx, ky, kz, Cin)`` (MLX's ``conv3d``
 layout) or quantized (:class:`~mlx_lattice.core.quantized.QuantizedWeight`);
 the kernel size is read from the weight. Relations come from the input's
-coordinate manager, so layers at one level share them.
+coordinate manager, so layers at one level share them. Convolutions take
+``padding`` (moves the window as in a dense convolution) and
+``coordinates=`` (an explicit output support); pooling takes padding and
+dilation; upsampling, global pooling and the feature layers (activations,
+norms, dropout, linear) work on the features. Half-precision activations are
+computed in float32 and cast back (faster with MLX's CPU ops, measured).
 """
 
 from __future__ import annotations

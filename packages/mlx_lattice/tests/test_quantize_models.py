@@ -247,3 +247,26 @@ def test_normalized_convolutions_stay_float(seeded, ref):
     assert report.quantized == [] and "weight-normalized" in report.skipped["conv"]
     with pytest.raises(ValueError, match="weight-normalized"):
         model.conv.to_quantized(bits=8)
+
+
+@pytest.mark.parametrize("kind", ["conv", "transpose", "generative"])
+def test_quantized_layers_keep_padding_and_dilation(seeded, ref, kind):
+    x, _ = tensor(seeded, ref, channels=32)
+    if kind == "conv":
+        layer = nn.Conv3d(32, 8, 3, 2, dilation=(1, 2, 1), padding=(0, 1, 2))
+        inp = x
+    else:
+        inp = ops.conv3d(x, mx.ones((32, 2, 2, 2, 32)) / 256, stride=2)
+        cls = nn.ConvTranspose3d if kind == "transpose" else nn.GenerativeConvTranspose3d
+        layer = cls(32, 8, 3, 2, dilation=(2, 1, 1), padding=(2, 0, 1))
+    q = nn.to_quantized(layer, bits=8, group_size=32)
+    # The same layer with the dequantized weight, through the float path.
+    dequant = q._weight().dequantize()  # (K, Cin, Cout)
+    twin = type(layer).__new__(type(layer))
+    mnn.Module.__init__(twin)
+    twin.config, twin.bias = layer.config, layer.bias
+    twin.weight = dequant.reshape(3, 3, 3, 32, 8).transpose(4, 0, 1, 2, 3)
+    got, expected = q(inp), twin(inp)
+    assert got.coordinate_key == expected.coordinate_key
+    np.testing.assert_allclose(np.array(got.feats), np.array(expected.feats), rtol=1e-4, atol=1e-4)
+    assert rel_err(got.feats, layer(inp).feats) < 0.02  # int8 group 32

@@ -4,7 +4,8 @@
   :func:`sparse_collate`;
 * :mod:`mlx_lattice.ops`: functional sparse convolution, pooling and
   feature ops; :mod:`mlx_lattice.nn`: the same as ``mlx.nn.Module`` layers;
-* :func:`quantize`: rule-based weight quantization through ``quantrules``;
+* :func:`quantize`: rule-based quantization of convolution and linear layers
+  through ``quantrules``; :func:`to_quantized` for one layer;
 * :mod:`mlx_lattice.core`: coordinates, kernel relations, quantized weights
   and the ops layer over the native MLX primitives;
 * :mod:`mlx_lattice.data`: a seeded synthetic LiDAR scan.
@@ -12,6 +13,7 @@
 
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
+from mlx_lattice.nn import to_quantized
 from mlx_lattice.quantize import QuantizationReport, quantize
 from mlx_lattice.tensor import CoordinateManager, SparseTensor, SparseTensorError, sparse_collate
 
@@ -25,4 +27,5 @@ __all__ = [
     "quantize",
     "set_num_threads",
     "sparse_collate",
+    "to_quantized",
 ]

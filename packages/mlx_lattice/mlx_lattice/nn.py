@@ -13,29 +13,59 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
+import numpy as np
 
 from mlx_lattice import ops
-from mlx_lattice.core.quantized import QuantizedWeight
+from mlx_lattice.core import ops as core_ops
+from mlx_lattice.core.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedWeight
 from mlx_lattice.core.relations import normalize_triple
 from mlx_lattice.tensor import SparseTensor
 
 __all__ = [
+    "GELU",
     "AvgPool3d",
     "BatchNorm",
     "Conv3d",
     "ConvTranspose3d",
+    "Dropout",
+    "Features",
+    "GenerativeConvTranspose3d",
+    "GlobalAvgPool",
+    "GlobalMaxPool",
+    "GlobalSumPool",
+    "LayerNorm",
+    "LeakyReLU",
     "Linear",
     "MaxPool3d",
+    "NormalizedConvTranspose3d",
+    "NormalizedGenerativeConvTranspose3d",
+    "NormalizedSubMConv3d",
+    "PoolTranspose3d",
     "QuantizedConv",
+    "QuantizedLinear",
+    "RMSNorm",
     "ReLU",
+    "Sequential",
+    "SiLU",
+    "Sigmoid",
+    "Softplus",
     "SubMConv3d",
+    "SumPool3d",
+    "Tanh",
+    "TrilinearUpsample3d",
+    "fake_quantize_rows",
     "is_sparse_conv",
+    "to_quantized",
 ]
 
 
 @dataclass(frozen=True)
 class ConvConfig:
-    """Static settings of a convolution layer (kept out of the parameter tree)."""
+    """Static settings of a convolution layer (kept out of the parameter tree).
+
+    ``padding`` ``None`` centres the window (see :func:`mlx_lattice.ops.conv3d`);
+    ``eps`` is set on weight-normalized layers only.
+    """
 
     in_channels: int
     out_channels: int
@@ -43,15 +73,22 @@ class ConvConfig:
     stride: tuple[int, int, int]
     dilation: tuple[int, int, int]
     kind: str  # "conv", "subm", "transpose", "generative"
+    padding: tuple[int, int, int] | None = None
+    eps: float | None = None
 
 
 @dataclass(frozen=True)
 class QuantSettings:
-    """How a :class:`QuantizedConv` weight is packed."""
+    """How a :class:`QuantizedConv` / :class:`QuantizedLinear` is quantized.
+
+    ``act_bits``: inputs are fake-quantized to signed ``act_bits`` integers
+    per row (symmetric, dynamic) before the product; ``None`` keeps them float.
+    """
 
     group_size: int
     bits: int
     storage_in_channels: int
+    act_bits: int | None = None
 
 
 @dataclass(frozen=True)
@@ -60,12 +97,64 @@ class PoolConfig:
 
     kernel_size: tuple[int, int, int]
     stride: tuple[int, int, int]
+    padding: tuple[int, int, int] | None = None
+    dilation: tuple[int, int, int] = (1, 1, 1)
 
 
 def _init_weight(config: ConvConfig) -> mx.array:
     k = config.kernel_size
     scale = math.sqrt(1.0 / (config.in_channels * k[0] * k[1] * k[2]))
     return mx.random.uniform(-scale, scale, (config.out_channels, *k, config.in_channels))
+
+
+def _padding(padding: int | Sequence[int] | None) -> tuple[int, int, int] | None:
+    return None if padding is None else normalize_triple(padding, "padding", low=0)
+
+
+def _config(
+    in_channels: int,
+    out_channels: int,
+    kernel_size: int | Sequence[int],
+    stride: int | Sequence[int],
+    dilation: int | Sequence[int],
+    kind: str,
+    padding: int | Sequence[int] | None = None,
+    eps: float | None = None,
+) -> ConvConfig:
+    for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
+        if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+    if eps is not None and not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}.")
+    return ConvConfig(
+        int(in_channels),
+        int(out_channels),
+        normalize_triple(kernel_size, "kernel_size", high=7),
+        normalize_triple(stride, "stride"),
+        normalize_triple(dilation, "dilation"),
+        kind,
+        _padding(padding),
+        eps,
+    )
+
+
+def fake_quantize_rows(x: mx.array, bits: int) -> mx.array:
+    """Symmetric dynamic quantize-dequantize of each row of ``x`` to signed ``bits``.
+
+    ``scale = max|row| / (2**(bits-1) - 1)``, ``round(x / scale) * scale``;
+    an all-zero row stays zero. This models an integer activation path; the
+    arithmetic stays in float (the integer kernel is a separate issue). The
+    gradient passes straight through (the identity), so layers before a
+    fake-quantized one still train.
+
+    >>> fake_quantize_rows(mx.array([[1.0, -0.5, 0.26]]), 2).tolist()
+    [[1.0, -0.0, 0.0]]
+    """
+    qmax = float(2 ** (bits - 1) - 1)
+    scale = mx.max(mx.abs(x), axis=-1, keepdims=True) / qmax
+    safe = mx.where(scale > 0, scale, mx.ones_like(scale))
+    quantized = mx.clip(mx.round(x / safe), -qmax, qmax) * safe
+    return x + mx.stop_gradient(quantized - x)
 
 
 class _SparseConv(mlx_nn.Module):
@@ -79,34 +168,75 @@ class _SparseConv(mlx_nn.Module):
     def _weight(self) -> mx.array | QuantizedWeight:
         return self.weight
 
-    def __call__(self, x: SparseTensor) -> SparseTensor:
+    def _input(self, x: SparseTensor) -> SparseTensor:
+        return x
+
+    def __call__(self, x: SparseTensor, coordinates: ops.Coordinates | None = None) -> SparseTensor:
         c = self.config
         bias = self.get("bias")
         weight = self._weight()
+        x = self._input(x)
+        if c.eps is not None:
+            if c.kind == "subm":
+                if coordinates is not None:
+                    raise ValueError(
+                        "a submanifold layer's outputs are its inputs; no coordinates=."
+                    )
+                return ops.normalized_subm_conv3d(x, weight, bias, dilation=c.dilation, eps=c.eps)  # type: ignore[arg-type]
+            fn = (
+                ops.normalized_conv_transpose3d
+                if c.kind == "transpose"
+                else ops.normalized_generative_conv_transpose3d
+            )
+            return fn(
+                x,
+                weight,  # type: ignore[arg-type]
+                bias,
+                stride=c.stride,
+                padding=c.padding,
+                dilation=c.dilation,
+                coordinates=coordinates,
+                eps=c.eps,
+            )
         if c.kind == "subm":
+            if coordinates is not None:
+                raise ValueError("a submanifold layer's outputs are its inputs; no coordinates=.")
             return ops.subm_conv3d(x, weight, bias, dilation=c.dilation, kernel_size=c.kernel_size)
-        if c.kind == "conv":
-            return ops.conv3d(
-                x, weight, bias, stride=c.stride, dilation=c.dilation, kernel_size=c.kernel_size
-            )
-        if c.kind == "transpose":
-            return ops.conv_transpose3d(
-                x, weight, bias, stride=c.stride, dilation=c.dilation, kernel_size=c.kernel_size
-            )
-        return ops.generative_conv_transpose3d(
-            x, weight, bias, stride=c.stride, kernel_size=c.kernel_size
+        fn = {
+            "conv": ops.conv3d,
+            "transpose": ops.conv_transpose3d,
+            "generative": ops.generative_conv_transpose3d,
+        }[c.kind]
+        return fn(
+            x,
+            weight,
+            bias,
+            stride=c.stride,
+            padding=c.padding,
+            dilation=c.dilation,
+            kernel_size=c.kernel_size,
+            coordinates=coordinates,
         )
+
+    def to_quantized(
+        self, *, bits: int = 4, group_size: int = 64, act_bits: int | None = None
+    ) -> QuantizedConv:
+        """This layer with its weight quantized (see :meth:`QuantizedConv.from_conv`)."""
+        return QuantizedConv.from_conv(self, bits=bits, group_size=group_size, act_bits=act_bits)
 
     def _extra_repr(self) -> str:
         c = self.config
         return (
             f"{c.in_channels}, {c.out_channels}, kernel_size={c.kernel_size}, stride={c.stride}, "
-            f"dilation={c.dilation}, bias={'bias' in self}"
+            f"padding={c.padding}, dilation={c.dilation}, bias={'bias' in self}"
+            + ("" if c.eps is None else f", eps={c.eps}")
         )
 
 
 class Conv3d(_SparseConv):
-    """Sparse convolution; ``stride`` > 1 moves to the coarser grid.
+    """Sparse convolution; ``stride`` > 1 moves to the coarser grid; ``padding``
+    moves the window as in a dense convolution; call with ``coordinates=`` for
+    an explicit output support (see :func:`mlx_lattice.ops.conv3d`).
 
     >>> x = SparseTensor(mx.array([[0, 0, 0, 0], [0, 1, 1, 0]], dtype=mx.int32), mx.ones((2, 3)))
     >>> Conv3d(3, 8, kernel_size=2, stride=2)(x).tensor_stride
@@ -121,16 +251,10 @@ class Conv3d(_SparseConv):
         stride: int | Sequence[int] = 1,
         dilation: int | Sequence[int] = 1,
         bias: bool = True,
+        padding: int | Sequence[int] | None = None,
     ) -> None:
         super().__init__(
-            ConvConfig(
-                in_channels,
-                out_channels,
-                normalize_triple(kernel_size, "kernel_size", high=7),
-                normalize_triple(stride, "stride"),
-                normalize_triple(dilation, "dilation"),
-                "conv",
-            ),
+            _config(in_channels, out_channels, kernel_size, stride, dilation, "conv", padding),
             bias,
         )
 
@@ -146,22 +270,13 @@ class SubMConv3d(_SparseConv):
         dilation: int | Sequence[int] = 1,
         bias: bool = True,
     ) -> None:
-        super().__init__(
-            ConvConfig(
-                in_channels,
-                out_channels,
-                normalize_triple(kernel_size, "kernel_size", high=7),
-                (1, 1, 1),
-                normalize_triple(dilation, "dilation"),
-                "subm",
-            ),
-            bias,
-        )
+        super().__init__(_config(in_channels, out_channels, kernel_size, 1, dilation, "subm"), bias)
 
 
 class ConvTranspose3d(_SparseConv):
     """Transposed convolution to the finer grid: onto the coordinates the
-    matching strided layer came from, or (``generative=True``) onto new ones."""
+    matching strided layer came from (or ``coordinates=`` at call time), or
+    (``generative=True``, same as :class:`GenerativeConvTranspose3d`) onto new ones."""
 
     def __init__(
         self,
@@ -172,15 +287,103 @@ class ConvTranspose3d(_SparseConv):
         dilation: int | Sequence[int] = 1,
         bias: bool = True,
         generative: bool = False,
+        padding: int | Sequence[int] | None = None,
+    ) -> None:
+        kind = "generative" if generative else "transpose"
+        super().__init__(
+            _config(in_channels, out_channels, kernel_size, stride, dilation, kind, padding), bias
+        )
+
+
+class GenerativeConvTranspose3d(_SparseConv):
+    """Transposed convolution that creates its outputs (every input moved by
+    every kernel offset at the finer stride); see
+    :func:`mlx_lattice.ops.generative_conv_transpose3d`."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int] = 2,
+        stride: int | Sequence[int] = 2,
+        dilation: int | Sequence[int] = 1,
+        bias: bool = True,
+        padding: int | Sequence[int] | None = None,
     ) -> None:
         super().__init__(
-            ConvConfig(
+            _config(
+                in_channels, out_channels, kernel_size, stride, dilation, "generative", padding
+            ),
+            bias,
+        )
+
+
+class NormalizedSubMConv3d(_SparseConv):
+    """Weight-normalized submanifold convolution
+    (:func:`mlx_lattice.ops.normalized_subm_conv3d`; ``eps`` default ``1e-6``)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int] = 3,
+        dilation: int | Sequence[int] = 1,
+        bias: bool = True,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(
+            _config(in_channels, out_channels, kernel_size, 1, dilation, "subm", None, eps), bias
+        )
+
+
+class NormalizedConvTranspose3d(_SparseConv):
+    """Weight-normalized transposed convolution
+    (:func:`mlx_lattice.ops.normalized_conv_transpose3d`; ``eps`` default ``1e-6``)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int] = 2,
+        stride: int | Sequence[int] = 2,
+        dilation: int | Sequence[int] = 1,
+        bias: bool = True,
+        padding: int | Sequence[int] | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(
+            _config(
+                in_channels, out_channels, kernel_size, stride, dilation, "transpose", padding, eps
+            ),
+            bias,
+        )
+
+
+class NormalizedGenerativeConvTranspose3d(_SparseConv):
+    """Weight-normalized generative transposed convolution
+    (:func:`mlx_lattice.ops.normalized_generative_conv_transpose3d`; ``eps`` default ``1e-6``)."""
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | Sequence[int] = 2,
+        stride: int | Sequence[int] = 2,
+        dilation: int | Sequence[int] = 1,
+        bias: bool = True,
+        padding: int | Sequence[int] | None = None,
+        eps: float = 1e-6,
+    ) -> None:
+        super().__init__(
+            _config(
                 in_channels,
                 out_channels,
-                normalize_triple(kernel_size, "kernel_size", high=7),
-                normalize_triple(stride, "stride"),
-                normalize_triple(dilation, "dilation"),
-                "generative" if generative else "transpose",
+                kernel_size,
+                stride,
+                dilation,
+                "generative",
+                padding,
+                eps,
             ),
             bias,
         )
@@ -189,29 +392,50 @@ class ConvTranspose3d(_SparseConv):
 class QuantizedConv(_SparseConv):
     """A convolution layer with group-affine quantized weights (inference).
 
-    Made by :func:`mlx_lattice.quantize` (or :meth:`from_conv`); the packed
-    weight, scales and biases are arrays of the module, so they save and load
-    with the model. The layer is frozen.
+    Made by :func:`mlx_lattice.quantize` (or :meth:`from_conv`,
+    :func:`to_quantized`); the packed weight, scales and biases are arrays of
+    the module, so they save and load with the model. The layer is frozen.
+    With ``act_bits`` the input features are fake-quantized per row
+    (:func:`fake_quantize_rows`) before the convolution.
     """
 
-    def __init__(self, config: ConvConfig, weight: QuantizedWeight, bias: mx.array | None) -> None:
+    def __init__(
+        self,
+        config: ConvConfig,
+        weight: QuantizedWeight,
+        bias: mx.array | None,
+        act_bits: int | None = None,
+    ) -> None:
         mlx_nn.Module.__init__(self)
+        if config.eps is not None:
+            raise ValueError("weight-normalized convolutions are not quantized (eps is set).")
+        _check_act_bits(act_bits)
         self.config = config
         self.weight = weight.weight
         self.scales = weight.scales
         self.biases = weight.biases
         self.quantization = QuantSettings(
-            weight.group_size, weight.bits, weight.storage_in_channels
+            weight.group_size, weight.bits, weight.storage_in_channels, act_bits
         )
         if bias is not None:
             self.bias = bias
         self.freeze()
 
     @classmethod
-    def from_conv(cls, conv: _SparseConv, *, bits: int = 4, group_size: int = 64) -> QuantizedConv:
-        """Quantize a float convolution layer's weight."""
+    def from_conv(
+        cls,
+        conv: _SparseConv,
+        *,
+        bits: int = 4,
+        group_size: int = 64,
+        act_bits: int | None = None,
+    ) -> QuantizedConv:
+        """Quantize a float convolution layer's weight (``Cin`` zero-padded to a
+        multiple of ``group_size`` in storage)."""
+        if isinstance(conv, QuantizedConv):
+            raise ValueError("conv is already quantized.")
         qw = QuantizedWeight.from_float(conv.weight, bits=bits, group_size=group_size)
-        return cls(conv.config, qw, conv.get("bias"))
+        return cls(conv.config, qw, conv.get("bias"), act_bits)
 
     def _weight(self) -> QuantizedWeight:
         q = self.quantization
@@ -227,10 +451,21 @@ class QuantizedConv(_SparseConv):
             bits,
         )
 
+    def _input(self, x: SparseTensor) -> SparseTensor:
+        bits = self.quantization.act_bits
+        return x if bits is None else x.replace(fake_quantize_rows(x.feats, bits))
+
     @property
     def nbytes(self) -> int:
         """Bytes of the packed weight, scales and biases."""
         return self._weight().nbytes
+
+
+def _check_act_bits(act_bits: int | None) -> None:
+    if act_bits is not None and (
+        not isinstance(act_bits, int) or isinstance(act_bits, bool) or not 2 <= act_bits <= 8
+    ):
+        raise ValueError(f"act_bits must be None or an int in [2, 8], got {act_bits!r}.")
 
 
 def is_sparse_conv(module: mlx_nn.Module) -> bool:
@@ -242,20 +477,29 @@ class _Pool(mlx_nn.Module):
     _mode = "max"
 
     def __init__(
-        self, kernel_size: int | Sequence[int] = 2, stride: int | Sequence[int] = 2
+        self,
+        kernel_size: int | Sequence[int] = 2,
+        stride: int | Sequence[int] = 2,
+        padding: int | Sequence[int] | None = None,
+        dilation: int | Sequence[int] = 1,
     ) -> None:
         super().__init__()
         self.window = PoolConfig(
-            normalize_triple(kernel_size, "kernel_size", high=7), normalize_triple(stride, "stride")
+            normalize_triple(kernel_size, "kernel_size", high=7),
+            normalize_triple(stride, "stride"),
+            _padding(padding),
+            normalize_triple(dilation, "dilation"),
         )
 
     def __call__(self, x: SparseTensor) -> SparseTensor:
-        fn = ops.max_pool3d if self._mode == "max" else ops.avg_pool3d
-        return fn(x, self.window.kernel_size, self.window.stride)
+        w = self.window
+        return ops.pool3d(
+            x, w.kernel_size, w.stride, padding=w.padding, dilation=w.dilation, mode=self._mode
+        )  # type: ignore[arg-type]
 
 
 class MaxPool3d(_Pool):
-    """Max pooling over the present inputs of each window."""
+    """Max pooling over the present inputs of each window (:func:`mlx_lattice.ops.pool3d`)."""
 
     _mode = "max"
 
@@ -266,12 +510,80 @@ class AvgPool3d(_Pool):
     _mode = "avg"
 
 
+class SumPool3d(_Pool):
+    """Sum pooling over the present inputs of each window."""
+
+    _mode = "sum"
+
+
+class PoolTranspose3d(mlx_nn.Module):
+    """Unpooling to the finer grid (:func:`mlx_lattice.ops.pool_transpose3d`);
+    call with ``coordinates=`` for an explicit output support."""
+
+    def __init__(
+        self,
+        kernel_size: int | Sequence[int] = 2,
+        stride: int | Sequence[int] = 2,
+        dilation: int | Sequence[int] = 1,
+        mode: str = "sum",
+    ) -> None:
+        super().__init__()
+        if mode not in ("max", "avg", "sum"):
+            raise ValueError(f"mode must be 'max', 'avg' or 'sum', got {mode!r}.")
+        self.window = PoolConfig(
+            normalize_triple(kernel_size, "kernel_size", high=7),
+            normalize_triple(stride, "stride"),
+            None,
+            normalize_triple(dilation, "dilation"),
+        )
+        self._mode = mode
+
+    def __call__(self, x: SparseTensor, coordinates: ops.Coordinates | None = None) -> SparseTensor:
+        w = self.window
+        return ops.pool_transpose3d(
+            x,
+            w.kernel_size,
+            w.stride,
+            dilation=w.dilation,
+            coordinates=coordinates,
+            mode=self._mode,  # type: ignore[arg-type]
+        )
+
+
+class TrilinearUpsample3d(mlx_nn.Module):
+    """Trilinear upsampling (:func:`mlx_lattice.ops.trilinear_upsample3d`): by
+    ``stride``, or onto the ``target`` passed at call time."""
+
+    def __init__(self, stride: int | Sequence[int] | None = None) -> None:
+        super().__init__()
+        self._stride = None if stride is None else normalize_triple(stride, "stride")
+
+    def __call__(self, x: SparseTensor, target: SparseTensor | None = None) -> SparseTensor:
+        if target is not None:
+            return ops.trilinear_upsample3d(x, target)
+        if self._stride is None:
+            raise ValueError("TrilinearUpsample3d without a stride needs a target tensor.")
+        return ops.trilinear_upsample3d(x, stride=self._stride)
+
+
 class BatchNorm(mlx_nn.BatchNorm):
     """``mlx.nn.BatchNorm`` over the features of a sparse tensor (statistics
-    over all points of the batch; ``train()`` / ``eval()`` as usual)."""
+    over all points of the batch; ``train()`` / ``eval()`` as usual).
+
+    Half-precision features are normalized in float32 and cast back (MLX's
+    CPU half-precision elementwise ops are several times slower than the
+    casts); running statistics keep their dtype.
+    """
 
     def __call__(self, x: SparseTensor) -> SparseTensor:  # type: ignore[override]
-        return x.replace(super().__call__(x.feats))
+        f = x.feats
+        if f.dtype not in (mx.float16, mx.bfloat16):
+            return x.replace(super().__call__(f))
+        stats = {k: self[k].dtype for k in ("running_mean", "running_var") if k in self}
+        out = super().__call__(f.astype(mx.float32)).astype(f.dtype)
+        for k, dtype in stats.items():
+            self[k] = self[k].astype(dtype)
+        return x.replace(out)
 
 
 class ReLU(mlx_nn.Module):
@@ -282,9 +594,321 @@ class ReLU(mlx_nn.Module):
 
 
 class Linear(mlx_nn.Linear):
-    """``mlx.nn.Linear`` over the features (a 1x1x1 convolution); also takes plain arrays."""
+    """``mlx.nn.Linear`` over the features, run as a 1x1x1 sparse convolution
+    (:func:`mlx_lattice.ops.linear`); plain arrays go through ``mlx.nn.Linear``."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
-            return x.replace(super().__call__(x.feats))
+            return ops.linear(x, self.weight, self.get("bias"))
         return super().__call__(x)
+
+    def to_quantized(  # type: ignore[override]
+        self,
+        group_size: int = 64,
+        bits: int = 4,
+        mode: str = "affine",
+        *,
+        act_bits: int | None = None,
+    ) -> QuantizedLinear:
+        """This layer as a :class:`QuantizedLinear` (affine mode only)."""
+        if mode != "affine":
+            raise ValueError(f"mlx_lattice quantized layers use mode 'affine', got {mode!r}.")
+        return QuantizedLinear.from_linear(
+            self, bits=bits, group_size=group_size, act_bits=act_bits
+        )
+
+
+class QuantizedLinear(mlx_nn.Module):
+    """A linear layer with group-affine quantized weights (``mx.quantize``
+    layout, groups along the input features; inputs zero-padded in storage to a
+    multiple of ``group_size``), over features or plain arrays. Frozen; with
+    ``act_bits`` the input is fake-quantized per row first.
+
+    >>> layer = Linear(64, 8)
+    >>> q = QuantizedLinear.from_linear(layer, bits=8, group_size=64)
+    >>> x = mx.random.normal((5, 64))
+    >>> bool(mx.abs(q(x) - layer(x)).max() < 0.05)
+    True
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        weight: mx.array,
+        scales: mx.array,
+        biases: mx.array,
+        bias: mx.array | None,
+        settings: QuantSettings,
+    ) -> None:
+        super().__init__()
+        _check_act_bits(settings.act_bits)
+        self.in_features = in_features
+        self.out_features = out_features
+        self.weight, self.scales, self.biases = weight, scales, biases
+        if bias is not None:
+            self.bias = bias
+        self.quantization = settings
+        self.freeze()
+
+    @classmethod
+    def from_linear(
+        cls,
+        linear: mlx_nn.Linear,
+        *,
+        bits: int = 4,
+        group_size: int = 64,
+        act_bits: int | None = None,
+    ) -> QuantizedLinear:
+        """Quantize an ``mlx.nn.Linear`` (or :class:`Linear`) layer's weight."""
+        if group_size not in SUPPORTED_GROUP_SIZES:
+            raise ValueError(
+                f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}."
+            )
+        if bits not in SUPPORTED_BITS:
+            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}.")
+        w = linear.weight
+        out_features, in_features = (int(d) for d in w.shape)
+        storage = -(-in_features // group_size) * group_size
+        if storage != in_features:
+            w = mx.pad(w, [(0, 0), (0, storage - in_features)])
+        packed, scales, biases = mx.quantize(w, group_size=group_size, bits=bits)
+        settings = QuantSettings(group_size, bits, storage, act_bits)
+        return cls(in_features, out_features, packed, scales, biases, linear.get("bias"), settings)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the packed weight, scales and biases."""
+        return int(self.weight.nbytes + self.scales.nbytes + self.biases.nbytes)
+
+    def _apply(self, x: mx.array) -> mx.array:
+        q = self.quantization
+        if int(x.shape[-1]) != self.in_features:
+            raise ValueError(
+                f"x has {x.shape[-1]} features but the layer expects {self.in_features}."
+            )
+        if q.act_bits is not None:
+            x = fake_quantize_rows(x, q.act_bits)
+        if q.storage_in_channels != self.in_features:
+            pad = [(0, 0)] * (x.ndim - 1) + [(0, q.storage_in_channels - self.in_features)]
+            x = mx.pad(x, pad)
+        out = mx.quantized_matmul(
+            x,
+            self.weight,
+            self.scales,
+            self.biases,
+            transpose=True,
+            group_size=q.group_size,
+            bits=q.bits,
+        )
+        bias = self.get("bias")
+        return out if bias is None else out + bias
+
+    def _pointwise(self, x: SparseTensor) -> mx.array:
+        """Sparse features through the native quantized 1x1x1 convolution."""
+        q = self.quantization
+        if x.num_channels != self.in_features:
+            raise ValueError(
+                f"x has {x.num_channels} features but the layer expects {self.in_features}."
+            )
+        feats = x.feats if q.act_bits is None else fake_quantize_rows(x.feats, q.act_bits)
+        weight = QuantizedWeight(
+            self.weight[None],
+            self.scales[None],
+            self.biases[None],
+            self.in_features,
+            self.out_features,
+            q.storage_in_channels,
+            q.group_size,
+            q.bits,
+        )
+        out = core_ops.sparse_quantized_conv_features_from_relation(
+            feats, weight, ops.pointwise_relation(x)
+        )
+        bias = self.get("bias")
+        return out if bias is None else out + bias.astype(out.dtype)
+
+    def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:
+        if isinstance(x, SparseTensor):
+            return x.replace(self._pointwise(x))
+        return self._apply(x)
+
+    def _extra_repr(self) -> str:
+        q = self.quantization
+        return (
+            f"{self.in_features}, {self.out_features}, bits={q.bits}, group_size={q.group_size}, "
+            f"act_bits={q.act_bits}, bias={'bias' in self}"
+        )
+
+
+def to_quantized(
+    layer: mlx_nn.Module, *, bits: int = 4, group_size: int = 64, act_bits: int | None = None
+) -> mlx_nn.Module:
+    """A quantized copy of one layer: a sparse convolution becomes a
+    :class:`QuantizedConv`, a linear layer a :class:`QuantizedLinear`.
+
+    For whole models use :func:`mlx_lattice.quantize` (rules per module path).
+
+    >>> q = to_quantized(SubMConv3d(32, 16), bits=8, group_size=32)
+    >>> type(q).__name__, q.quantization.bits
+    ('QuantizedConv', 8)
+    """
+    if isinstance(layer, _SparseConv):
+        return QuantizedConv.from_conv(layer, bits=bits, group_size=group_size, act_bits=act_bits)
+    if isinstance(layer, mlx_nn.Linear):
+        return QuantizedLinear.from_linear(
+            layer, bits=bits, group_size=group_size, act_bits=act_bits
+        )
+    raise TypeError(
+        f"layer must be a sparse convolution or a linear layer, got {type(layer).__name__}."
+    )
+
+
+# -- feature layers --------------------------------------------------------------------------
+
+
+class GELU(mlx_nn.Module):
+    """GELU of the features, exact (``approximate="none"``) or the tanh form."""
+
+    def __init__(self, approximate: str = "none") -> None:
+        super().__init__()
+        if approximate not in ("none", "tanh"):
+            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
+        self._approximate = approximate
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.gelu(x, self._approximate)  # type: ignore[arg-type]
+
+
+class SiLU(mlx_nn.Module):
+    """SiLU (swish) of the features."""
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.silu(x)
+
+
+class LeakyReLU(mlx_nn.Module):
+    """Leaky ReLU of the features."""
+
+    def __init__(self, negative_slope: float = 0.01) -> None:
+        super().__init__()
+        self._negative_slope = float(negative_slope)
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.leaky_relu(x, self._negative_slope)
+
+
+class Sigmoid(mlx_nn.Module):
+    """Logistic sigmoid of the features."""
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.sigmoid(x)
+
+
+class Tanh(mlx_nn.Module):
+    """Hyperbolic tangent of the features."""
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.tanh(x)
+
+
+class Softplus(mlx_nn.Module):
+    """``log(1 + exp(beta * x)) / beta`` of the features."""
+
+    def __init__(self, beta: float = 1.0) -> None:
+        super().__init__()
+        if not beta > 0:
+            raise ValueError(f"beta must be positive, got {beta!r}.")
+        self._beta = float(beta)
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.softplus(x, self._beta)
+
+
+class Dropout(mlx_nn.Module):
+    """Dropout of feature entries while training; the identity after ``eval()``."""
+
+    def __init__(self, p: float = 0.5) -> None:
+        super().__init__()
+        if not 0.0 <= p < 1.0:
+            raise ValueError(f"dropout probability p must be in [0, 1), got {p!r}.")
+        self._p = float(p)
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return ops.dropout(x, self._p, training=self.training)
+
+
+class LayerNorm(mlx_nn.LayerNorm):
+    """``mlx.nn.LayerNorm`` over each point's channels (parameters ``weight``,
+    ``bias``; :func:`mlx_lattice.ops.layer_norm`)."""
+
+    def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
+        if isinstance(x, SparseTensor):
+            return ops.layer_norm(x, self.get("weight"), self.get("bias"), eps=self.eps)
+        return super().__call__(x)
+
+
+class RMSNorm(mlx_nn.RMSNorm):
+    """``mlx.nn.RMSNorm`` over each point's channels (parameter ``weight``;
+    :func:`mlx_lattice.ops.rms_norm`)."""
+
+    def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
+        if isinstance(x, SparseTensor):
+            return ops.rms_norm(x, self.get("weight"), eps=self.eps)
+        return super().__call__(x)
+
+
+class Features(mlx_nn.Module):
+    """Apply any array -> array layer (e.g. an ``mlx.nn`` module) to the features,
+    so it can sit in an ``mlx.nn.Sequential`` of sparse layers.
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0]], dtype=mx.int32), mx.array([[-2.0]]))
+    >>> mlx_nn.Sequential(Features(mlx_nn.ReLU()), Sigmoid())(x).feats.item()
+    0.5
+    """
+
+    def __init__(self, layer: mlx_nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def __call__(self, x: SparseTensor) -> SparseTensor:
+        return x.replace(self.layer(x.feats))
+
+
+#: ``mlx.nn.Sequential`` works with sparse layers as is (each layer gets the
+#: previous one's ``SparseTensor``); re-exported for convenience.
+Sequential = mlx_nn.Sequential
+
+
+# -- global pooling --------------------------------------------------------------------------
+
+
+class _GlobalPool(mlx_nn.Module):
+    def __init__(self, batch_size: int | None = None) -> None:
+        super().__init__()
+        self._batch_size = batch_size
+
+
+class GlobalSumPool(_GlobalPool):
+    """``(B, C)`` per-batch sums (see :func:`mlx_lattice.ops.global_sum_pool`)."""
+
+    def __call__(self, x: SparseTensor) -> mx.array:
+        return ops.global_sum_pool(x, self._batch_size)
+
+
+class GlobalAvgPool(_GlobalPool):
+    """``(B, C)`` per-batch means; empty entries get 0."""
+
+    def __call__(self, x: SparseTensor) -> mx.array:
+        return ops.global_avg_pool(x, self._batch_size)
+
+
+class GlobalMaxPool(_GlobalPool):
+    """``(B, C)`` per-batch maxima; empty entries get ``empty`` (default 0, ``None`` raises)."""
+
+    def __init__(self, batch_size: int | None = None, empty: float | None = 0.0) -> None:
+        super().__init__(batch_size)
+        self._empty = empty
+
+    def __call__(self, x: SparseTensor) -> mx.array:
+        return ops.global_max_pool(x, self._batch_size, empty=self._empty)

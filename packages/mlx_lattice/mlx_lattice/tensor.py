@@ -3,8 +3,8 @@ coordinate manager that shares kernel relations between layers."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Literal
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Literal
 
 import mlx.core as mx
 import numpy as np
@@ -47,6 +47,7 @@ class CoordinateManager:
     def __init__(self) -> None:
         self._coords: dict[CoordinateKey, mx.array] = {}
         self._relations: dict[tuple, KernelRelation] = {}
+        self._memo: dict[Hashable, Any] = {}
         self._generated = 0
 
     def register(self, coords: mx.array, tensor_stride: Triple, tag: str = "") -> CoordinateKey:
@@ -94,16 +95,24 @@ class CoordinateManager:
         stride: int | Sequence[int] = 1,
         dilation: int | Sequence[int] = 1,
         kind: Literal["submanifold", "forward", "target"] = "submanifold",
+        shift: Sequence[int] = (0, 0, 0),
     ) -> tuple[KernelRelation, CoordinateKey]:
         """The relation from ``in_key`` (built once), and its output key.
 
         ``submanifold``: outputs are the inputs. ``forward``: outputs are the
         set at ``in stride * stride`` (computed and registered on first use,
         or ``out_key``). ``target``: outputs are ``out_key`` (a finer set).
+        ``shift`` is added to the input coordinates before they are matched
+        (rows keep their order): it moves the kernel window, which is how
+        convolution ``padding`` is expressed; a ``submanifold`` relation with
+        a shift is a stride-1 ``forward`` relation onto the inputs.
         """
         size = normalize_triple(kernel_size, "kernel_size", high=7)
         strides = normalize_triple(stride, "stride")
         dil = normalize_triple(dilation, "dilation")
+        moved = tuple(int(v) for v in shift)
+        if len(moved) != 3:
+            raise SparseTensorError(f"shift must be three ints, got {shift!r}.")
         in_stride, in_tag = in_key
         if kind == "submanifold":
             out_key = in_key
@@ -111,11 +120,20 @@ class CoordinateManager:
             out_key = (tuple(s * t for s, t in zip(in_stride, strides, strict=True)), in_tag)  # type: ignore[assignment]
         if out_key is None:
             raise SparseTensorError("a target relation needs the output coordinate key.")
-        cache_key = (in_key, out_key, size, strides, dil, kind)
+        cache_key = (in_key, out_key, size, strides, dil, kind, moved)
         rel = self._relations.get(cache_key)
         if rel is not None:
             return rel, out_key
         in_coords = self.coords(in_key)
+        if any(moved):
+            if kind == "submanifold" or (kind == "forward" and not self.has(out_key)):
+                # The output set does not depend on the shift: make it unshifted first.
+                self.relation(
+                    in_key, out_key, kernel_size=size, stride=strides, dilation=dil, kind=kind
+                )
+                if kind == "submanifold":
+                    kind = "forward"
+            in_coords = _shifted(in_coords, moved)
         if kind == "submanifold":
             rel = build_kernel_relation(
                 in_coords, kernel_size=size, dilation=dil, tensor_stride=in_stride
@@ -144,6 +162,28 @@ class CoordinateManager:
             )
         self._relations[cache_key] = rel
         return rel, out_key
+
+    def derived(self, source: Hashable, spec: Hashable, make: Callable) -> CoordinateKey:
+        """The key of a coordinate set derived from ``source`` by ``spec`` (e.g.
+        a generative layer's outputs), made once by ``make()`` -> (coords,
+        tensor stride) and registered under a fresh tag."""
+        return self.memo(("derived", source, spec), lambda: self.register(*make(), self.new_tag()))
+
+    def memo(self, key: Hashable, make: Callable) -> Any:
+        """``make()`` computed once per ``key`` for this manager (e.g. an
+        interpolation map between two of its coordinate sets)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
+
+
+def _shifted(coords: mx.array, shift: tuple[int, ...]) -> mx.array:
+    """``coords`` with ``shift`` added to x, y, z (checked to stay in int32)."""
+    c = np.array(coords).astype(np.int64)
+    c[:, 1:] += np.asarray(shift, np.int64)
+    if c.size and (c.min() < -(2**31) or c.max() >= 2**31):
+        raise SparseTensorError("padding moves coordinates out of the int32 range.")
+    return mx.array(c.astype(np.int32))
 
 
 class SparseTensor:

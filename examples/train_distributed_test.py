@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import os
 import re
 import signal
@@ -43,11 +44,13 @@ def _launcher() -> list[str]:
     return [sys.executable, "-c", "from mlx._distributed_utils.launch import main; main()"]
 
 
-def _mlx_launch(*extra: str, timeout_s: float = 90) -> str:
+def _mlx_launch(*extra: str, hosts: list[str] | None = None, timeout_s: float = 90) -> str:
+    """``mlx.launch`` with ``-n 2``, or with ``hosts`` (a host file path and
+    options) instead."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     cmd = [
-        *_launcher(),
-        "--backend", "ring", "-n", "2", "--starting-port", str(_two_free_ports()),
+        *_launcher(), *(hosts or ["--backend", "ring", "-n", "2"]),
+        "--starting-port", str(_two_free_ports()),
         "--python", sys.executable, str(SCRIPT), *ARGS, "--threads", "1", *extra,
     ]  # fmt: skip
     # stdin is a pipe kept open and empty: mlx.launch forwards stdin to the ranks.
@@ -96,8 +99,13 @@ def test_mlx_launch_two_ranks_matches_one_process_with_sync_bn():
     assert abs(_final_loss(out) - _final_loss(one)) <= 2e-4, (out, one)
 
 
-def test_launch_without_sync_bn_trains():
-    out = _mlx_launch()
+def test_host_file_launch_without_sync_bn_trains(tmp_path):
+    """The several-hosts route, with both hosts on this machine (mlx.launch
+    starts 127.0.0.1 entries locally instead of through ssh)."""
+    hostfile = tmp_path / "hosts.json"
+    local = {"ssh": "127.0.0.1", "ips": ["127.0.0.1"]}
+    hostfile.write_text(json.dumps({"backend": "ring", "hosts": [local, local]}))
+    out = _mlx_launch(hosts=["--hostfile", str(hostfile)])
     assert "sync-bn False" in out and "rank 1:" in out, out
     losses = [float(v) for v in re.findall(r"loss (\d+\.\d+)", out)]
     assert len(losses) >= 2 and losses[-1] < losses[0], out

@@ -569,7 +569,10 @@ def spawn_local(
         try:
             for r in range(n):
                 child_env = dict(os.environ if env is None else env)
-                child_env.update(MLX_RANK=str(r), MLX_HOSTFILE=hostfile)
+                child_env.pop("MLX_HOSTFILE", None)
+                child_env.update(MLX_RANK=str(r))
+                if n > 1:  # one rank alone: no host file, as mlx.launch does
+                    child_env["MLX_HOSTFILE"] = hostfile
                 with open(outs[r], "w") as out, open(errs[r], "w") as err:
                     procs.append(
                         subprocess.Popen(

@@ -80,6 +80,8 @@ def test_two_processes_equal_the_single_process_program(tmp_path: Path) -> None:
     for r, out in enumerate(outs):
         # Each process holds half of w1: the weights are sharded across processes.
         assert f"process {r}/2: 2 devices on the mesh, w1 shard (64, 64) of (64, 128)" in out, out
+        # The cross-process collectives are gloo's (JAX 0.10's CPU default).
+        assert f"[Gloo] Rank {r} is connected to 1 peer ranks" in out, out
     losses = [out.split("QT losses ")[1].split(";")[0] for out in outs]
     assert losses[0] == losses[1]
 

@@ -32,7 +32,9 @@ def audit(wheel: str) -> list[str]:
     if not platform.startswith("manylinux_"):
         return [f"{wheel}: platform tag {platform!r} is not a manylinux tag"]
     shown = subprocess.run(
-        [sys.executable, "-m", "auditwheel", "show", "--json", wheel], capture_output=True, text=True
+        [sys.executable, "-m", "auditwheel", "show", "--json", wheel],
+        capture_output=True,
+        text=True,
     )
     if shown.returncode != 0:
         return [f"{wheel}: auditwheel show failed:\n{shown.stderr}"]
@@ -45,7 +47,9 @@ def audit(wheel: str) -> list[str]:
         problems.append(f"{wheel}: auditwheel found unsupported ISA extensions")
     if glibc_minor(report["sym_tag"]) > glibc_minor(platform):
         problems.append(f"{wheel}: symbols need {report['sym_tag']}, tagged {platform}")
-    print(f"{wheel}: tagged {platform}; auditwheel: symbols {report['sym_tag']}, external {sorted(external)}")
+    print(
+        f"{wheel}: tagged {platform}; auditwheel: symbols {report['sym_tag']}, external {sorted(external)}"
+    )
     return problems
 
 

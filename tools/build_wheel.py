@@ -35,6 +35,12 @@ def _record_line(name: str, data: bytes) -> str:
     return f"{name},sha256={digest},{len(data)}"
 
 
+def _import_name(entries: list[tuple[str, bytes]]) -> str:
+    """The top-level package the wheel installs (may differ from the distribution)."""
+    tops = sorted({name.split("/", 1)[0] for name, _ in entries if "/" in name})
+    return ", ".join(tops)
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -82,6 +88,14 @@ def main() -> int:
         f"Summary: {a.summary}",
         "Requires-Python: >=3.11",
         *[f"Requires-Dist: {r}" for r in sorted(requires)],
+        "Description-Content-Type: text/markdown",
+        "",
+        f"# {a.distribution}",
+        "",
+        a.summary,
+        "",
+        f"Import name: `{_import_name(entries)}`. Part of the quantlattice monorepo, "
+        "released together at one version.",
     ]
     wheel = [
         "Wheel-Version: 1.0",

@@ -7,8 +7,13 @@ The files are found in the source tree the runfiles link to, so this test is
 tagged `external` (never cached): Bazel does not track every BUILD file as an
 input. ./bazelw installs buildifier with `npm ci` and passes its path in
 QUANTLATTICE_BUILDIFIER.
+
+Formatting every file in place (after one ./bazelw run installed buildifier):
+
+    python3 tools/buildifier_test.py --fix
 """
 
+import glob
 import os
 import pathlib
 import subprocess
@@ -24,7 +29,8 @@ DISABLED = [
     "native-sh-test",
 ]
 # The Bazel 4 shims exist to forward to the native rules.
-SHIM_DISABLED = DISABLED + [
+SHIM_DISABLED = [
+    *DISABLED,
     "native-cc-binary",
     "native-cc-import",
     "native-cc-library",
@@ -55,7 +61,9 @@ def build_files(root: pathlib.Path) -> list[str]:
     for dirpath, dirnames, filenames in os.walk(root):
         rel = pathlib.Path(dirpath).relative_to(root)
         dirnames[:] = sorted(
-            d for d in dirnames if d not in SKIP_DIRS and not (rel == pathlib.Path(".") and d.startswith("bazel-"))
+            d
+            for d in dirnames
+            if d not in SKIP_DIRS and not (rel == pathlib.Path(".") and d.startswith("bazel-"))
         )
         for name in sorted(filenames):
             if name in NAMES or name.endswith(".bzl"):
@@ -78,12 +86,34 @@ def run(buildifier: str, root: pathlib.Path, files: list[str], disabled: list[st
     return result.returncode
 
 
+def find_buildifier() -> str:
+    """QUANTLATTICE_BUILDIFIER, else the copy ./bazelw installed in the cache."""
+    if os.environ.get("QUANTLATTICE_BUILDIFIER"):
+        return os.environ["QUANTLATTICE_BUILDIFIER"]
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    found = sorted(
+        glob.glob(
+            f"{cache}/quantlattice/buildifier-*/node_modules/@bazel/buildifier/buildifier-linux_*"
+        )
+    )
+    return found[-1] if found else ""
+
+
+def fix(buildifier: str, root: pathlib.Path) -> int:
+    files = build_files(root)
+    result = subprocess.run([buildifier, "--mode=fix", "--lint=off", *files], cwd=root)
+    print(f"formatted {len(files)} BUILD/.bzl files under {root}")
+    return result.returncode
+
+
 def main(argv: list[str]) -> int:
-    buildifier = os.environ.get("QUANTLATTICE_BUILDIFIER", "")
+    buildifier = find_buildifier()
     if not buildifier or not os.access(buildifier, os.X_OK):
         print("QUANTLATTICE_BUILDIFIER is not an executable buildifier; run through ./bazelw "
               "(it installs third_party/buildifier with npm ci).", file=sys.stderr)  # fmt: skip
         return 2
+    if argv == ["--fix"]:
+        return fix(buildifier, pathlib.Path(__file__).resolve().parent.parent)
     root = source_root(argv[0])
     files = build_files(root)
     if "MODULE.bazel" not in files or "tools/py.bzl" not in files:
@@ -93,8 +123,8 @@ def main(argv: list[str]) -> int:
     rest = [f for f in files if not f.startswith(SHIMS)]
     status = run(buildifier, root, rest, DISABLED) | run(buildifier, root, shims, SHIM_DISABLED)
     if status:
-        print("buildifier found problems; format with: "
-              "$QUANTLATTICE_BUILDIFIER -r --lint=fix . (see README)", file=sys.stderr)  # fmt: skip
+        print("buildifier found problems; format with: python3 tools/buildifier_test.py --fix",
+              file=sys.stderr)  # fmt: skip
     else:
         print(f"{len(files)} BUILD/.bzl files formatted and lint-clean")
     return status

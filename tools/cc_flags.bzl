@@ -3,15 +3,17 @@
 # The language standard of every C++ target (MLX's headers need C++20).
 CXX_STANDARD = ["-std=c++20"]
 
-# Warnings and code generation for the native extension and its libraries.
-NATIVE_COPTS = CXX_STANDARD + [
+# Warnings and code generation of C++ libraries others link (public symbols).
+LIBRARY_COPTS = CXX_STANDARD + [
     "-O3",
-    "-fvisibility=hidden",
     "-fno-strict-aliasing",
     "-Wall",
     "-Wextra",
     "-Wno-unused-parameter",
 ]
+
+# The native extension: the same, with only the module init function exported.
+NATIVE_COPTS = LIBRARY_COPTS + ["-fvisibility=hidden"]
 
 # The compiler the modern lane's declared toolchain expects: Debian's package
 # and the major version it installs (checked when the toolchain is set up).

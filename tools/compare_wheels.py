@@ -18,7 +18,7 @@ def describe(wheel: pathlib.Path) -> dict[str, bytes | None]:
     """member -> content (None for compiled members, compared by name only)."""
     with zipfile.ZipFile(wheel) as archive:
         return {
-            name: None if name.endswith((".so", ".dylib", ".pyd")) or name.endswith("/RECORD")
+            name: None if name.endswith((".so", ".dylib", ".pyd", "/RECORD"))
             else archive.read(name)
             for name in sorted(archive.namelist())
         }  # fmt: skip

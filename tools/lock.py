@@ -88,7 +88,9 @@ def find_interpreter(version: str) -> str | None:
     return None
 
 
-def resolve(requirements: pathlib.Path, target: list[str], python: str) -> list[tuple[str, str, str]]:
+def resolve(
+    requirements: pathlib.Path, target: list[str], python: str
+) -> list[tuple[str, str, str]]:
     """Return sorted (name, version, sha256) for the full resolved set.
 
     `python` resolves natively when it is an interpreter of the target (then
@@ -130,7 +132,9 @@ def resolve(requirements: pathlib.Path, target: list[str], python: str) -> list[
     return sorted(pinned)
 
 
-def render(pinned: list[tuple[str, str, str]], platform: str, python: str, requirements: str) -> str:
+def render(
+    pinned: list[tuple[str, str, str]], platform: str, python: str, requirements: str
+) -> str:
     lines = [HEADER.format(requirements=requirements, python=python, platform=platform)]
     for name, version, digest in pinned:
         lines.append(f"{name}=={version} \\\n    --hash=sha256:{digest}\n")

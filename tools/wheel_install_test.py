@@ -23,6 +23,12 @@ def _metadata(wheel: pathlib.Path) -> str:
         return zf.read(name).decode()
 
 
+def _installs(wheel: pathlib.Path, module: str) -> bool:
+    """Whether the wheel installs the import package `module` (names may differ)."""
+    with zipfile.ZipFile(wheel) as zf:
+        return any(n.startswith(module + "/") for n in zf.namelist())
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--module", required=True)
@@ -32,7 +38,7 @@ def main() -> int:
     a = p.parse_args()
 
     wheels = [pathlib.Path(w).resolve() for w in a.wheels]
-    main_wheel = next(w for w in wheels if w.name.startswith(a.module + "-"))
+    main_wheel = next(w for w in wheels if _installs(w, a.module))
     meta = _metadata(main_wheel)
     for req in a.requires:
         if f"Requires-Dist: {req}" not in meta.splitlines():

@@ -23,4 +23,11 @@ relation = build_kernel_relation(coords)
 out = ops.sparse_conv_features_from_relation(mx.ones((2, 1)), mx.ones((27, 1, 1)), relation)
 assert out.tolist() == [[2.0], [2.0]], out
 
-print("quantrules", qr.__version__, "taktiny_ops", tk.__version__, "mlx_lattice", mlx_lattice.__version__)
+print(
+    "quantrules",
+    qr.__version__,
+    "taktiny_ops",
+    tk.__version__,
+    "mlx_lattice",
+    mlx_lattice.__version__,
+)

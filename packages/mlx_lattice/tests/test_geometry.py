@@ -1,0 +1,399 @@
+"""Points <-> voxels against NumPy loop references and finite differences.
+
+Every random input comes from `seeded` (a fresh seed per test, printed so a
+failing test shows it: rerun with GEOMETRY_SEED=<seed>).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from mlx_lattice.data import synthetic_lidar_scan
+from mlx_lattice.geometry import (
+    GeometryError,
+    devoxelize,
+    point_voxel_map,
+    quantize_points,
+    voxelize,
+)
+
+
+@pytest.fixture
+def seeded() -> np.random.Generator:
+    seed = int(os.environ.get("GEOMETRY_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"seed={seed} (rerun with GEOMETRY_SEED={seed})")
+    return np.random.default_rng(seed)
+
+
+# -- references (plain loops over points, written from the documented formulas) ----------
+
+
+def quantize_ref(points, size, origin, batch):
+    size = np.broadcast_to(np.asarray(size, np.float64), (3,))
+    origin = np.zeros(3) if origin is None else np.asarray(origin, np.float64)
+    batch = np.zeros(len(points), np.int64) if batch is None else batch
+    keys = []
+    for p, b in zip(points.astype(np.float64), batch, strict=True):
+        keys.append((int(b), *(math.floor((p[a] - origin[a]) / size[a]) for a in range(3))))
+    voxels = sorted(set(keys))
+    row = {k: i for i, k in enumerate(voxels)}
+    p2v = np.array([row[k] for k in keys], np.int64)
+    counts = np.bincount(p2v, minlength=len(voxels))
+    return np.array(voxels, np.int64).reshape(-1, 4), p2v, counts
+
+
+def voxelize_ref(feats, p2v, n, reduce):
+    out = np.zeros((n, feats.shape[1]))
+    for v in range(n):
+        rows = feats[p2v == v].astype(np.float64)
+        out[v] = {
+            "sum": rows.sum(0),
+            "mean": rows.mean(0),
+            "max": rows.max(0),
+            "first": rows[0],
+        }[reduce]
+    return out
+
+
+def pvm_ref(points, coords, size, origin, batch):
+    size = np.broadcast_to(np.asarray(size, np.float64), (3,))
+    origin = np.zeros(3) if origin is None else np.asarray(origin, np.float64)
+    batch = np.zeros(len(points), np.int64) if batch is None else batch
+    table = {tuple(int(v) for v in c): i for i, c in enumerate(coords)}
+    rows = np.full((len(points), 8), -1)
+    weights = np.zeros((len(points), 8))
+    nearest = np.full(len(points), -1)
+    for p, (pt, b) in enumerate(zip(points.astype(np.float64), batch, strict=True)):
+        u = [(pt[a] - origin[a]) / size[a] - 0.5 for a in range(3)]
+        base = [math.floor(x) for x in u]
+        t = [u[a] - base[a] for a in range(3)]
+        w = np.zeros(8)
+        for c in range(8):
+            d = ((c >> 2) & 1, (c >> 1) & 1, c & 1)
+            r = table.get((int(b), base[0] + d[0], base[1] + d[1], base[2] + d[2]), -1)
+            rows[p, c] = r
+            wc = 1.0
+            for a in range(3):
+                wc *= t[a] if d[a] else 1.0 - t[a]
+            w[c] = wc if r >= 0 else 0.0
+        if w.sum() > 0:
+            weights[p] = w / w.sum()
+            present = np.flatnonzero(rows[p] >= 0)
+            nearest[p] = rows[p, present[np.argmax(w[present])]]
+    return rows, weights, nearest
+
+
+def devoxelize_ref(vf, rows, weights, nearest, mode):
+    out = np.zeros((len(rows), vf.shape[1]))
+    for p in range(len(rows)):
+        if mode == "nearest":
+            if nearest[p] >= 0:
+                out[p] = vf[nearest[p]]
+            continue
+        for c in range(8):
+            if rows[p, c] >= 0:
+                out[p] += weights[p, c] * vf[rows[p, c]].astype(np.float64)
+    return out
+
+
+def random_points(rng, n, batches=1, extent=3.0):
+    pts = rng.uniform(-extent, extent, (n, 3))
+    return pts, rng.integers(0, batches, n)
+
+
+# -- quantize_points ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("n", "batches"), [(0, 1), (1, 1), (200, 1), (500, 3)])
+def test_quantize_matches_loop(seeded, n, batches):
+    pts, batch = random_points(seeded, n, batches)
+    size = seeded.uniform(0.2, 1.0, 3)
+    origin = seeded.uniform(-1, 1, 3)
+    vox = quantize_points(pts, size, origin=origin, batch=batch)
+    coords, p2v, counts = quantize_ref(pts, size, origin, batch)
+    np.testing.assert_array_equal(np.array(vox.coords), coords)
+    np.testing.assert_array_equal(np.array(vox.point_to_voxel), p2v)
+    np.testing.assert_array_equal(np.array(vox.counts), counts)
+    off, members = np.array(vox.voxel_offsets), np.array(vox.voxel_points)
+    for v in range(len(coords)):
+        np.testing.assert_array_equal(members[off[v] : off[v + 1]], np.flatnonzero(p2v == v))
+
+
+def test_quantize_scalar_size_float32_and_scan():
+    scan = synthetic_lidar_scan(seed=0)
+    pts = scan.points[::7]
+    vox = quantize_points(mx.array(pts), 0.3)
+    coords, p2v, _ = quantize_ref(pts, 0.3, None, None)
+    np.testing.assert_array_equal(np.array(vox.coords), coords)
+    np.testing.assert_array_equal(np.array(vox.point_to_voxel), p2v)
+
+
+def test_quantize_boundaries_are_half_open():
+    pts = np.array([[0.0, 0.0, 0.0], [1.0, -1.0, 0.5], [-1e-12, 0.0, 0.0]])
+    vox = quantize_points(pts, 1.0)
+    assert np.array(vox.coords).tolist() == [[0, -1, 0, 0], [0, 0, 0, 0], [0, 1, -1, 0]]
+
+
+# -- voxelize -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "first"])
+def test_voxelize_matches_loop(seeded, reduce):
+    pts, batch = random_points(seeded, 400, 2, extent=2.0)
+    vox = quantize_points(pts, 0.7, batch=batch)
+    feats = seeded.standard_normal((400, 5)).astype(np.float32)
+    out = voxelize(mx.array(feats), vox, reduce)
+    ref = voxelize_ref(feats, np.array(vox.point_to_voxel), vox.num_voxels, reduce)
+    np.testing.assert_allclose(np.array(out), ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max", "first"])
+def test_voxelize_grad_finite_differences(seeded, reduce):
+    pts, batch = random_points(seeded, 60, 2, extent=1.0)
+    vox = quantize_points(pts, 0.8, batch=batch)
+    feats = seeded.standard_normal((60, 3))
+    cot = seeded.standard_normal((vox.num_voxels, 3))
+
+    def loss(f):
+        return (voxelize(f, vox, reduce) * mx.array(cot.astype(np.float32))).sum()
+
+    grad = np.array(mx.grad(loss)(mx.array(feats.astype(np.float32))))
+    p2v = np.array(vox.point_to_voxel)
+
+    def loss_ref(f):
+        return float((voxelize_ref(f, p2v, vox.num_voxels, reduce) * cot).sum())
+
+    eps = 1e-4  # float64 reference: central differences exact to ~1e-8
+    fd = np.zeros_like(feats)
+    for i in range(feats.shape[0]):
+        for j in range(feats.shape[1]):
+            up, dn = feats.copy(), feats.copy()
+            up[i, j] += eps
+            dn[i, j] -= eps
+            fd[i, j] = (loss_ref(up) - loss_ref(dn)) / (2 * eps)
+    np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-4)
+
+
+def test_voxelize_jvp_matches_forward_of_tangent(seeded):
+    pts, _ = random_points(seeded, 100, 1, extent=1.0)
+    vox = quantize_points(pts, 0.5)
+    f = mx.array(seeded.standard_normal((100, 2)).astype(np.float32))
+    t = mx.array(seeded.standard_normal((100, 2)).astype(np.float32))
+    for reduce in ("sum", "mean"):
+        _, (jt,) = mx.jvp(lambda x, r=reduce: voxelize(x, vox, r), [f], [t])
+        np.testing.assert_allclose(np.array(jt), np.array(voxelize(t, vox, reduce)), atol=1e-6)
+    _, (jt,) = mx.jvp(lambda x: voxelize(x, vox, "max"), [f], [t])
+    ref = voxelize_ref(np.array(f), np.array(vox.point_to_voxel), vox.num_voxels, "max")
+    # the tangent of a max is the tangent of the point that attains it
+    arg = np.array(
+        [
+            [
+                np.flatnonzero(
+                    (np.array(vox.point_to_voxel) == v) & (np.array(f)[:, c] == ref[v, c])
+                )[0]
+                for c in range(2)
+            ]
+            for v in range(vox.num_voxels)
+        ]
+    )
+    np.testing.assert_allclose(np.array(jt), np.take_along_axis(np.array(t), arg, 0), atol=0)
+
+
+def test_voxelize_under_compile_and_dtypes(seeded):
+    pts, _ = random_points(seeded, 80, 1)
+    vox = quantize_points(pts, 1.0)
+    f = mx.array(seeded.standard_normal((80, 4)).astype(np.float32))
+    compiled = mx.compile(lambda x: voxelize(x, vox, "mean"))
+    np.testing.assert_allclose(np.array(compiled(f)), np.array(voxelize(f, vox, "mean")), atol=0)
+    half = voxelize(f.astype(mx.float16), vox, "sum")
+    assert half.dtype == mx.float16
+    np.testing.assert_allclose(
+        np.array(half.astype(mx.float32)),
+        np.array(voxelize(f.astype(mx.float16).astype(mx.float32), vox, "sum")),
+        rtol=2e-3,
+        atol=2e-3,
+    )  # fp16 rounding of the result
+
+
+# -- point_voxel_map / devoxelize -----------------------------------------------------------
+
+
+def _scene(rng, n_points=300, batches=2, drop=0.3):
+    pts, batch = random_points(rng, n_points, batches, extent=2.0)
+    size = rng.uniform(0.4, 0.8, 3)
+    origin = rng.uniform(-0.5, 0.5, 3)
+    coords, _, _ = quantize_ref(pts, size, origin, batch)
+    keep = rng.random(len(coords)) > drop  # empty voxels: drop some occupied ones
+    coords = coords[keep]
+    coords = coords[rng.permutation(len(coords))]
+    return pts, batch, size, origin, coords
+
+
+def test_point_voxel_map_matches_loop(seeded):
+    pts, batch, size, origin, coords = _scene(seeded)
+    pvm = point_voxel_map(pts, coords, size, origin=origin, batch=batch)
+    rows, weights, nearest = pvm_ref(pts, coords, size, origin, batch)
+    np.testing.assert_array_equal(np.array(pvm.rows), rows)
+    np.testing.assert_allclose(np.array(pvm.weights), weights, atol=1e-6)
+    np.testing.assert_array_equal(np.array(pvm.nearest), nearest)
+    present = weights.sum(1) > 0
+    np.testing.assert_allclose(np.array(pvm.weights).sum(1)[present], 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_devoxelize_matches_loop(seeded, mode):
+    pts, batch, size, origin, coords = _scene(seeded)
+    pvm = point_voxel_map(pts, coords, size, origin=origin, batch=batch)
+    vf = seeded.standard_normal((len(coords), 6)).astype(np.float32)
+    out = devoxelize(mx.array(vf), pvm, mode)
+    rows, weights, nearest = pvm_ref(pts, coords, size, origin, batch)
+    np.testing.assert_allclose(
+        np.array(out), devoxelize_ref(vf, rows, weights, nearest, mode), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+def test_devoxelize_vjp_jvp(seeded, mode):
+    pts, batch, size, origin, coords = _scene(seeded, n_points=40)
+    pvm = point_voxel_map(pts, coords, size, origin=origin, batch=batch)
+    rows, weights, nearest = pvm_ref(pts, coords, size, origin, batch)
+    vf = seeded.standard_normal((len(coords), 2))
+    cot = seeded.standard_normal((40, 2))
+
+    def loss_ref(v):
+        return float((devoxelize_ref(v, rows, weights, nearest, mode) * cot).sum())
+
+    grad = np.array(
+        mx.grad(lambda v: (devoxelize(v, pvm, mode) * mx.array(cot.astype(np.float32))).sum())(
+            mx.array(vf.astype(np.float32))
+        )
+    )
+    eps = 1e-4
+    fd = np.zeros_like(vf)
+    for i in range(vf.shape[0]):
+        for j in range(vf.shape[1]):
+            up, dn = vf.copy(), vf.copy()
+            up[i, j] += eps
+            dn[i, j] -= eps
+            fd[i, j] = (loss_ref(up) - loss_ref(dn)) / (2 * eps)
+    np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-4)
+    t = seeded.standard_normal(vf.shape).astype(np.float32)
+    _, (jt,) = mx.jvp(
+        lambda v: devoxelize(v, pvm, mode), [mx.array(vf.astype(np.float32))], [mx.array(t)]
+    )
+    np.testing.assert_allclose(
+        np.array(jt), devoxelize_ref(t, rows, weights, nearest, mode), rtol=1e-5, atol=1e-5
+    )
+
+
+def test_devoxelize_weight_gradient(seeded):
+    pts, batch, size, origin, coords = _scene(seeded, n_points=30)
+    pvm = point_voxel_map(pts, coords, size, origin=origin, batch=batch)
+    vf = mx.array(seeded.standard_normal((len(coords), 3)).astype(np.float32))
+    from mlx_lattice._native import ext
+
+    def f(w):
+        return ext.geometry_devoxelize(
+            vf, pvm.rows, w, pvm.nearest, pvm.voxel_offsets, pvm.voxel_entries, False
+        ).sum()
+
+    g = np.array(mx.grad(f)(pvm.weights))
+    rows = np.array(pvm.rows)
+    ref = np.where(rows >= 0, np.array(vf)[np.maximum(rows, 0)].sum(-1), 0.0)
+    np.testing.assert_allclose(g, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_devoxelize_compile_and_scan_roundtrip():
+    pts = synthetic_lidar_scan(seed=0).points[::5]
+    vox = quantize_points(pts, 0.25)
+    pvm = point_voxel_map(pts, vox.coords, 0.25)
+    # Features linear in the voxel centre are reproduced exactly by trilinear
+    # interpolation wherever all 8 voxels exist.
+    centres = (np.array(vox.coords)[:, 1:] + 0.5) * 0.25
+    vf = mx.array(centres.astype(np.float32))
+    out = np.array(mx.compile(lambda v: devoxelize(v, pvm))(vf))
+    full = np.all(np.array(pvm.rows) >= 0, axis=1)
+    assert full.sum() > 100
+    np.testing.assert_allclose(out[full], pts[full], atol=1e-4)
+
+
+# -- bad inputs -----------------------------------------------------------------------------
+
+
+def test_bad_inputs_raise_geometry_errors():
+    pts = np.zeros((3, 3))
+    with pytest.raises(GeometryError, match="points must be finite"):
+        quantize_points(np.array([[0.0, np.nan, 0.0]]), 1.0)
+    with pytest.raises(GeometryError, match="points must be finite"):
+        point_voxel_map(np.array([[np.inf, 0.0, 0.0]]), np.zeros((1, 4), np.int32), 1.0)
+    with pytest.raises(GeometryError, match="voxel_size"):
+        quantize_points(pts, 0.0)
+    with pytest.raises(GeometryError, match="voxel_size"):
+        quantize_points(pts, (1.0, -1.0, 1.0))
+    with pytest.raises(GeometryError, match="int32"):
+        quantize_points(np.array([[3e9, 0.0, 0.0]]), 1.0)
+    with pytest.raises(GeometryError, match="batch"):
+        quantize_points(pts, 1.0, batch=np.array([0, -1, 0]))
+    with pytest.raises(GeometryError, match="batch"):
+        quantize_points(pts, 1.0, batch=np.array([0, 1]))
+    with pytest.raises(GeometryError, match=r"points must be \(P, 3\)"):
+        quantize_points(np.zeros((3, 2)), 1.0)
+    vox = quantize_points(pts, 1.0)
+    with pytest.raises(GeometryError, match="reduce"):
+        voxelize(mx.zeros((3, 1)), vox, "median")  # type: ignore[arg-type]
+    with pytest.raises(GeometryError, match="point_features"):
+        voxelize(mx.zeros((4, 1)), vox)
+    with pytest.raises(ValueError, match="duplicate"):
+        point_voxel_map(pts, np.zeros((2, 4), np.int32), 1.0)
+    pvm = point_voxel_map(pts, np.zeros((1, 4), np.int32), 1.0)
+    with pytest.raises(GeometryError, match="voxel_features"):
+        devoxelize(mx.zeros((2, 1)), pvm)
+    with pytest.raises(GeometryError, match="interpolation"):
+        devoxelize(mx.zeros((1, 1)), pvm, "cubic")  # type: ignore[arg-type]
+
+
+def test_corrupt_maps_are_rejected_before_kernels_run():
+    from mlx_lattice._native import ext
+
+    pts = np.array([[0.1, 0.1, 0.1], [0.6, 0.6, 0.6]])
+    pvm = point_voxel_map(pts, np.array([[0, 0, 0, 0]]), 1.0)
+    bad_rows = mx.array(np.full((2, 8), 7, np.int32))
+    with pytest.raises(ValueError, match="rows"):
+        ext.geometry_devoxelize(
+            mx.zeros((1, 1)),
+            bad_rows,
+            pvm.weights,
+            pvm.nearest,
+            pvm.voxel_offsets,
+            pvm.voxel_entries,
+            False,
+        )
+    vox = quantize_points(pts, 1.0)
+    with pytest.raises(ValueError, match="point_to_voxel"):
+        ext.geometry_voxelize(
+            mx.zeros((2, 1)),
+            vox.voxel_offsets,
+            vox.voxel_points,
+            mx.array([0, 5], dtype=mx.int32),
+            "sum",
+        )
+    with pytest.raises(ValueError, match="voxel_points"):
+        ext.geometry_voxelize(
+            mx.zeros((2, 1)),
+            vox.voxel_offsets,
+            mx.array([0, 9], dtype=mx.int32),
+            vox.point_to_voxel,
+            "sum",
+        )
+
+
+def test_vmap_raises_naming_the_op():
+    pts = np.array([[0.1, 0.1, 0.1], [0.6, 0.6, 0.6]])
+    pvm = point_voxel_map(pts, np.array([[0, 0, 0, 0]]), 1.0)
+    with pytest.raises(ValueError, match="GeometryDevoxelize"):
+        mx.vmap(lambda v: devoxelize(v, pvm))(mx.zeros((2, 1, 1)))

@@ -27,6 +27,7 @@ Conventions (fixed; the native kernels and the tests rely on them):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -36,14 +37,23 @@ import numpy as np
 
 from mlx_lattice._native import ext
 from mlx_lattice.core.coordinates import as_coordinates
+from mlx_lattice.core.relations import (
+    KernelRelation,
+    RelationContract,
+    RelationCSR,
+    RelationEdges,
+)
 
 __all__ = [
     "GeometryError",
     "PointVoxelMap",
     "VoxelizedPoints",
     "devoxelize",
+    "gather_neighbor_features",
+    "knn_relation",
     "point_voxel_map",
     "quantize_points",
+    "radius_relation",
     "voxel_centers",
     "voxelize",
 ]
@@ -347,3 +357,175 @@ def devoxelize(
         pvm.voxel_entries,
         interpolation == "nearest",
     )
+
+
+# -- neighbours --------------------------------------------------------------------------
+
+
+def _positions(
+    points: ArrayLike, batch: ArrayLike | None, name: str
+) -> tuple[np.ndarray, np.ndarray, mx.array]:
+    """(positions float64, batch int32, coordinates for the relation)."""
+    arr = np.asarray(points) if isinstance(points, mx.array | np.ndarray) else None
+    if (
+        arr is not None
+        and arr.ndim == 2
+        and arr.shape[1] == 4
+        and np.issubdtype(arr.dtype, np.integer)
+    ):
+        if batch is not None:
+            raise GeometryError(
+                f"{name}: integer (N, 4) coordinates carry their own batch; pass no batch."
+            )
+        coords = as_coordinates(arr, name)
+        c = np.asarray(coords)
+        if len(c) and c[:, 0].min() < 0:
+            raise GeometryError(f"{name} batch indices (column 0) must be >= 0.")
+        return (
+            np.ascontiguousarray(c[:, 1:].astype(np.float64)),
+            np.ascontiguousarray(c[:, 0]),
+            coords,
+        )
+    pts = _points(points, name)  # type: ignore[arg-type]
+    b = _batch(batch, len(pts), f"{name}_batch")
+    coords = np.zeros((len(pts), 4), np.int32)
+    coords[:, 0] = b
+    return pts, b, mx.array(coords)
+
+
+def _neighbor_relation(
+    raw: dict, n_kernels: int, in_coords: mx.array, out_coords: mx.array
+) -> KernelRelation:
+    offsets = np.array(raw["offsets"])
+    in_rows = np.array(raw["rows"])
+    n_out = len(offsets) - 1
+    out_rows = np.repeat(np.arange(n_out, dtype=np.int32), np.diff(offsets))
+    ranks = (np.arange(len(in_rows)) - np.repeat(offsets[:-1], np.diff(offsets))).astype(np.int32)
+    n_in = int(in_coords.shape[0])
+    by_input = np.argsort(in_rows, kind="stable").astype(np.int32)
+    by_kernel = np.argsort(ranks, kind="stable").astype(np.int32)
+    counts = np.bincount(ranks, minlength=n_kernels).astype(np.int32)
+    in_offsets = np.concatenate([[0], np.cumsum(np.bincount(in_rows, minlength=n_in))]).astype(
+        np.int32
+    )
+    k_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    ones = (1, 1, 1)
+    relation = KernelRelation(
+        contract=RelationContract("target", (n_kernels, 1, 1), ones, ones, ones, ones),
+        in_coords=in_coords,
+        out_coords=out_coords,
+        edges=RelationEdges(mx.array(in_rows), mx.array(out_rows), mx.array(ranks)),
+        counts=mx.array(counts),
+        output_csr=RelationCSR(
+            mx.array(offsets.astype(np.int32)), mx.array(np.arange(len(in_rows), dtype=np.int32))
+        ),
+        input_csr=RelationCSR(mx.array(in_offsets), mx.array(by_input)),
+        kernel_csr=RelationCSR(mx.array(k_offsets), mx.array(by_kernel)),
+        n_out_capacity=n_out,
+        n_kernels=n_kernels,
+    )
+    mx.eval(relation.edges.in_rows, relation.edges.out_rows, relation.edges.kernel_ids)
+    return relation
+
+
+def knn_relation(
+    query: ArrayLike,
+    support: ArrayLike,
+    k: int,
+    *,
+    query_batch: ArrayLike | None = None,
+    support_batch: ArrayLike | None = None,
+) -> KernelRelation:
+    """Exact k nearest neighbours of every query among the support (natively).
+
+    ``query``/``support`` are ``(P, 3)`` float points (batches given by
+    ``query_batch``/``support_batch``) or ``(N, 4)`` integer voxel
+    coordinates (distances between voxel centres, in grid units). Neighbours
+    never cross batches and are ordered by (squared distance in float64,
+    support row); edge ``e`` joins support row ``in_rows[e]`` to query row
+    ``out_rows[e]`` with kernel id = its rank (``n_kernels = k``). A query
+    whose batch has fewer than ``k`` support points gets them all. The
+    relation's ``in_coords``/``out_coords`` are the coordinates, or
+    ``(batch, 0, 0, 0)`` rows for float points.
+
+    >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
+    >>> rel = knn_relation(np.array([[0.9, 0, 0]]), support, 2)
+    >>> rel.edges.in_rows.tolist(), rel.edges.kernel_ids.tolist(), rel.n_kernels
+    ([1, 0], [0, 1], 2)
+    """
+    if not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 1:
+        raise GeometryError(f"k must be a positive int, got {k!r}.")
+    q, qb, qc = _positions(query, query_batch, "query")
+    s, sb, sc = _positions(support, support_batch, "support")
+    try:
+        raw = ext.geometry_knn(q, qb, s, sb, int(k))
+    except ValueError as err:
+        raise GeometryError(str(err)) from None
+    return _neighbor_relation(raw, int(k), sc, qc)
+
+
+def radius_relation(
+    query: ArrayLike,
+    support: ArrayLike,
+    r: float,
+    max_neighbors: int | None = None,
+    *,
+    query_batch: ArrayLike | None = None,
+    support_batch: ArrayLike | None = None,
+) -> KernelRelation:
+    """All support points within distance ``r`` (inclusive) of each query.
+
+    Same inputs and ordering as :func:`knn_relation`; with ``max_neighbors``
+    only the nearest ``max_neighbors`` are kept and ``n_kernels =
+    max_neighbors``, else ``n_kernels`` is the largest neighbour count (>= 1).
+
+    >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
+    >>> rel = radius_relation(np.array([[0.5, 0, 0]]), support, 0.5)
+    >>> rel.edges.in_rows.tolist(), rel.n_kernels
+    ([0, 1], 2)
+    """
+    if not (isinstance(r, int | float | np.floating) and math.isfinite(r) and r > 0):
+        raise GeometryError(f"r must be a positive finite number, got {r!r}.")
+    if max_neighbors is not None and (
+        not isinstance(max_neighbors, int | np.integer)
+        or isinstance(max_neighbors, bool)
+        or max_neighbors < 1
+    ):
+        raise GeometryError(f"max_neighbors must be None or a positive int, got {max_neighbors!r}.")
+    q, qb, qc = _positions(query, query_batch, "query")
+    s, sb, sc = _positions(support, support_batch, "support")
+    try:
+        raw = ext.geometry_radius(q, qb, s, sb, float(r), int(max_neighbors or 0))
+    except ValueError as err:
+        raise GeometryError(str(err)) from None
+    counts = np.diff(np.array(raw["offsets"]))
+    n_kernels = int(max_neighbors) if max_neighbors else max(1, int(counts.max(initial=0)))
+    return _neighbor_relation(raw, n_kernels, sc, qc)
+
+
+def gather_neighbor_features(
+    feats: mx.array, relation: KernelRelation, *, fill: float = 0.0
+) -> mx.array:
+    """``(n_out, K, C)`` features of each output's neighbours by kernel id.
+
+    Slots without a neighbour hold ``fill``. Differentiable in ``feats``.
+
+    >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
+    >>> rel = knn_relation(np.array([[2.9, 0, 0]]), support, 2)
+    >>> gather_neighbor_features(mx.array([[10.0], [20.0], [30.0]]), rel).tolist()
+    [[[30.0], [20.0]]]
+    """
+    if not isinstance(relation, KernelRelation):
+        raise GeometryError(f"relation must be a KernelRelation, got {type(relation).__name__}.")
+    feats = _features(feats, relation.n_in, "feats", "support row")
+    n_out, n_k = int(relation.n_out_capacity or 0), int(relation.n_kernels or 0)
+    channels = int(feats.shape[1])
+    slots = relation.edges.out_rows * n_k + relation.edges.kernel_ids
+    gathered = mx.take(feats, relation.edges.in_rows, axis=0)
+    out = mx.zeros((n_out * n_k, channels), dtype=feats.dtype).at[slots].add(gathered)
+    if fill != 0.0:
+        present = (
+            mx.zeros((n_out * n_k,), dtype=mx.bool_).at[slots].add(mx.ones(slots.shape, mx.bool_))
+        )
+        out = mx.where(present[:, None], out, mx.array(fill, dtype=feats.dtype))
+    return out.reshape(n_out, n_k, channels)

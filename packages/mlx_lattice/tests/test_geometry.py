@@ -17,8 +17,11 @@ from mlx_lattice.data import synthetic_lidar_scan
 from mlx_lattice.geometry import (
     GeometryError,
     devoxelize,
+    gather_neighbor_features,
+    knn_relation,
     point_voxel_map,
     quantize_points,
+    radius_relation,
     voxelize,
 )
 
@@ -397,3 +400,159 @@ def test_vmap_raises_naming_the_op():
     pvm = point_voxel_map(pts, np.array([[0, 0, 0, 0]]), 1.0)
     with pytest.raises(ValueError, match="GeometryDevoxelize"):
         mx.vmap(lambda v: devoxelize(v, pvm))(mx.zeros((2, 1, 1)))
+
+
+# -- neighbours -----------------------------------------------------------------------------
+
+
+def knn_ref(q, qb, s, sb, k):
+    """Brute force: every pair's squared distance, sorted by (distance, row)."""
+    out = []
+    for i in range(len(q)):
+        cand = np.flatnonzero(sb == qb[i])
+        d2 = ((s[cand] - q[i]) ** 2).sum(-1)
+        order = np.lexsort((cand, d2))[:k]
+        out.append(list(zip(d2[order].tolist(), cand[order].tolist(), strict=True)))
+    return out
+
+
+def radius_ref(q, qb, s, sb, r, max_neighbors=None):
+    out = []
+    for i in range(len(q)):
+        cand = np.flatnonzero(sb == qb[i])
+        d2 = ((s[cand] - q[i]) ** 2).sum(-1)
+        keep = d2 <= r * r
+        order = np.lexsort((cand[keep], d2[keep]))
+        rows = cand[keep][order].tolist()
+        out.append(rows[:max_neighbors] if max_neighbors else rows)
+    return out
+
+
+def relation_lists(rel):
+    n_out = int(rel.n_out_capacity)
+    out = [[] for _ in range(n_out)]
+    for i, o, k in zip(
+        np.array(rel.edges.in_rows),
+        np.array(rel.edges.out_rows),
+        np.array(rel.edges.kernel_ids),
+        strict=True,
+    ):
+        assert k == len(out[o])  # kernel id = rank
+        out[o].append(int(i))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("k", "batches", "grid"), [(1, 1, False), (8, 2, False), (16, 3, True), (40, 2, True)]
+)
+def test_knn_matches_brute_force_with_ties(seeded, k, batches, grid):
+    if grid:  # integer lattice points: many exactly equal distances
+        s = seeded.integers(-4, 5, (300, 3)).astype(np.float64)
+        q = seeded.integers(-4, 5, (120, 3)).astype(np.float64) + seeded.choice(
+            [0.0, 0.5], (120, 3)
+        )
+    else:
+        s = seeded.uniform(-5, 5, (400, 3))
+        q = seeded.uniform(-6, 6, (150, 3))
+    sb, qb = seeded.integers(0, batches, len(s)), seeded.integers(0, batches, len(q))
+    rel = knn_relation(q, s, k, query_batch=qb, support_batch=sb)
+    ref = knn_ref(q, qb, s, sb, k)
+    assert relation_lists(rel) == [[r for _, r in row] for row in ref]
+    assert rel.n_kernels == k and rel.n_in == len(s) and rel.n_out_capacity == len(q)
+    np.testing.assert_array_equal(
+        np.array(rel.counts), np.bincount(np.array(rel.edges.kernel_ids), minlength=k)
+    )
+
+
+def test_knn_matches_ckdtree_on_scan():
+    from scipy.spatial import cKDTree
+
+    pts = synthetic_lidar_scan(seed=0).points.astype(np.float64)
+    support, query = pts[::3], pts[1::50]
+    rel = knn_relation(query, support, 16)
+    d, idx = cKDTree(support).query(query, k=16)
+    got = np.array(rel.edges.in_rows).reshape(-1, 16)
+    d_got = np.sqrt(((support[got] - query[:, None]) ** 2).sum(-1))
+    np.testing.assert_allclose(d_got, d, rtol=1e-12, atol=1e-12)
+    # cKDTree's order among exact ties is unspecified; compare sets where distances tie
+    same = (got == idx) | np.isclose(d_got, d, rtol=0, atol=0)
+    assert same.all()
+
+
+def test_radius_matches_brute_force_and_ckdtree(seeded):
+    from scipy.spatial import cKDTree
+
+    s = seeded.integers(-5, 6, (400, 3)).astype(np.float64)  # lattice: points exactly at r
+    q = seeded.uniform(-5, 5, (100, 3)).round(1)
+    q[:20] = s[:20]
+    sb, qb = seeded.integers(0, 2, len(s)), seeded.integers(0, 2, len(q))
+    for r, cap in ((1.0, None), (2.0, 5), (0.3, None)):
+        rel = radius_relation(q, s, r, cap, query_batch=qb, support_batch=sb)
+        assert relation_lists(rel) == radius_ref(q, qb, s, sb, r, cap)
+    rel = radius_relation(q, s, 1.5)
+    tree = cKDTree(s)
+    assert [sorted(x) for x in relation_lists(rel)] == [
+        sorted(x) for x in tree.query_ball_point(q, 1.5)
+    ]
+
+
+def test_neighbors_over_voxel_coordinates_feed_pooling(seeded):
+    from mlx_lattice.core import ops
+
+    coords = np.unique(
+        np.concatenate([seeded.integers(0, 2, (300, 1)), seeded.integers(0, 6, (300, 3))], 1),
+        axis=0,
+    ).astype(np.int32)
+    rel = knn_relation(coords, coords, 4)
+    feats = seeded.standard_normal((len(coords), 3)).astype(np.float32)
+    pooled = ops.sparse_pool_features_from_relation(
+        mx.array(feats), rel, input_exclusive=False, mode="max"
+    )
+    ref = knn_ref(
+        coords[:, 1:].astype(np.float64),
+        coords[:, 0],
+        coords[:, 1:].astype(np.float64),
+        coords[:, 0],
+        4,
+    )
+    expected = np.stack([feats[[r for _, r in row]].max(0) for row in ref])
+    np.testing.assert_allclose(np.array(pooled), expected, atol=0)
+    gathered = gather_neighbor_features(mx.array(feats), rel)
+    np.testing.assert_array_equal(
+        np.array(gathered), np.stack([feats[[r for _, r in row]] for row in ref])
+    )
+
+
+def test_gather_neighbor_features_fill_and_grad(seeded):
+    s = seeded.uniform(0, 1, (30, 3))
+    q = seeded.uniform(0, 1, (10, 3))
+    rel = radius_relation(q, s, 0.4, 6)
+    feats = mx.array(seeded.standard_normal((30, 2)).astype(np.float32))
+    out = np.array(gather_neighbor_features(feats, rel, fill=-7.0))
+    lists = radius_ref(q, np.zeros(10), s, np.zeros(30), 0.4, 6)
+    for o, rows in enumerate(lists):
+        np.testing.assert_array_equal(out[o, : len(rows)], np.array(feats)[rows])
+        assert (out[o, len(rows) :] == -7.0).all()
+    w = mx.array(seeded.standard_normal((10, 6, 2)).astype(np.float32))
+    grad = np.array(mx.grad(lambda f: (gather_neighbor_features(f, rel) * w).sum())(feats))
+    ref = np.zeros((30, 2))
+    for o, rows in enumerate(lists):
+        for kk, r in enumerate(rows):
+            ref[r] += np.array(w)[o, kk]
+    np.testing.assert_allclose(grad, ref, atol=1e-6)
+
+
+def test_neighbor_bad_inputs():
+    pts = np.zeros((3, 3))
+    with pytest.raises(GeometryError, match="k must"):
+        knn_relation(pts, pts, 0)
+    with pytest.raises(GeometryError, match="r must"):
+        radius_relation(pts, pts, -1.0)
+    with pytest.raises(GeometryError, match="max_neighbors"):
+        radius_relation(pts, pts, 1.0, 0)
+    with pytest.raises(GeometryError, match="support must be finite"):
+        knn_relation(pts, np.array([[np.nan, 0, 0]]), 1)
+    with pytest.raises(GeometryError, match="query_batch"):
+        knn_relation(pts, pts, 1, query_batch=np.array([0, 0]))
+    with pytest.raises(GeometryError, match="feats"):
+        gather_neighbor_features(mx.zeros((2, 1)), knn_relation(pts, pts, 1))

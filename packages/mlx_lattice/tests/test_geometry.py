@@ -13,6 +13,21 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lattice.coords import (
+    CoordinateError,
+    contains_coords,
+    crop,
+    downsample_coords,
+    intersection_coords,
+    inverse_map,
+    lookup_coords,
+    morton_codes,
+    morton_order,
+    morton_sort_coords,
+    reindex,
+    topk_rows,
+    union_coords,
+)
 from mlx_lattice.data import synthetic_lidar_scan
 from mlx_lattice.geometry import (
     GeometryError,
@@ -556,3 +571,126 @@ def test_neighbor_bad_inputs():
         knn_relation(pts, pts, 1, query_batch=np.array([0, 0]))
     with pytest.raises(GeometryError, match="feats"):
         gather_neighbor_features(mx.zeros((2, 1)), knn_relation(pts, pts, 1))
+
+
+# -- coordinate algebra ---------------------------------------------------------------------
+
+
+def _rand_set(rng, n, extent=6, batches=2):
+    rows = np.concatenate(
+        [rng.integers(0, batches, (n, 1)), rng.integers(-extent, extent, (n, 3))], 1
+    )
+    rows = np.unique(rows, axis=0)
+    return rows[rng.permutation(len(rows))].astype(np.int32)
+
+
+def test_union_intersection_lookup_against_python_sets(seeded):
+    a, b = _rand_set(seeded, 300), _rand_set(seeded, 250)
+    sa, sb = {tuple(r) for r in a.tolist()}, {tuple(r) for r in b.tolist()}
+    ia = {tuple(r): i for i, r in enumerate(a.tolist())}
+    ib = {tuple(r): i for i, r in enumerate(b.tolist())}
+    for join, expected in ((union_coords(a, b), sa | sb), (intersection_coords(a, b), sa & sb)):
+        rows = [tuple(r) for r in np.array(join.coords).tolist()]
+        assert rows == sorted(expected)
+        assert np.array(join.a_rows).tolist() == [ia.get(r, -1) for r in rows]
+        assert np.array(join.b_rows).tolist() == [ib.get(r, -1) for r in rows]
+    q = np.concatenate([b, a[:50]])
+    assert np.array(lookup_coords(a, q)).tolist() == [ia.get(tuple(r), -1) for r in q.tolist()]
+    assert np.array(contains_coords(a, q)).tolist() == [tuple(r) in sa for r in q.tolist()]
+    empty = np.zeros((0, 4), np.int32)
+    assert np.array(union_coords(a, empty).coords).tolist() == [list(r) for r in sorted(sa)]
+    assert np.array(intersection_coords(empty, b).coords).shape == (0, 4)
+
+
+def test_large_coordinates_are_exact():
+    big = np.array(
+        [[0, 2**31 - 1, -(2**31), 7], [3, -(2**31), 2**31 - 1, 7], [0, 0, 0, 0]], np.int32
+    )
+    other = big.copy()
+    other[2, 3] = 1
+    j = union_coords(big, other)
+    assert len(np.array(j.coords)) == 4
+    assert np.array(lookup_coords(big, other)).tolist() == [0, 1, -1]
+
+
+def test_inverse_map_and_downsample(seeded):
+    perm = seeded.permutation(20)[:12]
+    inv = np.array(inverse_map(perm, 20))
+    for i, t in enumerate(perm):
+        assert inv[t] == i
+    assert (inv >= 0).sum() == 12
+    with pytest.raises(CoordinateError, match="repeats"):
+        inverse_map(np.array([1, 1]), 3)
+    with pytest.raises(CoordinateError, match="indices"):
+        inverse_map(np.array([3]), 3)
+    c = _rand_set(seeded, 300, extent=9)
+    coarse, m = downsample_coords(c, (2, 3, 2), tensor_stride=2)
+    step = np.array([4, 6, 4])
+    expected = {(r[0], *[(r[a + 1] // step[a]) * step[a] for a in range(3)]) for r in c.tolist()}
+    rows = [tuple(r) for r in np.array(coarse).tolist()]
+    assert rows == sorted(expected)
+    for i, r in enumerate(c.tolist()):
+        assert rows[int(np.array(m)[i])] == (
+            r[0],
+            *[(r[a + 1] // step[a]) * step[a] for a in range(3)],
+        )
+
+
+def morton_ref(x, y, z):
+    code = 0
+    for bit in range(21):
+        for shift, v in ((2, x), (1, y), (0, z)):
+            code |= (((v + 2**20) >> bit) & 1) << (3 * bit + shift)
+    return code
+
+
+def test_morton_against_bit_interleaving(seeded):
+    c = np.concatenate(
+        [seeded.integers(0, 3, (400, 1)), seeded.integers(-(2**20), 2**20, (400, 3))], 1
+    ).astype(np.int32)
+    c[:5, 1:] = [
+        [-(2**20), -(2**20), -(2**20)],
+        [2**20 - 1] * 3,
+        [-1, 0, 1],
+        [0, 0, 0],
+        [-1, -1, -1],
+    ]
+    codes = np.array(morton_codes(c)).tolist()
+    assert codes == [morton_ref(*r[1:]) for r in c.tolist()]
+    order = np.array(morton_order(c)).tolist()
+    assert order == sorted(range(len(c)), key=lambda i: (c[i, 0], codes[i], i))
+    sorted_c, o2 = morton_sort_coords(c)
+    np.testing.assert_array_equal(np.array(sorted_c), c[order])
+    assert np.array(o2).tolist() == order
+    with pytest.raises(CoordinateError, match="Morton range"):
+        morton_codes(np.array([[0, 2**20, 0, 0]]))
+
+
+def test_crop_topk_reindex(seeded):
+    c = _rand_set(seeded, 200)
+    rows = np.array(crop(c, (-2, -3, 0), (2, 4, 5))).tolist()
+    assert rows == [
+        i
+        for i, r in enumerate(c.tolist())
+        if -2 <= r[1] <= 2 and -3 <= r[2] <= 4 and 0 <= r[3] <= 5
+    ]
+    scores = seeded.integers(0, 5, len(c)).astype(np.float64)  # many ties
+    got = np.array(topk_rows(scores, 7, coords=c)).tolist()
+    expected = []
+    for b in np.unique(c[:, 0]):
+        idx = [i for i in range(len(c)) if c[i, 0] == b]
+        expected += sorted(idx, key=lambda i: (-scores[i], i))[:7]
+    assert got == sorted(expected)
+    new = _rand_set(seeded, 150)
+    feats = mx.array(seeded.standard_normal((len(c), 3)).astype(np.float32))
+    out = np.array(reindex(feats, c, new, fill=2.5))
+    table = {tuple(r): i for i, r in enumerate(c.tolist())}
+    for i, r in enumerate(new.tolist()):
+        ref = np.array(feats)[table[tuple(r)]] if tuple(r) in table else np.full(3, 2.5)
+        np.testing.assert_array_equal(out[i], ref)
+    with pytest.raises(CoordinateError, match="min must be"):
+        crop(c, (1, 1, 1), (0, 0, 0))
+    with pytest.raises(CoordinateError, match="duplicate"):
+        lookup_coords(np.zeros((2, 4), np.int32), c)
+    with pytest.raises(CoordinateError, match="k must"):
+        topk_rows(scores, -1)

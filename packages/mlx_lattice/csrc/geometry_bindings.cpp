@@ -9,10 +9,12 @@
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <map>
 #include <string>
 
 #include "cpu/geometry_kernels.h"
+#include "kernels.h"
 #include "geometry_primitives.h"
 
 namespace nb = nanobind;
@@ -46,12 +48,39 @@ void same_length(const char* a, int64_t na, const char* b, int64_t nb_) {
   }
 }
 
-Dict neighbors_dict(const geo::Neighbors& nbrs) {
-  std::vector<float> d(nbrs.dist2.size());
-  for (size_t i = 0; i < d.size(); ++i) d[i] = static_cast<float>(nbrs.dist2[i]);
-  return {{"offsets", ints(nbrs.offsets)},
-          {"rows", ints(nbrs.rows)},
-          {"dist2", to_mx(d, {static_cast<int>(d.size())}, mx::float32)}};
+// The neighbour lists as a relation's arrays: edges grouped by query (rank =
+// kernel id), plus the input and kernel groupings (stable counting sorts).
+Dict neighbors_dict(const geo::Neighbors& nbrs, int64_t n_support, int64_t n_kernels) {
+  const int64_t n_edges = static_cast<int64_t>(nbrs.rows.size());
+  const int64_t n_queries = static_cast<int64_t>(nbrs.offsets.size()) - 1;
+  std::vector<float> d(n_edges);
+  std::vector<int32_t> out_rows(n_edges), ranks(n_edges), edge_ids(n_edges);
+  for (int64_t q = 0; q < n_queries; ++q) {
+    for (int32_t e = nbrs.offsets[q]; e < nbrs.offsets[q + 1]; ++e) {
+      out_rows[e] = static_cast<int32_t>(q);
+      ranks[e] = e - nbrs.offsets[q];
+    }
+  }
+  for (int64_t e = 0; e < n_edges; ++e) {
+    d[e] = static_cast<float>(nbrs.dist2[e]);
+    edge_ids[e] = static_cast<int32_t>(e);
+  }
+  std::vector<int32_t> in_offsets, in_edge_ids, k_offsets, k_edge_ids;
+  ml::kernels::group_by(nbrs.rows.data(), n_edges, n_support, in_offsets, in_edge_ids);
+  ml::kernels::group_by(ranks.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
+  std::vector<int32_t> counts(n_kernels);
+  for (int64_t k = 0; k < n_kernels; ++k) counts[k] = k_offsets[k + 1] - k_offsets[k];
+  return {{"output_row_offsets", ints(nbrs.offsets)},
+          {"in_rows", ints(nbrs.rows)},
+          {"out_rows", ints(out_rows)},
+          {"kernel_ids", ints(ranks)},
+          {"output_edge_ids", ints(edge_ids)},
+          {"input_row_offsets", ints(in_offsets)},
+          {"input_edge_ids", ints(in_edge_ids)},
+          {"kernel_row_offsets", ints(k_offsets)},
+          {"kernel_edge_ids", ints(k_edge_ids)},
+          {"counts", ints(counts)},
+          {"dist2", to_mx(d, {static_cast<int>(n_edges)}, mx::float32)}};
 }
 
 }  // namespace
@@ -111,7 +140,8 @@ void bind_geometry(nb::module_& m) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
         return neighbors_dict(geo::knn(query.data(), qbatch.data(), query.shape(0), support.data(),
-                                       sbatch.data(), support.shape(0), k));
+                                       sbatch.data(), support.shape(0), k),
+                              support.shape(0), k);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "k"_a, release(),
       "Exact k nearest support points per query (same batch), by (distance, row).");
@@ -121,9 +151,13 @@ void bind_geometry(nb::module_& m) {
       [](Points query, Ints qbatch, Points support, Ints sbatch, double r, int64_t max_neighbors) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
-        return neighbors_dict(geo::radius_search(query.data(), qbatch.data(), query.shape(0),
-                                                 support.data(), sbatch.data(), support.shape(0), r,
-                                                 max_neighbors));
+        auto nbrs = geo::radius_search(query.data(), qbatch.data(), query.shape(0), support.data(),
+                                       sbatch.data(), support.shape(0), r, max_neighbors);
+        int64_t widest = 1;
+        for (size_t q = 0; q + 1 < nbrs.offsets.size(); ++q) {
+          widest = std::max<int64_t>(widest, nbrs.offsets[q + 1] - nbrs.offsets[q]);
+        }
+        return neighbors_dict(nbrs, support.shape(0), max_neighbors > 0 ? max_neighbors : widest);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "r"_a, "max_neighbors"_a,
       release(), "Support points within distance r of each query (same batch), nearest first.");

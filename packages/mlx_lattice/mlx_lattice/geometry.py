@@ -396,36 +396,19 @@ def _positions(
 def _neighbor_relation(
     raw: dict, n_kernels: int, in_coords: mx.array, out_coords: mx.array
 ) -> KernelRelation:
-    offsets = np.array(raw["offsets"])
-    in_rows = np.array(raw["rows"])
-    n_out = len(offsets) - 1
-    out_rows = np.repeat(np.arange(n_out, dtype=np.int32), np.diff(offsets))
-    ranks = (np.arange(len(in_rows)) - np.repeat(offsets[:-1], np.diff(offsets))).astype(np.int32)
-    n_in = int(in_coords.shape[0])
-    by_input = np.argsort(in_rows, kind="stable").astype(np.int32)
-    by_kernel = np.argsort(ranks, kind="stable").astype(np.int32)
-    counts = np.bincount(ranks, minlength=n_kernels).astype(np.int32)
-    in_offsets = np.concatenate([[0], np.cumsum(np.bincount(in_rows, minlength=n_in))]).astype(
-        np.int32
-    )
-    k_offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     ones = (1, 1, 1)
-    relation = KernelRelation(
+    return KernelRelation(
         contract=RelationContract("target", (n_kernels, 1, 1), ones, ones, ones, ones),
         in_coords=in_coords,
         out_coords=out_coords,
-        edges=RelationEdges(mx.array(in_rows), mx.array(out_rows), mx.array(ranks)),
-        counts=mx.array(counts),
-        output_csr=RelationCSR(
-            mx.array(offsets.astype(np.int32)), mx.array(np.arange(len(in_rows), dtype=np.int32))
-        ),
-        input_csr=RelationCSR(mx.array(in_offsets), mx.array(by_input)),
-        kernel_csr=RelationCSR(mx.array(k_offsets), mx.array(by_kernel)),
-        n_out_capacity=n_out,
+        edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
+        counts=raw["counts"],
+        output_csr=RelationCSR(raw["output_row_offsets"], raw["output_edge_ids"]),
+        input_csr=RelationCSR(raw["input_row_offsets"], raw["input_edge_ids"]),
+        kernel_csr=RelationCSR(raw["kernel_row_offsets"], raw["kernel_edge_ids"]),
+        n_out_capacity=int(out_coords.shape[0]),
         n_kernels=n_kernels,
     )
-    mx.eval(relation.edges.in_rows, relation.edges.out_rows, relation.edges.kernel_ids)
-    return relation
 
 
 def knn_relation(
@@ -498,9 +481,7 @@ def radius_relation(
         raw = ext.geometry_radius(q, qb, s, sb, float(r), int(max_neighbors or 0))
     except ValueError as err:
         raise GeometryError(str(err)) from None
-    counts = np.diff(np.array(raw["offsets"]))
-    n_kernels = int(max_neighbors) if max_neighbors else max(1, int(counts.max(initial=0)))
-    return _neighbor_relation(raw, n_kernels, sc, qc)
+    return _neighbor_relation(raw, int(raw["counts"].shape[0]), sc, qc)
 
 
 def gather_neighbor_features(

@@ -553,25 +553,37 @@ double pick_cell(const double* pts, const int32_t* batch, int64_t n, double per_
   double vol = 1.0;
   for (int a = 0; a < 3; ++a) vol *= std::max(hi[a] - lo[a], extent * 1e-3);
   double cell = std::cbrt(vol * per_cell / std::max<int64_t>(n, 1));
-  // Refine on a sample: points often lie on surfaces, far denser than the box.
-  const int64_t step = std::max<int64_t>(1, n / 4096);
-  for (int iter = 0; iter < 12; ++iter) {
-    std::vector<int32_t> keys;
-    for (int64_t i = 0; i < n; i += step) {
-      keys.push_back(batch[i]);
+  // Refine on the occupancy of the full set: points usually lie on surfaces,
+  // far denser than the bounding box suggests. Counts scale roughly with the
+  // cell area there, hence the square-root steps.
+  std::vector<int32_t> keys(4 * n);
+  for (int iter = 0; iter < 10; ++iter) {
+    for (int64_t i = 0; i < n; ++i) {
+      keys[4 * i] = batch[i];
       for (int a = 0; a < 3; ++a) {
-        keys.push_back(static_cast<int32_t>(std::clamp(std::floor(pts[3 * i + a] / cell), -1e9, 1e9)));
+        keys[4 * i + a + 1] =
+            static_cast<int32_t>(std::clamp(std::floor(pts[3 * i + a] / cell), -1e9, 1e9));
       }
     }
-    const int64_t m = static_cast<int64_t>(keys.size() / 4);
-    const auto u = unique_rows(keys.data(), m);
-    const double occupied = static_cast<double>(u.offsets.size() - 1);
-    // Points per occupied cell at full density.
-    const double density = static_cast<double>(n) / std::max(1.0, occupied * static_cast<double>(step));
-    const double sampled = static_cast<double>(m) / std::max(1.0, occupied);
-    const double per = std::max(density, sampled);
-    if (per <= 2.0 * per_cell) break;
-    cell *= 0.7;
+    // Points in the cell of an average point (sum of squared counts / n):
+    // what a query pays, dominated by the dense regions.
+    const auto order = sort_rows(keys.data(), n);
+    double sum_sq = 0.0;
+    int64_t run = n ? 1 : 0;
+    for (int64_t i = 1; i <= n; ++i) {
+      if (i < n && same_row(keys.data() + 4 * static_cast<int64_t>(order[i]),
+                            keys.data() + 4 * static_cast<int64_t>(order[i - 1]))) {
+        ++run;
+      } else {
+        sum_sq += static_cast<double>(run) * static_cast<double>(run);
+        run = 1;
+      }
+    }
+    const double per = n ? sum_sq / static_cast<double>(n) : 0.0;
+    if (per <= 1.4 * per_cell && per >= 0.7 * per_cell) break;
+    const double factor = std::clamp(std::sqrt(per_cell / per), 0.25, 4.0);
+    if (per < 0.7 * per_cell && (factor <= 1.0 || cell >= extent)) break;
+    cell *= factor;
   }
   return cell;
 }
@@ -586,76 +598,150 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
   Neighbors out;
   out.offsets.assign(nq + 1, 0);
   if (ns == 0 || nq == 0) return out;
-  const Grid grid(support, sbatch, ns, pick_cell(support, sbatch, ns, std::max<double>(2.0, k / 2.0)));
   std::vector<std::vector<Cand>> found(nq);
-  parallel_for((nq + 255) / 256, [&](int64_t t) {
-    const int64_t end = std::min(nq, (t + 1) * 256);
-    std::vector<Cand> heap;
-    for (int64_t q = t * 256; q < end; ++q) {
-      heap.clear();
-      const double* qp = query + 3 * q;
-      const auto* bounds = grid.bounds(qbatch[q]);
-      if (!bounds) continue;
-      int32_t home[3];
-      for (int a = 0; a < 3; ++a) home[a] = grid.cell_of(qp[a]);
-      const auto consider = [&](int32_t row) {
-        const Cand c{dist2(qp, support + 3 * static_cast<int64_t>(row)), row};
-        if (static_cast<int64_t>(heap.size()) < k) {
-          heap.push_back(c);
-          std::push_heap(heap.begin(), heap.end());
-        } else if (c < heap.front()) {
-          std::pop_heap(heap.begin(), heap.end());
-          heap.back() = c;
-          std::push_heap(heap.begin(), heap.end());
-        }
-      };
-      for (int64_t ring = 0;; ++ring) {
-        // Visit the cells at Chebyshev distance `ring` from home.
-        bool covered = true;  // the ring box contains every occupied cell of this batch
-        int64_t lo[3], hi[3];
-        for (int a = 0; a < 3; ++a) {
-          lo[a] = std::max<int64_t>(home[a] - ring, bounds->lo[a]);
-          hi[a] = std::min<int64_t>(home[a] + ring, bounds->hi[a]);
-          covered = covered && home[a] - ring <= bounds->lo[a] && home[a] + ring >= bounds->hi[a];
-        }
-        for (int64_t x = lo[0]; x <= hi[0]; ++x) {
-          const bool xe = x == home[0] - ring || x == home[0] + ring;
-          for (int64_t y = lo[1]; y <= hi[1]; ++y) {
-            const bool ye = xe || y == home[1] - ring || y == home[1] + ring;
-            if (ye) {
-              for (int64_t z = lo[2]; z <= hi[2]; ++z) {
-                const int32_t key[4] = {qbatch[q], static_cast<int32_t>(x), static_cast<int32_t>(y),
-                                        static_cast<int32_t>(z)};
-                grid.visit(key, consider);
-              }
-            } else {
-              for (int64_t z : {home[2] - ring, home[2] + ring}) {
-                if (z < lo[2] || z > hi[2] || (ring == 0 && z != home[2])) continue;
-                const int32_t key[4] = {qbatch[q], static_cast<int32_t>(x), static_cast<int32_t>(y),
-                                        static_cast<int32_t>(z)};
-                grid.visit(key, consider);
-                if (ring == 0) break;
-              }
-            }
+
+  // Exact search by growing rings of cells around the query's cell; stops
+  // once the k-th distance is below the distance to the unvisited cells.
+  const auto ring_search = [&](const Grid& grid, int64_t q, std::vector<Cand>& heap) {
+    heap.clear();
+    const double* qp = query + 3 * q;
+    const auto* bounds = grid.bounds(qbatch[q]);
+    if (!bounds) return;
+    int32_t home[3];
+    for (int a = 0; a < 3; ++a) home[a] = grid.cell_of(qp[a]);
+    const auto consider = [&](int32_t row) {
+      const Cand c{dist2(qp, support + 3 * static_cast<int64_t>(row)), row};
+      if (static_cast<int64_t>(heap.size()) < k) {
+        heap.push_back(c);
+        std::push_heap(heap.begin(), heap.end());
+      } else if (c < heap.front()) {
+        std::pop_heap(heap.begin(), heap.end());
+        heap.back() = c;
+        std::push_heap(heap.begin(), heap.end());
+      }
+    };
+    for (int64_t ring = 0;; ++ring) {
+      bool covered = true;  // the ring box contains every occupied cell of this batch
+      int64_t lo[3], hi[3];
+      for (int a = 0; a < 3; ++a) {
+        lo[a] = std::max<int64_t>(home[a] - ring, bounds->lo[a]);
+        hi[a] = std::min<int64_t>(home[a] + ring, bounds->hi[a]);
+        covered = covered && home[a] - ring <= bounds->lo[a] && home[a] + ring >= bounds->hi[a];
+      }
+      for (int64_t x = lo[0]; x <= hi[0]; ++x) {
+        const bool xe = x == home[0] - ring || x == home[0] + ring;
+        for (int64_t y = lo[1]; y <= hi[1]; ++y) {
+          const bool ye = xe || y == home[1] - ring || y == home[1] + ring;
+          for (int64_t z = lo[2]; z <= hi[2]; ++z) {
+            // Only the shell at Chebyshev distance `ring`: inner cells were seen.
+            if (!ye && z != home[2] - ring && z != home[2] + ring) continue;
+            const int32_t key[4] = {qbatch[q], static_cast<int32_t>(x), static_cast<int32_t>(y),
+                                    static_cast<int32_t>(z)};
+            grid.visit(key, consider);
           }
-        }
-        if (covered) break;
-        if (static_cast<int64_t>(heap.size()) == k) {
-          // Every unseen point lies outside the ring box: farther than its margin.
-          double margin = std::numeric_limits<double>::infinity();
-          for (int a = 0; a < 3; ++a) {
-            const double lo_edge = static_cast<double>(home[a] - ring) * grid.cell();
-            const double hi_edge = static_cast<double>(home[a] + ring + 1) * grid.cell();
-            margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
-          }
-          margin -= grid.cell() * 1e-9;  // cell assignment rounds; stay conservative
-          if (margin > 0 && heap.front().d2 < margin * margin) break;
         }
       }
-      std::sort_heap(heap.begin(), heap.end());
-      found[q] = heap;
+      if (covered) break;
+      if (static_cast<int64_t>(heap.size()) == k) {
+        double margin = std::numeric_limits<double>::infinity();
+        for (int a = 0; a < 3; ++a) {
+          const double lo_edge = static_cast<double>(home[a] - ring) * grid.cell();
+          const double hi_edge = static_cast<double>(home[a] + ring + 1) * grid.cell();
+          margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
+        }
+        margin -= grid.cell() * 1e-9;  // cell assignment rounds; stay conservative
+        if (margin > 0 && heap.front().d2 < margin * margin) break;
+      }
+    }
+    std::sort_heap(heap.begin(), heap.end());
+  };
+
+  // Queries sharing a home cell share the candidates of its 27 neighbouring
+  // cells; a query whose k-th candidate is nearer than the edge of that
+  // block is done. The others retry on a grid of twice the cell size (sparse
+  // regions of a scan), and the last level falls back to the ring search.
+  // Every accepted answer is exact, so the level never changes the result.
+  std::vector<int32_t> pending(nq);
+  for (int64_t q = 0; q < nq; ++q) pending[q] = static_cast<int32_t>(q);
+  std::vector<char> failed(nq, 0);
+  double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, k / 3.0));
+  constexpr int kLevels = 8;
+  for (int level = 0; level < kLevels && !pending.empty(); ++level, cell *= 2.0) {
+  const bool last = level == kLevels - 1;
+  const Grid grid(support, sbatch, ns, cell);
+  const int64_t np = static_cast<int64_t>(pending.size());
+  std::vector<int32_t> qkeys(4 * np);
+  for (int64_t i = 0; i < np; ++i) {
+    const int64_t q = pending[i];
+    qkeys[4 * i] = qbatch[q];
+    for (int a = 0; a < 3; ++a) qkeys[4 * i + a + 1] = grid.cell_of(query[3 * q + a]);
+  }
+  const UniqueRows groups = unique_rows(qkeys.data(), np);
+  const int64_t n_groups = static_cast<int64_t>(groups.offsets.size()) - 1;
+  parallel_for((n_groups + 63) / 64, [&](int64_t t) {
+    const int64_t end = std::min(n_groups, (t + 1) * 64);
+    std::vector<int32_t> rows;
+    std::vector<double> xyz;
+    std::vector<Cand> cands, heap;
+    for (int64_t g = t * 64; g < end; ++g) {
+      const int32_t* home = groups.coords.data() + 4 * g;
+      const auto* bounds = grid.bounds(home[0]);
+      if (!bounds) continue;
+      rows.clear();
+      xyz.clear();
+      bool covered = true;
+      for (int a = 0; a < 3; ++a) {
+        covered = covered && home[a + 1] - 1 <= bounds->lo[a] && home[a + 1] + 1 >= bounds->hi[a];
+      }
+      for (int dx = -1; dx <= 1; ++dx) {
+        for (int dy = -1; dy <= 1; ++dy) {
+          for (int dz = -1; dz <= 1; ++dz) {
+            const int32_t key[4] = {home[0], home[1] + dx, home[2] + dy, home[3] + dz};
+            grid.visit(key, [&](int32_t row) {
+              rows.push_back(row);
+              xyz.insert(xyz.end(), support + 3 * static_cast<int64_t>(row),
+                         support + 3 * static_cast<int64_t>(row) + 3);
+            });
+          }
+        }
+      }
+      for (int32_t i = groups.offsets[g]; i < groups.offsets[g + 1]; ++i) {
+        const int64_t q = pending[groups.members[i]];
+        const double* qp = query + 3 * q;
+        cands.resize(rows.size());
+        for (size_t j = 0; j < rows.size(); ++j) cands[j] = {dist2(qp, xyz.data() + 3 * j), rows[j]};
+        bool done = covered;
+        if (static_cast<int64_t>(cands.size()) >= k) {
+          std::nth_element(cands.begin(), cands.begin() + (k - 1), cands.end());
+          double margin = std::numeric_limits<double>::infinity();
+          for (int a = 0; a < 3; ++a) {
+            const double lo_edge = static_cast<double>(home[a + 1] - 1) * grid.cell();
+            const double hi_edge = static_cast<double>(home[a + 1] + 2) * grid.cell();
+            margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
+          }
+          margin -= grid.cell() * 1e-9;
+          done = done || (margin > 0 && cands[k - 1].d2 < margin * margin);
+          if (done) cands.resize(k);
+        }
+        if (done) {
+          std::sort(cands.begin(), cands.end());
+          found[q] = cands;
+        } else if (last) {
+          ring_search(grid, q, heap);
+          found[q] = heap;
+        } else {
+          failed[q] = 1;
+        }
+      }
     }
   });
+  std::vector<int32_t> next;
+  for (int32_t q : pending) {
+    if (failed[q]) next.push_back(q);
+    failed[q] = 0;
+  }
+  pending.swap(next);
+  }
   for (int64_t q = 0; q < nq; ++q) out.offsets[q + 1] = out.offsets[q] + static_cast<int32_t>(found[q].size());
   out.rows.resize(out.offsets[nq]);
   out.dist2.resize(out.offsets[nq]);

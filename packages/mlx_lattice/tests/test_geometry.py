@@ -39,6 +39,7 @@ from mlx_lattice.geometry import (
     radius_relation,
     voxelize,
 )
+from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 
 @pytest.fixture
@@ -694,3 +695,123 @@ def test_crop_topk_reindex(seeded):
         lookup_coords(np.zeros((2, 4), np.int32), c)
     with pytest.raises(CoordinateError, match="k must"):
         topk_rows(scores, -1)
+
+
+# -- sparse algebra with joins --------------------------------------------------------------
+
+
+def join_ref(a_coords, a_feats, b_coords, b_feats, join, fill, op):
+    """Dictionary reference: rows keyed by coordinate, in the documented order."""
+    da = {tuple(c): f for c, f in zip(a_coords.tolist(), a_feats, strict=True)}
+    db = {tuple(c): f for c, f in zip(b_coords.tolist(), b_feats, strict=True)}
+    keys_a, keys_b = [tuple(c) for c in a_coords.tolist()], [tuple(c) for c in b_coords.tolist()]
+    keys = {
+        "left": keys_a,
+        "right": keys_b,
+        "inner": [k for k in keys_a if k in db],
+        "outer": keys_a + [k for k in keys_b if k not in da],
+    }[join]
+    ca, cb = a_feats.shape[1], b_feats.shape[1]
+    rows = [op(da.get(k, np.full(ca, fill)), db.get(k, np.full(cb, fill))) for k in keys]
+    return np.array(keys, np.int64).reshape(-1, 4), np.array(rows).reshape(len(keys), -1)
+
+
+@pytest.mark.parametrize("join", ["inner", "left", "right", "outer"])
+@pytest.mark.parametrize(
+    ("name", "ref_op"),
+    [
+        ("add", np.add),
+        ("sub", np.subtract),
+        ("mul", np.multiply),
+        ("maximum", np.maximum),
+        ("minimum", np.minimum),
+    ],
+)
+def test_binary_joins_against_dict(seeded, join, name, ref_op):
+    from mlx_lattice import algebra
+
+    ac, bc = _rand_set(seeded, 120, extent=3), _rand_set(seeded, 100, extent=3)
+    af = seeded.standard_normal((len(ac), 3)).astype(np.float32)
+    bf = seeded.standard_normal((len(bc), 3)).astype(np.float32)
+    a, b = SparseTensor(ac, mx.array(af)), SparseTensor(bc, mx.array(bf))
+    fill = float(seeded.uniform(-1, 1))
+    out = getattr(algebra, name)(a, b, join=join, fill=fill)
+    coords, feats = join_ref(ac, af, bc, bf, join, fill, ref_op)
+    np.testing.assert_array_equal(np.array(out.coords), coords)
+    np.testing.assert_allclose(np.array(out.feats), feats, rtol=1e-6, atol=1e-6)
+    # gradients reach both operands: d sum(out * w) / d a.feats through the joined rows
+    w = seeded.standard_normal(feats.shape).astype(np.float32)
+    ga, gb = mx.grad(
+        lambda fa, fb: (
+            getattr(algebra, name)(a.replace(fa), b.replace(fb), join=join, fill=fill).feats
+            * mx.array(w)
+        ).sum(),
+        argnums=(0, 1),
+    )(mx.array(af), mx.array(bf))
+    eps = 1e-3
+    for feats_in, grad, which in ((af, ga, 0), (bf, gb, 1)):
+        for i, j in zip(
+            seeded.integers(0, len(feats_in), 6), seeded.integers(0, 3, 6), strict=True
+        ):
+            up, dn = feats_in.astype(np.float64), feats_in.astype(np.float64)
+            up[i, j] += eps
+            dn[i, j] -= eps
+            args_up = (up, bf) if which == 0 else (af, up)
+            args_dn = (dn, bf) if which == 0 else (af, dn)
+            fd = (
+                (join_ref(ac, args_up[0], bc, args_up[1], join, fill, ref_op)[1] * w).sum()
+                - (join_ref(ac, args_dn[0], bc, args_dn[1], join, fill, ref_op)[1] * w).sum()
+            ) / (2 * eps)
+            assert abs(float(np.array(grad)[i, j]) - fd) < 1e-2, (name, join, which, i, j)
+
+
+def test_cat_operators_and_collate(seeded):
+    from mlx_lattice import algebra
+
+    ac, bc = _rand_set(seeded, 60, extent=2), _rand_set(seeded, 50, extent=2)
+    af = seeded.standard_normal((len(ac), 2)).astype(np.float32)
+    bf = seeded.standard_normal((len(bc), 3)).astype(np.float32)
+    a, b = SparseTensor(ac, mx.array(af)), SparseTensor(bc, mx.array(bf))
+    for join in ("inner", "left", "right", "outer"):
+        out = algebra.cat(a, b, join=join, fill=0.5)
+        coords, feats = join_ref(
+            ac, af, bc, bf, join, 0.5, lambda x, y: np.concatenate([x[:2], y[:3]])
+        )
+        np.testing.assert_array_equal(np.array(out.coords), coords)
+        np.testing.assert_allclose(np.array(out.feats), feats, atol=0)
+    b2 = SparseTensor(bc, mx.array(bf[:, :2]))
+    s = a + b2
+    coords, feats = join_ref(ac, af, bc, bf[:, :2], "outer", 0.0, np.add)
+    np.testing.assert_array_equal(np.array(s.coords), coords)
+    np.testing.assert_allclose(np.array(s.feats), feats, atol=1e-6)
+    np.testing.assert_allclose(np.array((a * 2.0 - 1.0).feats), af * 2 - 1, atol=1e-6)
+    np.testing.assert_allclose(np.array((3.0 - a).feats), 3 - af, atol=1e-6)
+    np.testing.assert_allclose(
+        np.array((-(a * b2)).feats),
+        -join_ref(ac, af, bc, bf[:, :2], "outer", 0.0, np.multiply)[1],
+        atol=1e-6,
+    )
+    same = a + a.replace(mx.ones_like(a.feats))
+    assert same.coordinate_key == a.coordinate_key
+    with pytest.raises(SparseTensorError, match="channels"):
+        algebra.add(a, b)
+    with pytest.raises(SparseTensorError, match="join"):
+        algebra.add(a, b2, join="cross")
+    with pytest.raises(SparseTensorError, match="tensor_stride"):
+        algebra.add(a, SparseTensor(bc * 2, mx.array(bf[:, :2]), tensor_stride=2))
+    # collate: duplicates raise with reduce="none", merge otherwise (dict reference)
+    samples = [seeded.integers(0, 3, (40, 3)) for _ in range(2)]
+    feats_in = [seeded.standard_normal((40, 2)).astype(np.float32) for _ in range(2)]
+    with pytest.raises(ValueError, match="duplicate"):
+        algebra.collate(samples, feats_in)
+    for reduce, fn in (("mean", np.mean), ("sum", np.sum), ("max", np.max)):
+        x = algebra.collate(samples, [mx.array(f) for f in feats_in], reduce=reduce)
+        groups = {}
+        for i, (c, f) in enumerate(zip(samples, feats_in, strict=True)):
+            for r, v in zip(c.tolist(), f, strict=True):
+                groups.setdefault((i, *r), []).append(v)
+        keys = sorted(groups)
+        np.testing.assert_array_equal(np.array(x.coords), np.array(keys))
+        np.testing.assert_allclose(
+            np.array(x.feats), np.array([fn(groups[k], axis=0) for k in keys]), rtol=1e-5, atol=1e-6
+        )

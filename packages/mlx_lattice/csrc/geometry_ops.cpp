@@ -1,9 +1,11 @@
 // Graph builders and autodiff of the geometry primitives.
+#include <optional>
 #include <sstream>
 #include <stdexcept>
 
 #include "common.h"
 #include "geometry_primitives.h"
+#include "metal/geometry_plans.h"
 #include "validate.h"
 
 namespace mlx_lattice {
@@ -224,8 +226,21 @@ std::pair<std::vector<mx::array>, std::vector<int>> Voxelize::vmap(const std::ve
       "points through the batch indices of quantize_points.");
 }
 
-void Voxelize::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+void Voxelize::eval_gpu(const std::vector<mx::array>& inputs, std::vector<mx::array>& outputs) {
+#ifdef MLX_LATTICE_METAL
+  // Operands are float32 / int32 (the graph builder casts), bound directly.
+  for (auto& out : outputs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto enc = gpu::metal_encoder(stream());
+  const auto bind = [](const mx::array& a) { return gpu::Buffer{&a, nullptr, a.nbytes()}; };
+  gpu::encode_voxel_reduce(*enc, bind(inputs[0]), bind(inputs[1]), bind(inputs[2]),
+                           bind(outputs[0]), bind(outputs[1]),
+                           static_cast<uint32_t>(outputs[0].shape(0)),
+                           static_cast<uint32_t>(outputs[0].shape(1)), static_cast<uint32_t>(mode_));
+#else
+  (void)inputs;
+  (void)outputs;
   throw_no_gpu(name());
+#endif
 }
 
 // ---- Devoxelize -------------------------------------------------------------------------
@@ -290,8 +305,28 @@ std::pair<std::vector<mx::array>, std::vector<int>> Devoxelize::vmap(const std::
       "batched features instead (features are (N, C)).");
 }
 
-void Devoxelize::eval_gpu(const std::vector<mx::array>&, std::vector<mx::array>&) {
+void Devoxelize::eval_gpu(const std::vector<mx::array>& inputs,
+                          std::vector<mx::array>& outputs) {
+#ifdef MLX_LATTICE_METAL
+  auto& out = outputs[0];
+  out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto enc = gpu::metal_encoder(stream());
+  const auto bind = [](const mx::array& a) { return gpu::Buffer{&a, nullptr, a.nbytes()}; };
+  const auto channels = static_cast<uint32_t>(out.shape(1));
+  if (face_ == kForward) {
+    gpu::encode_devoxelize(*enc, bind(inputs[0]), bind(inputs[1]), bind(inputs[2]),
+                           bind(inputs[3]), bind(out), static_cast<uint32_t>(out.shape(0)),
+                           channels, nearest_);
+  } else {
+    gpu::encode_devoxelize_transpose(*enc, bind(inputs[0]), bind(inputs[2]), bind(inputs[3]),
+                                     bind(inputs[4]), bind(inputs[5]), bind(out),
+                                     static_cast<uint32_t>(n_voxels_), channels, nearest_);
+  }
+#else
+  (void)inputs;
+  (void)outputs;
   throw_no_gpu(name());
+#endif
 }
 
 }  // namespace mlx_lattice

@@ -1,6 +1,7 @@
 #include "geometry_kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -590,6 +591,24 @@ double pick_cell(const double* pts, const int32_t* batch, int64_t n, double per_
 
 }  // namespace
 
+// Half-width in cells of the block of cells a query group shares.
+constexpr int kBlock = 1;
+
+// The cells of the (2 kBlock + 1)^3 block, nearest first (by |dx| + |dy| + |dz|).
+static const std::vector<std::array<int, 3>> kBlockOrder = [] {
+  std::vector<std::array<int, 3>> order;
+  for (int dx = -kBlock; dx <= kBlock; ++dx) {
+    for (int dy = -kBlock; dy <= kBlock; ++dy) {
+      for (int dz = -kBlock; dz <= kBlock; ++dz) order.push_back({dx, dy, dz});
+    }
+  }
+  std::stable_sort(order.begin(), order.end(), [](const auto& a, const auto& b) {
+    return std::abs(a[0]) + std::abs(a[1]) + std::abs(a[2]) <
+           std::abs(b[0]) + std::abs(b[1]) + std::abs(b[2]);
+  });
+  return order;
+}();
+
 Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
               const int32_t* sbatch, int64_t ns, int64_t k) {
   if (k < 1) fail("k must be >= 1.");
@@ -664,7 +683,7 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
   std::vector<int32_t> pending(nq);
   for (int64_t q = 0; q < nq; ++q) pending[q] = static_cast<int32_t>(q);
   std::vector<char> failed(nq, 0);
-  double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, k / 3.0));
+  double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, k / 2.0));
   constexpr int kLevels = 8;
   for (int level = 0; level < kLevels && !pending.empty(); ++level, cell *= 2.0) {
   const bool last = level == kLevels - 1;
@@ -682,50 +701,81 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
     const int64_t end = std::min(n_groups, (t + 1) * 64);
     std::vector<int32_t> rows;
     std::vector<double> xyz;
-    std::vector<Cand> cands, heap;
+    std::vector<int32_t> cell_start;
+    std::vector<std::array<int, 3>> cell_offset;
+    std::vector<Cand> top, heap;
     for (int64_t g = t * 64; g < end; ++g) {
       const int32_t* home = groups.coords.data() + 4 * g;
       const auto* bounds = grid.bounds(home[0]);
       if (!bounds) continue;
       rows.clear();
       xyz.clear();
+      cell_start.clear();
+      cell_offset.clear();
       bool covered = true;
       for (int a = 0; a < 3; ++a) {
-        covered = covered && home[a + 1] - 1 <= bounds->lo[a] && home[a + 1] + 1 >= bounds->hi[a];
+        covered = covered && home[a + 1] - kBlock <= bounds->lo[a] &&
+                  home[a + 1] + kBlock >= bounds->hi[a];
       }
-      for (int dx = -1; dx <= 1; ++dx) {
-        for (int dy = -1; dy <= 1; ++dy) {
-          for (int dz = -1; dz <= 1; ++dz) {
-            const int32_t key[4] = {home[0], home[1] + dx, home[2] + dy, home[3] + dz};
-            grid.visit(key, [&](int32_t row) {
-              rows.push_back(row);
-              xyz.insert(xyz.end(), support + 3 * static_cast<int64_t>(row),
-                         support + 3 * static_cast<int64_t>(row) + 3);
-            });
-          }
+      // The block's cells nearest-first (home, faces, edges, corners), so the
+      // running k-th distance tightens early and far cells can be skipped.
+      for (const auto& d : kBlockOrder) {
+        const int32_t key[4] = {home[0], home[1] + d[0], home[2] + d[1], home[3] + d[2]};
+        const size_t before = rows.size();
+        grid.visit(key, [&](int32_t row) {
+          rows.push_back(row);
+          xyz.insert(xyz.end(), support + 3 * static_cast<int64_t>(row),
+                     support + 3 * static_cast<int64_t>(row) + 3);
+        });
+        if (rows.size() > before) {
+          cell_start.push_back(static_cast<int32_t>(before));
+          cell_offset.push_back(d);
         }
       }
+      cell_start.push_back(static_cast<int32_t>(rows.size()));
+      const double h = grid.cell(), slack = h * 1e-9;
       for (int32_t i = groups.offsets[g]; i < groups.offsets[g + 1]; ++i) {
         const int64_t q = pending[groups.members[i]];
         const double* qp = query + 3 * q;
-        cands.resize(rows.size());
-        for (size_t j = 0; j < rows.size(); ++j) cands[j] = {dist2(qp, xyz.data() + 3 * j), rows[j]};
+        top.clear();
+        for (size_t c = 0; c + 1 < cell_start.size(); ++c) {
+          if (static_cast<int64_t>(top.size()) == k) {
+            // Lower bound of the distance to this cell's box.
+            double dmin = 0.0;
+            for (int a = 0; a < 3; ++a) {
+              const double lo = static_cast<double>(home[a + 1] + cell_offset[c][a]) * h - slack;
+              const double hi = lo + h + 2 * slack;
+              const double gap = qp[a] < lo ? lo - qp[a] : (qp[a] > hi ? qp[a] - hi : 0.0);
+              dmin += gap * gap;
+            }
+            if (dmin > top.back().d2) continue;
+          }
+          for (int32_t j = cell_start[c]; j < cell_start[c + 1]; ++j) {
+            const Cand cand{dist2(qp, xyz.data() + 3 * static_cast<int64_t>(j)), rows[j]};
+            if (static_cast<int64_t>(top.size()) == k) {
+              if (!(cand < top.back())) continue;
+              top.pop_back();
+            }
+            // Insert keeping top sorted by (distance, row).
+            top.push_back(cand);
+            for (size_t m = top.size() - 1; m > 0 && top[m] < top[m - 1]; --m) {
+              std::swap(top[m], top[m - 1]);
+            }
+          }
+        }
         bool done = covered;
-        if (static_cast<int64_t>(cands.size()) >= k) {
-          std::nth_element(cands.begin(), cands.begin() + (k - 1), cands.end());
+        if (!done && static_cast<int64_t>(top.size()) == k) {
           double margin = std::numeric_limits<double>::infinity();
           for (int a = 0; a < 3; ++a) {
-            const double lo_edge = static_cast<double>(home[a + 1] - 1) * grid.cell();
-            const double hi_edge = static_cast<double>(home[a + 1] + 2) * grid.cell();
+            const double lo_edge = static_cast<double>(home[a + 1] - kBlock) * h;
+            const double hi_edge = static_cast<double>(home[a + 1] + kBlock + 1) * h;
             margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
           }
-          margin -= grid.cell() * 1e-9;
-          done = done || (margin > 0 && cands[k - 1].d2 < margin * margin);
-          if (done) cands.resize(k);
+          margin -= slack;
+          done = margin > 0 && top.back().d2 < margin * margin;
         }
         if (done) {
-          std::sort(cands.begin(), cands.end());
-          found[q] = cands;
+          found[q] = top;
         } else if (last) {
           ring_search(grid, q, heap);
           found[q] = heap;

@@ -815,3 +815,16 @@ def test_cat_operators_and_collate(seeded):
         np.testing.assert_allclose(
             np.array(x.feats), np.array([fn(groups[k], axis=0) for k in keys]), rtol=1e-5, atol=1e-6
         )
+
+
+def test_neighbors_far_queries_and_mixed_scales(seeded):
+    # a dense tiny cluster, a far cluster, and queries far outside both
+    s = np.concatenate([seeded.uniform(0, 1e-6, (200, 3)), seeded.uniform(1e6, 1e6 + 10, (50, 3))])
+    q = np.concatenate(
+        [s[::17], seeded.uniform(-1e15, 1e15, (5, 3)), [[1e6 + 5, 1e6 + 5, 1e6 + 5]]]
+    )
+    sb, qb = np.zeros(len(s), np.int64), np.zeros(len(q), np.int64)
+    rel = knn_relation(q, s, 7)
+    assert relation_lists(rel) == [[r for _, r in row] for row in knn_ref(q, qb, s, sb, 7)]
+    rel = radius_relation(q, s, 3.0)
+    assert relation_lists(rel) == radius_ref(q, qb, s, sb, 3.0)

@@ -465,10 +465,16 @@ class Grid {
  public:
   Grid(const double* pts, const int32_t* batch, int64_t n, double cell)
       : pts_(pts), inv_(1.0 / cell), cell_(cell) {
+    // Cells are counted from the support's minimum corner, so indices stay
+    // small wherever the points are.
+    for (int a = 0; a < 3; ++a) origin_[a] = n ? pts[a] : 0.0;
+    for (int64_t i = 0; i < n; ++i) {
+      for (int a = 0; a < 3; ++a) origin_[a] = std::min(origin_[a], pts[3 * i + a]);
+    }
     std::vector<int32_t> keys(4 * n);
     for (int64_t i = 0; i < n; ++i) {
       keys[4 * i] = batch[i];
-      for (int a = 0; a < 3; ++a) keys[4 * i + a + 1] = cell_of(pts[3 * i + a]);
+      for (int a = 0; a < 3; ++a) keys[4 * i + a + 1] = cell_of(pts[3 * i + a], a);
     }
     cells_ = unique_rows(keys.data(), n);
     index_ = std::make_unique<CoordIndex>(cells_.coords.data(),
@@ -488,10 +494,22 @@ class Grid {
     }
   }
 
-  int32_t cell_of(double x) const {
-    const double c = std::floor(x * inv_);
-    return static_cast<int32_t>(std::clamp(c, -1.0e9, 1.0e9));
+  int32_t cell_of(double x, int axis) const {
+    const double c = std::floor((x - origin_[axis]) * inv_);
+    return static_cast<int32_t>(std::clamp(c, -kMaxCell, kMaxCell));
   }
+
+  // Whether p's cell indices are exact (not clamped): only then do cell
+  // boxes bound distances; other points are searched by brute force.
+  bool in_range(const double* p) const {
+    for (int a = 0; a < 3; ++a) {
+      if (!(std::fabs(std::floor((p[a] - origin_[a]) * inv_)) < kMaxCell - 4)) return false;
+    }
+    return true;
+  }
+
+  // Lower edge of cell index i along an axis.
+  double edge(int64_t i, int axis) const { return origin_[axis] + static_cast<double>(i) * cell_; }
 
   // Calls fn(support_row) for every point of cell key (batch, cx, cy, cz).
   template <typename F>
@@ -513,8 +531,10 @@ class Grid {
   const double* pts() const { return pts_; }
 
  private:
+  static constexpr double kMaxCell = 1.0e9;
   const double* pts_;
   double inv_, cell_;
+  double origin_[3] = {0.0, 0.0, 0.0};
   UniqueRows cells_;
   std::unique_ptr<CoordIndex> index_;
   std::map<int32_t, Bounds> bounds_;
@@ -563,7 +583,7 @@ double pick_cell(const double* pts, const int32_t* batch, int64_t n, double per_
       keys[4 * i] = batch[i];
       for (int a = 0; a < 3; ++a) {
         keys[4 * i + a + 1] =
-            static_cast<int32_t>(std::clamp(std::floor(pts[3 * i + a] / cell), -1e9, 1e9));
+            static_cast<int32_t>(std::clamp(std::floor((pts[3 * i + a] - lo[a]) / cell), -1e9, 1e9));
       }
     }
     // Points in the cell of an average point (sum of squared counts / n):
@@ -586,7 +606,7 @@ double pick_cell(const double* pts, const int32_t* batch, int64_t n, double per_
     if (per < 0.7 * per_cell && (factor <= 1.0 || cell >= extent)) break;
     cell *= factor;
   }
-  return cell;
+  return std::max(cell, extent * 1e-7);  // cell indices stay far from int32 limits
 }
 
 }  // namespace
@@ -627,7 +647,13 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
     const auto* bounds = grid.bounds(qbatch[q]);
     if (!bounds) return;
     int32_t home[3];
-    for (int a = 0; a < 3; ++a) home[a] = grid.cell_of(qp[a]);
+    for (int a = 0; a < 3; ++a) home[a] = grid.cell_of(qp[a], a);
+    // Rings nearer than the batch's occupied cells are empty: start there.
+    int64_t first_ring = 0;
+    for (int a = 0; a < 3; ++a) {
+      first_ring = std::max<int64_t>(
+          first_ring, std::max<int64_t>({0, int64_t{bounds->lo[a]} - home[a], int64_t{home[a]} - bounds->hi[a]}));
+    }
     const auto consider = [&](int32_t row) {
       const Cand c{dist2(qp, support + 3 * static_cast<int64_t>(row)), row};
       if (static_cast<int64_t>(heap.size()) < k) {
@@ -639,7 +665,7 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
         std::push_heap(heap.begin(), heap.end());
       }
     };
-    for (int64_t ring = 0;; ++ring) {
+    for (int64_t ring = first_ring;; ++ring) {
       bool covered = true;  // the ring box contains every occupied cell of this batch
       int64_t lo[3], hi[3];
       for (int a = 0; a < 3; ++a) {
@@ -664,12 +690,32 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
       if (static_cast<int64_t>(heap.size()) == k) {
         double margin = std::numeric_limits<double>::infinity();
         for (int a = 0; a < 3; ++a) {
-          const double lo_edge = static_cast<double>(home[a] - ring) * grid.cell();
-          const double hi_edge = static_cast<double>(home[a] + ring + 1) * grid.cell();
+          const double lo_edge = grid.edge(int64_t{home[a]} - ring, a);
+          const double hi_edge = grid.edge(int64_t{home[a]} + ring + 1, a);
           margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
         }
         margin -= grid.cell() * 1e-9;  // cell assignment rounds; stay conservative
         if (margin > 0 && heap.front().d2 < margin * margin) break;
+      }
+    }
+    std::sort_heap(heap.begin(), heap.end());
+  };
+
+  // Exact answer by scanning every support point of the query's batch (for
+  // queries so far from the support that cell indices would overflow).
+  const auto brute_force = [&](int64_t q, std::vector<Cand>& heap) {
+    heap.clear();
+    const double* qp = query + 3 * q;
+    for (int64_t s = 0; s < ns; ++s) {
+      if (sbatch[s] != qbatch[q]) continue;
+      const Cand c{dist2(qp, support + 3 * s), static_cast<int32_t>(s)};
+      if (static_cast<int64_t>(heap.size()) < k) {
+        heap.push_back(c);
+        std::push_heap(heap.begin(), heap.end());
+      } else if (c < heap.front()) {
+        std::pop_heap(heap.begin(), heap.end());
+        heap.back() = c;
+        std::push_heap(heap.begin(), heap.end());
       }
     }
     std::sort_heap(heap.begin(), heap.end());
@@ -693,7 +739,7 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
   for (int64_t i = 0; i < np; ++i) {
     const int64_t q = pending[i];
     qkeys[4 * i] = qbatch[q];
-    for (int a = 0; a < 3; ++a) qkeys[4 * i + a + 1] = grid.cell_of(query[3 * q + a]);
+    for (int a = 0; a < 3; ++a) qkeys[4 * i + a + 1] = grid.cell_of(query[3 * q + a], a);
   }
   const UniqueRows groups = unique_rows(qkeys.data(), np);
   const int64_t n_groups = static_cast<int64_t>(groups.offsets.size()) - 1;
@@ -737,13 +783,18 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
       for (int32_t i = groups.offsets[g]; i < groups.offsets[g + 1]; ++i) {
         const int64_t q = pending[groups.members[i]];
         const double* qp = query + 3 * q;
+        if (!grid.in_range(qp)) {
+          brute_force(q, heap);
+          found[q] = heap;
+          continue;
+        }
         top.clear();
         for (size_t c = 0; c + 1 < cell_start.size(); ++c) {
           if (static_cast<int64_t>(top.size()) == k) {
             // Lower bound of the distance to this cell's box.
             double dmin = 0.0;
             for (int a = 0; a < 3; ++a) {
-              const double lo = static_cast<double>(home[a + 1] + cell_offset[c][a]) * h - slack;
+              const double lo = grid.edge(int64_t{home[a + 1]} + cell_offset[c][a], a) - slack;
               const double hi = lo + h + 2 * slack;
               const double gap = qp[a] < lo ? lo - qp[a] : (qp[a] > hi ? qp[a] - hi : 0.0);
               dmin += gap * gap;
@@ -767,8 +818,8 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
         if (!done && static_cast<int64_t>(top.size()) == k) {
           double margin = std::numeric_limits<double>::infinity();
           for (int a = 0; a < 3; ++a) {
-            const double lo_edge = static_cast<double>(home[a + 1] - kBlock) * h;
-            const double hi_edge = static_cast<double>(home[a + 1] + kBlock + 1) * h;
+            const double lo_edge = grid.edge(int64_t{home[a + 1]} - kBlock, a);
+            const double hi_edge = grid.edge(int64_t{home[a + 1]} + kBlock + 1, a);
             margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
           }
           margin -= slack;
@@ -824,10 +875,22 @@ Neighbors radius_search(const double* query, const int32_t* qbatch, int64_t nq,
     for (int64_t q = t * 256; q < end; ++q) {
       auto& hits = found[q];
       const double* qp = query + 3 * q;
+      if (!grid.in_range(qp)) {  // far outside the support: scan its batch
+        for (int64_t s = 0; s < ns; ++s) {
+          if (sbatch[s] != qbatch[q]) continue;
+          const double d = dist2(qp, support + 3 * s);
+          if (d <= r2) hits.push_back({d, static_cast<int32_t>(s)});
+        }
+        std::sort(hits.begin(), hits.end());
+        if (max_neighbors > 0 && static_cast<int64_t>(hits.size()) > max_neighbors) {
+          hits.resize(max_neighbors);
+        }
+        continue;
+      }
       int32_t lo[3], hi[3];
       for (int a = 0; a < 3; ++a) {
-        lo[a] = grid.cell_of(qp[a] - r);
-        hi[a] = grid.cell_of(qp[a] + r);
+        lo[a] = grid.cell_of(qp[a] - r, a);
+        hi[a] = grid.cell_of(qp[a] + r, a);
       }
       for (int64_t x = lo[0]; x <= hi[0]; ++x) {
         for (int64_t y = lo[1]; y <= hi[1]; ++y) {

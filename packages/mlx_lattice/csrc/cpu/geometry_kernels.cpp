@@ -729,7 +729,9 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
   std::vector<int32_t> pending(nq);
   for (int64_t q = 0; q < nq; ++q) pending[q] = static_cast<int32_t>(q);
   std::vector<char> failed(nq, 0);
-  double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, k / 2.0));
+  // About 2k points per occupied cell: with nearest-first cells and box
+  // pruning, larger cells cost less than the retries of smaller ones.
+  double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, 2.0 * k));
   constexpr int kLevels = 8;
   for (int level = 0; level < kLevels && !pending.empty(); ++level, cell *= 2.0) {
   const bool last = level == kLevels - 1;
@@ -799,19 +801,19 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
               const double gap = qp[a] < lo ? lo - qp[a] : (qp[a] > hi ? qp[a] - hi : 0.0);
               dmin += gap * gap;
             }
-            if (dmin > top.back().d2) continue;
+            if (dmin > top.front().d2) continue;
           }
           for (int32_t j = cell_start[c]; j < cell_start[c + 1]; ++j) {
             const Cand cand{dist2(qp, xyz.data() + 3 * static_cast<int64_t>(j)), rows[j]};
+            // top is a max-heap of the k best by (distance, row).
             if (static_cast<int64_t>(top.size()) == k) {
-              if (!(cand < top.back())) continue;
-              top.pop_back();
+              if (!(cand < top.front())) continue;
+              std::pop_heap(top.begin(), top.end());
+              top.back() = cand;
+            } else {
+              top.push_back(cand);
             }
-            // Insert keeping top sorted by (distance, row).
-            top.push_back(cand);
-            for (size_t m = top.size() - 1; m > 0 && top[m] < top[m - 1]; --m) {
-              std::swap(top[m], top[m - 1]);
-            }
+            std::push_heap(top.begin(), top.end());
           }
         }
         bool done = covered;
@@ -823,9 +825,10 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
             margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
           }
           margin -= slack;
-          done = margin > 0 && top.back().d2 < margin * margin;
+          done = margin > 0 && top.front().d2 < margin * margin;
         }
         if (done) {
+          std::sort_heap(top.begin(), top.end());
           found[q] = top;
         } else if (last) {
           ring_search(grid, q, heap);

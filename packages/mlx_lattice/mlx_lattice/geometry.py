@@ -51,6 +51,7 @@ __all__ = [
     "devoxelize",
     "gather_neighbor_features",
     "knn_relation",
+    "neighbor_conv",
     "point_voxel_map",
     "quantize_points",
     "radius_relation",
@@ -510,3 +511,30 @@ def gather_neighbor_features(
         )
         out = mx.where(present[:, None], out, mx.array(fill, dtype=feats.dtype))
     return out.reshape(n_out, n_k, channels)
+
+
+def neighbor_conv(feats: mx.array, weight: mx.array, relation: KernelRelation) -> mx.array:
+    """``out[o] = sum over neighbours of feats[in] @ weight[rank]`` -> ``(n_out, Cout)``.
+
+    ``weight`` is ``(K, Cin, Cout)``, one matrix per neighbour rank. The core
+    sparse convolution kernels need at most one edge per (input row, kernel
+    offset), which kNN and radius relations do not have (a support point can
+    be the nearest of many queries), so this runs as a gather and an einsum.
+    Differentiable in ``feats`` and ``weight``.
+
+    >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
+    >>> rel = knn_relation(np.array([[2.9, 0, 0], [0.1, 0, 0]]), support, 2)
+    >>> neighbor_conv(mx.array([[1.0], [2.0], [3.0]]), mx.array([[[1.0]], [[10.0]]]), rel).tolist()
+    [[23.0], [21.0]]
+    """
+    gathered = gather_neighbor_features(feats, relation)
+    n_k = int(relation.n_kernels or 0)
+    if (
+        weight.ndim != 3
+        or int(weight.shape[0]) != n_k
+        or int(weight.shape[1]) != int(feats.shape[1])
+    ):
+        raise GeometryError(
+            f"weight must be (K={n_k}, Cin={int(feats.shape[1])}, Cout), got {tuple(weight.shape)}."
+        )
+    return mx.einsum("okc,kcd->od", gathered, weight)

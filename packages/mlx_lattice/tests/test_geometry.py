@@ -864,3 +864,20 @@ def test_neighbor_conv_against_loop_and_grad(seeded):
         ops.sparse_conv_features_from_relation(mx.array(feats), mx.array(weight), rel)
     with pytest.raises(GeometryError, match="weight"):
         neighbor_conv(mx.array(feats), mx.zeros((4, 3, 4)), rel)
+
+
+def test_set_ops_on_two_scans():
+    a = np.array(quantize_points(synthetic_lidar_scan(seed=0).points[::4], 0.2).coords)
+    b = np.array(quantize_points(synthetic_lidar_scan(seed=1).points[::4], 0.2).coords)
+    sa, sb = {tuple(r) for r in a.tolist()}, {tuple(r) for r in b.tolist()}
+    assert [tuple(r) for r in np.array(union_coords(a, b).coords).tolist()] == sorted(sa | sb)
+    assert [tuple(r) for r in np.array(intersection_coords(a, b).coords).tolist()] == sorted(
+        sa & sb
+    )
+    assert np.array(contains_coords(a, b)).tolist() == [tuple(r) in sa for r in b.tolist()]
+
+
+def test_voxelize_vmap_raises_naming_the_op():
+    vox = quantize_points(np.array([[0.1, 0.1, 0.1], [0.6, 0.6, 0.6]]), 1.0)
+    with pytest.raises(ValueError, match="GeometryVoxelize"):
+        mx.vmap(lambda f: voxelize(f, vox))(mx.zeros((3, 2, 1)))

@@ -131,6 +131,8 @@ def _points(points: ArrayLike, name: str = "points") -> np.ndarray:
         raise GeometryError(
             f"{name} must be an mx.array or np.ndarray, got {type(points).__name__}."
         )
+    if isinstance(points, mx.array) and points.dtype == mx.bfloat16:
+        points = points.astype(mx.float32)  # NumPy has no bfloat16
     arr = np.asarray(points)
     if arr.ndim != 2 or arr.shape[1] != 3:
         raise GeometryError(f"{name} must be (P, 3), got shape {arr.shape}.")

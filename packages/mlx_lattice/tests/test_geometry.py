@@ -152,6 +152,17 @@ def test_quantize_scalar_size_float32_and_scan():
     np.testing.assert_array_equal(np.array(vox.point_to_voxel), p2v)
 
 
+def test_quantize_accepts_mx_half_precision_points(seeded):
+    pts = seeded.uniform(-2, 2, (50, 3)).astype(np.float32)
+    for dtype in (mx.float16, mx.bfloat16):
+        p = mx.array(pts).astype(dtype)
+        exact = np.array(p.astype(mx.float32)).astype(np.float64)
+        vox = quantize_points(p, 0.5)
+        coords, p2v, _ = quantize_ref(exact, 0.5, None, None)
+        np.testing.assert_array_equal(np.array(vox.coords), coords)
+        np.testing.assert_array_equal(np.array(vox.point_to_voxel), p2v)
+
+
 def test_quantize_boundaries_are_half_open():
     pts = np.array([[0.0, 0.0, 0.0], [1.0, -1.0, 0.5], [-1e-12, 0.0, 0.0]])
     vox = quantize_points(pts, 1.0)

@@ -892,3 +892,34 @@ def test_voxelize_vmap_raises_naming_the_op():
     vox = quantize_points(np.array([[0.1, 0.1, 0.1], [0.6, 0.6, 0.6]]), 1.0)
     with pytest.raises(ValueError, match="GeometryVoxelize"):
         mx.vmap(lambda f: voxelize(f, vox))(mx.zeros((3, 2, 1)))
+
+
+def test_thread_count_never_changes_bits(seeded):
+    import mlx_lattice
+
+    pts = synthetic_lidar_scan(seed=0).points[::9].astype(np.float64)
+    feats = mx.array(seeded.standard_normal((len(pts), 8)).astype(np.float32))
+    before = mlx_lattice.get_num_threads()
+
+    def run():
+        vox = quantize_points(pts, 0.2)
+        pvm = point_voxel_map(pts, vox.coords, 0.2)
+        v = voxelize(feats, vox, "mean")
+        p = devoxelize(v, pvm)
+        g = mx.grad(lambda x: (devoxelize(x, pvm) * feats).sum())(v)
+        rel = knn_relation(pts[::5], pts, 8)
+        ball = radius_relation(pts[::5], pts, 0.3)
+        return [
+            np.array(a)
+            for a in (vox.coords, pvm.weights, v, p, g, rel.edges.in_rows, ball.edges.in_rows)
+        ]
+
+    try:
+        mlx_lattice.set_num_threads(1)
+        one = run()
+        mlx_lattice.set_num_threads(3)
+        three = run()
+    finally:
+        mlx_lattice.set_num_threads(before)
+    for a, b in zip(one, three, strict=True):
+        np.testing.assert_array_equal(a, b)

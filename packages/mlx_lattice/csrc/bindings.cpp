@@ -23,6 +23,8 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 
+void bind_geometry(nb::module_& m);  // geometry_bindings.cpp
+
 namespace mlx_lattice {
 
 namespace {
@@ -236,6 +238,8 @@ the present neighbours) or ``'sum'``; outputs without neighbours are 0.
 (non-overlapping windows) and is checked. Differentiable in ``feats``; the
 max gradient goes to the first maximum in edge order.
 )pbdoc");
+
+  ::bind_geometry(m);
 }
 
 }  // namespace mlx_lattice

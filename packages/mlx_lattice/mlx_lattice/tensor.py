@@ -413,6 +413,41 @@ class SparseTensor:
         """Features cast to ``dtype``."""
         return self.replace(self.feats.astype(dtype))
 
+    # Arithmetic: another SparseTensor joins on coordinates (outer, fill 0;
+    # mlx_lattice.algebra has the other joins); numbers/arrays act on feats.
+    def __add__(self, other: SparseTensor | mx.array | float) -> SparseTensor:
+        from mlx_lattice.algebra import _operator
+
+        return _operator("add", self, other)
+
+    def __radd__(self, other: mx.array | float) -> SparseTensor:
+        from mlx_lattice.algebra import _operator
+
+        return _operator("add", self, other, reflected=True)
+
+    def __sub__(self, other: SparseTensor | mx.array | float) -> SparseTensor:
+        from mlx_lattice.algebra import _operator
+
+        return _operator("sub", self, other)
+
+    def __rsub__(self, other: mx.array | float) -> SparseTensor:
+        from mlx_lattice.algebra import _operator
+
+        return _operator("sub", self, other, reflected=True)
+
+    def __mul__(self, other: SparseTensor | mx.array | float) -> SparseTensor:
+        from mlx_lattice.algebra import _operator
+
+        return _operator("mul", self, other)
+
+    def __rmul__(self, other: mx.array | float) -> SparseTensor:
+        from mlx_lattice.algebra import _operator
+
+        return _operator("mul", self, other, reflected=True)
+
+    def __neg__(self) -> SparseTensor:
+        return self.replace(-self.feats)
+
     def __repr__(self) -> str:
         return (
             f"SparseTensor(num_points={self.num_points}, num_channels={self.num_channels}, "

@@ -23,8 +23,6 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace mx = mlx::core;
 
-void bind_geometry(nb::module_& m);  // geometry_bindings.cpp
-
 namespace mlx_lattice {
 
 namespace {
@@ -239,7 +237,7 @@ the present neighbours) or ``'sum'``; outputs without neighbours are 0.
 max gradient goes to the first maximum in edge order.
 )pbdoc");
 
-  ::bind_geometry(m);
+  bind_geometry(m);
 }
 
 }  // namespace mlx_lattice

@@ -8,4 +8,7 @@ namespace mlx_lattice {
 
 void bind_ops(nanobind::module_& m);
 
+// The geometry functions (geometry_bindings.cpp), called by bind_ops.
+void bind_geometry(nanobind::module_& m);
+
 }  // namespace mlx_lattice

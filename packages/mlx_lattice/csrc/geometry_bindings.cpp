@@ -1,5 +1,6 @@
 // Python bindings of the geometry ops (thin; documented in mlx_lattice.geometry
-// and mlx_lattice.coords, which validate and call these).
+// and mlx_lattice.coords, which validate and call these). bind_ops calls
+// bind_geometry, so the product and the harness modules both have them.
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
@@ -13,9 +14,10 @@
 #include <map>
 #include <string>
 
+#include "bindings.h"
 #include "cpu/geometry_kernels.h"
 #include "cpu/kernels.h"
-#include "geometry_primitives.h"
+#include "ops.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -84,6 +86,8 @@ Dict neighbors_dict(const geo::Neighbors& nbrs, int64_t n_support, int64_t n_ker
 }
 
 }  // namespace
+
+namespace mlx_lattice {
 
 void bind_geometry(nb::module_& m) {
   using release = nb::call_guard<nb::gil_scoped_release>;
@@ -205,3 +209,5 @@ void bind_geometry(nb::module_& m) {
       },
       "coords"_a, release(), "Morton codes of (x, y, z) biased by 2^20 (21 bits per axis).");
 }
+
+}  // namespace mlx_lattice

@@ -10,5 +10,11 @@ void SparseConvSorted::eval_gpu(const std::vector<array>&, array&) { throw_no_gp
 void SparseQuantizedConv::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
 void SparseDenominator::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
 void SparsePool::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
+void GeometryVoxelize::eval_gpu(const std::vector<array>&, std::vector<array>&) {
+  throw_no_gpu(name());
+}
+void GeometryDevoxelize::eval_gpu(const std::vector<array>&, std::vector<array>&) {
+  throw_no_gpu(name());
+}
 
 }  // namespace mlx_lattice

@@ -1,6 +1,13 @@
 // The public operations: argument checks, relation validation, graph build.
 #include "ops.h"
 
+#include <algorithm>
+#include <memory>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
 #include "common.h"
 #include "primitives.h"
 #include "validate.h"
@@ -33,6 +40,105 @@ void check_weight(const std::string& op, const mx::array& weight, int64_t n_kern
     fail(op, "weight must be (K, Cin, Cout) = (" + str(n_kernels) + ", " + str(cin) +
                  ", Cout), got " + shape_str(weight.shape()) + ".");
   }
+}
+
+// ---- geometry
+
+constexpr const char* kVoxelizeOp = "voxelize";
+constexpr const char* kDevoxelizeOp = "devoxelize";
+
+int reduce_mode(const std::string& reduce) {
+  if (reduce == "sum") return 0;
+  if (reduce == "mean") return 1;
+  if (reduce == "max") return 2;
+  if (reduce == "first") return 3;
+  fail(kVoxelizeOp, "reduce must be 'sum', 'mean', 'max' or 'first', got '" + reduce + "'.");
+}
+
+void check_table(const char* op, const char* name, const mx::array& f) {
+  if (f.ndim() != 2) {
+    fail(op, std::string(name) + " must be (rows, C), got shape " + shape_str(f.shape()) + ".");
+  }
+  check_float_dtype(op, name, f);
+}
+
+// The voxel grouping: offsets (N + 1) over P points, members a permutation of
+// [0, P) consistent with point_to_voxel.
+std::vector<mx::array> checked_grouping(const mx::array& offsets, const mx::array& members,
+                                        const mx::array& p2v, int64_t n_points) {
+  const auto tag = "geometry_voxelize/" + std::to_string(n_points);
+  auto memo = validated(tag, {offsets, members, p2v}, [&]() -> std::shared_ptr<const void> {
+    auto a = concrete_indices(
+        kVoxelizeOp,
+        {{"voxel_offsets", offsets}, {"voxel_points", members}, {"point_to_voxel", p2v}},
+        {1, 1, 1});
+    const int64_t n_voxels = static_cast<int64_t>(a[0].size()) - 1;
+    if (n_voxels < 0) fail(kVoxelizeOp, "voxel_offsets must have at least one entry.");
+    if (static_cast<int64_t>(a[1].size()) != n_points ||
+        static_cast<int64_t>(a[2].size()) != n_points) {
+      std::ostringstream msg;
+      msg << "voxel_points and point_to_voxel must have " << n_points
+          << " entries (one per point), got " << a[1].size() << " and " << a[2].size() << ".";
+      fail(kVoxelizeOp, msg.str());
+    }
+    check_offsets(kVoxelizeOp, "voxel_offsets", a[0], n_voxels, n_points);
+    check_range(kVoxelizeOp, "voxel_points", a[1], 0, n_points);
+    check_range(kVoxelizeOp, "point_to_voxel", a[2], 0, std::max<int64_t>(n_voxels, 1));
+    const int32_t* off = a[0].data<int32_t>();
+    const int32_t* mem = a[1].data<int32_t>();
+    const int32_t* inv = a[2].data<int32_t>();
+    for (int64_t v = 0; v < n_voxels; ++v) {
+      for (int32_t i = off[v]; i < off[v + 1]; ++i) {
+        if (inv[mem[i]] != v) {
+          std::ostringstream msg;
+          msg << "voxel_points lists point " << mem[i] << " under voxel " << v
+              << " but point_to_voxel maps it to " << inv[mem[i]] << ".";
+          fail(kVoxelizeOp, msg.str());
+        }
+      }
+    }
+    return std::make_shared<const std::vector<mx::array>>(std::move(a));
+  });
+  return *std::static_pointer_cast<const std::vector<mx::array>>(memo);
+}
+
+std::vector<mx::array> checked_point_voxel_map(const mx::array& rows, const mx::array& nearest,
+                                               const mx::array& offsets, const mx::array& entries,
+                                               int64_t n_voxels) {
+  const auto tag = "geometry_devoxelize/" + std::to_string(n_voxels);
+  auto memo =
+      validated(tag, {rows, nearest, offsets, entries}, [&]() -> std::shared_ptr<const void> {
+        auto a = concrete_indices(kDevoxelizeOp,
+                                  {{"rows", rows},
+                                   {"nearest", nearest},
+                                   {"voxel_offsets", offsets},
+                                   {"voxel_entries", entries}},
+                                  {2, 1, 1, 1});
+        if (a[0].shape(1) != 8) {
+          fail(kDevoxelizeOp, "rows must be (P, 8), got " + shape_str(a[0].shape()) + ".");
+        }
+        const int64_t n_points = a[0].shape(0);
+        if (static_cast<int64_t>(a[1].size()) != n_points) {
+          fail(kDevoxelizeOp, "nearest must have one entry per point.");
+        }
+        check_range(kDevoxelizeOp, "rows", a[0], -1, n_voxels);
+        check_range(kDevoxelizeOp, "nearest", a[1], -1, n_voxels);
+        check_offsets(kDevoxelizeOp, "voxel_offsets", a[2], n_voxels, a[3].size());
+        check_range(kDevoxelizeOp, "voxel_entries", a[3], 0, std::max<int64_t>(8 * n_points, 1));
+        const int32_t* r = a[0].data<int32_t>();
+        const int32_t* off = a[2].data<int32_t>();
+        const int32_t* ent = a[3].data<int32_t>();
+        for (int64_t v = 0; v < n_voxels; ++v) {
+          for (int32_t i = off[v]; i < off[v + 1]; ++i) {
+            if (r[ent[i]] != v) {
+              fail(kDevoxelizeOp,
+                   "voxel_entries is inconsistent with rows at voxel " + std::to_string(v) + ".");
+            }
+          }
+        }
+        return std::make_shared<const std::vector<mx::array>>(std::move(a));
+      });
+  return *std::static_pointer_cast<const std::vector<mx::array>>(memo);
 }
 
 }  // namespace
@@ -139,6 +245,36 @@ mx::array sparse_pool_features(const mx::array& feats, const RelationArrays& rel
   if (input_exclusive) check_input_exclusive(op, rel);
   return mx::astype(make_pool(SparsePool::Stage::kForward, pool_mode, {feats}, rel, stream),
                     feats.dtype(), stream);
+}
+
+mx::array geometry_voxelize(const mx::array& feats, const mx::array& voxel_offsets,
+                            const mx::array& voxel_points, const mx::array& point_to_voxel,
+                            const std::string& reduce, mx::StreamOrDevice s) {
+  const int mode = reduce_mode(reduce);
+  check_table(kVoxelizeOp, "point_features", feats);
+  auto idx = checked_grouping(voxel_offsets, voxel_points, point_to_voxel, feats.shape(0));
+  auto stream = mx::to_stream(s);
+  return mx::astype(make_voxelize(mode, feats, idx, stream)[0], feats.dtype(), stream);
+}
+
+mx::array geometry_devoxelize(const mx::array& voxel_features, const mx::array& rows,
+                              const mx::array& weights, const mx::array& nearest,
+                              const mx::array& voxel_offsets, const mx::array& voxel_entries,
+                              bool nearest_mode, mx::StreamOrDevice s) {
+  check_table(kDevoxelizeOp, "voxel_features", voxel_features);
+  const int64_t n_voxels = voxel_features.shape(0);
+  auto idx = checked_point_voxel_map(rows, nearest, voxel_offsets, voxel_entries, n_voxels);
+  if (weights.dtype() != mx::float32 || weights.shape() != idx[0].shape()) {
+    fail(kDevoxelizeOp, "weights must be float32 of the shape of rows " +
+                            shape_str(idx[0].shape()) + ", got " + dtype_str(weights.dtype()) +
+                            " " + shape_str(weights.shape()) + ".");
+  }
+  auto stream = mx::to_stream(s);
+  std::vector<mx::array> index_inputs = {idx[0], mx::contiguous(weights, false, stream), idx[1],
+                                         idx[2], idx[3]};
+  auto out = make_devoxelize(GeometryDevoxelize::kForward, nearest_mode, n_voxels, voxel_features,
+                             index_inputs, stream);
+  return mx::astype(out, voxel_features.dtype(), stream);
 }
 
 }  // namespace mlx_lattice

@@ -44,4 +44,16 @@ mx::array sparse_pool_features(const mx::array& feats, const RelationArrays& rel
                                bool input_exclusive, const std::string& mode,
                                mx::StreamOrDevice s = {});
 
+// Geometry (bound by geometry_bindings.cpp). The index arrays are checked on
+// evaluated data (memoized by identity) before the node is built; features
+// of any float dtype, result in that dtype (float32 inside).
+// reduce: 'sum', 'mean', 'max' or 'first' over each voxel's points.
+mx::array geometry_voxelize(const mx::array& feats, const mx::array& voxel_offsets,
+                            const mx::array& voxel_points, const mx::array& point_to_voxel,
+                            const std::string& reduce, mx::StreamOrDevice s = {});
+mx::array geometry_devoxelize(const mx::array& voxel_features, const mx::array& rows,
+                              const mx::array& weights, const mx::array& nearest,
+                              const mx::array& voxel_offsets, const mx::array& voxel_entries,
+                              bool nearest_mode, mx::StreamOrDevice s = {});
+
 }  // namespace mlx_lattice

@@ -1,13 +1,15 @@
 // The MLX primitives of mlx_lattice, declared in MLX's own style
-// (mlx/primitives.h): single-output UnaryPrimitives with DEFINE_* helpers.
+// (mlx/primitives.h): single-output UnaryPrimitives with DEFINE_* helpers;
+// the geometry primitives at the end derive from mx::Primitive (voxelize has
+// two outputs).
 //
 // Where each part of a primitive lives (see csrc/README.md):
-//   graph builders, vjp / jvp / vmap   transforms.cpp
+//   graph builders, vjp / jvp / vmap   transforms.cpp (geometry: transforms_geometry.cpp)
 //   eval_cpu                           cpu/<op>.cpp (kernels in cpu/kernels.cpp)
 //   eval_gpu                           metal/eval.cpp (macOS) or no_metal.cpp
 //   Metal encode bodies                metal/<op>.cpp (kernels in metal/*.metal)
 //
-// Every primitive holds its validated relation (relation.h) by shared
+// Every sparse primitive holds its validated relation (relation.h) by shared
 // pointer: index data is graph-constant, only floating operands are inputs.
 #pragma once
 
@@ -146,6 +148,62 @@ class SparsePool : public SparsePrimitive {
   kernels::PoolMode mode_;
 };
 
+// ------------------------------------------------------------------ geometry
+// No relation: the index arrays are inputs after the features, validated by
+// ops.cpp (memoized like relations) before the node is built. Kernels in
+// cpu/geometry_*.cpp and metal/geometry.metal.
+
+// Point features (P, C) -> voxel features (N, C) and, as a second output, the
+// (N, C) int32 point each max/first picked (-1 for sum/mean and empty voxels).
+// Inputs: feats (float32), voxel_offsets (N + 1), voxel_points (P),
+// point_to_voxel (P). mode: 0 sum, 1 mean, 2 max, 3 first.
+class GeometryVoxelize : public mx::Primitive {
+ public:
+  GeometryVoxelize(mx::Stream stream, int mode) : mx::Primitive(stream), mode_(mode) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryVoxelize)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return mode_ == static_cast<const GeometryVoxelize&>(other).mode_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  int mode() const { return mode_; }
+
+ private:
+  int mode_;
+};
+
+// Voxel features (N, C) -> point features (P, C) through a point-voxel map
+// (kForward) and its transpose (kTranspose: (P, C) -> (N, C)). Inputs after
+// the features: rows (P, 8), weights (P, 8) float32, nearest (P,),
+// voxel_offsets (N + 1), voxel_entries (E).
+class GeometryDevoxelize : public mx::Primitive {
+ public:
+  enum Face { kForward = 0, kTranspose = 1 };
+  GeometryDevoxelize(mx::Stream stream, Face face, bool nearest, int64_t n_voxels)
+      : mx::Primitive(stream), face_(face), nearest_(nearest), n_voxels_(n_voxels) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryDevoxelize)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const GeometryDevoxelize&>(other);
+    return face_ == o.face_ && nearest_ == o.nearest_ && n_voxels_ == o.n_voxels_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  Face face() const { return face_; }
+  bool nearest() const { return nearest_; }
+  int64_t n_voxels() const { return n_voxels_; }
+
+ private:
+  Face face_;
+  bool nearest_;
+  int64_t n_voxels_;
+};
+
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
 // row-contiguous.
@@ -160,5 +218,14 @@ array make_denominator(SparseDenominator::Mode mode, const array& x, const Relat
                        mx::Stream s);
 array make_pool(SparsePool::Stage stage, kernels::PoolMode mode, const std::vector<array>& floats,
                 const RelationPtr& rel, mx::Stream s);
+
+// Geometry builders (transforms_geometry.cpp; ops.cpp has validated the index
+// arrays). Features are cast to float32. make_voxelize returns {values,
+// picks}; index = {voxel_offsets, voxel_points, point_to_voxel}.
+std::vector<array> make_voxelize(int mode, const array& feats, const std::vector<array>& index,
+                                 mx::Stream s);
+// index = {rows, weights, nearest, voxel_offsets, voxel_entries}.
+array make_devoxelize(GeometryDevoxelize::Face face, bool nearest, int64_t n_voxels, const array& x,
+                      const std::vector<array>& index, mx::Stream s);
 
 }  // namespace mlx_lattice

@@ -1,8 +1,8 @@
 """The Metal kernels, run on the CPU through the MSL harness, against the CPU
 kernels (eval_cpu) on seeded random relations. The harness is a test-only
 extension (tests/harness_ext.so: the product's sources with eval_cpu running
-the Metal encode bodies); the ops layer is pointed at it for the Metal half
-of each comparison. With MLX_LATTICE_TEST_GPU=1 (the macOS target
+the Metal encode bodies); the ops layer and mlx_lattice.geometry are pointed
+at it for the Metal half of each comparison. With MLX_LATTICE_TEST_GPU=1 (the macOS target
 :metal_gpu_tests) the same tests run the Metal kernels on the GPU stream
 instead.
 
@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lattice import geometry
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
@@ -53,16 +54,16 @@ def harness():
         return cpu, gpu
 
     def both(fn, expect_groups=True):
-        assert ops.ext is ext
+        assert ops.ext is ext and geometry.ext is ext
         cpu = fn()
         mx.eval(cpu)
         before = harness_ext.harness_groups_run()
-        ops.ext = harness_ext
+        ops.ext = geometry.ext = harness_ext
         try:
             gpu = fn()
             mx.eval(gpu)
         finally:
-            ops.ext = ext
+            ops.ext = geometry.ext = ext
         assert (harness_ext.harness_groups_run() > before) == expect_groups  # Metal kernels ran
         return cpu, gpu
 
@@ -239,6 +240,61 @@ def test_pooling_and_gradients(rng, ref, harness, mode):
 
     cpu, gpu = harness(run)
     close(cpu, gpu, 1e-5)
+
+
+@pytest.mark.parametrize(
+    ("n_points", "batches", "channels", "drop"),
+    [(1, 1, 3, 0.0), (300, 2, 5, 0.3), (200, 3, 40, 0.6)],
+)
+def test_geometry_voxelize_and_devoxelize(rng, harness, n_points, batches, channels, drop):
+    """geometry.metal against the CPU kernels: the voxel reduction in every
+    mode (values, gradient, and the point each max/first picked, read from
+    the jvp of a tangent holding point index + 1), devoxelize (linear and
+    nearest) and its transpose (the vjp). Cases: a single point; several
+    batches with voxels dropped from the map (missing corners, points with no
+    voxel at all); channels across threadgroups (40 > 32)."""
+    points = rng.uniform(-2.0, 2.0, (n_points, 3))
+    batch = rng.integers(0, batches, n_points).astype(np.int32)
+    size, origin = (0.5, 0.7, 0.6), (0.1, -0.2, 0.0)
+    vox = geometry.quantize_points(points, size, origin=origin, batch=batch)
+    coords = np.array(vox.coords)
+    kept = coords[rng.uniform(size=len(coords)) >= drop]
+    pvm = geometry.point_voxel_map(points, kept, size, origin=origin, batch=batch)
+    feats = rand(rng, (n_points, channels))
+    probe = rand(rng, (vox.num_voxels, channels))
+    index_plus_one = mx.broadcast_to(
+        mx.arange(1, n_points + 1, dtype=mx.float32)[:, None], (n_points, channels)
+    )
+    vf = rand(rng, (len(kept), channels))
+    g = rand(rng, (n_points, channels))
+    reduces = ("sum", "mean", "max", "first")
+
+    def run():
+        out = []
+        for reduce in reduces:
+
+            def voxelize(f, reduce=reduce):
+                return geometry.voxelize(f, vox, reduce)
+
+            out.append(voxelize(feats))
+            out.append(mx.grad(lambda f, v=voxelize: (v(f) * probe).sum())(feats))
+            out.append(mx.jvp(voxelize, [feats], [index_plus_one])[1][0])
+        for interpolation in ("linear", "nearest"):
+
+            def devoxelize(v, interpolation=interpolation):
+                return geometry.devoxelize(v, pvm, interpolation)
+
+            out.append(devoxelize(vf))
+            out.append(mx.vjp(devoxelize, [vf], [g])[1][0])
+        return out
+
+    cpu, gpu = harness(run)
+    close(cpu, gpu, 1e-6)
+    for i, reduce in enumerate(reduces):
+        if reduce in ("max", "first"):  # the picked points, exactly
+            picks = np.array(gpu[3 * i + 2])
+            np.testing.assert_array_equal(picks, np.array(cpu[3 * i + 2]))
+            assert picks.min(initial=1) >= 1 and picks.max(initial=n_points) <= n_points
 
 
 def test_product_extension_carries_no_harness():

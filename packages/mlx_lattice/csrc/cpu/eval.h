@@ -89,4 +89,22 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array
   });
 }
 
+// The same for primitives with several outputs: body(inputs, outputs).
+template <typename Body>
+void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
+              std::vector<mx::array>& outputs, Body body) {
+  auto& encoder = mx::cpu::get_command_encoder(stream);
+  std::vector<mx::array> in, out;
+  for (auto& a : inputs) {
+    encoder.set_input_array(a);
+    in.push_back(mx::array::unsafe_weak_copy(a));
+  }
+  for (auto& o : outputs) {
+    o.set_data(mx::allocator::malloc(o.nbytes()));
+    encoder.set_output_array(o);
+    out.push_back(mx::array::unsafe_weak_copy(o));
+  }
+  encoder.dispatch([in = std::move(in), out = std::move(out), body]() mutable { body(in, out); });
+}
+
 }  // namespace mlx_lattice::cpu

@@ -1,4 +1,5 @@
-// Geometry kernels: points <-> voxels, exact neighbour search, coordinate sets.
+// Geometry kernels: points <-> voxels (geometry_voxels.cpp), exact neighbour
+// search (geometry_neighbors.cpp), coordinate sets (geometry_coords.cpp).
 //
 // Plain C++ over pointers (no MLX include). Every routine is deterministic:
 // results never depend on the thread count, and ties are broken by index.

@@ -21,6 +21,17 @@ void eval_on_harness(P& p, const std::vector<array>& inputs, array& out) {
   });
 }
 
+template <typename P>
+void eval_on_harness(P& p, const std::vector<array>& inputs, std::vector<array>& outs) {
+  auto prim = std::static_pointer_cast<P>(outs[0].primitive_ptr());
+  cpu::dispatch(p.stream(), inputs, outs, [prim](std::vector<array>& in, std::vector<array>& o) {
+    auto enc = gpu::harness_encoder();
+    gpu::Operands ops(true);
+    gpu::encode(*prim, *enc, ops, in, o);
+    ops.finish();
+  });
+}
+
 }  // namespace
 
 void SparseConv::eval_cpu(const std::vector<array>& in, array& out) {
@@ -36,6 +47,12 @@ void SparseDenominator::eval_cpu(const std::vector<array>& in, array& out) {
   eval_on_harness(*this, in, out);
 }
 void SparsePool::eval_cpu(const std::vector<array>& in, array& out) {
+  eval_on_harness(*this, in, out);
+}
+void GeometryVoxelize::eval_cpu(const std::vector<array>& in, std::vector<array>& out) {
+  eval_on_harness(*this, in, out);
+}
+void GeometryDevoxelize::eval_cpu(const std::vector<array>& in, std::vector<array>& out) {
   eval_on_harness(*this, in, out);
 }
 

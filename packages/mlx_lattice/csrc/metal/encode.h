@@ -52,4 +52,10 @@ void encode(const SparseDenominator& p, KernelEncoder& enc, Operands& ops,
 void encode(const SparsePool& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, mx::array& out);
 
+// Geometry (geometry.cpp): several outputs.
+void encode(const GeometryVoxelize& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const GeometryDevoxelize& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+
 }  // namespace mlx_lattice::gpu

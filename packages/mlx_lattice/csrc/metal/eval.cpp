@@ -16,6 +16,14 @@ void eval_on_metal(P& p, const std::vector<array>& inputs, array& out) {
   gpu::encode(p, *enc, ops, inputs, out);
 }
 
+template <typename P>
+void eval_on_metal(P& p, const std::vector<array>& inputs, std::vector<array>& outs) {
+  for (auto& out : outs) out.set_data(mx::allocator::malloc(out.nbytes()));
+  auto enc = gpu::metal_encoder(p.stream());
+  gpu::Operands ops(false);
+  gpu::encode(p, *enc, ops, inputs, outs);
+}
+
 }  // namespace
 
 void SparseConv::eval_gpu(const std::vector<array>& in, array& out) {
@@ -31,6 +39,12 @@ void SparseDenominator::eval_gpu(const std::vector<array>& in, array& out) {
   eval_on_metal(*this, in, out);
 }
 void SparsePool::eval_gpu(const std::vector<array>& in, array& out) {
+  eval_on_metal(*this, in, out);
+}
+void GeometryVoxelize::eval_gpu(const std::vector<array>& in, std::vector<array>& out) {
+  eval_on_metal(*this, in, out);
+}
+void GeometryDevoxelize::eval_gpu(const std::vector<array>& in, std::vector<array>& out) {
   eval_on_metal(*this, in, out);
 }
 

@@ -1,7 +1,7 @@
 // Geometry kernels (float32): devoxelize (trilinear / nearest) and its
 // transpose, and the reduction of point features onto voxels. One thread per
 // output value; every value reduces in the order of the CPU kernels
-// (cpu/geometry_kernels.cpp), so the two agree to the bit in float32 when
+// (cpu/geometry_voxels.cpp), so the two agree to the bit in float32 when
 // neither contracts multiply-adds.
 #include <metal_stdlib>
 using namespace metal;

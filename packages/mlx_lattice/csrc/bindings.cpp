@@ -141,7 +141,7 @@ Offsets are enumerated x-major, ``offset(i) = (i - (size - 1) // 2) *
 dilation * tensor_stride`` per axis; an edge joins input ``p`` to output
 ``q`` when ``p == q + offset`` (``submanifold``, ``forward``) or
 ``p == q - offset`` (``target``). Returns a dict of int32 arrays:
-``out_coords``, ``in_rows``, ``out_rows``, ``kernel_ids``, ``counts``,
+``out_coords``, ``in_rows``, ``out_rows``, ``kernel_ids``,
 ``output_row_offsets``, ``input_row_offsets``, ``input_edge_ids``,
 ``kernel_row_offsets``, ``kernel_edge_ids``.
 )pbdoc");

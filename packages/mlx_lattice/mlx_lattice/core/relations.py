@@ -284,7 +284,8 @@ def build_kernel_relation(
         in_coords=inputs,
         out_coords=raw["out_coords"],
         edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
-        counts=raw["counts"],
+        # Edges per offset: derived lazily from the kernel grouping (no kernel reads it).
+        counts=raw["kernel_row_offsets"][1:] - raw["kernel_row_offsets"][:-1],
         # Edges are stored grouped by output: the output grouping's edge ids are
         # the identity, derived lazily (MLX evaluates them only if read).
         output_csr=RelationCSR(

@@ -13,11 +13,6 @@ namespace {
 
 std::string str(int64_t v) { return std::to_string(v); }
 
-std::vector<mx::array> arrays_of(const RelationArrays& r) {
-  return {r.in_rows,   r.out_rows,    r.kernel_ids, r.out_offsets,
-          r.in_offsets, r.in_edge_ids, r.k_offsets,  r.k_edge_ids};
-}
-
 std::vector<mx::array> arrays_of(const Relation& r) {
   return {r.in_rows,   r.out_rows,    r.kernel_ids, r.out_offsets,
           r.in_offsets, r.in_edge_ids, r.k_offsets,  r.k_edge_ids};

@@ -18,19 +18,11 @@ namespace mlx_lattice {
 
 namespace mx = mlx::core;
 
-// The relation as handed over (not yet validated). Groupings: edges by output
-// (offsets only: edges are stored grouped by output), by input and by kernel
-// offset (offsets + edge ids).
-struct RelationArrays {
-  mx::array in_rows, out_rows, kernel_ids;
-  mx::array out_offsets;
-  mx::array in_offsets, in_edge_ids;
-  mx::array k_offsets, k_edge_ids;
-  int64_t n_in = 0, n_out = 0, n_kernels = 0;
-};
-
-// A validated relation: evaluated, row-contiguous int32 arrays whose indices
-// are in range and whose groupings are consistent.
+// A relation's arrays and sizes. Groupings: edges by output (offsets only:
+// edges are stored grouped by output), by input and by kernel offset (offsets
+// + edge ids). As handed over by the bindings it is unchecked; a validated
+// one (evaluated, row-contiguous int32, indices in range, groupings
+// consistent) is only ever held as a RelationPtr.
 struct Relation {
   mx::array in_rows, out_rows, kernel_ids;
   mx::array out_offsets;
@@ -39,6 +31,7 @@ struct Relation {
   int64_t n_in = 0, n_out = 0, n_kernels = 0;
   int64_t n_edges() const { return static_cast<int64_t>(in_rows.size()); }
 };
+using RelationArrays = Relation;  // unchecked, from the bindings
 using RelationPtr = std::shared_ptr<const Relation>;
 
 // The sorted implicit-GEMM view of a relation (core/relations.py's

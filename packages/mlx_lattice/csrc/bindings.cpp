@@ -121,15 +121,14 @@ Raises:
          Triple stride, Triple dilation, Triple tensor_stride, const std::string& kind) {
         auto raw = build_kernel_relation(in_coords, out_coords, kernel_size, stride, dilation,
                                          tensor_stride, kind);
-        // Validated once here, where it is built; later calls find it in the memo.
+        // Valid where it is built: remembered, so later calls skip the checks.
         const int64_t n_kernels =
             static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
-        validated_relation("build_kernel_relation",
-                           {raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
-                            raw.at("output_row_offsets"), raw.at("input_row_offsets"),
-                            raw.at("input_edge_ids"), raw.at("kernel_row_offsets"),
-                            raw.at("kernel_edge_ids"), in_coords.shape(0),
-                            raw.at("out_coords").shape(0), n_kernels});
+        remember_built_relation({raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
+                                 raw.at("output_row_offsets"), raw.at("input_row_offsets"),
+                                 raw.at("input_edge_ids"), raw.at("kernel_row_offsets"),
+                                 raw.at("kernel_edge_ids"), in_coords.shape(0),
+                                 raw.at("out_coords").shape(0), n_kernels});
         return raw;
       },
       "in_coords"_a, "out_coords"_a = nb::none(), nb::kw_only(), "kernel_size"_a, "stride"_a,

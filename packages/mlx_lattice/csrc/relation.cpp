@@ -131,6 +131,11 @@ RelationPtr validated_relation(const std::string& op, const RelationArrays& r) {
                 [&] { return std::make_shared<const Relation>(check_relation(op, r)); }));
 }
 
+void remember_built_relation(const Relation& r) {
+  remember(dims_tag("relation", r.n_in, r.n_out, r.n_kernels), arrays_of(r),
+           std::make_shared<const Relation>(r));
+}
+
 SortedPtr validated_sorted_view(const std::string& op, const SortedArrays& v,
                                 const RelationPtr& rel) {
   auto keys = arrays_of(*rel);

@@ -46,6 +46,11 @@ using SortedPtr = std::shared_ptr<const SortedArrays>;
 // `op` and the offending field.
 RelationPtr validated_relation(const std::string& op, const RelationArrays& r);
 
+// Remembers a relation made by relation_builder.cpp as validated: it is
+// valid by construction (tests/test_relations.py checks the builder against
+// brute force), so later calls skip the checks until an array changes.
+void remember_built_relation(const Relation& r);
+
 // Validates a sorted view against its (validated) relation.
 SortedPtr validated_sorted_view(const std::string& op, const SortedArrays& v,
                                 const RelationPtr& rel);

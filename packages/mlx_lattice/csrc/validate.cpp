@@ -155,14 +155,18 @@ Memo& memo() {
   return *instance;
 }
 
+std::string memo_key(const std::string& tag, const std::vector<mx::array>& keys) {
+  std::ostringstream key;
+  key << tag;
+  for (const auto& a : keys) key << ':' << a.id();
+  return key.str();
+}
+
 }  // namespace
 
 std::shared_ptr<const void> validated(const std::string& tag, const std::vector<mx::array>& keys,
                                       const std::function<std::shared_ptr<const void>()>& validate) {
-  std::ostringstream key;
-  key << tag;
-  for (const auto& a : keys) key << ':' << a.id();
-  const std::string k = key.str();
+  const std::string k = memo_key(tag, keys);
   auto& m = memo();
   {
     std::lock_guard<std::mutex> lock(m.mutex);
@@ -174,10 +178,16 @@ std::shared_ptr<const void> validated(const std::string& tag, const std::vector<
     }
   }
   auto result = validate();  // throws on bad input: nothing is remembered
-  std::lock_guard<std::mutex> lock(m.mutex);
-  m.entries.push_front({k, keys, result});
-  while (m.entries.size() > kValidationMemo) m.entries.pop_back();
+  remember(tag, keys, result);
   return result;
+}
+
+void remember(const std::string& tag, const std::vector<mx::array>& keys,
+              std::shared_ptr<const void> result) {
+  auto& m = memo();
+  std::lock_guard<std::mutex> lock(m.mutex);
+  m.entries.push_front({memo_key(tag, keys), keys, std::move(result)});
+  while (m.entries.size() > kValidationMemo) m.entries.pop_back();
 }
 
 void clear_validation_memo() {

@@ -5,10 +5,9 @@
 
 namespace mlx_lattice {
 
-void SparseConv::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparseConvSorted::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparseQuantizedConv::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparseDenominator::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparsePool::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
+#define MLX_LATTICE_NO_GPU(P) \
+  void P::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
+MLX_LATTICE_PRIMITIVES(MLX_LATTICE_NO_GPU)
+#undef MLX_LATTICE_NO_GPU
 
 }  // namespace mlx_lattice

@@ -146,6 +146,16 @@ class SparsePool : public SparsePrimitive {
   kernels::PoolMode mode_;
 };
 
+// Every primitive class, for the files that define one method per primitive
+// by build choice (metal/eval.cpp, no_metal.cpp, harness/eval.cpp). A new
+// primitive is added here.
+#define MLX_LATTICE_PRIMITIVES(X) \
+  X(SparseConv)                   \
+  X(SparseConvSorted)             \
+  X(SparseQuantizedConv)          \
+  X(SparseDenominator)            \
+  X(SparsePool)
+
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
 // row-contiguous.

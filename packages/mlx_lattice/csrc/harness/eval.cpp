@@ -23,20 +23,11 @@ void eval_on_harness(P& p, const std::vector<array>& inputs, array& out) {
 
 }  // namespace
 
-void SparseConv::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparseConvSorted::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparseQuantizedConv::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparseDenominator::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparsePool::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
+#define MLX_LATTICE_EVAL_CPU(P)                                  \
+  void P::eval_cpu(const std::vector<array>& in, array& out) { \
+    eval_on_harness(*this, in, out);                           \
+  }
+MLX_LATTICE_PRIMITIVES(MLX_LATTICE_EVAL_CPU)
+#undef MLX_LATTICE_EVAL_CPU
 
 }  // namespace mlx_lattice

@@ -18,20 +18,11 @@ void eval_on_metal(P& p, const std::vector<array>& inputs, array& out) {
 
 }  // namespace
 
-void SparseConv::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparseConvSorted::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparseQuantizedConv::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparseDenominator::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparsePool::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
+#define MLX_LATTICE_EVAL_GPU(P)                                  \
+  void P::eval_gpu(const std::vector<array>& in, array& out) { \
+    eval_on_metal(*this, in, out);                             \
+  }
+MLX_LATTICE_PRIMITIVES(MLX_LATTICE_EVAL_GPU)
+#undef MLX_LATTICE_EVAL_GPU
 
 }  // namespace mlx_lattice

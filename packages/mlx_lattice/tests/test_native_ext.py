@@ -124,6 +124,12 @@ def test_vmap_of_every_primitive_matches_a_loop(rng, ref):
     np.testing.assert_allclose(f32(g), f32(g_ref), rtol=1e-4, atol=1e-4)
 
 
+def test_vmap_over_an_empty_axis(setup):
+    rel, f, w = setup
+    out = mx.vmap(lambda a: ext.sparse_conv_features(a, w, rel))(mx.zeros((0, *f.shape)))
+    assert out.shape == (0, rel.n_out_capacity, 3)  # empty: the shape is all there is
+
+
 def test_compile_matches_eager(setup):
     rel, f, w = setup
 

@@ -1,11 +1,13 @@
 // The one relation object the primitives share, and its validation.
 //
 // A kernel relation crosses from Python as one object (core/relations.py's
-// KernelRelation, read by bindings.cpp into RelationArrays). It is validated
-// once (memoized by the identities of its arrays, so an index array updated
-// in place is checked again) into an immutable Relation that every primitive
-// built on it holds by shared pointer: the relation is graph-constant data,
-// not a primitive input. Only fields some kernel reads cross the boundary.
+// KernelRelation, read by bindings.cpp into RelationArrays). A relation made
+// by the native builder is valid by construction and carries its Relation
+// (a capsule in the Python object); any other is validated once, memoized by
+// the identities of its arrays, so an index array replaced or updated in
+// place is checked again. Every primitive built on it holds the immutable
+// Relation by shared pointer: the relation is graph-constant data, not a
+// primitive input. Only fields some kernel reads cross the boundary.
 #pragma once
 
 #include <cstdint>
@@ -31,8 +33,14 @@ struct Relation {
   int64_t n_in = 0, n_out = 0, n_kernels = 0;
   int64_t n_edges() const { return static_cast<int64_t>(in_rows.size()); }
 };
-using RelationArrays = Relation;  // unchecked, from the bindings
 using RelationPtr = std::shared_ptr<const Relation>;
+
+// The relation as handed over by the bindings: unchecked arrays, and the
+// relation as the native builder made it when the Python object carries it
+// (valid by construction while the arrays are still the built ones).
+struct RelationArrays : Relation {
+  RelationPtr built;
+};
 
 // The sorted implicit-GEMM view of a relation (core/relations.py's
 // SortedImplicitGemmView): sorted_out_in_map (n_out, K), reorder_rows (n_out,)
@@ -42,14 +50,11 @@ struct SortedArrays {
 };
 using SortedPtr = std::shared_ptr<const SortedArrays>;
 
-// Validates `r` (or returns the remembered result). Raises ValueError naming
-// `op` and the offending field.
+// The validated relation of `r`: `r.built` while `r` still holds exactly its
+// arrays (an array replaced or updated in place has another identity), else
+// the memoized result of checking `r`. Raises ValueError naming `op` and the
+// offending field.
 RelationPtr validated_relation(const std::string& op, const RelationArrays& r);
-
-// Remembers a relation made by relation_builder.cpp as validated: it is
-// valid by construction (tests/test_relations.py checks the builder against
-// brute force), so later calls skip the checks until an array changes.
-void remember_built_relation(const Relation& r);
 
 // Validates a sorted view against its (validated) relation.
 SortedPtr validated_sorted_view(const std::string& op, const SortedArrays& v,

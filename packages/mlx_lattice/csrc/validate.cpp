@@ -178,16 +178,10 @@ std::shared_ptr<const void> validated(const std::string& tag, const std::vector<
     }
   }
   auto result = validate();  // throws on bad input: nothing is remembered
-  remember(tag, keys, result);
-  return result;
-}
-
-void remember(const std::string& tag, const std::vector<mx::array>& keys,
-              std::shared_ptr<const void> result) {
-  auto& m = memo();
   std::lock_guard<std::mutex> lock(m.mutex);
-  m.entries.push_front({memo_key(tag, keys), keys, std::move(result)});
+  m.entries.push_front({k, keys, result});
   while (m.entries.size() > kValidationMemo) m.entries.pop_back();
+  return result;
 }
 
 void clear_validation_memo() {

@@ -59,11 +59,6 @@ constexpr size_t kValidationMemo = 32;
 std::shared_ptr<const void> validated(const std::string& tag, const std::vector<mx::array>& keys,
                                       const std::function<std::shared_ptr<const void>()>& validate);
 
-// Remembers `result` under `tag` and `keys` as if `validate` had returned it
-// (for data valid by construction).
-void remember(const std::string& tag, const std::vector<mx::array>& keys,
-              std::shared_ptr<const void> result);
-
 // Forgets all remembered validations.
 void clear_validation_memo();
 

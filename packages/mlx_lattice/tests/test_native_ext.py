@@ -56,6 +56,9 @@ def test_validation_memo_sees_in_place_updates(setup):
     rel, f, w = setup
     expected = numpy_conv(f, w, rel)
     np.testing.assert_allclose(np.array(ext.sparse_conv_features(f, w, rel)), expected, rtol=1e-5)
+    # Without the builder's handle the same relation is validated, same result.
+    plain = dataclasses.replace(rel, _native=None)
+    np.testing.assert_allclose(np.array(ext.sparse_conv_features(f, w, plain)), expected, rtol=1e-5)
     original = int(np.array(rel.edges.in_rows)[0])
     rel.edges.in_rows[0] = 10_000  # in place: same Python object, new value
     with pytest.raises(ValueError, match=r"in_rows\[0\] = 10000 is out of range"):

@@ -62,14 +62,44 @@ int64_t int_field(nb::handle obj, const char* what, const std::string& path) {
   return nb::cast<int64_t>(v);
 }
 
+// A relation built here travels with its Python object as a capsule (the
+// `_native` field of KernelRelation) holding the validated Relation. The
+// capsule's context is this extension's own tag, so another extension built
+// from these sources (the test-only harness) never trusts it.
+constexpr const char* kBuiltName = "mlx_lattice.built_relation";
+const int kExtensionTag = 0;
+
+void destroy_built(PyObject* capsule) {
+  delete static_cast<RelationPtr*>(PyCapsule_GetPointer(capsule, kBuiltName));
+}
+
+// (The C API directly: nanobind's capsule keeps its cleanup in the context.)
+nb::object built_capsule(RelationPtr rel) {
+  PyObject* cap = PyCapsule_New(new RelationPtr(std::move(rel)), kBuiltName, destroy_built);
+  if (!cap || PyCapsule_SetContext(cap, const_cast<int*>(&kExtensionTag)) != 0) {
+    throw nb::python_error();
+  }
+  return nb::steal(cap);
+}
+
+RelationPtr built_of(nb::handle r) {
+  if (!nb::hasattr(r, "_native")) return nullptr;
+  nb::object cap = r.attr("_native");
+  if (!PyCapsule_IsValid(cap.ptr(), kBuiltName) ||
+      PyCapsule_GetContext(cap.ptr()) != &kExtensionTag) {
+    return nullptr;
+  }
+  return *static_cast<RelationPtr*>(PyCapsule_GetPointer(cap.ptr(), kBuiltName));
+}
+
 RelationArrays relation_from(nb::handle r) {
   const char* w = "relation";
-  return {array_field(r, w, "edges.in_rows"),          array_field(r, w, "edges.out_rows"),
-          array_field(r, w, "edges.kernel_ids"),       array_field(r, w, "output_csr.row_offsets"),
-          array_field(r, w, "input_csr.row_offsets"),  array_field(r, w, "input_csr.edge_ids"),
-          array_field(r, w, "kernel_csr.row_offsets"), array_field(r, w, "kernel_csr.edge_ids"),
-          int_field(r, w, "n_in"),                     int_field(r, w, "n_out_capacity"),
-          int_field(r, w, "n_kernels")};
+  return {{array_field(r, w, "edges.in_rows"), array_field(r, w, "edges.out_rows"),
+           array_field(r, w, "edges.kernel_ids"), array_field(r, w, "output_csr.row_offsets"),
+           array_field(r, w, "input_csr.row_offsets"), array_field(r, w, "input_csr.edge_ids"),
+           array_field(r, w, "kernel_csr.row_offsets"), array_field(r, w, "kernel_csr.edge_ids"),
+           int_field(r, w, "n_in"), int_field(r, w, "n_out_capacity"), int_field(r, w, "n_kernels")},
+          built_of(r)};
 }
 
 SortedArrays sorted_from(nb::handle v) {
@@ -119,21 +149,27 @@ Raises:
       "build_kernel_relation",
       [](const mx::array& in_coords, const std::optional<mx::array>& out_coords, Triple kernel_size,
          Triple stride, Triple dilation, Triple tensor_stride, const std::string& kind) {
-        auto raw = build_kernel_relation(in_coords, out_coords, kernel_size, stride, dilation,
-                                         tensor_stride, kind);
-        // Validated once here, where it is built; later calls find it in the memo.
-        const int64_t n_kernels =
-            static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
-        validated_relation("build_kernel_relation",
-                           {raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
-                            raw.at("output_row_offsets"), raw.at("input_row_offsets"),
-                            raw.at("input_edge_ids"), raw.at("kernel_row_offsets"),
-                            raw.at("kernel_edge_ids"), in_coords.shape(0),
-                            raw.at("out_coords").shape(0), n_kernels});
-        return raw;
+        std::map<std::string, mx::array> raw;
+        RelationPtr rel;
+        {
+          nb::gil_scoped_release unlocked;
+          raw = build_kernel_relation(in_coords, out_coords, kernel_size, stride, dilation,
+                                      tensor_stride, kind);
+          const int64_t n_kernels =
+              static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
+          rel = std::make_shared<const Relation>(Relation{
+              raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
+              raw.at("output_row_offsets"), raw.at("input_row_offsets"), raw.at("input_edge_ids"),
+              raw.at("kernel_row_offsets"), raw.at("kernel_edge_ids"), in_coords.shape(0),
+              raw.at("out_coords").shape(0), n_kernels});
+        }
+        nb::dict result;
+        for (auto& [name, a] : raw) result[name.c_str()] = nb::cast(a, nb::rv_policy::copy);
+        result["native"] = built_capsule(std::move(rel));
+        return result;
       },
       "in_coords"_a, "out_coords"_a = nb::none(), nb::kw_only(), "kernel_size"_a, "stride"_a,
-      "dilation"_a, "tensor_stride"_a, "kind"_a, release(),
+      "dilation"_a, "tensor_stride"_a, "kind"_a,
       R"pbdoc(
 Build the edge list between two coordinate sets for one kernel shape.
 
@@ -141,9 +177,11 @@ Offsets are enumerated x-major, ``offset(i) = (i - (size - 1) // 2) *
 dilation * tensor_stride`` per axis; an edge joins input ``p`` to output
 ``q`` when ``p == q + offset`` (``submanifold``, ``forward``) or
 ``p == q - offset`` (``target``). Returns a dict of int32 arrays:
-``out_coords``, ``in_rows``, ``out_rows``, ``kernel_ids``, ``counts``,
+``out_coords``, ``in_rows``, ``out_rows``, ``kernel_ids``,
 ``output_row_offsets``, ``input_row_offsets``, ``input_edge_ids``,
-``kernel_row_offsets``, ``kernel_edge_ids``.
+``kernel_row_offsets``, ``kernel_edge_ids``; and ``native``, the relation as
+validated here (valid by construction), which the ops use while the arrays
+are unchanged.
 )pbdoc");
 
   m.def(

@@ -5,16 +5,13 @@
 
 namespace mlx_lattice {
 
-void SparseConv::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparseConvSorted::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparseQuantizedConv::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparseDenominator::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void SparsePool::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
-void GeometryVoxelize::eval_gpu(const std::vector<array>&, std::vector<array>&) {
-  throw_no_gpu(name());
-}
-void GeometryDevoxelize::eval_gpu(const std::vector<array>&, std::vector<array>&) {
-  throw_no_gpu(name());
-}
+#define MLX_LATTICE_NO_GPU(P) \
+  void P::eval_gpu(const std::vector<array>&, array&) { throw_no_gpu(name()); }
+MLX_LATTICE_PRIMITIVES(MLX_LATTICE_NO_GPU)
+#undef MLX_LATTICE_NO_GPU
+#define MLX_LATTICE_NO_GPU_MULTI(P) \
+  void P::eval_gpu(const std::vector<array>&, std::vector<array>&) { throw_no_gpu(name()); }
+MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(MLX_LATTICE_NO_GPU_MULTI)
+#undef MLX_LATTICE_NO_GPU_MULTI
 
 }  // namespace mlx_lattice

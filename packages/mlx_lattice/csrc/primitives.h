@@ -204,6 +204,21 @@ class GeometryDevoxelize : public mx::Primitive {
   int64_t n_voxels_;
 };
 
+// Every primitive class, for the files that define one method per primitive
+// by build choice (metal/eval.cpp, no_metal.cpp, harness/eval.cpp). A new
+// primitive is added here (multi-output ones to the second list).
+#define MLX_LATTICE_PRIMITIVES(X) \
+  X(SparseConv)                   \
+  X(SparseConvSorted)             \
+  X(SparseQuantizedConv)          \
+  X(SparseDenominator)            \
+  X(SparsePool)
+
+// Primitives with several outputs (eval signatures take a vector of outputs).
+#define MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(X) \
+  X(GeometryVoxelize)                          \
+  X(GeometryDevoxelize)
+
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
 // row-contiguous.

@@ -301,8 +301,6 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       kernels::group_by(kernel_ids.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
     }
   });
-  std::vector<int32_t> counts(n_kernels);
-  for (int64_t k = 0; k < n_kernels; ++k) counts[k] = k_offsets[k + 1] - k_offsets[k];
 
   const int e = static_cast<int>(n_edges);
   std::map<std::string, mx::array> result;
@@ -310,7 +308,6 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   result.emplace("in_rows", to_array(in_rows, {e}));
   result.emplace("out_rows", to_array(out_rows, {e}));
   result.emplace("kernel_ids", to_array(kernel_ids, {e}));
-  result.emplace("counts", to_array(counts, {static_cast<int>(n_kernels)}));
   result.emplace("output_row_offsets", to_array(out_offsets, {static_cast<int>(n_out + 1)}));
   result.emplace("input_row_offsets", to_array(in_offsets, {static_cast<int>(n_in + 1)}));
   result.emplace("input_edge_ids", to_array(in_edge_ids, {e}));

@@ -27,8 +27,8 @@ namespace mx = mlx::core;
 
 using Triple = std::array<int, 3>;
 
-// Returns out_coords, in_rows, out_rows, kernel_ids, counts,
-// output_row_offsets, input_row_offsets, input_edge_ids, kernel_row_offsets,
+// Returns out_coords, in_rows, out_rows, kernel_ids, output_row_offsets,
+// input_row_offsets, input_edge_ids, kernel_row_offsets,
 // kernel_edge_ids (all int32). (Edges are stored grouped by output, so the
 // output grouping needs no edge ids.)
 std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coords,

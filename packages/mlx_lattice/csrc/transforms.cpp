@@ -60,6 +60,20 @@ std::pair<std::vector<array>, std::vector<int>> vmap_by_slices(const std::vector
     if (axes[i] >= 0) batch = inputs[i].shape(axes[i]);
   }
   if (batch < 0) return {{build(inputs)}, {-1}};
+  if (batch == 0) {
+    // An empty map: one slice's result shape (graph only, never evaluated)
+    // behind a leading 0.
+    std::vector<array> one;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      auto shape = inputs[i].shape();
+      if (axes[i] >= 0) shape.erase(shape.begin() + axes[i]);
+      one.push_back(axes[i] >= 0 ? mx::zeros(shape, inputs[i].dtype(), s) : inputs[i]);
+    }
+    auto slice = build(one);
+    auto shape = slice.shape();
+    shape.insert(shape.begin(), 0);
+    return {{mx::zeros(shape, slice.dtype(), s)}, {0}};
+  }
   std::vector<array> outs;
   for (int b = 0; b < batch; ++b) {
     std::vector<array> slice;

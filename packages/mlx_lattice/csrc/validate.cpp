@@ -155,14 +155,18 @@ Memo& memo() {
   return *instance;
 }
 
+std::string memo_key(const std::string& tag, const std::vector<mx::array>& keys) {
+  std::ostringstream key;
+  key << tag;
+  for (const auto& a : keys) key << ':' << a.id();
+  return key.str();
+}
+
 }  // namespace
 
 std::shared_ptr<const void> validated(const std::string& tag, const std::vector<mx::array>& keys,
                                       const std::function<std::shared_ptr<const void>()>& validate) {
-  std::ostringstream key;
-  key << tag;
-  for (const auto& a : keys) key << ':' << a.id();
-  const std::string k = key.str();
+  const std::string k = memo_key(tag, keys);
   auto& m = memo();
   {
     std::lock_guard<std::mutex> lock(m.mutex);

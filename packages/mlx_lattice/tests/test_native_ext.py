@@ -56,6 +56,9 @@ def test_validation_memo_sees_in_place_updates(setup):
     rel, f, w = setup
     expected = numpy_conv(f, w, rel)
     np.testing.assert_allclose(np.array(ext.sparse_conv_features(f, w, rel)), expected, rtol=1e-5)
+    # Without the builder's handle the same relation is validated, same result.
+    plain = dataclasses.replace(rel, _native=None)
+    np.testing.assert_allclose(np.array(ext.sparse_conv_features(f, w, plain)), expected, rtol=1e-5)
     original = int(np.array(rel.edges.in_rows)[0])
     rel.edges.in_rows[0] = 10_000  # in place: same Python object, new value
     with pytest.raises(ValueError, match=r"in_rows\[0\] = 10000 is out of range"):
@@ -122,6 +125,12 @@ def test_vmap_of_every_primitive_matches_a_loop(rng, ref):
         for i in range(3)
     )
     np.testing.assert_allclose(f32(g), f32(g_ref), rtol=1e-4, atol=1e-4)
+
+
+def test_vmap_over_an_empty_axis(setup):
+    rel, f, w = setup
+    out = mx.vmap(lambda a: ext.sparse_conv_features(a, w, rel))(mx.zeros((0, *f.shape)))
+    assert out.shape == (0, rel.n_out_capacity, 3)  # empty: the shape is all there is
 
 
 def test_compile_matches_eager(setup):

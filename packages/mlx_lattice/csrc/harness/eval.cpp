@@ -34,26 +34,17 @@ void eval_on_harness(P& p, const std::vector<array>& inputs, std::vector<array>&
 
 }  // namespace
 
-void SparseConv::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparseConvSorted::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparseQuantizedConv::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparseDenominator::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void SparsePool::eval_cpu(const std::vector<array>& in, array& out) {
-  eval_on_harness(*this, in, out);
-}
-void GeometryVoxelize::eval_cpu(const std::vector<array>& in, std::vector<array>& out) {
-  eval_on_harness(*this, in, out);
-}
-void GeometryDevoxelize::eval_cpu(const std::vector<array>& in, std::vector<array>& out) {
-  eval_on_harness(*this, in, out);
-}
+#define MLX_LATTICE_EVAL_CPU(P)                                  \
+  void P::eval_cpu(const std::vector<array>& in, array& out) { \
+    eval_on_harness(*this, in, out);                           \
+  }
+MLX_LATTICE_PRIMITIVES(MLX_LATTICE_EVAL_CPU)
+#undef MLX_LATTICE_EVAL_CPU
+#define MLX_LATTICE_EVAL_CPU_MULTI(P)                                  \
+  void P::eval_cpu(const std::vector<array>& in, std::vector<array>& out) { \
+    eval_on_harness(*this, in, out);                           \
+  }
+MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(MLX_LATTICE_EVAL_CPU_MULTI)
+#undef MLX_LATTICE_EVAL_CPU_MULTI
 
 }  // namespace mlx_lattice

@@ -48,8 +48,8 @@ class KernelEncoder {
   }
 };
 
-// Encodes on the stream's Metal command encoder (macOS builds with
-// MLX_LATTICE_METAL only; kernels compiled at run time from the MSL sources).
+// Encodes on the stream's Metal command encoder (macOS builds
+// only; kernels compiled at run time from the MSL sources).
 std::unique_ptr<KernelEncoder> metal_encoder(mx::Stream stream);
 
 }  // namespace mlx_lattice::gpu

@@ -26,26 +26,17 @@ void eval_on_metal(P& p, const std::vector<array>& inputs, std::vector<array>& o
 
 }  // namespace
 
-void SparseConv::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparseConvSorted::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparseQuantizedConv::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparseDenominator::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void SparsePool::eval_gpu(const std::vector<array>& in, array& out) {
-  eval_on_metal(*this, in, out);
-}
-void GeometryVoxelize::eval_gpu(const std::vector<array>& in, std::vector<array>& out) {
-  eval_on_metal(*this, in, out);
-}
-void GeometryDevoxelize::eval_gpu(const std::vector<array>& in, std::vector<array>& out) {
-  eval_on_metal(*this, in, out);
-}
+#define MLX_LATTICE_EVAL_GPU(P)                                  \
+  void P::eval_gpu(const std::vector<array>& in, array& out) { \
+    eval_on_metal(*this, in, out);                             \
+  }
+MLX_LATTICE_PRIMITIVES(MLX_LATTICE_EVAL_GPU)
+#undef MLX_LATTICE_EVAL_GPU
+#define MLX_LATTICE_EVAL_GPU_MULTI(P)                                  \
+  void P::eval_gpu(const std::vector<array>& in, std::vector<array>& out) { \
+    eval_on_metal(*this, in, out);                             \
+  }
+MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(MLX_LATTICE_EVAL_GPU_MULTI)
+#undef MLX_LATTICE_EVAL_GPU_MULTI
 
 }  // namespace mlx_lattice

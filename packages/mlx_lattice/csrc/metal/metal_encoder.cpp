@@ -1,8 +1,7 @@
 // The Metal encoder (macOS): MLX's command encoder, with this folder's MSL
-// sources compiled at run time into one cached library. Built only where
-// MLX_LATTICE_METAL is defined (see the package BUILD's select on the OS).
+// sources compiled at run time into one cached library. Compiled only on
+// macOS (the package BUILD's select on the OS picks it with metal/eval.cpp).
 // NOT compiled or run on the Linux machines this project is developed on.
-#ifdef MLX_LATTICE_METAL
 
 #include <algorithm>
 #include <list>
@@ -82,5 +81,3 @@ std::unique_ptr<KernelEncoder> metal_encoder(mx::Stream stream) {
 }
 
 }  // namespace mlx_lattice::gpu
-
-#endif  // MLX_LATTICE_METAL

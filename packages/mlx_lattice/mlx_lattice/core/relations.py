@@ -158,8 +158,9 @@ class KernelRelation:
     evaluated; the relation is immutable and safe to share between layers.
     It crosses into the native ops as this one object: they read ``edges``,
     the three ``*_csr`` groupings, ``n_in``, ``n_out_capacity`` and
-    ``n_kernels``, and validate them once (again only if an index array is
-    replaced or updated in place).
+    ``n_kernels``. The builder's relation is valid by construction and
+    carries its native form; the ops validate any other once, and again
+    only if an index array is replaced or updated in place.
     """
 
     contract: RelationContract
@@ -173,6 +174,9 @@ class KernelRelation:
     n_out_capacity: int | None
     n_kernels: int | None
     _sorted: list[SortedImplicitGemmView] = field(default_factory=list, repr=False, compare=False)
+    # The native builder's validated relation (an opaque handle): the ops use
+    # it while the arrays above are the built ones, and validate otherwise.
+    _native: object = field(default=None, repr=False, compare=False)
 
     @property
     def n_in(self) -> int:
@@ -284,7 +288,8 @@ def build_kernel_relation(
         in_coords=inputs,
         out_coords=raw["out_coords"],
         edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
-        counts=raw["counts"],
+        # Edges per offset: derived lazily from the kernel grouping (no kernel reads it).
+        counts=raw["kernel_row_offsets"][1:] - raw["kernel_row_offsets"][:-1],
         # Edges are stored grouped by output: the output grouping's edge ids are
         # the identity, derived lazily (MLX evaluates them only if read).
         output_csr=RelationCSR(
@@ -294,5 +299,6 @@ def build_kernel_relation(
         kernel_csr=RelationCSR(raw["kernel_row_offsets"], raw["kernel_edge_ids"]),
         n_out_capacity=int(raw["out_coords"].shape[0]),
         n_kernels=size[0] * size[1] * size[2],
+        _native=raw["native"],
     )
     return relation

@@ -1,0 +1,31 @@
+"""Model zoo: sparse segmentation networks built from :mod:`mlx_lattice.nn`.
+
+* :class:`MinkUNet`: a sparse U-Net (configurable widths and depths);
+* :func:`cross_entropy` and :func:`train_step` helpers for per-voxel training.
+
+Every model is an ``mlx.nn.Module``: ``save_weights`` / ``load_weights``,
+``mlx.optimizers`` and :func:`mlx_lattice.quantize` work on it as on any layer.
+"""
+
+from mlx_lattice.models.minkunet import (
+    DecoderStage,
+    EncoderStage,
+    FloatBatchNorm,
+    MinkUNet,
+    Stem,
+    Trace,
+)
+from mlx_lattice.models.training import class_weights, cross_entropy, predict, train_step
+
+__all__ = [
+    "DecoderStage",
+    "EncoderStage",
+    "FloatBatchNorm",
+    "MinkUNet",
+    "Stem",
+    "Trace",
+    "class_weights",
+    "cross_entropy",
+    "predict",
+    "train_step",
+]

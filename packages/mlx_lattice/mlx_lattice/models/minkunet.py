@@ -167,8 +167,8 @@ class MinkUNet(mlx_nn.Module):
     >>> model = MinkUNet(2, 5, widths=(4, 8, 8), depths=(1, 2, 1))
     >>> model.eval()(x).feats.shape
     (16, 5)
-    >>> [p for p, _ in model.named_modules() if p.endswith("conv2")]
-    ['encoder.block1.conv2']
+    >>> sorted(p for p, _ in model.named_modules() if p.endswith("conv2"))
+    ['decoder.block1.conv2', 'encoder.block1.conv2']
     """
 
     def __init__(

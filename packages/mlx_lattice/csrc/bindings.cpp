@@ -23,6 +23,8 @@ namespace nb = nanobind;
 using namespace nb::literals;
 namespace ml = mlx_lattice;
 
+void bind_geometry(nb::module_& m);  // geometry_bindings.cpp
+
 NB_MODULE(ext, m) {
   m.doc() = "Native MLX primitives of mlx_lattice (import mlx.core first).";
   using release = nb::call_guard<nb::gil_scoped_release>;
@@ -147,6 +149,8 @@ inside the kernel; differentiable in ``feats``.
 convolution of all-ones features with ``weight``, reduced in output-CSR edge
 order in float32.
 )pbdoc");
+
+  bind_geometry(m);
 
   m.def("sparse_pool_features", &ml::sparse_pool_features, "feats"_a, "in_rows"_a, "out_rows"_a,
         "kernel_ids"_a, "output_row_offsets"_a, "counts"_a, "input_exclusive"_a, "mode"_a,

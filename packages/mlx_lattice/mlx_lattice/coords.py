@@ -1,0 +1,267 @@
+"""Coordinate algebra on ``(N, 4)`` int32 sets (batch, x, y, z).
+
+Every op is exact (full-coordinate comparisons; no lossy hashing),
+batch-aware (rows of different batches never match) and deterministic:
+sets come out sorted by ``(batch, x, y, z)`` unless stated otherwise. The
+heavy parts (sorting, hashing, merging, Morton codes) are native.
+
+Morton codes: each of x, y, z is biased by ``2**20`` (so coordinates in
+``[-2**20, 2**20)`` are accepted, negatives included) and its 21 bits are
+interleaved with bit ``i`` of x at bit ``3i + 2``, of y at ``3i + 1`` and of
+z at ``3i`` of a non-negative int64. The batch is not part of the code;
+:func:`morton_order` sorts by ``(batch, code)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_lattice._native import ext
+from mlx_lattice.core.coordinates import as_coordinates
+
+__all__ = [
+    "CoordinateError",
+    "CoordinateJoin",
+    "contains_coords",
+    "crop",
+    "downsample_coords",
+    "intersection_coords",
+    "inverse_map",
+    "lookup_coords",
+    "morton_codes",
+    "morton_order",
+    "morton_sort_coords",
+    "reindex",
+    "topk_rows",
+    "union_coords",
+]
+
+ArrayLike = mx.array | np.ndarray
+
+
+class CoordinateError(ValueError):
+    """A coordinate op got an invalid argument (the message names it)."""
+
+
+@dataclass(frozen=True)
+class CoordinateJoin:
+    """A merged coordinate set: ``coords`` sorted, and for each of its rows
+    the row in ``a`` and in ``b`` (``-1`` where absent)."""
+
+    coords: mx.array
+    a_rows: mx.array
+    b_rows: mx.array
+
+
+def _np_coords(coords: ArrayLike, name: str) -> np.ndarray:
+    try:
+        return np.ascontiguousarray(np.asarray(as_coordinates(coords, name)))
+    except TypeError as err:
+        raise CoordinateError(str(err)) from None
+
+
+def _call(fn, *args):  # noqa: ANN001
+    try:
+        return fn(*args)
+    except ValueError as err:
+        raise CoordinateError(str(err)) from None
+
+
+def union_coords(a: ArrayLike, b: ArrayLike) -> CoordinateJoin:
+    """The sorted union of two duplicate-free sets with each row's source rows.
+
+    >>> j = union_coords(np.array([[0, 1, 0, 0], [0, 0, 0, 0]]), np.array([[0, 2, 0, 0], [0, 1, 0, 0]]))
+    >>> j.coords[:, 1].tolist(), j.a_rows.tolist(), j.b_rows.tolist()
+    ([0, 1, 2], [1, 0, -1], [-1, 1, 0])
+    """
+    raw = _call(ext.coords_merge, _np_coords(a, "a"), _np_coords(b, "b"), False)
+    return CoordinateJoin(raw["coords"], raw["a_rows"], raw["b_rows"])
+
+
+def intersection_coords(a: ArrayLike, b: ArrayLike) -> CoordinateJoin:
+    """The sorted intersection of two duplicate-free sets with the rows in each.
+
+    >>> j = intersection_coords(np.array([[0, 1, 0, 0], [1, 1, 0, 0]]), np.array([[1, 1, 0, 0]]))
+    >>> j.coords.tolist(), j.a_rows.tolist(), j.b_rows.tolist()
+    ([[1, 1, 0, 0]], [1], [0])
+    """
+    raw = _call(ext.coords_merge, _np_coords(a, "a"), _np_coords(b, "b"), True)
+    return CoordinateJoin(raw["coords"], raw["a_rows"], raw["b_rows"])
+
+
+def lookup_coords(coords: ArrayLike, queries: ArrayLike) -> mx.array:
+    """``(Q,)`` int32: the row of each query in ``coords`` (no duplicates), or -1.
+
+    >>> lookup_coords(np.array([[0, 5, 5, 5], [0, 1, 2, 3]]), np.array([[0, 1, 2, 3], [1, 1, 2, 3]])).tolist()
+    [1, -1]
+    """
+    return _call(ext.coords_lookup, _np_coords(coords, "coords"), _np_coords(queries, "queries"))
+
+
+def contains_coords(coords: ArrayLike, queries: ArrayLike) -> mx.array:
+    """``(Q,)`` bool: whether each query is in ``coords``.
+
+    >>> contains_coords(np.array([[0, 1, 2, 3]]), np.array([[0, 1, 2, 3], [0, 0, 0, 0]])).tolist()
+    [True, False]
+    """
+    return lookup_coords(coords, queries) >= 0
+
+
+def inverse_map(indices: ArrayLike, n: int) -> mx.array:
+    """Invert an injective map: ``out[indices[i]] = i``, ``-1`` for targets not hit.
+
+    Raises:
+        CoordinateError: if an index is outside ``[0, n)`` or repeats.
+
+    >>> inverse_map(np.array([2, 0]), 4).tolist()
+    [1, -1, 0, -1]
+    """
+    idx = np.asarray(indices)
+    if not np.issubdtype(idx.dtype, np.integer) or idx.ndim != 1:
+        raise CoordinateError(f"indices must be a 1-D integer array, got {idx.dtype} {idx.shape}.")
+    if not isinstance(n, int | np.integer) or n < 0:
+        raise CoordinateError(f"n must be a non-negative int, got {n!r}.")
+    if idx.size and (idx.min() < 0 or idx.max() >= n):
+        raise CoordinateError(f"indices must be in [0, {n}), got range [{idx.min()}, {idx.max()}].")
+    out = np.full(int(n), -1, np.int32)
+    out[idx] = np.arange(len(idx), dtype=np.int32)
+    if int((out >= 0).sum()) != len(idx):
+        raise CoordinateError("indices repeats a target; the map is not invertible.")
+    return mx.array(out)
+
+
+def downsample_coords(
+    coords: ArrayLike,
+    stride: int | Sequence[int],
+    *,
+    tensor_stride: int | Sequence[int] = 1,
+) -> tuple[mx.array, mx.array]:
+    """Floor coordinates to multiples of ``tensor_stride * stride`` and deduplicate.
+
+    Returns the sorted coarse set and, per input row, its coarse row.
+
+    >>> c, m = downsample_coords(np.array([[0, 3, -1, 0], [0, 2, -2, 1], [0, 0, 0, 0]]), 2)
+    >>> c.tolist(), m.tolist()
+    ([[0, 0, 0, 0], [0, 2, -2, 0]], [1, 1, 0])
+    """
+    c = _np_coords(coords, "coords").astype(np.int64)
+    st = np.broadcast_to(np.asarray(stride), (3,)).astype(np.int64)
+    ts = np.broadcast_to(np.asarray(tensor_stride), (3,)).astype(np.int64)
+    if np.any(st < 1) or np.any(ts < 1):
+        raise CoordinateError(
+            f"stride and tensor_stride must be >= 1, got {stride!r}, {tensor_stride!r}."
+        )
+    step = st * ts
+    floored = c.copy()
+    floored[:, 1:] = np.floor_divide(c[:, 1:], step) * step
+    raw = _call(ext.coords_unique, np.ascontiguousarray(floored.astype(np.int32)))
+    return raw["coords"], raw["inverse"]
+
+
+def morton_codes(coords: ArrayLike) -> mx.array:
+    """``(N,)`` int64 Morton codes of the spatial part (layout in the module doc).
+
+    >>> morton_codes(np.array([[0, -1048576, -1048576, -1048576], [0, -1048575, -1048576, -1048576]])).tolist()
+    [0, 4]
+    """
+    return _call(ext.coords_morton, _np_coords(coords, "coords"))
+
+
+def morton_order(coords: ArrayLike) -> mx.array:
+    """The permutation sorting rows by ``(batch, Morton code)`` (stable).
+
+    >>> morton_order(np.array([[1, 0, 0, 0], [0, 1, 1, 1], [0, 0, 0, 1]])).tolist()
+    [2, 1, 0]
+    """
+    c = _np_coords(coords, "coords")
+    codes = np.array(morton_codes(c)).astype(np.int64)
+    keys = np.stack(
+        [c[:, 0], codes >> 42, (codes >> 21) & 0x1FFFFF, codes & 0x1FFFFF], axis=1
+    ).astype(np.int32)
+    return _call(ext.coords_sort, np.ascontiguousarray(keys))
+
+
+def morton_sort_coords(coords: ArrayLike) -> tuple[mx.array, mx.array]:
+    """``(coords[order], order)`` with ``order = morton_order(coords)``.
+
+    >>> c, order = morton_sort_coords(np.array([[0, 1, 0, 0], [0, 0, 0, 1]]))
+    >>> c.tolist(), order.tolist()
+    ([[0, 0, 0, 1], [0, 1, 0, 0]], [1, 0])
+    """
+    c = as_coordinates(coords, "coords")
+    order = morton_order(c)
+    return mx.take(c, order, axis=0), order
+
+
+def crop(coords: ArrayLike, min: Sequence[int], max: Sequence[int]) -> mx.array:
+    """Ascending rows whose ``(x, y, z)`` lies in ``[min, max]`` (inclusive) per axis.
+
+    >>> crop(np.array([[0, 0, 0, 0], [0, 5, 0, 0], [1, 2, 2, 2]]), (0, 0, 0), (2, 2, 2)).tolist()
+    [0, 2]
+    """
+    c = _np_coords(coords, "coords")
+    lo, hi = np.asarray(min, np.int64), np.asarray(max, np.int64)
+    if lo.shape != (3,) or hi.shape != (3,):
+        raise CoordinateError(f"min and max must be three ints, got {min!r} and {max!r}.")
+    if np.any(lo > hi):
+        raise CoordinateError(f"min must be <= max per axis, got {min!r} and {max!r}.")
+    keep = np.all((c[:, 1:] >= lo) & (c[:, 1:] <= hi), axis=1)
+    return mx.array(np.flatnonzero(keep).astype(np.int32))
+
+
+def topk_rows(scores: ArrayLike, k: int, *, coords: ArrayLike | None = None) -> mx.array:
+    """Ascending rows of the ``k`` highest scores (per batch when ``coords`` is given).
+
+    Ties go to the lower row; NaN scores rank lowest.
+
+    >>> topk_rows(np.array([0.5, 2.0, 2.0, 1.0]), 2).tolist()
+    [1, 2]
+    >>> topk_rows(np.array([0.5, 2.0, 3.0, 1.0]), 1, coords=np.array([[0, 0, 0, 0], [0, 1, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]])).tolist()
+    [1, 2]
+    """
+    s = np.asarray(scores, dtype=np.float64)
+    if s.ndim != 1:
+        raise CoordinateError(f"scores must be 1-D, got shape {s.shape}.")
+    if not isinstance(k, int | np.integer) or isinstance(k, bool) or k < 0:
+        raise CoordinateError(f"k must be a non-negative int, got {k!r}.")
+    batch = np.zeros(len(s), np.int64)
+    if coords is not None:
+        c = _np_coords(coords, "coords")
+        if len(c) != len(s):
+            raise CoordinateError(f"coords has {len(c)} rows but scores has {len(s)}.")
+        batch = c[:, 0].astype(np.int64)
+    key = np.where(np.isnan(s), -np.inf, s)
+    order = np.lexsort((np.arange(len(s)), -key, batch))  # batch, score desc, row
+    sorted_batch = batch[order]
+    starts = np.searchsorted(sorted_batch, sorted_batch, side="left")
+    rank = np.arange(len(s)) - starts
+    return mx.array(np.sort(order[rank < k]).astype(np.int32))
+
+
+def reindex(
+    feats: mx.array, coords: ArrayLike, new_coords: ArrayLike, *, fill: float = 0.0
+) -> mx.array:
+    """Features of ``coords`` moved onto ``new_coords`` (``fill`` where absent).
+
+    Differentiable in ``feats``.
+
+    >>> reindex(mx.array([[1.0], [2.0]]), np.array([[0, 0, 0, 0], [0, 1, 0, 0]]), np.array([[0, 1, 0, 0], [0, 9, 0, 0]])).tolist()
+    [[2.0], [0.0]]
+    """
+    rows = lookup_coords(coords, new_coords)
+    if not isinstance(feats, mx.array) or feats.ndim != 2:
+        raise CoordinateError("feats must be an (N, C) mx.array.")
+    if int(feats.shape[0]) != int(np.asarray(coords).shape[0]):
+        raise CoordinateError(
+            f"feats has {feats.shape[0]} rows but coords has {np.asarray(coords).shape[0]}."
+        )
+    taken = (
+        mx.take(feats, mx.maximum(rows, 0), axis=0)
+        if feats.shape[0]
+        else mx.zeros((rows.shape[0], feats.shape[1]), feats.dtype)
+    )
+    return mx.where((rows >= 0)[:, None], taken, mx.array(fill, dtype=feats.dtype))

@@ -45,15 +45,22 @@ class FloatBatchNorm(nn.BatchNorm):
         y = mlx_nn.BatchNorm.__call__(self, x.feats.astype(mx.float32))
         return x.replace(y.astype(dtype))
 
+    def relu(self, x: SparseTensor) -> SparseTensor:
+        """``relu(self(x))`` with the ReLU in float32 too (one cast each way)."""
+        y = mlx_nn.BatchNorm.__call__(self, x.feats.astype(mx.float32))
+        return x.replace(mx.maximum(y, 0).astype(x.dtype))
 
-def _run(layer: mlx_nn.Module, x: SparseTensor, trace: Trace | None, path: str) -> SparseTensor:
-    """Run ``layer``; with a trace, evaluate it and record its output and time."""
+
+def _run(layer: mlx_nn.Module, x, trace: Trace | None, path: str):  # noqa: ANN001
+    """Run ``layer`` on a tensor or array; with a trace, evaluate it and
+    record its output features and time."""
     if trace is None:
         return layer(x)
     start = time.perf_counter()
     out = layer(x)
-    mx.eval(out.feats)
-    trace[path] = (out.feats, time.perf_counter() - start)
+    feats = out.feats if isinstance(out, SparseTensor) else out
+    mx.eval(feats)
+    trace[path] = (feats, time.perf_counter() - start)
     return out
 
 
@@ -79,7 +86,7 @@ class _Units(mlx_nn.Module):
         for i in range(self.depth):
             suffix = "" if i == 0 else str(i + 1)
             x = _run(self["conv" + suffix], x, trace, f"{prefix}conv{suffix}")
-            x = ops.relu(self["norm" + suffix](x))
+            x = self["norm" + suffix].relu(x)
         return x
 
 
@@ -108,7 +115,7 @@ class EncoderStage(_Units):
     def __call__(
         self, x: SparseTensor, trace: Trace | None = None, prefix: str = ""
     ) -> SparseTensor:
-        x = ops.relu(self.down_norm(_run(self.down, x, trace, prefix + "down")))
+        x = self.down_norm.relu(_run(self.down, x, trace, prefix + "down"))
         return self._units(x, trace, prefix)
 
 
@@ -125,7 +132,7 @@ class DecoderStage(_Units):
     def __call__(
         self, x: SparseTensor, skip: SparseTensor, trace: Trace | None = None, prefix: str = ""
     ) -> SparseTensor:
-        x = ops.relu(self.up_norm(_run(self.up, x, trace, prefix + "up")))
+        x = self.up_norm.relu(_run(self.up, x, trace, prefix + "up"))
         return self._units(ops.cat(x, skip), trace, prefix)
 
 

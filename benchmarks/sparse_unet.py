@@ -2,8 +2,8 @@
 
 One run, one machine, ~100k voxels:
 
-* training step time (forward + backward + Adam update) of MinkUNet for
-  float32, float16 and int8 weights, with relations cached (``warm``, the same
+* training step time (forward + backward + Adam update) of MinkUNet and
+  SPVCNN (per-point scores) for float32, float16 and int8 weights, with relations cached (``warm``, the same
   scan again) and built in the step (``cold``, a new coordinate set, as when
   every step sees a new scan);
 * the share of a cold step spent outside the convolutions (norms,
@@ -24,14 +24,15 @@ import platform
 import mlx.core as mx
 import mlx.nn as mlx_nn
 import mlx.optimizers as optim
+import numpy as np
 
 import mlx_lattice
 import quantrules as qr
 from benchmarks.timing import median_s
 from mlx_lattice import SparseTensor
 from mlx_lattice._native import ext
-from mlx_lattice.data import SceneConfig, labelled_scans, make_batch
-from mlx_lattice.models import MinkUNet, cross_entropy
+from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
+from mlx_lattice.models import SPVCNN, MinkUNet, cross_entropy, point_cloud_input
 from mlx_lattice.nn import is_sparse_conv
 
 WIDTHS = (32, 64, 96, 128)
@@ -39,9 +40,9 @@ VOXEL = 0.05
 CLASSES = 5
 
 
-def _model(kind: str, widths: tuple[int, ...]) -> MinkUNet:
+def _model(kind: str, widths: tuple[int, ...], cls: type = MinkUNet) -> MinkUNet:
     mx.random.seed(0)
-    model = MinkUNet(2, CLASSES, widths)
+    model = cls(2, CLASSES, widths)
     if kind == "float16":
         model.apply(lambda p: p.astype(mx.float16))
     elif kind in ("int8", "int4"):
@@ -67,7 +68,7 @@ class _Recorder(mlx_nn.Module):
         return self.inner(x)
 
 
-def _conv_inputs(model: mlx_nn.Module, x: SparseTensor) -> list:
+def _conv_inputs(model: mlx_nn.Module, x: object) -> list:
     """(layer, input) for every convolution of one forward pass."""
     log: list = []
     swapped = []
@@ -81,7 +82,8 @@ def _conv_inputs(model: mlx_nn.Module, x: SparseTensor) -> list:
     for node, last, module in swapped:
         setattr(node, last, _Recorder(module, log))
     try:
-        mx.eval(model(x).feats)
+        out = model(x)
+        mx.eval(out.feats if isinstance(out, SparseTensor) else out)
     finally:
         for node, last, module in swapped:
             setattr(node, last, module)
@@ -102,10 +104,11 @@ def _conv_seconds(layer: mlx_nn.Module, x: SparseTensor) -> float:
 
 
 def _train_step(
-    model: MinkUNet, optimizer: optim.Optimizer, x: SparseTensor, labels: mx.array
+    model: MinkUNet, optimizer: optim.Optimizer, x: object, labels: mx.array
 ) -> None:
     def loss(m: MinkUNet) -> mx.array:
-        return cross_entropy(m(x).feats, labels)
+        out = m(x)
+        return cross_entropy(out.feats if isinstance(out, SparseTensor) else out, labels)
 
     value, grads = mlx_nn.value_and_grad(model, loss)(model)
     optimizer.update(model, grads)
@@ -118,45 +121,65 @@ def main() -> None:
     args = parser.parse_args()
     widths = (8, 16, 16) if args.quick else WIDTHS
     config = SceneConfig(beams=16, azimuth_steps=512) if args.quick else None
-    batch = make_batch(
-        labelled_scans(1, 0, seed=0, config=config).train, 0.25 if args.quick else VOXEL
-    )
+    scan = labelled_scans(1, 0, seed=0, config=config).train[0]
+    voxel = 0.25 if args.quick else VOXEL
+    batch = make_batch([scan], voxel)
     base, labels = batch.tensor, batch.labels
     n = base.num_points
+    point_feats = np.stack([np.ones(len(scan.points)), scan.points[:, 2] / HEIGHT_SCALE], axis=1)
+    point_labels = mx.array(scan.labels)
 
     def fresh(dtype: mx.Dtype) -> SparseTensor:
         return SparseTensor(base.coords, base.feats.astype(dtype), check=False)
+
+    def fresh_points(dtype: mx.Dtype) -> object:
+        feats = mx.array(point_feats.astype(np.float32)).astype(dtype)
+        return point_cloud_input(scan.points, feats, voxel)
 
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores; mlx_lattice threads "
         f"{mlx_lattice.get_num_threads()}, micro-kernel {ext.gemm_isa()}"
     )
-    print(f"scan: {n} voxels; MinkUNet widths {widths}, 2 input channels, {CLASSES} classes")
+    print(
+        f"scan: {n} voxels ({len(scan.points)} points); widths {widths}, 2 input channels, "
+        f"{CLASSES} classes"
+    )
 
     print("\ntraining step (forward + backward + Adam update)")
     print(
         f"{'model':<18}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>15}"
         f"{'vs float32':>12}"
     )
-    base_cold = None
-    for kind in ("float32", "float16", "int8"):
-        model = _model(kind, widths)
-        dtype = mx.float16 if kind == "float16" else mx.float32
-        opt = optim.Adam(learning_rate=1e-3)
-        warm_x = fresh(dtype)
-        warm = median_s(lambda m=model, o=opt, x=warm_x: _train_step(m, o, x, labels), repeats=5)
-        cold = median_s(
-            lambda m=model, o=opt, d=dtype: _train_step(m, o, fresh(d), labels), repeats=5
-        )
-        convs = sum(_conv_seconds(layer, x) for layer, x in _conv_inputs(model, warm_x))
-        base_cold = base_cold or cold
-        print(
-            f"{'MinkUNet ' + kind:<18}{warm * 1e3:>9.1f}{cold * 1e3:>9.1f}{convs * 1e3:>10.1f}"
-            f"{1 - convs / cold:>15.0%}{cold / base_cold:>12.2f}"
-        )
+    cases = (
+        ("MinkUNet", MinkUNet, fresh, labels),
+        ("SPVCNN", SPVCNN, fresh_points, point_labels),
+    )
+    for name, cls, make_input, target in cases:
+        base_cold = None
+        for kind in ("float32", "float16", "int8"):
+            model = _model(kind, widths, cls)
+            dtype = mx.float16 if kind == "float16" else mx.float32
+            opt = optim.Adam(learning_rate=1e-3)
+            warm_x = make_input(dtype)
+
+            def step(m=model, o=opt, x=warm_x, t=target) -> None:
+                _train_step(m, o, x, t)
+
+            def cold_step(m=model, o=opt, d=dtype, t=target, make=make_input) -> None:
+                _train_step(m, o, make(d), t)
+
+            warm = median_s(step, repeats=5)
+            cold = median_s(cold_step, repeats=5)
+            convs = sum(_conv_seconds(layer, x) for layer, x in _conv_inputs(model, warm_x))
+            base_cold = base_cold or cold
+            print(
+                f"{name + ' ' + kind:<18}{warm * 1e3:>9.1f}{cold * 1e3:>9.1f}{convs * 1e3:>10.1f}"
+                f"{1 - convs / cold:>15.0%}{cold / base_cold:>12.2f}"
+            )
     print(
-        "cold: relations built inside the step (a new coordinate set each step); outside convs: "
-        "1 - convs / cold, convs = every conv layer's forward + backward timed alone"
+        "cold: relations (and SPVCNN's point-voxel maps) built inside the step, as for a new "
+        "scan each step;\noutside convs: 1 - convs / cold, convs = every conv layer's forward + "
+        "backward timed alone on its input"
     )
 
     print("\nforward")

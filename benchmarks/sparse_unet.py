@@ -2,7 +2,8 @@
 
 One run, one machine, ~100k voxels:
 
-* training step time (forward + backward + Adam update) of MinkUNet and
+* training step time (forward + backward + Adam update; the fastest of
+  five steps) of MinkUNet and
   SPVCNN (per-point scores) for float32, float16 and int8 weights, with relations cached (``warm``, the same
   scan again) and built in the step (``cold``, a new coordinate set, as when
   every step sees a new scan);
@@ -28,7 +29,7 @@ import numpy as np
 
 import mlx_lattice
 import quantrules as qr
-from benchmarks.timing import median_s
+from benchmarks.timing import best_us, median_s
 from mlx_lattice import SparseTensor
 from mlx_lattice._native import ext
 from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
@@ -100,12 +101,16 @@ def _conv_seconds(layer: mlx_nn.Module, x: SparseTensor) -> float:
         return (layer(x.replace(feats)).feats * cot).sum()
 
     grad = mx.value_and_grad(loss, argnums=(0, 1) if params else 0)
-    return median_s(lambda: mx.eval(grad(x.feats, params)), repeats=3)
+    return _best_s(lambda: mx.eval(grad(x.feats, params)))
 
 
-def _train_step(
-    model: MinkUNet, optimizer: optim.Optimizer, x: object, labels: mx.array
-) -> None:
+def _best_s(fn: object, repeat: int = 5) -> float:
+    """Seconds of the fastest of ``repeat`` calls (after a warm-up): on a
+    shared machine the fastest call is the one least disturbed by other load."""
+    return best_us(fn, number=1, repeat=repeat) / 1e6
+
+
+def _train_step(model: MinkUNet, optimizer: optim.Optimizer, x: object, labels: mx.array) -> None:
     def loss(m: MinkUNet) -> mx.array:
         out = m(x)
         return cross_entropy(out.feats if isinstance(out, SparseTensor) else out, labels)
@@ -168,8 +173,8 @@ def main() -> None:
             def cold_step(m=model, o=opt, d=dtype, t=target, make=make_input) -> None:
                 _train_step(m, o, make(d), t)
 
-            warm = median_s(step, repeats=5)
-            cold = median_s(cold_step, repeats=5)
+            warm = _best_s(step)
+            cold = _best_s(cold_step)
             convs = sum(_conv_seconds(layer, x) for layer, x in _conv_inputs(model, warm_x))
             base_cold = base_cold or cold
             print(

@@ -1,7 +1,9 @@
 """A seeded synthetic street scene seen by a spinning multi-beam LiDAR.
 
 The scene has a ground plane, buildings (boxes along both sides of a
-street), parked cars (boxes) and poles (vertical cylinders). Rays of a
+street), parked cars (boxes), poles (vertical cylinders) and vegetation
+(trees: a trunk cylinder under a spherical crown; bushes: spheres near the
+ground). Rays of a
 64-beam sensor (elevations -24.8 to +2 degrees, like an HDL-64) are cast
 against it; each ray returns its first hit within range, with a little range
 noise. Everything is NumPy and deterministic for a given seed.
@@ -15,7 +17,8 @@ import numpy as np
 
 __all__ = ["CLASS_NAMES", "LidarScan", "SceneConfig", "synthetic_lidar_scan", "voxelize_points"]
 
-CLASS_NAMES = ("ground", "building", "car", "pole")
+#: The semantic class of each label index.
+CLASS_NAMES = ("ground", "building", "car", "pole", "vegetation")
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,8 @@ class SceneConfig:
     buildings: int = 16
     cars: int = 24
     poles: int = 30
+    trees: int = 16
+    bushes: int = 12
 
 
 @dataclass(frozen=True)
@@ -74,11 +79,62 @@ def _poles(rng: np.random.Generator, cfg: SceneConfig) -> np.ndarray:
     return np.stack([x, y, rng.uniform(0.08, 0.2, cfg.poles), rng.uniform(3, 9, cfg.poles)], axis=1)
 
 
+def _vegetation(seed: int, cfg: SceneConfig) -> tuple[np.ndarray, np.ndarray]:
+    """Trunks as cylinder rows (x, y, radius, height) and crowns/bushes as
+    sphere rows (x, y, z, radius). Drawn from their own stream so the other
+    objects of a seed do not move when vegetation is added."""
+    rng = np.random.default_rng([seed, 1])
+    side = np.where(np.arange(cfg.trees) % 2, 1, -1)
+    x = rng.uniform(-cfg.max_range, cfg.max_range, cfg.trees)
+    y = side * rng.uniform(6.5, 8.5, cfg.trees)
+    crown_r = rng.uniform(1.0, 2.2, cfg.trees)
+    crown_z = rng.uniform(3.0, 5.5, cfg.trees)
+    trunks = np.stack([x, y, rng.uniform(0.12, 0.3, cfg.trees), crown_z], axis=1)
+    bush_side = np.where(np.arange(cfg.bushes) % 2, 1, -1)
+    bush_r = rng.uniform(0.5, 1.1, cfg.bushes)
+    bushes = np.stack(
+        [
+            rng.uniform(-cfg.max_range, cfg.max_range, cfg.bushes),
+            bush_side * rng.uniform(7.5, 9.0, cfg.bushes),
+            bush_r * rng.uniform(0.3, 0.7, cfg.bushes),
+            bush_r,
+        ],
+        axis=1,
+    )
+    crowns = np.stack([x, y, crown_z, crown_r], axis=1)
+    return trunks.reshape(-1, 4), np.concatenate([crowns, bushes]).reshape(-1, 4)
+
+
+def _cylinder_hits(
+    d: np.ndarray, origin: np.ndarray, x: float, y: float, r: float, h: float
+) -> np.ndarray:
+    """Ray parameter of the first hit on a vertical cylinder (inf: none)."""
+    a = d[:, 0] ** 2 + d[:, 1] ** 2
+    ox, oy = origin[0] - x, origin[1] - y
+    bq = 2 * (ox * d[:, 0] + oy * d[:, 1])
+    c = ox**2 + oy**2 - r**2
+    disc = bq**2 - 4 * a * c
+    with np.errstate(invalid="ignore", divide="ignore"):
+        t = (-bq - np.sqrt(disc)) / (2 * a)
+    z = origin[2] + t * d[:, 2]
+    return np.where((disc >= 0) & (t > 0) & (z >= 0) & (z <= h), t, np.inf)
+
+
+def _sphere_hits(d: np.ndarray, origin: np.ndarray, center: np.ndarray, r: float) -> np.ndarray:
+    """Ray parameter of the first hit on a sphere (inf: none); rays are unit length."""
+    oc = origin - center
+    b = d @ oc
+    disc = b * b - (oc @ oc - r * r)
+    with np.errstate(invalid="ignore"):
+        t = -b - np.sqrt(disc)
+    return np.where((disc >= 0) & (t > 0), t, np.inf)
+
+
 def synthetic_lidar_scan(seed: int = 0, config: SceneConfig | None = None) -> LidarScan:
     """Ray-cast one LiDAR sweep of a random street scene.
 
     >>> scan = synthetic_lidar_scan(seed=1)
-    >>> scan.points.shape[1], scan.points.dtype.name, sorted(set(scan.labels.tolist())) == [0, 1, 2, 3]
+    >>> scan.points.shape[1], scan.points.dtype.name, sorted(set(scan.labels.tolist())) == [0, 1, 2, 3, 4]
     (3, 'float32', True)
     """
     cfg = config or SceneConfig()
@@ -109,16 +165,19 @@ def synthetic_lidar_scan(seed: int = 0, config: SceneConfig | None = None) -> Li
         best, label = np.where(hit, near, best), np.where(hit, box_labels[b], label)
     # Poles: ray / vertical cylinder in the xy-plane, clipped by height.
     for x, y, r, h in _poles(rng, cfg):
-        a = d[:, 0] ** 2 + d[:, 1] ** 2
-        ox, oy = origin[0] - x, origin[1] - y
-        bq = 2 * (ox * d[:, 0] + oy * d[:, 1])
-        c = ox**2 + oy**2 - r**2
-        disc = bq**2 - 4 * a * c
-        with np.errstate(invalid="ignore", divide="ignore"):
-            t = (-bq - np.sqrt(disc)) / (2 * a)
-        z = origin[2] + t * d[:, 2]
-        hit = (disc >= 0) & (t > 0) & (z >= 0) & (z <= h) & (t < best)
+        t = _cylinder_hits(d, origin, x, y, r, h)
+        hit = t < best
         best, label = np.where(hit, t, best), np.where(hit, 3, label)
+    # Vegetation: tree trunks (cylinders) and crowns / bushes (spheres).
+    trunks, spheres = _vegetation(seed, cfg)
+    for x, y, r, h in trunks:
+        t = _cylinder_hits(d, origin, x, y, r, h)
+        hit = t < best
+        best, label = np.where(hit, t, best), np.where(hit, 4, label)
+    for x, y, z, r in spheres:
+        t = _sphere_hits(d, origin, np.array([x, y, z]), r)
+        hit = t < best
+        best, label = np.where(hit, t, best), np.where(hit, 4, label)
 
     keep = best <= cfg.max_range
     rng_noise = rng.normal(0.0, cfg.range_noise, keep.sum())

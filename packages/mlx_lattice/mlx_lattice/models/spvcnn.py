@@ -1,0 +1,189 @@
+"""SPVCNN: a sparse U-Net with a point branch (point-voxel fusion).
+
+Points carry their own features next to the voxel U-Net (MinkUNet's stem,
+encoder and decoder). At three places the branches meet: after the stem,
+at the coarsest level and after the decoder, the voxel features are
+interpolated at the points (:func:`mlx_lattice.geometry.devoxelize`,
+trilinear between voxel centres) and added to a per-point MLP of the point
+features; the sum is averaged back onto the voxels
+(:func:`mlx_lattice.geometry.voxelize`) for the next voxel stage. The head
+scores every point, so predictions keep the points' full resolution.
+
+Module paths: those of :class:`MinkUNet` (``stem/conv``,
+``encoder/block1/down``, ..., ``decoder/block3/conv``) plus
+``point/mlp1/linear`` (fine -> coarsest width), ``point/mlp2/linear``
+(coarsest -> fine width) and ``head``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import mlx.nn as mlx_nn
+import numpy as np
+
+from mlx_lattice import geometry, nn
+from mlx_lattice.models.minkunet import MinkUNet, Trace, _run
+from mlx_lattice.tensor import SparseTensor, SparseTensorError
+
+__all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
+
+
+@dataclass
+class PointCloudInput:
+    """Points, their features and their level-0 voxels, ready for :class:`SPVCNN`.
+
+    ``tensor`` holds the voxels (rows in ``voxels.coords`` order) with the
+    mean of their points' features. The per-level point-voxel maps are built
+    on first use and kept here, so repeated passes over one input reuse them
+    (as the tensor's coordinate manager reuses kernel relations).
+    """
+
+    points: np.ndarray
+    feats: mx.array
+    batch: np.ndarray
+    voxel_size: float
+    voxels: geometry.VoxelizedPoints
+    tensor: SparseTensor
+    _levels: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def num_points(self) -> int:
+        return len(self.points)
+
+    def level(
+        self, x: SparseTensor
+    ) -> tuple[geometry.VoxelizedPoints, mx.array, geometry.PointVoxelMap]:
+        """For ``x`` (a tensor of this input's coordinate manager): the points
+        quantized at its stride, for each row of ``x`` its voxel's row among
+        those, and the point-voxel map onto ``x``'s rows."""
+        stride = x.tensor_stride
+        if len(set(stride)) != 1:
+            raise SparseTensorError(f"SPVCNN needs isotropic tensor strides, got {stride}.")
+        s = stride[0]
+        cached = self._levels.get(s)
+        if cached is not None and cached[3] is x.coords:
+            return cached[:3]
+        coords = np.array(x.coords).astype(np.int64)
+        index = np.concatenate([coords[:, :1], coords[:, 1:] // s], axis=1)
+        vox = (
+            self.voxels
+            if s == 1
+            else geometry.quantize_points(self.points, self.voxel_size * s, batch=self.batch)
+        )
+        # vox.coords are sorted (batch, x, y, z); find each one's row in x.
+        order = np.lexsort(index[:, ::-1].T)
+        sorted_rows = index[order]
+        vox_coords = np.array(vox.coords).astype(np.int64)
+        if len(vox_coords) != len(index) or not np.array_equal(sorted_rows, vox_coords):
+            raise SparseTensorError(
+                f"the tensor at stride {s} does not hold exactly the voxels of this input's points."
+            )
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(len(order))  # row r of x is voxel inverse[r] of vox
+        pvm = geometry.point_voxel_map(self.points, index, self.voxel_size * s, batch=self.batch)
+        entry = (vox, mx.array(inverse.astype(np.int32)), pvm, x.coords)
+        self._levels[s] = entry
+        return entry[:3]
+
+    def to_points(self, x: SparseTensor) -> mx.array:
+        """``x``'s features interpolated at the points (trilinear), ``(P, C)``."""
+        _, _, pvm = self.level(x)
+        return geometry.devoxelize(x.feats, pvm, "linear")
+
+    def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
+        """Point features averaged onto ``x``'s voxels (same rows as ``x``)."""
+        vox, inverse, _ = self.level(x)
+        return x.replace(geometry.voxelize(point_feats, vox, "mean")[inverse])
+
+
+def point_cloud_input(
+    points: np.ndarray,
+    feats: np.ndarray | mx.array,
+    voxel_size: float,
+    *,
+    batch: np.ndarray | None = None,
+) -> PointCloudInput:
+    """Voxelize ``(P, 3)`` points with ``(P, C)`` features for :class:`SPVCNN`.
+
+    >>> pts = np.array([[0.1, 0.1, 0.1], [0.3, 0.1, 0.1], [1.2, 0.1, 0.1]], np.float32)
+    >>> inp = point_cloud_input(pts, np.ones((3, 2), np.float32), 0.5)
+    >>> inp.tensor.coords.tolist(), inp.num_points
+    ([[0, 0, 0, 0], [0, 2, 0, 0]], 3)
+    """
+    pts = np.asarray(points, np.float32)
+    if pts.ndim != 2 or pts.shape[1] != 3:
+        raise SparseTensorError(f"points must be (P, 3), got shape {pts.shape}.")
+    b = np.zeros(len(pts), np.int32) if batch is None else np.asarray(batch, np.int32)
+    f = mx.array(feats) if isinstance(feats, np.ndarray) else feats
+    if f.ndim != 2 or int(f.shape[0]) != len(pts):
+        raise SparseTensorError(
+            f"feats must be ({len(pts)}, C) (one row per point), got {tuple(f.shape)}."
+        )
+    vox = geometry.quantize_points(pts, voxel_size, batch=b)
+    tensor = SparseTensor(vox.coords, geometry.voxelize(f, vox, "mean"), check=False)
+    return PointCloudInput(pts, f, b, float(voxel_size), vox, tensor)
+
+
+class PointBranch(mlx_nn.Module):
+    """Per-point Linear, batch norm (in float32) and ReLU."""
+
+    def __init__(self, cin: int, cout: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(cin, cout)
+        self.norm = mlx_nn.BatchNorm(cout)
+
+    def __call__(self, z: mx.array) -> mx.array:
+        y = self.linear(z)
+        return mx.maximum(self.norm(y.astype(mx.float32)), 0).astype(z.dtype)
+
+
+class _PointMLPs(mlx_nn.Module):
+    def __init__(self, fine: int, coarse: int) -> None:
+        super().__init__()
+        self.mlp1 = PointBranch(fine, coarse)
+        self.mlp2 = PointBranch(coarse, fine)
+
+
+class SPVCNN(MinkUNet):
+    """MinkUNet with a point branch fused at the stem, the coarsest level and
+    the decoder's end; scores every point.
+
+    >>> pts = np.random.default_rng(0).uniform(0, 2, (200, 3)).astype(np.float32)
+    >>> inp = point_cloud_input(pts, np.ones((200, 2), np.float32), 0.25)
+    >>> SPVCNN(2, 5, widths=(4, 8, 8)).eval()(inp).shape
+    (200, 5)
+    """
+
+    def __init__(
+        self,
+        in_channels: int = 2,
+        num_classes: int = 5,
+        widths: Sequence[int] = (16, 32, 64, 96),
+        depths: int | Sequence[int] = 1,
+    ) -> None:
+        super().__init__(in_channels, num_classes, widths, depths)
+        self.point = _PointMLPs(self.widths[0], self.widths[-1])
+
+    def __call__(self, inp: PointCloudInput, trace: Trace | None = None) -> mx.array:  # type: ignore[override]
+        """Per-point class scores ``(P, num_classes)``."""
+        if not isinstance(inp, PointCloudInput):
+            raise SparseTensorError(
+                f"SPVCNN takes a PointCloudInput (see point_cloud_input), got {type(inp).__name__}."
+            )
+        x = self.stem(inp.tensor, trace, "stem/")
+        z0 = inp.to_points(x)
+        x = inp.to_voxels(x, z0)
+        skips = [x]
+        for i, stage in enumerate(self.encoder.stages()):
+            x = stage(x, trace, f"encoder/block{i + 1}/")
+            skips.append(x)
+        skips.pop()
+        z1 = inp.to_points(x) + self.point.mlp1(z0)
+        x = inp.to_voxels(x, z1)
+        for i, stage in enumerate(self.decoder.stages()):
+            x = stage(x, skips.pop(), trace, f"decoder/block{i + 1}/")
+        z2 = inp.to_points(x) + self.point.mlp2(z1)
+        return _run(self.head, z2, trace, "head")

@@ -105,7 +105,11 @@ void bind_ops(nb::module_& m) {
         "Set the number of threads of the CPU kernels (>= 1).");
   m.def("get_num_threads", &get_num_threads,
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
-  m.def("gemm_isa", &gemm_isa, "The GEMM micro-kernel in use: 'avx2-fma' or 'scalar'.");
+  m.def("gemm_isa", &gemm_isa,
+        "The GEMM micro-kernel in use: 'avx512f', 'avx2-fma', 'neon-fma' or 'scalar'.");
+  m.def("gemm_isas", &gemm_isas,
+        "The GEMM micro-kernels this build and CPU can run, best first ('scalar' last); "
+        "MLX_LATTICE_GEMM_ISA forces one.");
 
   m.def("check_coordinates", &check_coordinates, "coords"_a, "name"_a = "coords", release(),
         R"pbdoc(

@@ -9,6 +9,9 @@
 #include <immintrin.h>
 #define MLX_LATTICE_X86 1
 #endif
+#if defined(__aarch64__)
+#include "gemm_arm.h"
+#endif
 
 namespace mlx_lattice {
 
@@ -325,6 +328,9 @@ bool has_avx2() { return selected_isa() >= Isa::kAvx2; }
 void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kdim, int64_t n,
                float* const* c_rows) {
   if (m <= 0 || n <= 0 || kdim <= 0) return;
+#if defined(__aarch64__)
+  if (arm::selected_isa()) return arm::gemm_rows(m, a_rows, b, kdim, n, c_rows);
+#endif
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) {
     for_each_block(m, a_rows, kdim, n, c_rows, [&](const float* const* a, float* const* c) {
@@ -345,6 +351,9 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,
                 float* c, int64_t n) {
   if (m <= 0 || n <= 0) return;
+#if defined(__aarch64__)
+  if (arm::selected_isa()) return arm::gemm_outer(m, f, g, r0, r1, c, n);
+#endif
   int64_t r = r0;
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) {
@@ -389,11 +398,28 @@ void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t
 }
 
 const char* gemm_isa() {
+#if defined(__aarch64__)
+  if (arm::selected_isa()) return arm::selected_isa();
+#endif
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) return "avx512f";
   if (has_avx2()) return "avx2-fma";
 #endif
   return "scalar";
+}
+
+std::vector<std::string> gemm_isas() {
+  std::vector<std::string> isas;
+#ifdef MLX_LATTICE_X86
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  if (avx2 && __builtin_cpu_supports("avx512f")) isas.push_back("avx512f");
+  if (avx2) isas.push_back("avx2-fma");
+#endif
+#if defined(__aarch64__)
+  if (arm::cpu_features().neon) isas.push_back("neon-fma");
+#endif
+  isas.push_back("scalar");
+  return isas;
 }
 
 }  // namespace mlx_lattice

@@ -4,6 +4,7 @@ counts never change bits."""
 import dataclasses
 import os
 import platform
+import shlex
 import subprocess
 import sys
 
@@ -246,11 +247,15 @@ def test_every_micro_kernel_path(tmp_path):
     isas = _vector_isas()
     if not isas:
         pytest.skip(f"no FMA micro-kernel on this {platform.machine()} build/CPU; scalar only")
+    # Under user-mode emulation (tools/arm64) a child interpreter needs the
+    # emulator in front of it: MLX_LATTICE_TEST_LAUNCHER names it.
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
     results = {}
     for isa in isas + ["scalar"]:
         path = tmp_path / f"{isa}.npz"
         env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
-        subprocess.run([sys.executable, "-c", _ISA_SCRIPT, str(path)], env=env, check=True)
+        cmd = [*launcher, sys.executable, "-c", _ISA_SCRIPT, str(path)]
+        subprocess.run(cmd, env=env, check=True)
         results[isa] = np.load(path)
         assert str(results[isa]["isa"]) == isa
     reference = results[isas[0]]

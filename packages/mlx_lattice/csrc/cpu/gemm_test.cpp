@@ -187,7 +187,12 @@ int main(int argc, char** argv) {
   for (const std::string& isa : gemm_isas()) {
     char* child_argv[] = {argv[0], const_cast<char*>(isa.c_str()), nullptr};
     pid_t pid;
-    if (posix_spawn(&pid, "/proc/self/exe", nullptr, nullptr, child_argv, environ) != 0) {
+#if defined(__linux__)
+    const char* self = "/proc/self/exe";
+#else
+    const char* self = argv[0];
+#endif
+    if (posix_spawn(&pid, self, nullptr, nullptr, child_argv, environ) != 0) {
       std::perror("posix_spawn");
       return 1;
     }

@@ -14,10 +14,6 @@ import quantrules as qr
 import taktiny_ops as tk
 
 
-def _rng():
-    return np.random.default_rng()
-
-
 def _arr(rng, shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
@@ -55,8 +51,7 @@ LINEAR_RULES = [
 
 
 @pytest.mark.parametrize("rule", LINEAR_RULES, ids=lambda r: f"{r.weight_qtype}-{r.act_qtype}")
-def test_linear_ptq_bitwise_equals_qwix(rule, mode):
-    rng = _rng()
+def test_linear_ptq_bitwise_equals_qwix(rule, mode, rng):
     model = nnx.Linear(64, 24, rngs=nnx.Rngs(int(rng.integers(1 << 30))))
     model.bias.value = _arr(rng, (24,))
     x = _arr(rng, (5, 64))
@@ -68,8 +63,7 @@ def test_linear_ptq_bitwise_equals_qwix(rule, mode):
     assert not np.array_equal(np.asarray(ours), np.asarray(x @ kernel + bias))  # it quantized
 
 
-def test_einsum_ptq_bitwise_equals_qwix(mode):
-    rng = _rng()
+def test_einsum_ptq_bitwise_equals_qwix(mode, rng):
     model = nnx.Einsum("bti,io->bto", (32, 16), rngs=nnx.Rngs(1))
     model.kernel.value = _arr(rng, (32, 16))
     x = _arr(rng, (2, 3, 32))
@@ -81,8 +75,7 @@ def test_einsum_ptq_bitwise_equals_qwix(mode):
     np.testing.assert_array_equal(np.asarray(ours), np.asarray(expected))
 
 
-def test_conv_ptq_bitwise_equals_qwix(mode):
-    rng = _rng()
+def test_conv_ptq_bitwise_equals_qwix(mode, rng):
     model = nnx.Conv(4, 8, kernel_size=(3, 3), use_bias=False, rngs=nnx.Rngs(2))
     model.kernel.value = _arr(rng, (3, 3, 4, 8))
     x = _arr(rng, (2, 9, 9, 4))
@@ -104,8 +97,7 @@ def _loss(y):
 
 
 @pytest.mark.parametrize("bwd", [None, "int8"])
-def test_linear_qt_forward_and_grads_bitwise_equal_qwix(bwd, mode):
-    rng = _rng()
+def test_linear_qt_forward_and_grads_bitwise_equal_qwix(bwd, mode, rng):
     model = nnx.Linear(32, 16, rngs=nnx.Rngs(3))
     model.bias.value = _arr(rng, (16,))
     x = _arr(rng, (4, 32))
@@ -121,8 +113,7 @@ def test_linear_qt_forward_and_grads_bitwise_equal_qwix(bwd, mode):
     np.testing.assert_array_equal(np.asarray(gb), np.asarray(grads.bias.value))
 
 
-def test_conv_qt_grads_bitwise_equal_qwix(mode):
-    rng = _rng()
+def test_conv_qt_grads_bitwise_equal_qwix(mode, rng):
     model = nnx.Conv(3, 4, kernel_size=(3,), use_bias=False, rngs=nnx.Rngs(4))
     model.kernel.value = _arr(rng, (3, 3, 4))
     x = _arr(rng, (2, 10, 3))

@@ -4,6 +4,7 @@
 
 #include "../primitives.h"
 #include "eval.h"
+#include "gemm_int8.h"
 #include "kernels.h"
 
 namespace mlx_lattice {
@@ -68,6 +69,19 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
   dispatch(stream(), inputs, out, [rel = rel_, q = spec_](std::vector<array>& in, array& o) {
     const Relation& r = *rel;
     const auto& packed = in[1];
+    if (q.act_bits == 8) {
+      kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+      FloatIn f32(in[0], 0);
+      FloatOut out32(o);
+      kernels::int8_conv(f32.get(), in[0].shape(0), q.in_channels,
+                         packed.size() ? packed.data<uint8_t>() : nullptr,
+                         static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),
+                         in[3].data<float>(), r.n_kernels, q.out_channels,
+                         q.storage_in_channels, q.group_size, q.bits, csr, idx(r.in_rows),
+                         idx(r.out_rows), idx(r.kernel_ids), out32.get());
+      out32.finish();
+      return;
+    }
     std::vector<float> w(r.n_kernels * q.in_channels * q.out_channels);
     kernels::dequantize_weight(packed.size() ? packed.data<uint8_t>() : nullptr,
                                static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),

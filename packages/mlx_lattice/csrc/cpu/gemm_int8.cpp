@@ -87,6 +87,19 @@ void block_scalar(const Block& blk, const PackedWeight& w, int64_t k, int64_t co
 
 #ifdef MLX_LATTICE_X86
 
+// acc += u8 x s8 dot products (vpdpbusd). Inline assembly: GCC 12's
+// intrinsic copies the accumulator around every instruction (and then
+// spills), which halves the kernel's rate.
+__attribute__((target("avx512f,avx512vnni"))) inline void dpbusd512(__m512i& acc, __m512i u8,
+                                                                     __m512i s8) {
+  asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u8), [s] "v"(s8));
+}
+
+__attribute__((target("avx2,avxvnni"))) inline void dpbusd256(__m256i& acc, __m256i u8,
+                                                               __m256i s8) {
+  asm("%{vex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+x"(acc) : [u] "x"(u8), [s] "x"(s8));
+}
+
 // AVX-512 VNNI: 6 rows x (16 * V) columns, V <= 4; 24 int32 accumulators.
 template <int V>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void strip512(
@@ -121,10 +134,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void stri
 #define ROW(r)                                                               \
   {                                                                          \
     const __m512i s = _mm512_set1_epi32(load_quad(a##r + 4 * j));           \
-    x##r##0 = _mm512_dpbusd_epi32(x##r##0, b0, s);                           \
-    if constexpr (V > 1) x##r##1 = _mm512_dpbusd_epi32(x##r##1, b1, s);      \
-    if constexpr (V > 2) x##r##2 = _mm512_dpbusd_epi32(x##r##2, b2, s);      \
-    if constexpr (V > 3) x##r##3 = _mm512_dpbusd_epi32(x##r##3, b3, s);      \
+    dpbusd512(x##r##0, b0, s);                                               \
+    if constexpr (V > 1) dpbusd512(x##r##1, b1, s);                          \
+    if constexpr (V > 2) dpbusd512(x##r##2, b2, s);                          \
+    if constexpr (V > 3) dpbusd512(x##r##3, b3, s);                          \
   }
       ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
 #undef ROW
@@ -198,8 +211,8 @@ __attribute__((target("avx2,fma,avxvnni"))) void block_avx_vnni(const Block& blk
 #define ROW(r)                                                     \
   {                                                                \
     const __m256i s = _mm256_set1_epi32(load_quad(a##r + 4 * j));  \
-    x##r##0 = _mm256_dpbusd_avx_epi32(x##r##0, b0, s);             \
-    x##r##1 = _mm256_dpbusd_avx_epi32(x##r##1, b1, s);             \
+    dpbusd256(x##r##0, b0, s);                                     \
+    dpbusd256(x##r##1, b1, s);                                     \
   }
         ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
 #undef ROW
@@ -292,8 +305,7 @@ struct Scratch {
 
 thread_local Scratch scratch;
 
-// Process-wide buffers of the last call (an evaluation holds them while it
-// runs; calls on one stream are serial, others get their own below).
+// The quantized activations and packed weight of one call.
 struct Buffers {
   std::vector<int8_t> q;
   std::vector<float> scale;
@@ -303,37 +315,94 @@ struct Buffers {
 
 }  // namespace
 
+namespace {
+
+// One row of quantize_rows_int8; the scalar definition of the math.
+void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr,
+                         float* scale, int32_t* gr) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < c; ++i) {
+    finite = finite && std::isfinite(xr[i]);
+    amax = std::max(amax, std::fabs(xr[i]));
+  }
+  std::memset(qr, 0, stride);
+  std::fill(gr, gr + stride / group, 0);
+  if (!finite) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float s = amax / 127.0f;
+  *scale = s;
+  if (s == 0.0f) return;  // all zero (or a scale below the float range): q = 0
+  for (int64_t i = 0; i < c; ++i) {
+    // |x / s| <= 127 up to rounding: clamp before converting.
+    const float v = std::clamp(std::nearbyint(xr[i] / s), -127.0f, 127.0f);
+    qr[i] = static_cast<int8_t>(v);
+    gr[i / group] += qr[i];
+  }
+}
+
+#ifdef MLX_LATTICE_X86
+// The same row with AVX-512 (16 channels per step; group is a multiple of 16
+// on this path, so a step never straddles two groups). Division, rounding
+// to nearest even (the default MXCSR mode, as nearbyint) and clamping give
+// the scalar path's values.
+__attribute__((target("avx512f"))) void quantize_row_avx512(const float* xr, int64_t c,
+                                                            int64_t stride, int64_t group,
+                                                            int8_t* qr, float* scale,
+                                                            int32_t* gr) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 vmax = zero;
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < c; i += 16) {
+    const __mmask16 m = c - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (c - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
+    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), zero, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+  }
+  std::memset(qr, 0, stride);
+  std::fill(gr, gr + stride / group, 0);
+  if (bad) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float s = _mm512_reduce_max_ps(vmax) / 127.0f;
+  *scale = s;
+  if (s == 0.0f) return;
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127);
+  const __m512i hi = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < c; i += 16) {
+    const __mmask16 m = c - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (c - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
+    __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(x, vs));
+    q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+    q = _mm512_maskz_mov_epi32(m, q);
+    gr[i / group] += _mm512_reduce_add_epi32(q);
+    alignas(16) int8_t bytes[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi32_epi8(q));
+    std::memcpy(qr + i, bytes, std::min<int64_t>(16, c - i));
+  }
+}
+#endif
+
+}  // namespace
+
 void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
                         int8_t* q, float* scale, int32_t* gsum) {
   constexpr int64_t kChunk = 1024;
   const int64_t groups = stride / group;
+  auto row = quantize_row_scalar;
+#ifdef MLX_LATTICE_X86
+  if (group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) row = quantize_row_avx512;
+#endif
   parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
     const int64_t r1 = std::min(n, (chunk + 1) * kChunk);
     for (int64_t r = chunk * kChunk; r < r1; ++r) {
-      const float* xr = x + r * c;
-      int8_t* qr = q + r * stride;
-      int32_t* gr = gsum + r * groups;
-      float amax = 0.0f;
-      bool finite = true;
-      for (int64_t i = 0; i < c; ++i) {
-        finite = finite && std::isfinite(xr[i]);
-        amax = std::max(amax, std::fabs(xr[i]));
-      }
-      std::memset(qr, 0, stride);
-      std::fill(gr, gr + groups, 0);
-      if (!finite) {
-        scale[r] = std::numeric_limits<float>::quiet_NaN();
-        continue;
-      }
-      const float s = amax / 127.0f;
-      scale[r] = s;
-      if (amax == 0.0f) continue;
-      for (int64_t i = 0; i < c; ++i) {
-        // |x / s| <= 127 up to rounding: clamp before converting.
-        const float v = std::clamp(std::nearbyint(xr[i] / s), -127.0f, 127.0f);
-        qr[i] = static_cast<int8_t>(v);
-        gr[i / group] += qr[i];
-      }
+      row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups);
     }
   });
 }
@@ -343,7 +412,12 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
                int64_t cout, int64_t storage_in, int64_t group, int bits, const Csr& csr,
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                float* out) {
-  Buffers buf;
+  // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
+  // more in page faults than the quantization itself).
+  // (A reference: the worker threads below must see this thread's buffers,
+  // not their own thread_local instances.)
+  thread_local Buffers buffers;
+  Buffers& buf = buffers;
   const int64_t groups = storage_in / group;
   buf.q.resize(n_in * storage_in);
   buf.scale.resize(n_in);

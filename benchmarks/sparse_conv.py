@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import platform
+import statistics
 
 import mlx.core as mx
 import numpy as np
@@ -26,6 +27,7 @@ from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 
 CHANNELS = 64
+ROUNDS = 5
 
 
 def _sgemm_rate(m: int, k: int, n: int) -> float:
@@ -84,12 +86,21 @@ def main() -> None:
         "w8a8 forward": (lambda: mx.eval(qconv(feats, q8f, 8)), "int8"),
         "w4a8 forward": (lambda: mx.eval(qconv(feats, q4f, 8)), "int8"),
     }
-    times = {name: median_s(fn) for name, (fn, _) in cases.items()}
+    # Interleaved rounds: on a shared machine the load drifts during a run,
+    # so every case is timed in every round and a case's time is the median
+    # of its rounds (drift then moves all cases alike, not the last ones).
+    for fn, _ in cases.values():
+        fn()
+    rounds: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(ROUNDS):
+        for name, (fn, _) in cases.items():
+            rounds[name].append(median_s(fn, repeats=3, warmup=0))
+    times = {name: statistics.median(values) for name, values in rounds.items()}
 
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
         f"load {os.getloadavg()[0]:.1f}; mlx_lattice threads {mlx_lattice.get_num_threads()}, "
-        f"micro-kernels fp32 {ext.gemm_isa()}, int8 {ext.int8_isa()}"
+        f"micro-kernels fp32 {ext.gemm_isa()}, int8 {ext.int8_isa()}, bf16 {ext.bf16_isa()}"
     )
     print(
         f"scan: {n} voxels at 5 cm, {edges} edges ({edges / n:.2f} per voxel), 3x3x3 submanifold, C{CHANNELS}"

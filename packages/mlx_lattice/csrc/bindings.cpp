@@ -14,6 +14,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu/gemm.h"
+#include "cpu/gemm_bf16.h"
 #include "cpu/gemm_int8.h"
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
@@ -106,6 +107,11 @@ void bind_ops(nb::module_& m) {
         "Set the number of threads of the CPU kernels (>= 1).");
   m.def("get_num_threads", &get_num_threads,
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
+  m.def(
+      "bf16_isa",
+      [] { return kernels::bf16_conv_available() ? "avx512-bf16" : "float32"; },
+      "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps) or 'float32' "
+      "(converted to float32).");
   m.def("int8_isa", &kernels::int8_isa,
         "The int8 micro-kernel in use: 'avx512-vnni', 'avx-vnni' or 'scalar'.");
   m.def("gemm_isa", &gemm_isa, "The GEMM micro-kernel in use: 'avx2-fma' or 'scalar'.");

@@ -37,6 +37,7 @@ stamp "kernel tests done"
 
 # Debian's aarch64 CPython (interpreter, stdlib, headers) unpacked, no scripts run.
 sysroot=$cache/sysroot
+mkdir -p "$cache"
 if [ ! -x "$sysroot/usr/bin/python3.11" ]; then
   rm -rf "$sysroot.tmp"
   mmdebstrap --quiet --variant=extract --arch=arm64 \

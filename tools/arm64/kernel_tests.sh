@@ -22,7 +22,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 cpu=packages/mlx_lattice/csrc/cpu
 aarch64-linux-gnu-g++ -std=c++20 -O2 -Wall -Wextra -Werror -static \
-  $cpu/gemm.cpp $cpu/gemm_arm.cpp $cpu/gemm_test.cpp -o "$out/gemm_test"
+  $cpu/gemm.cpp $cpu/gemm_arm.cpp $cpu/isa.cpp $cpu/gemm_test.cpp -o "$out/gemm_test"
 
 # Emulated CPU -> the features it has (qemu 7.2's models).
 declare -A expect=(

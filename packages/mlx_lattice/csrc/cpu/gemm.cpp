@@ -1,5 +1,7 @@
 #include "gemm.h"
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -298,28 +300,21 @@ __attribute__((target("avx512f"))) void rows512(const float* const* a, const flo
   }
 }
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+// The fp32 micro-kernels by ISA level (cpu/isa.h: chosen from CPU feature
+// bits, capped by MLX_LATTICE_GEMM_ISA so tests exercise every path).
+struct Fp32Entry {
+  isa::Isa isa;
+};
+constexpr Fp32Entry kFp32Table[] = {{isa::Isa::kAvx512}, {isa::Isa::kAvx2}, {isa::Isa::kScalar}};
 
-// The best micro-kernel the CPU supports, or a lower one named by
-// MLX_LATTICE_GEMM_ISA ("avx512f", "avx2-fma", "scalar"), read once; lets
-// tests exercise every path on one machine.
-Isa selected_isa() {
-  static const Isa isa = [] {
-    Isa best = Isa::kScalar;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
-    if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
-    const char* env = std::getenv("MLX_LATTICE_GEMM_ISA");
-    if (!env) return best;
-    const std::string want(env);
-    Isa asked = want == "scalar" ? Isa::kScalar : want == "avx2-fma" ? Isa::kAvx2 : best;
-    return std::min(asked, best);
-  }();
-  return isa;
+isa::Isa selected_isa() {
+  static const isa::Isa chosen = isa::pick(kFp32Table).isa;
+  return chosen;
 }
 
-bool has_avx512() { return selected_isa() == Isa::kAvx512; }
+bool has_avx512() { return selected_isa() == isa::Isa::kAvx512; }
 
-bool has_avx2() { return selected_isa() >= Isa::kAvx2; }
+bool has_avx2() { return selected_isa() != isa::Isa::kScalar; }
 
 #endif
 
@@ -409,15 +404,12 @@ const char* gemm_isa() {
 }
 
 std::vector<std::string> gemm_isas() {
+  // The fp32 levels of this architecture, best first (cpu/isa.h).
+  constexpr isa::Isa kLevels[] = {isa::Isa::kAvx512, isa::Isa::kAvx2, isa::Isa::kNeon};
   std::vector<std::string> isas;
-#ifdef MLX_LATTICE_X86
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  if (avx2 && __builtin_cpu_supports("avx512f")) isas.push_back("avx512f");
-  if (avx2) isas.push_back("avx2-fma");
-#endif
-#if defined(__aarch64__)
-  if (arm::cpu_features().neon) isas.push_back("neon-fma");
-#endif
+  for (isa::Isa level : kLevels) {
+    if (isa::isa_supported(level)) isas.push_back(isa::isa_name(level));
+  }
   isas.push_back("scalar");
   return isas;
 }

@@ -1,8 +1,8 @@
 #include "gemm_arm.h"
 
+#include "isa.h"
+
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 
 #if defined(__aarch64__)
 #include <arm_neon.h>
@@ -60,12 +60,10 @@ Features cpu_features() {
 }
 
 const char* selected_isa() {
-  static const char* const isa = []() -> const char* {
-    const char* env = std::getenv("MLX_LATTICE_GEMM_ISA");
-    if (env && std::strcmp(env, "scalar") == 0) return nullptr;
-    return cpu_features().neon ? "neon-fma" : nullptr;
-  }();
-  return isa;
+  // Usable: the CPU has it and MLX_LATTICE_GEMM_ISA's ceiling allows it.
+  static const char* const name =
+      isa::isa_usable(isa::Isa::kNeon) ? isa::isa_name(isa::Isa::kNeon) : nullptr;
+  return name;
 }
 
 #if defined(__aarch64__)

@@ -20,9 +20,9 @@ struct Features {
 
 Features cpu_features();
 
-// The fp32 path used by gemm_rows/gemm_outer: "neon-fma", or nullptr when
-// this build or CPU has none (or MLX_LATTICE_GEMM_ISA=scalar asked for the
-// fallback).
+// The fp32 path used by gemm_rows/gemm_outer: "neon-fma" (isa::Isa::kNeon),
+// or nullptr when this build or CPU has none or MLX_LATTICE_GEMM_ISA's
+// ceiling is below it (cpu/isa.h).
 const char* selected_isa();
 
 // gemm.h's contracts, with fp32 NEON fused multiply-adds in the same

@@ -106,7 +106,7 @@ cp -r packages/quantrules/quantrules "$run/site/"  # pure Python, as its wheel
 cp "$build/_version.py" "$run/site/quantrules/_version.py"
 cp $pkg/conftest.py "$run/"
 cp $pkg/tests/test_conv.py $pkg/tests/test_quantized_pool.py $pkg/tests/test_relations.py \
-  $pkg/tests/test_validation_threads.py "$run/tests/"
+  $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py "$run/tests/"
 file -L "$run/site/mlx_lattice/_native/ext.so" | grep -q 'ARM aarch64' ||
   { echo "FAIL: the wheel's extension is not aarch64"; exit 1; }
 qemu="qemu-aarch64-static -cpu max -L $sysroot"
@@ -114,15 +114,17 @@ py=(timeout "${MLX_LATTICE_ARM64_TIMEOUT:-900}" env PYTHONPATH="$run/site:$site"
   MLX_LATTICE_NUM_THREADS=2 MLX_LATTICE_TEST_LAUNCHER="$qemu" $qemu "$sysroot/usr/bin/python3.11")
 (cd "$run" && "${py[@]}" -c 'import platform, mlx.core as mx
 from mlx_lattice._native import ext
-print(platform.machine(), "mlx", mx.__version__, "gemm paths", ext.gemm_isas())
-assert platform.machine() == "aarch64" and ext.gemm_isas() == ["neon-fma", "scalar"]')
+print(platform.machine(), "mlx", mx.__version__, "fp32 paths", ext.gemm_isas(), "int8", ext.int8_isa())
+assert platform.machine() == "aarch64" and ext.gemm_isas() == ["neon-fma", "scalar"]
+assert ext.int8_isa() == "neon-i8mm"')
 # Deselected here: mx.compile on the CPU stream JIT-compiles C++ with a
 # compiler the aarch64 sysroot does not have (both tests run in full on x86).
 deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bitwise_stable
-  --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted)
+  --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted
+  --deselect tests/test_int8_conv.py::test_gradients_compile_and_vmap)
 subset=${MLX_LATTICE_ARM64_SUBSET:-}
 (cd "$run" && "${py[@]}" -m pytest -p no:cacheprovider -q -ra tests/test_relations.py \
-  tests/test_conv.py tests/test_quantized_pool.py \
+  tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
   "tests/test_validation_threads.py::test_every_micro_kernel_path" \
   "tests/test_validation_threads.py::test_isa_list_is_ordered_and_ends_in_scalar" \
   ${subset:+-k "$subset"} "${deselect[@]}")

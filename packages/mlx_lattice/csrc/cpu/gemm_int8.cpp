@@ -10,6 +10,9 @@
 #include <immintrin.h>
 #define MLX_LATTICE_X86 1
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include "isa.h"
 #include "parallel.h"
@@ -22,6 +25,15 @@
 // following add into an FMA (every path must round exactly as the scalar
 // one, and as the documented math).
 #define MLX_LATTICE_ROUNDED(v) asm("" : "+v"(v))
+
+// The scalar path needs the same where the target has a scalar FMA that GCC
+// contracts into by default in C++ (AArch64: found by the emulated tests,
+// where block_scalar differed from the documented math and the NEON paths).
+#if defined(__aarch64__)
+#define MLX_LATTICE_SCALAR_ROUNDED(v) asm("" : "+w"(v))
+#else
+#define MLX_LATTICE_SCALAR_ROUNDED(v) static_cast<void>(v)
+#endif
 
 namespace mlx_lattice::kernels {
 
@@ -76,9 +88,12 @@ void block_scalar(const Block& blk, const PackedWeight& w, int64_t k, int64_t co
           acc += q[0] * a[0] + q[1] * a[1] + q[2] * a[2] + q[3] * a[3];
         }
         float t = static_cast<float>(acc) * s[x];
-        const float u = asum * b[x];
+        float u = asum * b[x];
+        MLX_LATTICE_SCALAR_ROUNDED(t);
+        MLX_LATTICE_SCALAR_ROUNDED(u);
         t = t + u;
-        const float v = t * blk.sa[r];
+        float v = t * blk.sa[r];
+        MLX_LATTICE_SCALAR_ROUNDED(v);
         blk.c[r][x] = blk.c[r][x] + v;
       }
     }
@@ -243,6 +258,8 @@ __attribute__((target("avx2,fma,avxvnni"))) void block_avx_vnni(const Block& blk
 
 #endif
 
+#include "gemm_int8_neon.inc"  // AArch64 SDOT/USDOT blocks
+
 // The int8 micro-kernels, best first (cpu/isa.h); the last is scalar.
 struct Int8Entry {
   isa::Isa isa;
@@ -253,6 +270,10 @@ constexpr Int8Entry kInt8Table[] = {
 #ifdef MLX_LATTICE_X86
     {isa::Isa::kAvx512Vnni, block_avx512_vnni},
     {isa::Isa::kAvxVnni, block_avx_vnni},
+#endif
+#if defined(__aarch64__)
+    {isa::Isa::kNeonI8mm, block_neon_int8<true>},
+    {isa::Isa::kNeonDot, block_neon_int8<false>},
 #endif
     {isa::Isa::kScalar, block_scalar},
 };

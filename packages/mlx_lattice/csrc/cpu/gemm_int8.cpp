@@ -19,7 +19,9 @@
 
 // GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
 // "maybe uninitialized"; it is not read.
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no such group (macOS check)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
 
 // Keeps a product rounded on its own: the compiler may not fuse it with the
 // following add into an FMA (every path must round exactly as the scalar

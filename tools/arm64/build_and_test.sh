@@ -107,7 +107,7 @@ cp "$build/_version.py" "$run/site/quantrules/_version.py"
 cp $pkg/conftest.py "$run/"
 cp $pkg/tests/test_conv.py $pkg/tests/test_quantized_pool.py $pkg/tests/test_relations.py \
   $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py "$run/tests/"
-file -L "$run/site/mlx_lattice/_native/ext.so" | grep -q 'ARM aarch64' ||
+aarch64-linux-gnu-readelf -h "$run/site/mlx_lattice/_native/ext.so" | grep -q 'Machine:.*AArch64' ||
   { echo "FAIL: the wheel's extension is not aarch64"; exit 1; }
 qemu="qemu-aarch64-static -cpu max -L $sysroot"
 py=(timeout "${MLX_LATTICE_ARM64_TIMEOUT:-900}" env PYTHONPATH="$run/site:$site" PYTHONNOUSERSITE=1

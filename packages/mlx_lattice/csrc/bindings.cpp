@@ -14,6 +14,8 @@
 #include <nanobind/stl/vector.h>
 
 #include "cpu/gemm.h"
+#include "cpu/gemm_bf16.h"
+#include "cpu/gemm_int8.h"
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
 #include "ops.h"
@@ -135,7 +137,18 @@ void bind_ops(nb::module_& m) {
         "Set the number of threads of the CPU kernels (>= 1).");
   m.def("get_num_threads", &get_num_threads,
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
-  m.def("gemm_isa", &gemm_isa, "The GEMM micro-kernel in use: 'avx2-fma' or 'scalar'.");
+  m.def(
+      "bf16_isa",
+      [] { return kernels::bf16_conv_available() ? "avx512-bf16" : "float32"; },
+      "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps) or 'float32' "
+      "(converted to float32).");
+  m.def("int8_isa", &kernels::int8_isa,
+        "The int8 micro-kernel in use: 'avx512-vnni', 'avx-vnni' or 'scalar'.");
+  m.def("gemm_isa", &gemm_isa,
+        "The GEMM micro-kernel in use: 'avx512f', 'avx2-fma', 'neon-fma' or 'scalar'.");
+  m.def("gemm_isas", &gemm_isas,
+        "The GEMM micro-kernels this build and CPU can run, best first ('scalar' last); "
+        "MLX_LATTICE_GEMM_ISA forces one.");
 
   m.def("check_coordinates", &check_coordinates, "coords"_a, "name"_a = "coords", release(),
         R"pbdoc(
@@ -227,20 +240,25 @@ Row ``r`` of the view is output row ``view.reorder_rows[r]``; with
 
   m.def(
       "sparse_quantized_conv_features",
-      [](const mx::array& feats, nb::handle weight, nb::handle relation, mx::StreamOrDevice s) {
+      [](const mx::array& feats, nb::handle weight, nb::handle relation, int act_bits,
+         mx::StreamOrDevice s) {
         auto q = quantized_from(weight);
         auto rel = relation_from(relation);
         nb::gil_scoped_release unlocked;
-        return sparse_quantized_conv_features(feats, q, rel, s);
+        return sparse_quantized_conv_features(feats, q, rel, act_bits, s);
       },
-      "feats"_a, "weight"_a, "relation"_a, nb::kw_only(), "stream"_a = nb::none(),
+      "feats"_a, "weight"_a, "relation"_a, nb::kw_only(), "act_bits"_a = 0,
+      "stream"_a = nb::none(),
       R"pbdoc(
 Sparse convolution with a group-affine ``QuantizedWeight``.
 
 ``weight.weight`` is uint32 ``(K, Cout, storage_in_channels * bits / 32)``
 in ``mx.quantize``'s layout with ``scales``/``biases`` of shape
 ``(K, Cout, storage_in_channels / group_size)``. Weights are dequantized
-inside the kernel; differentiable in ``feats``.
+inside the kernel; differentiable in ``feats``. ``act_bits=8`` quantizes the
+features per row (symmetric, dynamic scale max|row| / 127) and runs an
+int8 x uint8 -> int32 GEMM with a float32 epilogue (CPU only); its gradient
+is the float-activation one (straight-through).
 )pbdoc");
 
   m.def(

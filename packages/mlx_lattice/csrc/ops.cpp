@@ -169,7 +169,8 @@ mx::array sparse_conv_features_sorted_implicit_gemm(const mx::array& feats,
 }
 
 mx::array sparse_quantized_conv_features(const mx::array& feats, const QuantizedArrays& q,
-                                         const RelationArrays& relation, mx::StreamOrDevice s) {
+                                         const RelationArrays& relation, int act_bits,
+                                         mx::StreamOrDevice s) {
   const std::string op = "sparse_quantized_conv_features";
   auto stream = mx::to_stream(s);
   auto rel = validated_relation(op, relation);
@@ -204,7 +205,18 @@ mx::array sparse_quantized_conv_features(const mx::array& feats, const Quantized
     fail(op, "scales and biases must have shape " + shape_str(group_shape) + ", got " +
                  shape_str(q.scales.shape()) + " and " + shape_str(q.biases.shape()) + ".");
   }
-  QuantSpec spec{q.in_channels, q.out_channels, q.storage_in_channels, q.group_size, bits};
+  if (act_bits != 0 && act_bits != 8) {
+    fail(op, "act_bits must be 0 (float activations) or 8, got " + str(act_bits) + ".");
+  }
+  if (act_bits == 8 && q.group_size % 4 != 0) {
+    fail(op, "act_bits=8 needs a group_size that is a multiple of 4, got " +
+                 str(q.group_size) + ".");
+  }
+  if (act_bits == 8 && stream.device == mx::Device::gpu) {
+    fail(op, "act_bits=8 runs on the CPU stream only.");
+  }
+  QuantSpec spec{q.in_channels, q.out_channels, q.storage_in_channels, q.group_size, bits,
+                 act_bits};
   return mx::astype(make_quantized(feats, {q.packed, q.scales, q.biases}, rel, spec, stream),
                     feats.dtype(), stream);
 }

@@ -32,8 +32,10 @@ mx::array sparse_conv_features_sorted_implicit_gemm(const mx::array& feats,
                                                     const SortedArrays& view, bool store_sorted,
                                                     mx::StreamOrDevice s = {});
 
+// act_bits: 0 keeps float activations; 8 quantizes them per row (symmetric,
+// dynamic) and runs the integer GEMM (CPU only).
 mx::array sparse_quantized_conv_features(const mx::array& feats, const QuantizedArrays& weight,
-                                         const RelationArrays& relation,
+                                         const RelationArrays& relation, int act_bits = 0,
                                          mx::StreamOrDevice s = {});
 
 mx::array sparse_conv_normalization_denominator(const mx::array& weight,

@@ -87,6 +87,9 @@ struct QuantSpec {
   int64_t storage_in_channels = 0;
   int group_size = 0;
   int bits = 0;
+  // 0: float activations (weights dequantized); 8: activations quantized to
+  // int8 per row and an integer GEMM (cpu/gemm_int8.h; CPU only).
+  int act_bits = 0;
   bool operator==(const QuantSpec&) const = default;
 };
 

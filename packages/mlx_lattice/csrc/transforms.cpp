@@ -268,7 +268,11 @@ std::vector<array> SparseQuantizedConv::jvp(const std::vector<array>& primals,
   }
   auto tf = tangent_of(0, tangents, argnums);
   std::vector<array> quant = {primals[1], primals[2], primals[3]};
-  auto out = make_quantized(tf ? *tf : primals[0], quant, rel_, spec_, stream());
+  // Quantized activations: the tangent of the float-activation convolution
+  // (straight-through, as the vjp).
+  QuantSpec linear = spec_;
+  linear.act_bits = 0;
+  auto out = make_quantized(tf ? *tf : primals[0], quant, rel_, linear, stream());
   return {tf ? out : mx::zeros_like(out, stream())};
 }
 

@@ -4,6 +4,8 @@
 
 #include "../primitives.h"
 #include "eval.h"
+#include "gemm_bf16.h"
+#include "gemm_int8.h"
 #include "kernels.h"
 
 namespace mlx_lattice {
@@ -19,6 +21,18 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              const auto& a = in[0];
              const auto& b = in[1];
              const Relation& r = *rel;
+             if (mode == Mode::kForward && a.dtype() == mx::bfloat16 &&
+                 b.dtype() == mx::bfloat16 && kernels::bf16_conv_available()) {
+               // bf16 x bf16 -> float32 with vdpbf16ps (cpu/gemm_bf16.h).
+               kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+               FloatOut out32(o);
+               kernels::bf16_conv(a.data<uint16_t>(), a.shape(0), a.shape(1),
+                                  b.data<uint16_t>(), r.n_kernels, b.shape(2), csr,
+                                  idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids),
+                                  out32.get());
+               out32.finish();
+               return;
+             }
              FloatIn a32(a, 0), b32(b, 1);
              FloatOut out32(o);
              if (mode == Mode::kForward) {
@@ -68,6 +82,19 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
   dispatch(stream(), inputs, out, [rel = rel_, q = spec_](std::vector<array>& in, array& o) {
     const Relation& r = *rel;
     const auto& packed = in[1];
+    if (q.act_bits == 8) {
+      kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+      FloatIn f32(in[0], 0);
+      FloatOut out32(o);
+      kernels::int8_conv(f32.get(), in[0].shape(0), q.in_channels,
+                         packed.size() ? packed.data<uint8_t>() : nullptr,
+                         static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),
+                         in[3].data<float>(), r.n_kernels, q.out_channels,
+                         q.storage_in_channels, q.group_size, q.bits, csr, idx(r.in_rows),
+                         idx(r.out_rows), idx(r.kernel_ids), out32.get());
+      out32.finish();
+      return;
+    }
     std::vector<float> w(r.n_kernels * q.in_channels * q.out_channels);
     kernels::dequantize_weight(packed.size() ? packed.data<uint8_t>() : nullptr,
                                static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),

@@ -1,5 +1,7 @@
 #include "gemm.h"
 
+#include "isa.h"
+
 #include <algorithm>
 #include <cstdlib>
 #include <string>
@@ -8,6 +10,9 @@
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define MLX_LATTICE_X86 1
+#endif
+#if defined(__aarch64__)
+#include "gemm_arm.h"
 #endif
 
 namespace mlx_lattice {
@@ -295,28 +300,21 @@ __attribute__((target("avx512f"))) void rows512(const float* const* a, const flo
   }
 }
 
-enum class Isa { kScalar, kAvx2, kAvx512 };
+// The fp32 micro-kernels by ISA level (cpu/isa.h: chosen from CPU feature
+// bits, capped by MLX_LATTICE_GEMM_ISA so tests exercise every path).
+struct Fp32Entry {
+  isa::Isa isa;
+};
+constexpr Fp32Entry kFp32Table[] = {{isa::Isa::kAvx512}, {isa::Isa::kAvx2}, {isa::Isa::kScalar}};
 
-// The best micro-kernel the CPU supports, or a lower one named by
-// MLX_LATTICE_GEMM_ISA ("avx512f", "avx2-fma", "scalar"), read once; lets
-// tests exercise every path on one machine.
-Isa selected_isa() {
-  static const Isa isa = [] {
-    Isa best = Isa::kScalar;
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) best = Isa::kAvx2;
-    if (best == Isa::kAvx2 && __builtin_cpu_supports("avx512f")) best = Isa::kAvx512;
-    const char* env = std::getenv("MLX_LATTICE_GEMM_ISA");
-    if (!env) return best;
-    const std::string want(env);
-    Isa asked = want == "scalar" ? Isa::kScalar : want == "avx2-fma" ? Isa::kAvx2 : best;
-    return std::min(asked, best);
-  }();
-  return isa;
+isa::Isa selected_isa() {
+  static const isa::Isa chosen = isa::pick(kFp32Table).isa;
+  return chosen;
 }
 
-bool has_avx512() { return selected_isa() == Isa::kAvx512; }
+bool has_avx512() { return selected_isa() == isa::Isa::kAvx512; }
 
-bool has_avx2() { return selected_isa() >= Isa::kAvx2; }
+bool has_avx2() { return selected_isa() != isa::Isa::kScalar; }
 
 #endif
 
@@ -325,6 +323,9 @@ bool has_avx2() { return selected_isa() >= Isa::kAvx2; }
 void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kdim, int64_t n,
                float* const* c_rows) {
   if (m <= 0 || n <= 0 || kdim <= 0) return;
+#if defined(__aarch64__)
+  if (arm::selected_isa()) return arm::gemm_rows(m, a_rows, b, kdim, n, c_rows);
+#endif
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) {
     for_each_block(m, a_rows, kdim, n, c_rows, [&](const float* const* a, float* const* c) {
@@ -345,6 +346,9 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,
                 float* c, int64_t n) {
   if (m <= 0 || n <= 0) return;
+#if defined(__aarch64__)
+  if (arm::selected_isa()) return arm::gemm_outer(m, f, g, r0, r1, c, n);
+#endif
   int64_t r = r0;
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) {
@@ -389,11 +393,25 @@ void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t
 }
 
 const char* gemm_isa() {
+#if defined(__aarch64__)
+  if (arm::selected_isa()) return arm::selected_isa();
+#endif
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) return "avx512f";
   if (has_avx2()) return "avx2-fma";
 #endif
   return "scalar";
+}
+
+std::vector<std::string> gemm_isas() {
+  // The fp32 levels of this architecture, best first (cpu/isa.h).
+  constexpr isa::Isa kLevels[] = {isa::Isa::kAvx512, isa::Isa::kAvx2, isa::Isa::kNeon};
+  std::vector<std::string> isas;
+  for (isa::Isa level : kLevels) {
+    if (isa::isa_supported(level)) isas.push_back(isa::isa_name(level));
+  }
+  isas.push_back("scalar");
+  return isas;
 }
 
 }  // namespace mlx_lattice

@@ -8,6 +8,8 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace mlx_lattice {
 
@@ -21,7 +23,12 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,
                 float* c, int64_t n);
 
-// Name of the micro-kernel in use ("avx512f", "avx2-fma" or "scalar"), for benchmarks.
+// Name of the micro-kernel in use ("avx512f", "avx2-fma", "neon-fma" or
+// "scalar"), for benchmarks. MLX_LATTICE_GEMM_ISA names a lower one to force.
 const char* gemm_isa();
+
+// The micro-kernels this build and CPU can run, best first; "scalar" always
+// last. Tests force each through MLX_LATTICE_GEMM_ISA.
+std::vector<std::string> gemm_isas();
 
 }  // namespace mlx_lattice

@@ -235,10 +235,22 @@ def sparse_quantized_conv_features_from_relation(
     feats: mx.array,
     weight: QuantizedWeight,
     relation: KernelRelation,
+    *,
+    act_bits: int | None = None,
 ) -> mx.array:
     """Execute quantized sparse convolution over a prebuilt relation.
 
     Features are cast to the scales' dtype; the result has the features' dtype.
+
+    ``act_bits=None`` keeps float activations (the weight is dequantized in
+    the kernel). ``act_bits=8`` is the integer path (w8a8, or w4a8 with a
+    4-bit weight): every feature row is quantized to int8 with a symmetric
+    dynamic scale ``max|row| / 127`` and the convolution runs int8 x weight
+    codes -> int32 (AVX512-VNNI / AVX-VNNI ``vpdpbusd`` when the CPU has it)
+    with a float32 epilogue applying the activation scale and the weight's
+    group scales and biases. CPU stream only; the group size must be a
+    multiple of 4. Its gradient with respect to the features is that of the
+    float-activation convolution (straight-through).
 
     >>> from mlx_lattice.core.relations import build_kernel_relation
     >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
@@ -250,11 +262,15 @@ def sparse_quantized_conv_features_from_relation(
     """
     if feats.dtype not in _FLOAT_DTYPES:
         raise ValueError("features must be float16, bfloat16 or float32.")
+    if act_bits not in (None, 8):
+        raise ValueError(f"act_bits must be None or 8, got {act_bits!r}.")
     _require_static(relation)
     if relation.n_kernels != weight.n_kernels:
         raise ValueError("quantized weight kernel rows must match the relation.")
-    note("sparse_quantized_conv_features", "quantized")
-    out = ext.sparse_quantized_conv_features(feats.astype(weight.scales.dtype), weight, relation)
+    note("sparse_quantized_conv_features", "quantized" if act_bits is None else "int8")
+    out = ext.sparse_quantized_conv_features(
+        feats.astype(weight.scales.dtype), weight, relation, act_bits=act_bits or 0
+    )
     return out.astype(feats.dtype)
 
 

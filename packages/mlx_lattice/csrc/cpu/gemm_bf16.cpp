@@ -1,0 +1,218 @@
+#include "gemm_bf16.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
+
+#include "isa.h"
+#include "parallel.h"
+
+namespace mlx_lattice::kernels {
+
+namespace {
+
+constexpr int kRows = 6;  // rows per register block
+
+[[maybe_unused]] int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The weight in the micro-kernel's layout: [k][pair p][cout_pad][2] bf16
+// (channels 2p and 2p + 1 of one column per 32-bit lane); padding is zero.
+struct PackedBf16 {
+  std::vector<uint16_t> w;
+  int64_t pairs = 0;
+  int64_t cout_pad = 0;
+};
+
+struct Block {
+  const uint16_t* a[kRows];  // feature rows, 2 * pairs values each
+  float* c[kRows];
+};
+
+#ifdef MLX_LATTICE_X86
+
+// acc += pairwise bf16 dot products (vdpbf16ps). Inline assembly for the
+// same reason as vpdpbusd in gemm_int8.cpp (GCC 12 copies accumulators).
+__attribute__((target("avx512f,avx512bf16"))) inline void dpbf16(__m512& acc, __m512i w,
+                                                                  __m512i a) {
+  asm("vdpbf16ps %[a], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [a] "v"(a));
+}
+
+// 6 rows x (16 * V) columns, V <= 4.
+template <int V>
+__attribute__((target("avx512f,avx512bf16"))) inline void strip(const Block& blk,
+                                                                const PackedBf16& w, int64_t k,
+                                                                int64_t cout, int64_t n0) {
+  __mmask16 mk[4];
+  for (int v = 0; v < 4; ++v) {
+    const int64_t rem = cout - n0 - 16 * v;
+    mk[v] = rem >= 16 ? static_cast<__mmask16>(0xffff)
+                      : (rem > 0 ? static_cast<__mmask16>((1u << rem) - 1u) : 0);
+  }
+  const int64_t stride = w.cout_pad * 2;
+  const uint16_t* wk = w.w.data() + k * w.pairs * stride + n0 * 2;
+  const __m512 zero = _mm512_setzero_ps();
+#define DECL(r) __m512 x##r##0 = zero, x##r##1 = zero, x##r##2 = zero, x##r##3 = zero;
+  DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5)
+#undef DECL
+#define LOADC(r, v) \
+  if constexpr (V > v) x##r##v = _mm512_maskz_loadu_ps(mk[v], blk.c[r] + n0 + 16 * v);
+#define LOADROW(r) LOADC(r, 0) LOADC(r, 1) LOADC(r, 2) LOADC(r, 3)
+  LOADROW(0) LOADROW(1) LOADROW(2) LOADROW(3) LOADROW(4) LOADROW(5)
+#undef LOADROW
+#undef LOADC
+  const uint16_t* a0 = blk.a[0];
+  const uint16_t* a1 = blk.a[1];
+  const uint16_t* a2 = blk.a[2];
+  const uint16_t* a3 = blk.a[3];
+  const uint16_t* a4 = blk.a[4];
+  const uint16_t* a5 = blk.a[5];
+  for (int64_t p = 0; p < w.pairs; ++p) {
+    const uint16_t* wp = wk + p * stride;
+    const __m512i b0 = _mm512_loadu_si512(wp);
+    __m512i b1 = _mm512_setzero_si512(), b2 = b1, b3 = b1;
+    if constexpr (V > 1) b1 = _mm512_loadu_si512(wp + 32);
+    if constexpr (V > 2) b2 = _mm512_loadu_si512(wp + 64);
+    if constexpr (V > 3) b3 = _mm512_loadu_si512(wp + 96);
+#define ROW(r)                                            \
+  {                                                       \
+    int32_t pair;                                         \
+    std::memcpy(&pair, a##r + 2 * p, 4);                  \
+    const __m512i s = _mm512_set1_epi32(pair);            \
+    dpbf16(x##r##0, b0, s);                               \
+    if constexpr (V > 1) dpbf16(x##r##1, b1, s);          \
+    if constexpr (V > 2) dpbf16(x##r##2, b2, s);          \
+    if constexpr (V > 3) dpbf16(x##r##3, b3, s);          \
+  }
+    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+  }
+#define STOREC(r, v) \
+  if constexpr (V > v) _mm512_mask_storeu_ps(blk.c[r] + n0 + 16 * v, mk[v], x##r##v);
+#define STOREROW(r) STOREC(r, 0) STOREC(r, 1) STOREC(r, 2) STOREC(r, 3)
+  STOREROW(0) STOREROW(1) STOREROW(2) STOREROW(3) STOREROW(4) STOREROW(5)
+#undef STOREROW
+#undef STOREC
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
+                                                              const PackedBf16& w, int64_t k,
+                                                              int64_t cout) {
+  int64_t n0 = 0;
+  for (; n0 + 64 <= w.cout_pad; n0 += 64) strip<4>(blk, w, k, cout, n0);
+  const int64_t rest = w.cout_pad - n0;  // a multiple of 16
+  if (rest == 48) {
+    strip<3>(blk, w, k, cout, n0);
+  } else if (rest == 32) {
+    strip<2>(blk, w, k, cout, n0);
+  } else if (rest == 16) {
+    strip<1>(blk, w, k, cout, n0);
+  }
+}
+
+#endif
+
+struct Scratch {
+  std::vector<int32_t> counts;
+  std::vector<int32_t> cursor;
+  std::vector<const uint16_t*> a_ptrs;
+  std::vector<float*> c_ptrs;
+  std::vector<float> sink;
+};
+
+thread_local Scratch scratch;
+
+struct Buffers {
+  PackedBf16 weight;
+  std::vector<uint16_t> padded;  // features with an even row length
+  std::vector<uint16_t> zeros;
+};
+
+}  // namespace
+
+bool bf16_conv_available() {
+#ifdef MLX_LATTICE_X86
+  return isa::isa_usable(isa::Isa::kAvx512Bf16);
+#else
+  return false;
+#endif
+}
+
+void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
+               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
+               const int32_t* c_index, const int32_t* kernel_ids, float* out) {
+#ifdef MLX_LATTICE_X86
+  thread_local Buffers buffers;
+  Buffers& buf = buffers;  // the workers below use this thread's buffers
+  PackedBf16& w = buf.weight;
+  w.pairs = ceil_div(cin, 2);
+  w.cout_pad = ceil_div(cout, 16) * 16;
+  w.w.assign(n_kernels * w.pairs * w.cout_pad * 2, 0);
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    for (int64_t c = 0; c < cin; ++c) {
+      for (int64_t x = 0; x < cout; ++x) {
+        w.w[((k * w.pairs + c / 2) * w.cout_pad + x) * 2 + c % 2] = weight[(k * cin + c) * cout + x];
+      }
+    }
+  }
+  // Odd channel counts: rows padded with a zero channel, so the last pair
+  // read stays inside the row.
+  const int64_t row_len = 2 * w.pairs;
+  const uint16_t* rows = feats;
+  if (row_len != cin) {
+    buf.padded.assign(n_in * row_len, 0);
+    for (int64_t r = 0; r < n_in; ++r) {
+      std::memcpy(buf.padded.data() + r * row_len, feats + r * cin, sizeof(uint16_t) * cin);
+    }
+    rows = buf.padded.data();
+  }
+  buf.zeros.assign(row_len, 0);
+
+  const int64_t tiles = ceil_div(csr.groups, kTileRows);
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t g0 = tile * kTileRows;
+    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
+    std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
+    const int64_t j0 = csr.offsets[g0];
+    const int64_t j1 = csr.offsets[g1];
+    if (j1 == j0) return;
+    auto& s = scratch;
+    s.counts.assign(n_kernels + 1, 0);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
+      ++s.counts[kernel_ids[e] + 1];
+    }
+    for (int64_t k = 0; k < n_kernels; ++k) s.counts[k + 1] += s.counts[k];
+    s.a_ptrs.resize(j1 - j0);
+    s.c_ptrs.resize(j1 - j0);
+    s.cursor.assign(s.counts.begin(), s.counts.end() - 1);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
+      const int32_t slot = s.cursor[kernel_ids[e]]++;
+      s.a_ptrs[slot] = rows + static_cast<int64_t>(a_index[e]) * row_len;
+      s.c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+    }
+    if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
+    Block blk;
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      for (int64_t r = s.counts[k]; r < s.counts[k + 1]; r += kRows) {
+        for (int i = 0; i < kRows; ++i) {
+          const bool real = r + i < s.counts[k + 1];
+          blk.a[i] = real ? s.a_ptrs[r + i] : buf.zeros.data();
+          blk.c[i] = real ? s.c_ptrs[r + i] : s.sink.data();
+        }
+        block_bf16(blk, w, k, cout);
+      }
+    }
+  });
+#else
+  (void)feats, (void)n_in, (void)cin, (void)weight, (void)n_kernels, (void)cout, (void)csr;
+  (void)a_index, (void)c_index, (void)kernel_ids, (void)out;
+#endif
+}
+
+}  // namespace mlx_lattice::kernels

@@ -1,0 +1,508 @@
+#include "gemm_int8.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
+
+#include "isa.h"
+#include "parallel.h"
+
+// GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
+// "maybe uninitialized"; it is not read.
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no such group (macOS check)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+// Keeps a product rounded on its own: the compiler may not fuse it with the
+// following add into an FMA (every path must round exactly as the scalar
+// one, and as the documented math).
+#define MLX_LATTICE_ROUNDED(v) asm("" : "+v"(v))
+
+// The scalar path needs the same where the target has a scalar FMA that GCC
+// contracts into by default in C++ (AArch64: found by the emulated tests,
+// where block_scalar differed from the documented math and the NEON paths).
+#if defined(__aarch64__)
+#define MLX_LATTICE_SCALAR_ROUNDED(v) asm("" : "+w"(v))
+#else
+#define MLX_LATTICE_SCALAR_ROUNDED(v) static_cast<void>(v)
+#endif
+
+namespace mlx_lattice::kernels {
+
+namespace {
+
+constexpr int kRows = 6;  // rows per register block
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// The weight in the micro-kernels' layout: codes[k][quad j][cout_pad][4]
+// (4 consecutive input channels of one column per 32-bit lane), scales and
+// biases [k][group][cout_pad]; padded columns are zero.
+struct PackedWeight {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+  std::vector<float> biases;
+  int64_t quads = 0;  // storage_in / 4
+  int64_t groups = 0;
+  int64_t cout_pad = 0;
+};
+
+// One block of kRows rows over every column. Rows: a[r] (int8, quads * 4),
+// sa[r], gsum[r] (groups). c[r] (cout floats) accumulates.
+struct Block {
+  const int8_t* a[kRows];
+  float sa[kRows];
+  const int32_t* gsum[kRows];
+  float* c[kRows];
+};
+
+using BlockFn = void (*)(const Block& blk, const PackedWeight& w, int64_t k, int64_t cout);
+
+int32_t load_quad(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+void block_scalar(const Block& blk, const PackedWeight& w, int64_t k, int64_t cout) {
+  const int64_t qpg = w.quads / w.groups;
+  const uint8_t* codes = w.codes.data() + k * w.quads * w.cout_pad * 4;
+  for (int r = 0; r < kRows; ++r) {
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float* s = w.scales.data() + (k * w.groups + g) * w.cout_pad;
+      const float* b = w.biases.data() + (k * w.groups + g) * w.cout_pad;
+      const float asum = static_cast<float>(blk.gsum[r][g]);
+      for (int64_t x = 0; x < cout; ++x) {
+        int32_t acc = 0;
+        for (int64_t j = g * qpg; j < (g + 1) * qpg; ++j) {
+          const uint8_t* q = codes + (j * w.cout_pad + x) * 4;
+          const int8_t* a = blk.a[r] + 4 * j;
+          acc += q[0] * a[0] + q[1] * a[1] + q[2] * a[2] + q[3] * a[3];
+        }
+        float t = static_cast<float>(acc) * s[x];
+        float u = asum * b[x];
+        MLX_LATTICE_SCALAR_ROUNDED(t);
+        MLX_LATTICE_SCALAR_ROUNDED(u);
+        t = t + u;
+        float v = t * blk.sa[r];
+        MLX_LATTICE_SCALAR_ROUNDED(v);
+        blk.c[r][x] = blk.c[r][x] + v;
+      }
+    }
+  }
+}
+
+#ifdef MLX_LATTICE_X86
+
+// acc += u8 x s8 dot products (vpdpbusd). Inline assembly: GCC 12's
+// intrinsic copies the accumulator around every instruction (and then
+// spills), which halves the kernel's rate.
+__attribute__((target("avx512f,avx512vnni"))) inline void dpbusd512(__m512i& acc, __m512i u8,
+                                                                     __m512i s8) {
+  asm("vpdpbusd %[s], %[u], %[acc]" : [acc] "+v"(acc) : [u] "v"(u8), [s] "v"(s8));
+}
+
+__attribute__((target("avx2,avxvnni"))) inline void dpbusd256(__m256i& acc, __m256i u8,
+                                                               __m256i s8) {
+  asm("%{vex%} vpdpbusd %[s], %[u], %[acc]" : [acc] "+x"(acc) : [u] "x"(u8), [s] "x"(s8));
+}
+
+// AVX-512 VNNI: 6 rows x (16 * V) columns, V <= 4; 24 int32 accumulators.
+template <int V>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void strip512(
+    const Block& blk, const PackedWeight& w, int64_t k, int64_t cout, int64_t n0) {
+  __mmask16 mk[4];
+  for (int v = 0; v < 4; ++v) {
+    const int64_t rem = cout - n0 - 16 * v;
+    mk[v] = rem >= 16 ? static_cast<__mmask16>(0xffff)
+                      : (rem > 0 ? static_cast<__mmask16>((1u << rem) - 1u) : 0);
+  }
+  const int64_t qpg = w.quads / w.groups;
+  const int64_t stride = w.cout_pad * 4;
+  const uint8_t* codes = w.codes.data() + k * w.quads * stride + n0 * 4;
+  const int8_t* a0 = blk.a[0];
+  const int8_t* a1 = blk.a[1];
+  const int8_t* a2 = blk.a[2];
+  const int8_t* a3 = blk.a[3];
+  const int8_t* a4 = blk.a[4];
+  const int8_t* a5 = blk.a[5];
+  for (int64_t g = 0; g < w.groups; ++g) {
+    const __m512i zero = _mm512_setzero_si512();
+#define DECL(r) __m512i x##r##0 = zero, x##r##1 = zero, x##r##2 = zero, x##r##3 = zero;
+    DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5)
+#undef DECL
+    for (int64_t j = g * qpg; j < (g + 1) * qpg; ++j) {
+      const uint8_t* bj = codes + j * stride;
+      const __m512i b0 = _mm512_loadu_si512(bj);
+      __m512i b1 = zero, b2 = zero, b3 = zero;
+      if constexpr (V > 1) b1 = _mm512_loadu_si512(bj + 64);
+      if constexpr (V > 2) b2 = _mm512_loadu_si512(bj + 128);
+      if constexpr (V > 3) b3 = _mm512_loadu_si512(bj + 192);
+#define ROW(r)                                                               \
+  {                                                                          \
+    const __m512i s = _mm512_set1_epi32(load_quad(a##r + 4 * j));           \
+    dpbusd512(x##r##0, b0, s);                                               \
+    if constexpr (V > 1) dpbusd512(x##r##1, b1, s);                          \
+    if constexpr (V > 2) dpbusd512(x##r##2, b2, s);                          \
+    if constexpr (V > 3) dpbusd512(x##r##3, b3, s);                          \
+  }
+      ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+    }
+    const float* sc = w.scales.data() + (k * w.groups + g) * w.cout_pad + n0;
+    const float* bi = w.biases.data() + (k * w.groups + g) * w.cout_pad + n0;
+#define EPI(r, v)                                                                     \
+  if constexpr (V > v) {                                                              \
+    __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(x##r##v), _mm512_loadu_ps(sc + 16 * v)); \
+    __m512 u = _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(blk.gsum[r][g])),       \
+                             _mm512_loadu_ps(bi + 16 * v));                           \
+    MLX_LATTICE_ROUNDED(t);                                                           \
+    MLX_LATTICE_ROUNDED(u);                                                           \
+    t = _mm512_add_ps(t, u);                                                          \
+    t = _mm512_mul_ps(t, _mm512_set1_ps(blk.sa[r]));                                  \
+    MLX_LATTICE_ROUNDED(t);                                                           \
+    float* cp = blk.c[r] + n0 + 16 * v;                                               \
+    _mm512_mask_storeu_ps(cp, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], cp), t)); \
+  }
+#define EPIROW(r) EPI(r, 0) EPI(r, 1) EPI(r, 2) EPI(r, 3)
+    EPIROW(0) EPIROW(1) EPIROW(2) EPIROW(3) EPIROW(4) EPIROW(5)
+#undef EPIROW
+#undef EPI
+  }
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512_vnni(
+    const Block& blk, const PackedWeight& w, int64_t k, int64_t cout) {
+  int64_t n0 = 0;
+  for (; n0 + 64 <= w.cout_pad; n0 += 64) strip512<4>(blk, w, k, cout, n0);
+  const int64_t rest = w.cout_pad - n0;  // a multiple of 16
+  if (rest == 48) {
+    strip512<3>(blk, w, k, cout, n0);
+  } else if (rest == 32) {
+    strip512<2>(blk, w, k, cout, n0);
+  } else if (rest == 16) {
+    strip512<1>(blk, w, k, cout, n0);
+  }
+}
+
+// AVX-VNNI (256-bit): 6 rows x 16 columns; 12 int32 accumulators.
+__attribute__((target("avx2,fma,avxvnni"))) inline __m256i lane_mask8(int64_t width) {
+  alignas(32) static const int32_t ramp[8] = {0, 1, 2, 3, 4, 5, 6, 7};
+  const __m256i idx = _mm256_load_si256(reinterpret_cast<const __m256i*>(ramp));
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(width)), idx);
+}
+
+__attribute__((target("avx2,fma,avxvnni"))) void block_avx_vnni(const Block& blk,
+                                                                 const PackedWeight& w,
+                                                                 int64_t k, int64_t cout) {
+  const int64_t qpg = w.quads / w.groups;
+  const int64_t stride = w.cout_pad * 4;
+  const int8_t* a0 = blk.a[0];
+  const int8_t* a1 = blk.a[1];
+  const int8_t* a2 = blk.a[2];
+  const int8_t* a3 = blk.a[3];
+  const int8_t* a4 = blk.a[4];
+  const int8_t* a5 = blk.a[5];
+  for (int64_t n0 = 0; n0 < w.cout_pad; n0 += 16) {
+    const __m256i m0 = lane_mask8(cout - n0);
+    const __m256i m1 = lane_mask8(cout - n0 - 8);
+    const uint8_t* codes = w.codes.data() + k * w.quads * stride + n0 * 4;
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const __m256i zero = _mm256_setzero_si256();
+      __m256i x00 = zero, x01 = zero, x10 = zero, x11 = zero, x20 = zero, x21 = zero;
+      __m256i x30 = zero, x31 = zero, x40 = zero, x41 = zero, x50 = zero, x51 = zero;
+      for (int64_t j = g * qpg; j < (g + 1) * qpg; ++j) {
+        const uint8_t* bj = codes + j * stride;
+        const __m256i b0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj));
+        const __m256i b1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(bj + 32));
+#define ROW(r)                                                     \
+  {                                                                \
+    const __m256i s = _mm256_set1_epi32(load_quad(a##r + 4 * j));  \
+    dpbusd256(x##r##0, b0, s);                                     \
+    dpbusd256(x##r##1, b1, s);                                     \
+  }
+        ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
+#undef ROW
+      }
+      const float* sc = w.scales.data() + (k * w.groups + g) * w.cout_pad + n0;
+      const float* bi = w.biases.data() + (k * w.groups + g) * w.cout_pad + n0;
+#define EPI(r, v)                                                                           \
+  {                                                                                         \
+    __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(x##r##v), _mm256_loadu_ps(sc + 8 * v));     \
+    __m256 u = _mm256_mul_ps(_mm256_set1_ps(static_cast<float>(blk.gsum[r][g])),            \
+                             _mm256_loadu_ps(bi + 8 * v));                                  \
+    MLX_LATTICE_ROUNDED(t);                                                                 \
+    MLX_LATTICE_ROUNDED(u);                                                                 \
+    t = _mm256_add_ps(t, u);                                                                \
+    t = _mm256_mul_ps(t, _mm256_set1_ps(blk.sa[r]));                                        \
+    MLX_LATTICE_ROUNDED(t);                                                                 \
+    float* cp = blk.c[r] + n0 + 8 * v;                                                      \
+    const __m256i mv = (v) == 0 ? m0 : m1;                                                  \
+    _mm256_maskstore_ps(cp, mv, _mm256_add_ps(_mm256_maskload_ps(cp, mv), t));              \
+  }
+#define EPIROW(r) EPI(r, 0) EPI(r, 1)
+      EPIROW(0) EPIROW(1) EPIROW(2) EPIROW(3) EPIROW(4) EPIROW(5)
+#undef EPIROW
+#undef EPI
+    }
+  }
+}
+
+#endif
+
+#include "gemm_int8_neon.inc"  // AArch64 SDOT/USDOT blocks
+
+// The int8 micro-kernels, best first (cpu/isa.h); the last is scalar.
+struct Int8Entry {
+  isa::Isa isa;
+  BlockFn block;
+};
+
+constexpr Int8Entry kInt8Table[] = {
+#ifdef MLX_LATTICE_X86
+    {isa::Isa::kAvx512Vnni, block_avx512_vnni},
+    {isa::Isa::kAvxVnni, block_avx_vnni},
+#endif
+#if defined(__aarch64__)
+    {isa::Isa::kNeonI8mm, block_neon_int8<true>},
+    {isa::Isa::kNeonDot, block_neon_int8<false>},
+#endif
+    {isa::Isa::kScalar, block_scalar},
+};
+
+const Int8Entry& selected() {
+  static const Int8Entry& entry = isa::pick(kInt8Table);
+  return entry;
+}
+
+// Unpacks the codes of the affine layout into the micro-kernel layout.
+void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
+                 const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
+                 int64_t storage_in, int64_t group, int bits, PackedWeight& w) {
+  w.quads = storage_in / 4;
+  w.groups = storage_in / group;
+  w.cout_pad = ceil_div(cout, 16) * 16;
+  w.codes.assign(n_kernels * w.quads * w.cout_pad * 4, 0);
+  w.scales.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
+  w.biases.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
+  const uint32_t value_mask = (1u << bits) - 1u;
+  parallel_for(n_kernels, [&](int64_t k) {
+    for (int64_t o = 0; o < cout; ++o) {
+      const int64_t row = k * cout + o;
+      const uint8_t* p = packed + row * row_bytes;
+      // Channels past cin stay 0 (their activations are 0 too).
+      for (int64_t c = 0; c < cin; ++c) {
+        const int64_t bit = c * bits;
+        const int64_t byte = bit >> 3;
+        uint32_t v = p[byte];
+        if (byte + 1 < row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
+        w.codes[((k * w.quads + c / 4) * w.cout_pad + o) * 4 + c % 4] =
+            static_cast<uint8_t>((v >> (bit & 7)) & value_mask);
+      }
+      for (int64_t g = 0; g < w.groups; ++g) {
+        w.scales[(k * w.groups + g) * w.cout_pad + o] = scales[row * w.groups + g];
+        w.biases[(k * w.groups + g) * w.cout_pad + o] = biases[row * w.groups + g];
+      }
+    }
+  });
+}
+
+// Per-thread scratch of the tile loop, reused across calls.
+struct Scratch {
+  std::vector<int32_t> counts;
+  std::vector<int32_t> cursor;
+  std::vector<int32_t> rows;  // input row of each slot
+  std::vector<float*> c_ptrs;
+  std::vector<float> sink;
+};
+
+thread_local Scratch scratch;
+
+// The quantized activations and packed weight of one call.
+struct Buffers {
+  std::vector<int8_t> q;
+  std::vector<float> scale;
+  std::vector<int32_t> gsum;
+  PackedWeight weight;
+};
+
+}  // namespace
+
+namespace {
+
+// One row of quantize_rows_int8; the scalar definition of the math.
+void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr,
+                         float* scale, int32_t* gr) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < c; ++i) {
+    finite = finite && std::isfinite(xr[i]);
+    amax = std::max(amax, std::fabs(xr[i]));
+  }
+  std::memset(qr, 0, stride);
+  std::fill(gr, gr + stride / group, 0);
+  if (!finite) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float s = amax / 127.0f;
+  *scale = s;
+  if (s == 0.0f) return;  // all zero (or a scale below the float range): q = 0
+  for (int64_t i = 0; i < c; ++i) {
+    // |x / s| <= 127 up to rounding: clamp before converting.
+    const float v = std::clamp(std::nearbyint(xr[i] / s), -127.0f, 127.0f);
+    qr[i] = static_cast<int8_t>(v);
+    gr[i / group] += qr[i];
+  }
+}
+
+#ifdef MLX_LATTICE_X86
+// The same row with AVX-512 (16 channels per step; group is a multiple of 16
+// on this path, so a step never straddles two groups). Division, rounding
+// to nearest even (the default MXCSR mode, as nearbyint) and clamping give
+// the scalar path's values.
+__attribute__((target("avx512f"))) void quantize_row_avx512(const float* xr, int64_t c,
+                                                            int64_t stride, int64_t group,
+                                                            int8_t* qr, float* scale,
+                                                            int32_t* gr) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 vmax = zero;
+  __mmask16 bad = 0;
+  for (int64_t i = 0; i < c; i += 16) {
+    const __mmask16 m = c - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (c - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
+    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), zero, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+  }
+  std::memset(qr, 0, stride);
+  std::fill(gr, gr + stride / group, 0);
+  if (bad) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float s = _mm512_reduce_max_ps(vmax) / 127.0f;
+  *scale = s;
+  if (s == 0.0f) return;
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127);
+  const __m512i hi = _mm512_set1_epi32(127);
+  for (int64_t i = 0; i < c; i += 16) {
+    const __mmask16 m = c - i >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (c - i)) - 1u);
+    const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
+    __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(x, vs));
+    q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
+    q = _mm512_maskz_mov_epi32(m, q);
+    gr[i / group] += _mm512_reduce_add_epi32(q);
+    alignas(16) int8_t bytes[16];
+    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi32_epi8(q));
+    std::memcpy(qr + i, bytes, std::min<int64_t>(16, c - i));
+  }
+}
+#endif
+
+}  // namespace
+
+void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
+                        int8_t* q, float* scale, int32_t* gsum) {
+  constexpr int64_t kChunk = 1024;
+  const int64_t groups = stride / group;
+  auto row = quantize_row_scalar;
+#ifdef MLX_LATTICE_X86
+  if (group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) row = quantize_row_avx512;
+#endif
+  parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
+    const int64_t r1 = std::min(n, (chunk + 1) * kChunk);
+    for (int64_t r = chunk * kChunk; r < r1; ++r) {
+      row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups);
+    }
+  });
+}
+
+void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
+               int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
+               int64_t cout, int64_t storage_in, int64_t group, int bits, const Csr& csr,
+               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
+               float* out) {
+  // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
+  // more in page faults than the quantization itself).
+  // (A reference: the worker threads below must see this thread's buffers,
+  // not their own thread_local instances.)
+  thread_local Buffers buffers;
+  Buffers& buf = buffers;
+  const int64_t groups = storage_in / group;
+  buf.q.resize(n_in * storage_in);
+  buf.scale.resize(n_in);
+  buf.gsum.resize(n_in * groups);
+  quantize_rows_int8(feats, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
+                     buf.gsum.data());
+  pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
+              buf.weight);
+  const PackedWeight& w = buf.weight;
+  const BlockFn block = selected().block;
+  // A zero row for padding partial blocks.
+  const std::vector<int8_t> zero_row(storage_in, 0);
+  const std::vector<int32_t> zero_sums(groups, 0);
+
+  const int64_t tiles = ceil_div(csr.groups, kTileRows);
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t g0 = tile * kTileRows;
+    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
+    std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
+    const int64_t j0 = csr.offsets[g0];
+    const int64_t j1 = csr.offsets[g1];
+    if (j1 == j0) return;
+    auto& s = scratch;
+    s.counts.assign(n_kernels + 1, 0);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
+      ++s.counts[kernel_ids[e] + 1];
+    }
+    for (int64_t k = 0; k < n_kernels; ++k) s.counts[k + 1] += s.counts[k];
+    s.rows.resize(j1 - j0);
+    s.c_ptrs.resize(j1 - j0);
+    s.cursor.assign(s.counts.begin(), s.counts.end() - 1);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
+      const int32_t slot = s.cursor[kernel_ids[e]]++;
+      s.rows[slot] = a_index[e];
+      s.c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+    }
+    if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
+    Block blk;
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      for (int64_t r = s.counts[k]; r < s.counts[k + 1]; r += kRows) {
+        for (int i = 0; i < kRows; ++i) {
+          if (r + i < s.counts[k + 1]) {
+            const int64_t row = s.rows[r + i];
+            blk.a[i] = buf.q.data() + row * storage_in;
+            blk.sa[i] = buf.scale[row];
+            blk.gsum[i] = buf.gsum.data() + row * groups;
+            blk.c[i] = s.c_ptrs[r + i];
+          } else {
+            blk.a[i] = zero_row.data();
+            blk.sa[i] = 0.0f;
+            blk.gsum[i] = zero_sums.data();
+            blk.c[i] = s.sink.data();
+          }
+        }
+        block(blk, w, k, cout);
+      }
+    }
+  });
+}
+
+const char* int8_isa() { return isa::isa_name(selected().isa); }
+
+}  // namespace mlx_lattice::kernels

@@ -1,0 +1,50 @@
+// Integer sparse convolution (w8a8 and w4a8): int8 activations quantized per
+// row times the unsigned integer codes of a group-affine quantized weight,
+// accumulated exactly in int32 (AVX512-VNNI / AVX-VNNI vpdpbusd, or scalar),
+// with a float32 epilogue.
+//
+// The math, for output row o, edge e = (i -> o, offset k), column x and
+// weight group g (channels [g * gs, (g + 1) * gs)):
+//   a[i, c]  = clamp(rint(F[i, c] / sa[i]), -127, 127),  sa[i] = max|F[i]| / 127
+//   acc      = sum_{c in g} q[k, x, c] * a[i, c]              (int32, exact)
+//   asum     = sum_{c in g} a[i, c]                           (int32, exact)
+//   t        = float(acc) * s[k, x, g]
+//   t        = t + float(asum) * b[k, x, g]
+//   out[o,x] = out[o, x] + t * sa[i]
+// in float32 with one rounding per operation (no fused multiply-add), groups
+// ascending inside offsets ascending (the output CSR sorted by offset). Since
+// w = s * q + b, t * sa is the edge's contribution with the weight's exact
+// dequantized values; the weight codes are the unsigned vpdpbusd operand, so
+// no offset correction is needed and the bias term uses the exact row sums.
+// Every ISA path performs these same operations: results are the same bits
+// on every path and for any thread count.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace mlx_lattice::kernels {
+
+// Quantizes rows of x (n, c) to int8 with one symmetric scale per row:
+// q (n, stride) with zeros in [c, stride), scale (n), gsum (n, stride / group)
+// the per-group sums of q. A row with a non-finite value gets scale NaN and
+// q = 0 (its contributions become NaN, as in float arithmetic).
+void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
+                        int8_t* q, float* scale, int32_t* gsum);
+
+// The integer convolution over the output CSR `csr` of the edges (a_index:
+// input rows, c_index: output rows, kernel_ids: offsets), with the weight in
+// mx.quantize's affine layout (packed codes (K, cout, storage_in * bits / 8
+// bytes), scales and biases (K, cout, storage_in / group)). out (n_out, cout)
+// is overwritten. group % 4 == 0; bits in 1..8.
+void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
+               int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
+               int64_t cout, int64_t storage_in, int64_t group, int bits, const Csr& csr,
+               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
+               float* out);
+
+// Name of the int8 micro-kernel in use ("avx512-vnni", "avx-vnni", "scalar").
+const char* int8_isa();
+
+}  // namespace mlx_lattice::kernels

@@ -1,0 +1,69 @@
+// Run-time choice of CPU micro-kernels: one structure for every kernel family
+// (fp32 GEMM, int8 VNNI GEMM, bf16 dot GEMM, ...).
+//
+// A kernel family is a table of entries, best first. Each entry names the
+// instruction set it needs (an `Isa` level) and carries the family's function
+// pointers. `pick()` returns the first entry whose ISA the CPU supports and
+// whose level is at or below the ceiling set by MLX_LATTICE_GEMM_ISA (read
+// once per process; lets tests force every path on one machine). The last
+// entry of every table is the portable scalar kernel, so a choice always
+// exists.
+//
+// Levels are ordered within one architecture only. On x86-64:
+//   scalar < avx2-fma < avx-vnni < avx512f < avx512-vnni < avx512-bf16
+// MLX_LATTICE_GEMM_ISA=avx512f, for example, keeps every family at or below
+// AVX-512F (fp32 keeps its AVX-512 kernel, int8 falls back to AVX-VNNI).
+//
+// ARM64 plugs in here: add levels (e.g. kNeon, kNeonDot for SDOT/UDOT,
+// kSve), answer them in `isa_supported()` (isa.cpp, from getauxval(AT_HWCAP)
+// on Linux or sysctl on macOS), give them names in `isa_name()`, and put
+// entries guarded by `#if defined(__aarch64__)` at the top of each family's
+// table (cpu/gemm_int8.cpp, ...). Nothing else changes: the tables, the
+// override and the scalar fallback are shared.
+#pragma once
+
+#include <cstddef>
+
+namespace mlx_lattice::isa {
+
+enum class Isa : int {
+  kScalar = 0,
+  // x86-64
+  kAvx2 = 10,        // AVX2 + FMA
+  kAvxVnni = 20,     // AVX-VNNI (256-bit vpdpbusd, VEX encoded)
+  kAvx512 = 30,      // AVX-512F
+  kAvx512Vnni = 40,  // AVX-512F/BW/VL + AVX512_VNNI
+  kAvx512Bf16 = 50,  // AVX-512 + AVX512_BF16 (vdpbf16ps)
+  // ARM64 (cpu/gemm_arm.h reads the feature bits)
+  kNeon = 100,      // Advanced SIMD, fp32 FMLA (every AArch64 CPU)
+  kNeonDot = 110,   // + FEAT_DotProd (SDOT/UDOT)
+  kNeonI8mm = 120,  // + FEAT_I8MM (USDOT/SMMLA/USMMLA)
+};
+
+// Whether this CPU (and OS) can run code of level `isa`.
+bool isa_supported(Isa isa);
+
+// The name used in MLX_LATTICE_GEMM_ISA and reported by benchmarks.
+const char* isa_name(Isa isa);
+
+// The ceiling from MLX_LATTICE_GEMM_ISA (read once), or the highest level
+// when unset or unknown.
+Isa isa_ceiling();
+
+// Whether a kernel of level `isa` may run: supported and under the ceiling.
+inline bool isa_usable(Isa isa) {
+  return isa_supported(isa) && static_cast<int>(isa) <= static_cast<int>(isa_ceiling());
+}
+
+// The first usable entry of a best-first table whose last entry is scalar.
+// Entry is any struct with a member `Isa isa`.
+template <typename Entry, std::size_t N>
+const Entry& pick(const Entry (&table)[N]) {
+  static_assert(N > 0, "a kernel table needs at least its scalar entry");
+  for (std::size_t i = 0; i + 1 < N; ++i) {
+    if (isa_usable(table[i].isa)) return table[i];
+  }
+  return table[N - 1];
+}
+
+}  // namespace mlx_lattice::isa

@@ -1,0 +1,253 @@
+"""The integer convolution (``act_bits=8``: w8a8 and w4a8) against a NumPy
+int64 reference of the same quantized math (bit for bit), against the float
+convolution (within the bound activation rounding allows), on every ISA path
+and for any thread count."""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+
+
+def codes_ref(qw: QuantizedWeight) -> np.ndarray:
+    """Unsigned codes (K, Cout, storage_in) from the packed uint32 words:
+    value c is bits [c * bits, (c + 1) * bits) of the row's little-endian
+    bit stream."""
+    words = np.array(qw.weight).astype("<u4")
+    k, cout, _ = words.shape
+    bits = np.unpackbits(words.view(np.uint8).reshape(k, cout, -1), axis=2, bitorder="little")
+    bits = bits.reshape(k, cout, qw.storage_in_channels, qw.bits).astype(np.int64)
+    return (bits * (1 << np.arange(qw.bits))).sum(axis=3)
+
+
+def quantize_rows_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row int8: scale max|row| / 127 (float32), q = rint(x / s)."""
+    x = x.astype(np.float32)
+    scale = (np.abs(x).max(axis=1) / np.float32(127)).astype(np.float32)
+    safe = np.where(scale > 0, scale, np.float32(1))
+    q = np.clip(np.rint(x / safe[:, None]), -127, 127).astype(np.int64)
+    q[scale == 0] = 0
+    return q, scale
+
+
+def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel) -> np.ndarray:
+    """The documented math (cpu/gemm_int8.h) in NumPy: exact int64 dot
+    products, then the float32 epilogue one rounding per operation, offsets
+    ascending and groups ascending inside each offset."""
+    q, sa = quantize_rows_ref(feats)
+    cin, gs = qw.in_channels, qw.group_size
+    codes = codes_ref(qw)[:, :, :cin]
+    scales = np.array(qw.scales.astype(mx.float32))
+    biases = np.array(qw.biases.astype(mx.float32))
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    kernel_ids = np.array(rel.edges.kernel_ids)
+    out = np.zeros((rel.n_out_capacity, qw.out_channels), dtype=np.float32)
+    for k in range(qw.n_kernels):
+        sel = kernel_ids == k
+        i, o = in_rows[sel], out_rows[sel]
+        assert len(np.unique(o)) == len(o)
+        for g in range(qw.storage_in_channels // gs):
+            c0, c1 = g * gs, min(cin, (g + 1) * gs)
+            acc = q[i, c0:c1] @ codes[k, :, c0:c1].T
+            assert np.abs(acc).max(initial=0) < 2**31
+            asum = q[i, c0:c1].sum(axis=1)
+            t = acc.astype(np.float32) * scales[k, :, g]
+            u = asum.astype(np.float32)[:, None] * biases[k, :, g]
+            t = t + u
+            out[o] = out[o] + t * sa[i][:, None]
+    return out
+
+
+def make_case(rng, n_points: int, cin: int, cout: int, bits: int, group: int):
+    pts = rng.integers(0, 9, (n_points, 3))
+    batch = rng.integers(0, 2, (n_points, 1))
+    coords = np.unique(np.concatenate([batch, pts], 1), axis=0).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    feats = rng.standard_normal((len(coords), cin)).astype(np.float32)
+    # A few rows of very different magnitude and an all-zero row.
+    feats[:5] *= np.float32(40.0)
+    feats[5] = 0.0
+    weight = mx.array(rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2)
+    qw = QuantizedWeight.from_float(weight, bits=bits, group_size=group)
+    return rel, feats, qw
+
+
+CASES = [
+    # (cin, cout, bits, group): padded input channels, column tails, groups.
+    (64, 64, 8, 64),
+    (64, 64, 4, 32),
+    (40, 20, 8, 32),
+    (19, 70, 4, 32),
+    (128, 48, 8, 64),
+    (33, 17, 3, 32),
+]
+
+
+@pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES)
+def test_matches_int64_reference_bit_for_bit(rng, cin, cout, bits, group):
+    rel, feats, qw = make_case(rng, 700, cin, cout, bits, group)
+    out = ops.sparse_quantized_conv_features_from_relation(mx.array(feats), qw, rel, act_bits=8)
+    np.testing.assert_array_equal(np.array(out), int8_conv_ref(feats, qw, rel))
+
+
+@pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES[:3])
+def test_error_against_float_within_activation_rounding(rng, cin, cout, bits, group):
+    """|int8 path - float path with the same dequantized weight| is at most
+    sum over edges of (s_a / 2) * sum_c |w[k, c, x]| (each activation moves
+    by at most half a step) plus float32 rounding of both sums."""
+    rel, feats, qw = make_case(rng, 700, cin, cout, bits, group)
+    f = mx.array(feats)
+    got = np.array(ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8))
+    want = np.array(ops.sparse_quantized_conv_features_from_relation(f, qw, rel))
+    _, sa = quantize_rows_ref(feats)
+    w_abs = np.abs(np.array(qw.dequantize().astype(mx.float32)))  # (K, Cin, Cout)
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    k_ids = np.array(rel.edges.kernel_ids)
+    bound = np.zeros_like(want, dtype=np.float64)
+    mag = np.zeros_like(want, dtype=np.float64)
+    for k in range(qw.n_kernels):
+        sel = k_ids == k
+        i, o = in_rows[sel], out_rows[sel]
+        bound[o] += 0.5 * sa[i, None].astype(np.float64) * w_abs[k].sum(axis=0)
+        mag[o] += np.abs(feats[i]).astype(np.float64) @ w_abs[k]
+    # float32 rounding of both paths: the standard n * eps * sum|terms| bound
+    # for a sum of n = K * Cin products, once per path.
+    slack = 2 * (qw.n_kernels * cin + 8) * np.finfo(np.float32).eps * mag
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= bound + slack), float((err - bound - slack).max())
+    # Not vacuous: the quantized result really differs, and much less than the signal.
+    assert err.max() > 0
+    assert err.max() < 0.05 * np.abs(want).max()
+
+
+_ISA_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+
+rng = np.random.default_rng(int(sys.argv[2]))
+pts = rng.integers(0, 9, (800, 3))
+coords = np.unique(np.concatenate([rng.integers(0, 2, (800, 1)), pts], 1), axis=0).astype(np.int32)
+rel = build_kernel_relation(coords, kernel_size=3)
+f = mx.array(rng.standard_normal((len(coords), 40)).astype(np.float32))
+results = {"isa": ext.int8_isa()}
+for bits, cout in ((8, 70), (4, 64)):
+    w = mx.array(rng.standard_normal((27, 40, cout)).astype(np.float32) * 0.2)
+    qw = QuantizedWeight.from_float(w, bits=bits, group_size=32)
+    for threads in (1, 2, 3):
+        mlx_lattice.set_num_threads(threads)
+        out = ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8)
+        results[f"w{bits}_t{threads}"] = np.array(out)
+np.savez(sys.argv[1], **results)
+"""
+
+
+# The int8 micro-kernels by architecture, best first (cpu/isa.h's names);
+# "scalar" is every platform's fallback.
+_INT8_PATHS = {
+    "x86_64": ("avx512-vnni", "avx-vnni"),
+    "AMD64": ("avx512-vnni", "avx-vnni"),
+    "aarch64": ("neon-i8mm", "neon-dotprod"),
+    "arm64": ("neon-i8mm", "neon-dotprod"),
+}.get(platform.machine(), ())
+
+
+def test_every_isa_path_and_thread_count_gives_the_same_bits(tmp_path, seed):
+    """Each int8 micro-kernel of this architecture (forced by
+    MLX_LATTICE_GEMM_ISA) and 1, 2 or 3 threads give identical bits."""
+    if not _INT8_PATHS:
+        pytest.skip(f"no int8 micro-kernel for {platform.machine()}; scalar only")
+    # Under user-mode emulation (tools/arm64) a child interpreter needs the
+    # emulator in front of it: MLX_LATTICE_TEST_LAUNCHER names it.
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+    results = {}
+    for isa in (*_INT8_PATHS, "scalar"):
+        path = tmp_path / f"{isa}.npz"
+        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
+        subprocess.run(
+            [*launcher, sys.executable, "-c", _ISA_SCRIPT, str(path), str(seed)],
+            env=env,
+            check=True,
+        )
+        results[isa] = np.load(path)
+    used = [str(r["isa"]) for r in results.values()]
+    assert used[-1] == "scalar"
+    # Each forced path runs when the CPU has it (a lower one otherwise).
+    for i, name in enumerate(used[:-1]):
+        assert name in (*_INT8_PATHS[i:], "scalar")
+    base = results["scalar"]
+    for r in results.values():
+        for key in base.files:
+            if key != "isa":
+                np.testing.assert_array_equal(r[key], base[key], err_msg=f"{r['isa']} {key}")
+
+
+def test_gradients_compile_and_vmap(rng):
+    """Gradient (straight-through: the float-activation one), mx.compile and
+    vmap all run through the integer primitive."""
+    rel, feats, qw = make_case(rng, 400, 32, 16, 8, 32)
+    f = mx.array(feats)
+    probe = mx.array(rng.standard_normal((rel.n_out_capacity, 16)).astype(np.float32))
+
+    def loss(x, act_bits):
+        out = ops.sparse_quantized_conv_features_from_relation(x, qw, rel, act_bits=act_bits)
+        return (out * probe).sum()
+
+    g8 = mx.grad(lambda x: loss(x, 8))(f)
+    gf = mx.grad(lambda x: loss(x, None))(f)
+    np.testing.assert_array_equal(np.array(g8), np.array(gf))
+
+    def run(x):
+        return ops.sparse_quantized_conv_features_from_relation(x, qw, rel, act_bits=8)
+
+    eager = np.array(run(f))
+    np.testing.assert_array_equal(np.array(mx.compile(run)(f)), eager)
+    stacked = mx.stack([f, 2 * f])
+    batched = np.array(mx.vmap(run)(stacked))
+    np.testing.assert_array_equal(batched[0], eager)
+    np.testing.assert_array_equal(batched[1], np.array(run(2 * f)))
+
+
+def test_bad_arguments_raise(rng):
+    rel, feats, qw = make_case(rng, 200, 32, 8, 8, 32)
+    f = mx.array(feats)
+    with pytest.raises(ValueError, match="act_bits"):
+        ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=4)
+    with pytest.raises(ValueError, match="act_bits"):
+        ext.sparse_quantized_conv_features(f, qw, rel, act_bits=5)
+    with pytest.raises(ValueError, match="feats"):
+        ext.sparse_quantized_conv_features(f[:, :8], qw, rel, act_bits=8)
+
+
+def test_non_finite_rows_give_nan_rows_only(rng):
+    rel, feats, qw = make_case(rng, 300, 32, 8, 8, 32)
+    feats[7, 3] = np.inf
+    out = np.array(
+        ops.sparse_quantized_conv_features_from_relation(mx.array(feats), qw, rel, act_bits=8)
+    )
+    in_rows = np.array(rel.edges.in_rows)
+    touched = np.unique(np.array(rel.edges.out_rows)[in_rows == 7])
+    assert np.isnan(out[touched]).all()
+    rest = np.setdiff1d(np.arange(rel.n_out_capacity), touched)
+    assert np.isfinite(out[rest]).all()
+
+
+def test_isa_name_reported():
+    assert ext.int8_isa() in (*_INT8_PATHS, "scalar")
+    assert mlx_lattice.get_num_threads() >= 1

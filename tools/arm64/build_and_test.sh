@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# mlx_lattice for linux-aarch64, built and tested on an x86_64 Debian machine
+# (docs: README "ARM64"):
+#   1. tools/arm64/kernel_tests.sh: the C++ micro-kernel test under qemu, on
+#      four emulated CPUs, every path forced;
+#   2. the extension cross-compiled with g++-aarch64-linux-gnu against the
+#      aarch64 mlx/mlx-cpu 0.32.4 wheels and Debian's aarch64 CPython 3.11
+#      headers, packed into an aarch64 wheel (tools/build_wheel.py);
+#   3. that wheel installed next to the aarch64 mlx and numpy wheels and run
+#      by Debian's aarch64 python3.11 under qemu-aarch64-static (-cpu max):
+#      the ISA tests and a bounded subset of the conv, quantized conv,
+#      pooling and relation tests, against the same references as on x86.
+# Needs root (apt-get: g++-aarch64-linux-gnu, qemu-user-static, mmdebstrap),
+# PyPI and Debian's registry. Downloads and the aarch64 sysroot are cached
+# under ${MLX_LATTICE_CI_CACHE:-$HOME/.cache/mlx_lattice_ci}/arm64; the wheel is
+# left in its dist/.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+here=tools/arm64
+pkg=packages/mlx_lattice
+cache=${MLX_LATTICE_CI_CACHE:-$HOME/.cache/mlx_lattice_ci}/arm64
+start=$(date +%s)
+stamp() { echo "[arm64 $(( $(date +%s) - start )) s] $*"; }
+
+need=()
+command -v aarch64-linux-gnu-g++ >/dev/null || need+=(g++-aarch64-linux-gnu)
+command -v qemu-aarch64-static >/dev/null || need+=(qemu-user-static)
+command -v mmdebstrap >/dev/null || need+=(mmdebstrap)
+if [ ${#need[@]} -gt 0 ]; then
+  apt-get install -y --no-install-recommends "${need[@]}" >/dev/null ||
+    { apt-get update >/dev/null && apt-get install -y --no-install-recommends "${need[@]}" >/dev/null; }
+fi
+
+# 1. The kernels alone.
+$here/kernel_tests.sh
+stamp "kernel tests done"
+
+# Debian's aarch64 CPython (interpreter, stdlib, headers) unpacked, no scripts run.
+sysroot=$cache/sysroot
+mkdir -p "$cache"
+if [ ! -x "$sysroot/usr/bin/python3.11" ]; then
+  rm -rf "$sysroot.tmp"
+  mmdebstrap --quiet --variant=extract --arch=arm64 \
+    --include=python3.11-minimal,libpython3.11-stdlib,libpython3.11-dev,libstdc++6,libgcc-s1,libc6 \
+    --aptopt='Acquire::Check-Valid-Until "false"' bookworm "$sysroot.tmp" http://deb.debian.org/debian
+  mv "$sysroot.tmp" "$sysroot"
+fi
+# The aarch64 wheels, hash-pinned, unpacked into one site directory.
+site=$cache/site
+if [ ! -f "$site/.ok" ] || ! cmp -s "$here/requirements.txt" "$site/.ok"; then
+  rm -rf "$site" && mkdir -p "$cache/wheels" "$site"
+  python3 -m pip download --quiet --no-deps --only-binary=:all: --require-hashes \
+    --platform manylinux_2_35_aarch64 --platform manylinux_2_28_aarch64 \
+    --platform manylinux_2_27_aarch64 --platform manylinux_2_17_aarch64 \
+    --python-version 3.11 --implementation cp -r "$here/requirements.txt" -d "$cache/wheels"
+  for w in "$cache"/wheels/*.whl; do python3 -m zipfile -e "$w" "$site"; done
+  cp "$here/requirements.txt" "$site/.ok"
+fi
+stamp "sysroot and wheels ready"
+
+# 2. The extension, as the Bazel target builds it (tools/nanobind.bzl).
+build=$(mktemp -d)
+trap 'rm -rf "$build"' EXIT
+mkdir -p "$build/pyinc/aarch64-linux-gnu"
+ln -s "$sysroot/usr/include/aarch64-linux-gnu/python3.11" "$build/pyinc/aarch64-linux-gnu/python3.11"
+cxx=(aarch64-linux-gnu-g++ -std=c++20 -fPIC -fvisibility=hidden -fno-strict-aliasing -DNB_DOMAIN=mlx
+  -isystem "$site/mlx/include" -isystem "$site/nanobind/include"
+  -isystem "$site/nanobind/ext/robin_map/include" -isystem "$sysroot/usr/include/python3.11"
+  -isystem "$build/pyinc")
+srcs=()
+for src in $pkg/csrc/*.cpp $pkg/csrc/cpu/*.cpp; do
+  case $src in */gemm_test.cpp) continue ;; esac
+  srcs+=("$src")
+done
+export build
+printf '%s\n' "${srcs[@]}" | xargs -P "$(nproc)" -I{} sh -c \
+  'exec "$@" -O3 -Wall -Wextra -Wno-unused-parameter -Wno-psabi -Werror -c {} -o "$build/$(echo {} | tr / _).o"' \
+  _ "${cxx[@]}"
+"${cxx[@]}" -O2 -Wno-all -c "$site/nanobind/src/nb_combined.cpp" -o "$build/nb_combined.o"
+"${cxx[@]}" -shared -o "$build/ext.so" "$build"/*.o -L"$site/mlx/lib" -lmlx \
+  -Wl,-rpath-link,"$site/mlx/lib":"$site/mlx_cpu.libs" -Wl,-rpath,'$ORIGIN/../../mlx/lib' \
+  -Wl,--as-needed
+stamp "extension cross-compiled"
+
+version=$(sed -n 's/^VERSION = "\(.*\)"/\1/p' tools/version.bzl)
+dist=$cache/dist
+mkdir -p "$dist"
+wheel=$dist/mlx_lattice-$version-cp311-cp311-linux_aarch64.whl
+python3 tools/gen_version.py "$version" "$build/_version.py"
+files=(--file "$pkg/mlx_lattice/_native/ext.so=$build/ext.so"
+  --file "$pkg/mlx_lattice/_version.py=$build/_version.py")
+while IFS= read -r f; do files+=(--file "$f=$f"); done < <(
+  find $pkg/mlx_lattice -name '*.py' ! -name _version.py | sort)
+python3 tools/build_wheel.py --out "$wheel" --distribution mlx_lattice --version "$version" \
+  --tag cp311-cp311-linux_aarch64 --lock third_party/python/requirements_lock.txt \
+  --strip-prefix $pkg --summary "Sparse 3-D convolution on MLX." \
+  --requires "mlx ==" --requires "mlx-cpu ==;platform_system == 'Linux'" \
+  --requires "nanobind ==" --requires "numpy >=" --sibling quantrules "${files[@]}"
+stamp "wheel: $(basename "$wheel")"
+
+# 3. The wheel on aarch64 CPython under qemu.
+run=$build/run
+mkdir -p "$run/site" "$run/tests"
+python3 -m zipfile -e "$wheel" "$run/site"
+cp -r packages/quantrules/quantrules "$run/site/"  # pure Python, as its wheel
+cp "$build/_version.py" "$run/site/quantrules/_version.py"
+cp $pkg/conftest.py "$run/"
+cp $pkg/tests/test_conv.py $pkg/tests/test_quantized_pool.py $pkg/tests/test_relations.py \
+  $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py "$run/tests/"
+aarch64-linux-gnu-readelf -h "$run/site/mlx_lattice/_native/ext.so" | grep -q 'Machine:.*AArch64' ||
+  { echo "FAIL: the wheel's extension is not aarch64"; exit 1; }
+qemu="qemu-aarch64-static -cpu max -L $sysroot"
+py=(timeout "${MLX_LATTICE_ARM64_TIMEOUT:-900}" env PYTHONPATH="$run/site:$site" PYTHONNOUSERSITE=1
+  MLX_LATTICE_NUM_THREADS=2 MLX_LATTICE_TEST_LAUNCHER="$qemu" $qemu "$sysroot/usr/bin/python3.11")
+(cd "$run" && "${py[@]}" -c 'import platform, mlx.core as mx
+from mlx_lattice._native import ext
+print(platform.machine(), "mlx", mx.__version__, "fp32 paths", ext.gemm_isas(), "int8", ext.int8_isa())
+assert platform.machine() == "aarch64" and ext.gemm_isas() == ["neon-fma", "scalar"]
+assert ext.int8_isa() == "neon-i8mm"')
+# Deselected here: mx.compile on the CPU stream JIT-compiles C++ with a
+# compiler the aarch64 sysroot does not have (both tests run in full on x86).
+deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bitwise_stable
+  --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted
+  --deselect tests/test_int8_conv.py::test_gradients_compile_and_vmap)
+subset=${MLX_LATTICE_ARM64_SUBSET:-}
+(cd "$run" && "${py[@]}" -m pytest -p no:cacheprovider -q -ra tests/test_relations.py \
+  tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
+  "tests/test_validation_threads.py::test_every_micro_kernel_path" \
+  "tests/test_validation_threads.py::test_isa_list_is_ordered_and_ends_in_scalar" \
+  ${subset:+-k "$subset"} "${deselect[@]}")
+stamp "aarch64 Python subset passed"

@@ -98,8 +98,10 @@ def main() -> None:
     n, edges = rel.n_in, rel.n_edges
     flops = 2 * edges * CHANNELS * CHANNELS
 
-    sgemm = sgemm_reference()
-    vpeak = vector_peak()
+    # The yardsticks are peaks: measured before and after the kernels, the
+    # better of the two (load on a shared machine only ever lowers them).
+    sgemm_runs = [sgemm_reference()]
+    vpeak_runs = [vector_peak()]
     shaped = _sgemm_rate(edges, CHANNELS, CHANNELS)
 
     feats = mx.array(rng.standard_normal((n, CHANNELS), dtype=np.float32))
@@ -147,6 +149,9 @@ def main() -> None:
         for name, (fn, _) in cases.items():
             rounds[name].append(median_s(fn, repeats=3, warmup=0))
     times = {name: statistics.median(values) for name, values in rounds.items()}
+    sgemm_runs.append(sgemm_reference())
+    vpeak_runs.append(vector_peak())
+    sgemm = max(sgemm_runs, key=lambda r: r.gflops)
 
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
@@ -163,8 +168,10 @@ def main() -> None:
         f"GFLOP/s with them set (core {sgemm.handicapped_core}); same-shape "
         f"({edges}x{CHANNELS} @ {CHANNELS}x{CHANNELS}, this process) {shaped:.1f} GFLOP/s"
     )
-    peaks = {family: vpeak.best(family) for family in ("fp32", "int8", "bf16")}
-    for family, (loop, rate) in peaks.items():
+    peaks = {}
+    for family in ("fp32", "int8", "bf16"):
+        vpeak = max(vpeak_runs, key=lambda p, f=family: p.best(f)[1])
+        loop, rate = peaks[family] = vpeak.best(family)
         unit, one, _ = vpeak.loops.get(loop, ("", float("nan"), float("nan")))
         print(
             f"yardstick {family} peak: {rate:.1f} {unit or 'GFLOP/s'} measured on {vpeak.cores} "

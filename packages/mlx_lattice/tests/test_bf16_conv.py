@@ -4,6 +4,10 @@ against float64 within bf16 rounding; the same bits for any thread count."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -111,3 +115,55 @@ def test_same_bits_for_any_thread_count(rng):
         mlx_lattice.set_num_threads(before)
     for r in results[1:]:
         np.testing.assert_array_equal(r.view(np.uint32), results[0].view(np.uint32))
+
+
+_FALLBACK_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+data = np.load(sys.argv[1])
+rel = build_kernel_relation(data["coords"], kernel_size=3)
+f = mx.array(data["f"]).astype(mx.bfloat16)
+w = mx.array(data["w"]).astype(mx.bfloat16)
+out = ops.sparse_conv_features_from_relation(f, w, rel).astype(mx.float32)
+np.savez(sys.argv[2], out=np.array(out), isa=ext.bf16_isa())
+"""
+
+
+def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
+    """With the ISA capped below AVX512-BF16 (MLX_LATTICE_GEMM_ISA) bf16
+    runs through float32; both paths agree within one bf16 step of the
+    result plus the float32 accumulation bound (they add in different
+    orders)."""
+    pts = rng.integers(0, 9, (700, 3))
+    coords = np.unique(np.concatenate([rng.integers(0, 2, (700, 1)), pts], 1), axis=0)
+    coords = coords.astype(np.int32)
+    f = bf16_values(bf16_bits(rng.standard_normal((len(coords), 48)).astype(np.float32)))
+    w = bf16_values(bf16_bits(rng.standard_normal((27, 48, 40)).astype(np.float32) * 0.2))
+    np.savez(tmp_path / "in.npz", coords=coords, f=f, w=w)
+    results = {}
+    for isa in ("avx512-bf16", "avx512f"):
+        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
+        out = tmp_path / f"{isa}.npz"
+        subprocess.run(
+            [sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "in.npz"), str(out)],
+            env=env,
+            check=True,
+        )
+        results[isa] = np.load(out)
+    assert str(results["avx512f"]["isa"]) == "float32"
+    a = results["avx512-bf16"]["out"].astype(np.float64)
+    b = results["avx512f"]["out"].astype(np.float64)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    mag = np.zeros(a.shape)
+    k_ids = np.array(rel.edges.kernel_ids)
+    in_rows, out_rows = np.array(rel.edges.in_rows), np.array(rel.edges.out_rows)
+    for k in range(27):
+        sel = k_ids == k
+        mag[out_rows[sel]] += np.abs(f[in_rows[sel]]).astype(np.float64) @ np.abs(w[k])
+    bound = 2.0**-7 * np.maximum(np.abs(a), np.abs(b)) + 2 * 27 * 48 * 2.0**-23 * mag
+    assert np.all(np.abs(a - b) <= bound)
+    assert np.any(a != b) or str(results["avx512-bf16"]["isa"]) == "float32"

@@ -99,6 +99,22 @@ __attribute__((target("avx512f,avx512bf16"))) inline void strip(const Block& blk
 #undef STOREC
 }
 
+// dst[0:n] = bf16(src[0:n]), round to nearest even (vcvtneps2bf16; NaN stays
+// NaN, quieted; the accumulators hold no subnormals).
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void tile_to_bf16(
+    const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_loadu_ps(src + i));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), reinterpret_cast<const __m256i&>(h));
+  }
+  if (i < n) {
+    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
+    const __m256bh h = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(m, src + i));
+    _mm256_mask_storeu_epi16(dst + i, m, reinterpret_cast<const __m256i&>(h));
+  }
+}
+
 __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
                                                               const PackedBf16& w, int64_t k,
                                                               int64_t cout) {
@@ -122,6 +138,7 @@ struct Scratch {
   std::vector<const uint16_t*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<float> sink;
+  std::vector<float> tile;
 };
 
 thread_local Scratch scratch;
@@ -144,7 +161,7 @@ bool bf16_conv_available() {
 
 void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
                int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, float* out) {
+               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
 #ifdef MLX_LATTICE_X86
   thread_local Buffers buffers;
   Buffers& buf = buffers;  // the workers below use this thread's buffers
@@ -176,11 +193,12 @@ void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t*
   parallel_for(tiles, [&](int64_t tile) {
     const int64_t g0 = tile * kTileRows;
     const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
-    std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
+    auto& s = scratch;
+    // The tile's output rows accumulate in a float32 buffer (in cache), then
+    // are rounded to bf16 once.
+    s.tile.assign((g1 - g0) * cout, 0.0f);
     const int64_t j0 = csr.offsets[g0];
     const int64_t j1 = csr.offsets[g1];
-    if (j1 == j0) return;
-    auto& s = scratch;
     s.counts.assign(n_kernels + 1, 0);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
@@ -194,7 +212,7 @@ void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t*
       const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
       const int32_t slot = s.cursor[kernel_ids[e]]++;
       s.a_ptrs[slot] = rows + static_cast<int64_t>(a_index[e]) * row_len;
-      s.c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+      s.c_ptrs[slot] = s.tile.data() + (static_cast<int64_t>(c_index[e]) - g0) * cout;
     }
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;
@@ -208,6 +226,7 @@ void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t*
         block_bf16(blk, w, k, cout);
       }
     }
+    tile_to_bf16(s.tile.data(), (g1 - g0) * cout, out + g0 * cout);
   });
 #else
   (void)feats, (void)n_in, (void)cin, (void)weight, (void)n_kernels, (void)cout, (void)csr;

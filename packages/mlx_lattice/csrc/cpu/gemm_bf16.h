@@ -21,10 +21,12 @@ namespace mlx_lattice::kernels {
 // MLX_LATTICE_GEMM_ISA); otherwise callers use the float32 path.
 bool bf16_conv_available();
 
-// out (n_out, cout) float32, overwritten: out[o] = sum over edges e of o of
-// F[a_index[e]] @ W[kernel_ids[e]], F bf16 (n_in, cin), W bf16 (K, cin, cout).
+// out (n_out, cout) bfloat16, overwritten: out[o] = sum over edges e of o of
+// F[a_index[e]] @ W[kernel_ids[e]], F bf16 (n_in, cin), W bf16 (K, cin, cout),
+// accumulated in a float32 tile and rounded to bf16 (nearest even) once per
+// tile. c_index must be the output CSR's own rows (a forward convolution).
 void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
                int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, float* out);
+               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out);
 
 }  // namespace mlx_lattice::kernels

@@ -2,7 +2,7 @@
 
 Wheels match when their names, member lists and .dist-info METADATA and
 WHEEL files are equal, up to the manylinux platform tag (each lane tags the
-glibc it builds against: bookworm 2.36, forky 2.42); compiled members may
+glibc it builds against: bookworm's 2.36, forky's 2.43); compiled members may
 differ in bytes (different compilers), everything else must be
 byte-identical. Exits 1 on a difference.
 

@@ -9,7 +9,6 @@ operator (`==` for ABI-coupled pins such as mlx/nanobind); siblings in
 load("@py_env//:tags.bzl", "NATIVE_TAG")
 load("//tools:version.bzl", "VERSION")
 
-
 def _wheel_impl(ctx):
     # NATIVE_TAG: cpXY-cpXY-manylinux_2_<glibc of the build>_x86_64 on Linux.
     tag = NATIVE_TAG if ctx.attr.platform_specific else "py3-none-any"

@@ -91,11 +91,11 @@ def find_buildifier() -> str:
     if os.environ.get("QUANTLATTICE_BUILDIFIER"):
         return os.environ["QUANTLATTICE_BUILDIFIER"]
     cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    found = sorted(
-        glob.glob(
-            f"{cache}/quantlattice/buildifier-*/node_modules/@bazel/buildifier/buildifier-linux_*"
-        )
+    arch = {"x86_64": "amd64", "aarch64": "arm64", "arm64": "arm64"}.get(os.uname().machine, "")
+    pattern = (
+        f"{cache}/quantlattice/buildifier-*/node_modules/@bazel/buildifier/buildifier-linux_{arch}"
     )
+    found = sorted(glob.glob(pattern), key=os.path.getmtime)
     return found[-1] if found else ""
 
 

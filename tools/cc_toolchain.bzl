@@ -78,6 +78,12 @@ def _cc_impl(rctx):
     if not rctx.os.name.lower().startswith("linux"):
         rctx.file("BUILD.bazel", "# The declared toolchain covers Linux x86_64 only.\n")
         return
+
+    # Our modern lane turns auto-detection off and must get this toolchain; a
+    # consumer's build without g++-16 keeps Bazel's auto-detected one.
+    if rctx.which("g++-" + GCC_MAJOR) == None and rctx.os.environ.get("BAZEL_DO_NOT_DETECT_CPP_TOOLCHAIN") != "1":
+        rctx.file("BUILD.bazel", "# No %s here: Bazel's auto-detected C++ toolchain is used.\n" % GCC_PACKAGE)
+        return
     gxx = _which(rctx, "g++-" + GCC_MAJOR)
     version = rctx.execute([gxx, "-dumpfullversion"]).stdout.strip()
     if version.split(".")[0] != GCC_MAJOR:
@@ -113,7 +119,7 @@ def _cc_impl(rctx):
 
 quantlattice_cc = repository_rule(
     implementation = _cc_impl,
-    environ = ["PATH"],
+    environ = ["PATH", "BAZEL_DO_NOT_DETECT_CPP_TOOLCHAIN"],
     local = True,
 )
 

@@ -1,8 +1,10 @@
 """Compare two sets of wheels (e.g. the modern and the Bazel 4.2 lane's //:wheels).
 
-Wheels match when their file names, member lists and .dist-info METADATA and
-WHEEL files are equal; compiled members may differ in bytes (different
-compilers), everything else must be byte-identical. Exits 1 on a difference.
+Wheels match when their names, member lists and .dist-info METADATA and
+WHEEL files are equal, up to the manylinux platform tag (each lane tags the
+glibc it builds against: bookworm's 2.36, forky's 2.43); compiled members may
+differ in bytes (different compilers), everything else must be
+byte-identical. Exits 1 on a difference.
 
     python3 tools/compare_wheels.py DIR_A DIR_B
 """
@@ -10,8 +12,15 @@ compilers), everything else must be byte-identical. Exits 1 on a difference.
 from __future__ import annotations
 
 import pathlib
+import re
 import sys
 import zipfile
+
+_MANYLINUX = re.compile(rb"manylinux_2_\d+_")
+
+
+def _untagged(name: str) -> str:
+    return _MANYLINUX.sub(b"manylinux_2_N_", name.encode()).decode()
 
 
 def describe(wheel: pathlib.Path) -> dict[str, bytes | None]:
@@ -19,15 +28,15 @@ def describe(wheel: pathlib.Path) -> dict[str, bytes | None]:
     with zipfile.ZipFile(wheel) as archive:
         return {
             name: None if name.endswith((".so", ".dylib", ".pyd", "/RECORD"))
-            else archive.read(name)
+            else _MANYLINUX.sub(b"manylinux_2_N_", archive.read(name))
             for name in sorted(archive.namelist())
         }  # fmt: skip
 
 
 def compare(a: pathlib.Path, b: pathlib.Path) -> list[str]:
     problems = []
-    wheels_a = {w.name: w for w in sorted(a.glob("*.whl"))}
-    wheels_b = {w.name: w for w in sorted(b.glob("*.whl"))}
+    wheels_a = {_untagged(w.name): w for w in sorted(a.glob("*.whl"))}
+    wheels_b = {_untagged(w.name): w for w in sorted(b.glob("*.whl"))}
     if not wheels_a:
         problems.append(f"no wheels in {a}")
     if wheels_a.keys() != wheels_b.keys():

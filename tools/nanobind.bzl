@@ -8,7 +8,6 @@ runs with), with NB_DOMAIN=mlx so `mx.array` arguments are accepted.
 load("@rules_cc//cc:defs.bzl", "cc_binary")
 load("//tools:cc_flags.bzl", "NATIVE_COPTS")
 
-
 def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/lib", copts = [], **kwargs):
     """Builds `<name>.so`, importable as the module `name`'s last component.
 

@@ -26,7 +26,7 @@ def py_package(name, package, srcs, deps = [], data = []):
         data = data,
         imports = ["."],
         deps = deps,
-            visibility = ["//visibility:public"],
+        visibility = ["//visibility:public"],
     )
 
 def _runfile(path):

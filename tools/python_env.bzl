@@ -88,8 +88,19 @@ exports_files(["venv_python", "tags.bzl"])
 
 _PROBE = "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); print(sysconfig.get_paths()['include'])"
 
-# The wheel tag of native extensions built against this interpreter.
-_TAG_PROBE = "import sys, sysconfig; i = 'cp%d%d' % sys.version_info[:2]; print('%s-%s-%s' % (i, i, sysconfig.get_platform().replace('-', '_').replace('.', '_')))"
+# The wheel tag of native extensions built here: manylinux_2_<glibc minor> on
+# glibc Linux (an extension compiled against glibc 2.N headers needs at most
+# 2.N; auditwheel checks the symbols in //:wheel_audit_test), else the
+# interpreter's platform.
+_TAG_PROBE = """
+import os, sys, sysconfig
+i = 'cp%d%d' % sys.version_info[:2]
+plat = sysconfig.get_platform().replace('-', '_').replace('.', '_')
+libc = os.confstr('CS_GNU_LIBC_VERSION') if hasattr(os, 'confstr') else None
+if plat == 'linux_x86_64' and libc and libc.startswith('glibc 2.'):
+    plat = 'manylinux_2_%s_x86_64' % libc.split('.')[1]
+print('%s-%s-%s' % (i, i, plat))
+"""
 
 def _find_python(rctx, versions):
     """The first candidate interpreter whose minor version has a lock."""

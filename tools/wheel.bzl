@@ -9,15 +9,9 @@ operator (`==` for ABI-coupled pins such as mlx/nanobind); siblings in
 load("@py_env//:tags.bzl", "NATIVE_TAG")
 load("//tools:version.bzl", "VERSION")
 
-# The platform tag of Linux x86_64 native wheels. The modern lane's glibc 2.42
-# headers redirect strtol & co. to GLIBC_2.38 symbols and auditwheel puts the
-# extension at manylinux_2_39 (the Bazel 4.2 lane's at a lower one), so both
-# lanes tag 2_39; //:wheel_audit_test checks the symbols against it. libmlx.so
-# is left to the `mlx` wheel (rpath into site-packages/mlx/lib).
-MANYLINUX_X86_64 = "manylinux_2_39_x86_64"
-
 def _wheel_impl(ctx):
-    tag = NATIVE_TAG.replace("linux_x86_64", MANYLINUX_X86_64) if ctx.attr.platform_specific else "py3-none-any"
+    # NATIVE_TAG: cpXY-cpXY-manylinux_2_<glibc of the build>_x86_64 on Linux.
+    tag = NATIVE_TAG if ctx.attr.platform_specific else "py3-none-any"
     out = ctx.actions.declare_file("%s-%s-%s.whl" % (ctx.attr.distribution, VERSION, tag))
     args = ctx.actions.args()
     args.add("--out", out)

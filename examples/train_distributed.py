@@ -34,11 +34,11 @@ from mlx.utils import tree_flatten
 import mlx_lattice
 from examples.sparse_unet import SparseUNet
 from mlx_lattice import SparseTensor, distributed, sparse_collate
-from mlx_lattice.data import SceneConfig, synthetic_lidar_scan
+from mlx_lattice.data import CLASS_NAMES, SceneConfig, synthetic_lidar_scan
 
 __all__ = ["load_scan", "main", "parse_args"]
 
-CLASSES = 4
+CLASSES = len(CLASS_NAMES)  # every label the built-in scans carry
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -33,18 +33,18 @@ if [ ! -f "$cache/unpacked.ok" ]; then
   python3 -m pip download --quiet --no-deps --only-binary=:all: --require-hashes \
     --platform macosx_14_0_arm64 --python-version 3.11 --implementation cp \
     -r "$here/requirements.txt" -d "$cache/wheels"
-  rm -rf "$cache/root" && mkdir -p "$cache/root"
-  for w in "$cache"/wheels/*.whl; do python3 -m zipfile -e "$w" "$cache/root"; done
+  rm -rf "$cache/unpacked" && mkdir -p "$cache/unpacked"
+  for w in "$cache"/wheels/*.whl; do python3 -m zipfile -e "$w" "$cache/unpacked"; done
   touch "$cache/unpacked.ok"
 fi
-mlx_inc=$cache/root/mlx/include
+mlx_inc=$cache/unpacked/mlx/include
 [ -f "$mlx_inc/metal_cpp/Metal/Metal.hpp" ] && [ -f "$mlx_inc/mlx/backend/metal/device.h" ] ||
   { echo "FAIL: the mlx-metal wheel lacks metal-cpp or MLX's Metal headers"; exit 1; }
 
 gen=$(mktemp -d)
 trap 'rm -rf "$gen"' EXIT
 python3 tools/msl/embed.py kMetalSources "$gen/metal_sources.h" \
-  $pkg/csrc/metal/sparse_conv.metal $pkg/csrc/metal/sparse_pool.metal $pkg/csrc/metal/sorted_conv.metal
+  $pkg/csrc/metal/*.metal
 
 x=/usr/aarch64-linux-gnu/include
 py_inc=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["include"])')
@@ -53,7 +53,7 @@ flags=(--target=arm64-apple-macos14 -std=c++20 -fsyntax-only -Wall -Wextra -Werr
   -nostdinc -nostdinc++ -isystem "$(clang-16 -print-resource-dir)/include"
   -isystem $x/c++/12 -isystem $x/c++/12/aarch64-linux-gnu -isystem $x
   -isystem $here/sdk_stubs -isystem "$mlx_inc" -isystem "$mlx_inc/metal_cpp"
-  -isystem "$cache/root/nanobind/include" -isystem "$py_inc" -I "$gen")
+  -isystem "$cache/unpacked/nanobind/include" -isystem "$py_inc" -I "$gen")
 
 # Negative control: a wrong call into MLX's Metal command encoder must fail.
 cat >"$gen/probe.cpp" <<'PROBE'

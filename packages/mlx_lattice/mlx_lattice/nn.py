@@ -395,8 +395,11 @@ class QuantizedConv(_SparseConv):
     Made by :func:`mlx_lattice.quantize` (or :meth:`from_conv`,
     :func:`to_quantized`); the packed weight, scales and biases are arrays of
     the module, so they save and load with the model. The layer is frozen.
-    With ``act_bits`` the input features are fake-quantized per row
-    (:func:`fake_quantize_rows`) before the convolution.
+    With ``act_bits`` the input features are quantized per row (symmetric,
+    dynamic scale); with ``act_bits=8`` on the CPU the convolution runs the
+    integer kernel (int8 activations x weight codes -> int32, a float
+    epilogue), otherwise the features are fake-quantized
+    (:func:`fake_quantize_rows`) before a float-activation convolution.
     """
 
     def __init__(
@@ -437,6 +440,11 @@ class QuantizedConv(_SparseConv):
         qw = QuantizedWeight.from_float(conv.weight, bits=bits, group_size=group_size)
         return cls(conv.config, qw, conv.get("bias"), act_bits)
 
+    def _integer_kernel(self) -> bool:
+        # int8 activations run the native int8 x weight-code kernel on the CPU;
+        # other widths, and other devices, fake-quantize in MLX ops.
+        return self.quantization.act_bits == 8 and mx.default_device() == mx.cpu
+
     def _weight(self) -> QuantizedWeight:
         q = self.quantization
         group_size, bits, storage = q.group_size, q.bits, q.storage_in_channels
@@ -449,11 +457,14 @@ class QuantizedConv(_SparseConv):
             storage,
             group_size,
             bits,
+            act_bits=8 if self._integer_kernel() else None,
         )
 
     def _input(self, x: SparseTensor) -> SparseTensor:
         bits = self.quantization.act_bits
-        return x if bits is None else x.replace(fake_quantize_rows(x.feats, bits))
+        if bits is None or self._integer_kernel():
+            return x
+        return x.replace(fake_quantize_rows(x.feats, bits))
 
     @property
     def nbytes(self) -> int:

@@ -379,3 +379,12 @@ def test_spvcnn_save_load_bit_exact_float_and_quantized(tmp_path, spv_trained):
     # The quantized SPVCNN stays within the int8/int4 bounds documented for MinkUNet.
     ref, got = np.array(model(inp), np.float64), np.array(quantized(inp), np.float64)
     assert 0 < np.linalg.norm(got - ref) / np.linalg.norm(ref) < QUANT_BOUNDS["int4"][0]
+
+
+def test_cross_entropy_rejects_labels_out_of_range():
+    # MLX's gather (and the scatter of its gradient) read and write unchecked:
+    # a label past the classes must raise, not corrupt memory.
+    logits = mx.zeros((3, 4))
+    for bad in ([0, 1, 4], [0, -1, 2]):
+        with pytest.raises(SparseTensorError, match="labels must lie in"):
+            cross_entropy(logits, mx.array(bad))

@@ -13,6 +13,7 @@ import pytest
 import mlx_lattice
 import quantrules as qr
 from mlx_lattice import SparseTensor, nn, ops
+from mlx_lattice.core import record_dataflows
 
 
 @pytest.fixture(params=[31, 32])
@@ -116,8 +117,13 @@ def test_activation_fake_quantization_matches_numpy(seeded, ref):
     w5 = dequant.reshape(3, 3, 3, 32, 16).transpose(4, 0, 1, 2, 3)
     feats = mx.array(np_fake_quant(np.array(st.feats), 8).astype(np.float32))
     expected = ref.dense_conv(coords, feats, w5, grid=(8,) * 3, batches=2, out_coords=coords)
+    # On the CPU, int8 activations run the integer kernel (issue 14's w8a8 path):
+    # the same quantized math, computed exactly in int32.
+    with record_dataflows() as runs:
+        out = qconv(st).feats
+    assert ("sparse_quantized_conv_features", "int8") in runs
     np.testing.assert_allclose(
-        np.array(qconv(st).feats), np.array(expected + conv.bias), rtol=1e-3, atol=1e-3
+        np.array(out), np.array(expected + conv.bias), rtol=1e-3, atol=1e-3
     )
     with pytest.raises(ValueError, match="act_bits must be"):
         layer.to_quantized(act_bits=16)

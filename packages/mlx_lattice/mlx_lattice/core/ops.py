@@ -250,7 +250,8 @@ def sparse_quantized_conv_features_from_relation(
     with a float32 epilogue applying the activation scale and the weight's
     group scales and biases. CPU stream only; the group size must be a
     multiple of 4. Its gradient with respect to the features is that of the
-    float-activation convolution (straight-through).
+    float-activation convolution (straight-through). ``act_bits=None`` takes
+    the weight's own ``act_bits``.
 
     >>> from mlx_lattice.core.relations import build_kernel_relation
     >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
@@ -262,6 +263,8 @@ def sparse_quantized_conv_features_from_relation(
     """
     if feats.dtype not in _FLOAT_DTYPES:
         raise ValueError("features must be float16, bfloat16 or float32.")
+    if act_bits is None:
+        act_bits = weight.act_bits
     if act_bits not in (None, 8):
         raise ValueError(f"act_bits must be None or 8, got {act_bits!r}.")
     _require_static(relation)

@@ -40,8 +40,13 @@ class QuantizedWeight:
     storage_in_channels: int
     group_size: int
     bits: int
+    #: ``8``: convolutions with this weight quantize their input rows to int8
+    #: and run the integer kernel (see ``sparse_quantized_conv_features_from_relation``).
+    act_bits: int | None = None
 
     def __post_init__(self) -> None:
+        if self.act_bits not in (None, 8):
+            raise ValueError(f"act_bits must be None or 8, got {self.act_bits!r}.")
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}.")
         if self.group_size not in SUPPORTED_GROUP_SIZES:

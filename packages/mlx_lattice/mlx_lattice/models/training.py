@@ -28,6 +28,12 @@ def cross_entropy(
             f"logits must be (N, K) and labels (N,), got {tuple(logits.shape)} and "
             f"{tuple(labels.shape)}."
         )
+    if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
+        # MLX gathers (and its gradient scatters) without bounds checks.
+        raise SparseTensorError(
+            f"labels must lie in [0, {logits.shape[1]}), got [{int(labels.min())}, "
+            f"{int(labels.max())}]."
+        )
     logits = logits.astype(mx.float32)
     nll = mx.logsumexp(logits, axis=1) - mx.take_along_axis(
         logits, labels.astype(mx.int32)[:, None], axis=1

@@ -437,9 +437,15 @@ class SyncBatchNorm(lattice_nn.BatchNorm):
             y = self.weight * y + self.bias
         return x.replace(y)
 
+    def relu(self, x: SparseTensor) -> SparseTensor:
+        """``relu(self(x))``, for models that fuse the two (``MinkUNet``)."""
+        y = self(x)
+        return y.replace(mx.maximum(y.feats, 0))
+
 
 def convert_sync_batchnorm(model: mlx_nn.Module) -> mlx_nn.Module:
-    """Replace every :class:`mlx_lattice.nn.BatchNorm` in ``model`` (in place)
+    """Replace every :class:`mlx_lattice.nn.BatchNorm` (subclasses such as
+    :class:`mlx_lattice.models.FloatBatchNorm` included) in ``model`` (in place)
     by a :class:`SyncBatchNorm` with the same parameters, running statistics
     and mode; returns ``model``.
 
@@ -453,7 +459,7 @@ def convert_sync_batchnorm(model: mlx_nn.Module) -> mlx_nn.Module:
         )
 
     def convert(module: mlx_nn.Module) -> mlx_nn.Module:
-        if type(module) is not lattice_nn.BatchNorm:
+        if not isinstance(module, lattice_nn.BatchNorm) or isinstance(module, SyncBatchNorm):
             return module
         sync = SyncBatchNorm(
             int(module.running_mean.shape[0])

@@ -8,8 +8,6 @@ MLX's dense ``mx.conv_general`` on a scattered grid.
 from __future__ import annotations
 
 import itertools
-import os
-import zlib
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -17,29 +15,18 @@ import numpy as np
 import pytest
 
 
-def seed_for(nodeid: str) -> int:
-    """The seed of one test: ``MLX_LATTICE_TEST_SEED`` if set, else derived
-    from the test's id (stable across runs and machines)."""
-    override = os.environ.get("MLX_LATTICE_TEST_SEED")
-    return int(override) if override else zlib.crc32(nodeid.encode())
-
-
 @pytest.fixture(autouse=True)
-def seed(request: pytest.FixtureRequest, doctest_namespace: dict) -> int:
-    """Seeds MLX's generator for every test and doctest, and prints the seed
-    (pytest shows it with a failure; rerun with MLX_LATTICE_TEST_SEED=<seed>)."""
+def _seed_mlx(seed: int, doctest_namespace: dict) -> int:
+    """Seeds MLX's generator for every test and doctest with the test's seed.
+
+    ``seed`` and ``rng`` come from the repository's pytest plugin
+    (``tools/pytest_main.py``): stable per test, printed when a test fails,
+    replayed everywhere with ``TEST_SEED=<seed>``.
+    """
     doctest_namespace["mx"] = mx
     doctest_namespace["np"] = np
-    value = seed_for(request.node.nodeid)
-    print(f"seed: {value} (MLX_LATTICE_TEST_SEED={value} reproduces it)")
-    mx.random.seed(value)
-    return value
-
-
-@pytest.fixture
-def rng(seed: int) -> np.random.Generator:
-    """NumPy's generator seeded with the test's printed seed."""
-    return np.random.default_rng(seed)
+    mx.random.seed(seed)
+    return seed
 
 
 def random_coords(

@@ -1,13 +1,13 @@
 """Points <-> voxels against NumPy loop references and finite differences.
 
-Every random input comes from `seeded` (a fresh seed per test, printed so a
-failing test shows it: rerun with GEOMETRY_SEED=<seed>).
+Every random input comes from `seeded`: the repository's seeded generator
+(``tools/pytest_main.py``; stable per test, printed on failure, replayed with
+``TEST_SEED=<seed>``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 
 import mlx.core as mx
 import numpy as np
@@ -43,10 +43,8 @@ from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 
 @pytest.fixture
-def seeded() -> np.random.Generator:
-    seed = int(os.environ.get("GEOMETRY_SEED", np.random.SeedSequence().entropy % 2**32))
-    print(f"seed={seed} (rerun with GEOMETRY_SEED={seed})")
-    return np.random.default_rng(seed)
+def seeded(rng: np.random.Generator) -> np.random.Generator:
+    return rng
 
 
 # -- references (plain loops over points, written from the documented formulas) ----------
@@ -206,7 +204,17 @@ def test_voxelize_grad_finite_differences(seeded, reduce):
             up[i, j] += eps
             dn[i, j] -= eps
             fd[i, j] = (loss_ref(up) - loss_ref(dn)) / (2 * eps)
-    np.testing.assert_allclose(grad, fd, rtol=1e-4, atol=1e-4)
+    keep = np.ones(feats.shape, bool)
+    if reduce == "max":
+        # Central differences straddle the kink where two points of a voxel
+        # are within eps of each other's value: compare away from such ties.
+        for v in range(vox.num_voxels):
+            rows = np.flatnonzero(p2v == v)
+            for j in range(feats.shape[1]):
+                vals = np.sort(feats[rows, j])
+                if len(vals) > 1 and vals[-1] - vals[-2] <= 2 * eps:
+                    keep[rows, j] = False
+    np.testing.assert_allclose(grad[keep], fd[keep], rtol=1e-4, atol=1e-4)
 
 
 def test_voxelize_jvp_matches_forward_of_tangent(seeded):

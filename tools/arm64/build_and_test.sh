@@ -105,6 +105,7 @@ python3 -m zipfile -e "$wheel" "$run/site"
 cp -r packages/quantrules/quantrules "$run/site/"  # pure Python, as its wheel
 cp "$build/_version.py" "$run/site/quantrules/_version.py"
 cp $pkg/conftest.py "$run/"
+cp tools/pytest_main.py "$run/"  # the pytest entry with the seeding plugin the conftest uses
 cp $pkg/tests/test_conv.py $pkg/tests/test_quantized_pool.py $pkg/tests/test_relations.py \
   $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py "$run/tests/"
 aarch64-linux-gnu-readelf -h "$run/site/mlx_lattice/_native/ext.so" | grep -q 'Machine:.*AArch64' ||
@@ -123,7 +124,7 @@ deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bit
   --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted
   --deselect tests/test_int8_conv.py::test_gradients_compile_and_vmap)
 subset=${MLX_LATTICE_ARM64_SUBSET:-}
-(cd "$run" && "${py[@]}" -m pytest -p no:cacheprovider -q -ra tests/test_relations.py \
+(cd "$run" && "${py[@]}" pytest_main.py -q tests/test_relations.py \
   tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
   "tests/test_validation_threads.py::test_every_micro_kernel_path" \
   "tests/test_validation_threads.py::test_isa_list_is_ordered_and_ends_in_scalar" \

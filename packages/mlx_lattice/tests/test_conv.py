@@ -113,6 +113,34 @@ def test_half_dtypes_return_feature_dtype(rng, ref, dtype):
     close(out, expected, tol=1e-2)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float16_forward_is_the_float32_result_rounded(rng, ref, threads):
+    """float16 rows are widened per tile (exactly) and each output tile is
+    rounded once: the result is the float32 convolution of the same values
+    rounded to float16, bit for bit, for any thread count; outputs without
+    edges are zero."""
+    import mlx_lattice
+
+    coords = ref.random_coords(rng, 300, GRID)
+    out_coords = np.concatenate([coords, np.array([[0, 90, 90, 90]], np.int32)])
+    rel = build_kernel_relation(coords, out_coords, kind="forward")
+    f, w = feats(rng, len(coords), 24, mx.float16), weight5(rng, 20, (3, 3, 3), 24, mx.float16)
+    before = mlx_lattice.get_num_threads()
+    mlx_lattice.set_num_threads(threads)
+    try:
+        out = ops.sparse_conv_features_from_relation(f, w, rel)
+        wide = ops.sparse_conv_features_from_relation(
+            f.astype(mx.float32), w.astype(mx.float32), rel
+        )
+        mx.eval(out, wide)
+    finally:
+        mlx_lattice.set_num_threads(before)
+    assert out.dtype == mx.float16
+    got = np.array(out.astype(mx.float32))
+    np.testing.assert_array_equal(got, np.array(wide).astype(np.float16).astype(np.float32))
+    np.testing.assert_array_equal(got[-1], np.zeros(20, np.float32))
+
+
 def dense_loss(ref, coords, rel_out, stride, probe):
     def loss(f, w):
         out = ref.dense_conv(

@@ -32,6 +32,15 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                                   o.data<uint16_t>());
                return;
              }
+             if (mode == Mode::kForward && a.dtype() == o.dtype() && a.dtype() != mx::float32) {
+               // Half-precision rows converted per tile (cpu/conv_forward.cpp).
+               FloatIn b32(b, 1);
+               kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+               kernels::forward_conv(a.size() ? a.data<void>() : nullptr, cpu::format_of(a.dtype()), a.shape(1),
+                                     b32.get(), r.n_kernels, b.shape(2), csr, idx(r.in_rows),
+                                     idx(r.out_rows), idx(r.kernel_ids), o.size() ? o.data<void>() : nullptr);
+               return;
+             }
              FloatIn a32(a, 0), b32(b, 1);
              FloatOut out32(o);
              if (mode == Mode::kForward) {
@@ -100,6 +109,12 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
                                in[3].data<float>(), r.n_kernels, q.out_channels, q.in_channels,
                                q.storage_in_channels, q.group_size, q.bits, w.data());
     kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+    if (in[0].dtype() == o.dtype()) {
+      kernels::forward_conv(in[0].size() ? in[0].data<void>() : nullptr, cpu::format_of(o.dtype()), q.in_channels,
+                            w.data(), r.n_kernels, q.out_channels, csr, idx(r.in_rows),
+                            idx(r.out_rows), idx(r.kernel_ids), o.size() ? o.data<void>() : nullptr);
+      return;
+    }
     FloatIn f32(in[0], 0);
     FloatOut out32(o);
     kernels::stationary_conv(f32.get(), q.in_channels, w.data(), r.n_kernels, out32.get(),

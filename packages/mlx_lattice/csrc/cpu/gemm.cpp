@@ -37,7 +37,15 @@ template <typename Block>
 void for_each_block(int64_t m, const float* const* a_rows, int64_t kdim, int64_t n,
                     float* const* c_rows, Block&& block) {
   int64_t r = 0;
-  for (; r + kRows <= m; r += kRows) block(a_rows + r, c_rows + r);
+  for (; r + kRows <= m; r += kRows) {
+    // The next block's rows are gathered from anywhere in A: their loads are
+    // issued now, hidden behind this block's arithmetic.
+    const int64_t next = std::min<int64_t>(m, r + 2 * kRows);
+    for (int64_t i = r + kRows; i < next; ++i) {
+      for (int64_t x = 0; x < kdim; x += 16) __builtin_prefetch(a_rows[i] + x);
+    }
+    block(a_rows + r, c_rows + r);
+  }
   if (r < m) {
     padding.fit(kdim, n);
     const float* a[kRows];

@@ -11,6 +11,7 @@
 
 #include "isa.h"
 #include "parallel.h"
+#include "tiles.h"
 
 namespace mlx_lattice::kernels {
 
@@ -133,8 +134,7 @@ __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
 #endif
 
 struct Scratch {
-  std::vector<int32_t> counts;
-  std::vector<int32_t> cursor;
+  TileEdges edges;
   std::vector<const uint16_t*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<float> sink;
@@ -197,29 +197,22 @@ void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t*
     // The tile's output rows accumulate in a float32 buffer (in cache), then
     // are rounded to bf16 once.
     s.tile.assign((g1 - g0) * cout, 0.0f);
-    const int64_t j0 = csr.offsets[g0];
-    const int64_t j1 = csr.offsets[g1];
-    s.counts.assign(n_kernels + 1, 0);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      ++s.counts[kernel_ids[e] + 1];
-    }
-    for (int64_t k = 0; k < n_kernels; ++k) s.counts[k + 1] += s.counts[k];
-    s.a_ptrs.resize(j1 - j0);
-    s.c_ptrs.resize(j1 - j0);
-    s.cursor.assign(s.counts.begin(), s.counts.end() - 1);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      const int32_t slot = s.cursor[kernel_ids[e]]++;
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges);
+    const auto& counts = s.edges.counts;
+    const int64_t n_tile = s.edges.size();
+    s.a_ptrs.resize(n_tile);
+    s.c_ptrs.resize(n_tile);
+    for (int64_t slot = 0; slot < n_tile; ++slot) {
+      const int32_t e = s.edges.edges[slot];
       s.a_ptrs[slot] = rows + static_cast<int64_t>(a_index[e]) * row_len;
       s.c_ptrs[slot] = s.tile.data() + (static_cast<int64_t>(c_index[e]) - g0) * cout;
     }
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;
     for (int64_t k = 0; k < n_kernels; ++k) {
-      for (int64_t r = s.counts[k]; r < s.counts[k + 1]; r += kRows) {
+      for (int64_t r = counts[k]; r < counts[k + 1]; r += kRows) {
         for (int i = 0; i < kRows; ++i) {
-          const bool real = r + i < s.counts[k + 1];
+          const bool real = r + i < counts[k + 1];
           blk.a[i] = real ? s.a_ptrs[r + i] : buf.zeros.data();
           blk.c[i] = real ? s.c_ptrs[r + i] : s.sink.data();
         }

@@ -16,6 +16,7 @@
 
 #include "isa.h"
 #include "parallel.h"
+#include "tiles.h"
 
 // GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
 // "maybe uninitialized"; it is not read.
@@ -319,10 +320,7 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
 
 // Per-thread scratch of the tile loop, reused across calls.
 struct Scratch {
-  std::vector<int32_t> counts;
-  std::vector<int32_t> cursor;
-  std::vector<int32_t> rows;  // input row of each slot
-  std::vector<float*> c_ptrs;
+  TileEdges edges;
   std::vector<float> sink;
 };
 
@@ -337,98 +335,6 @@ struct Buffers {
 };
 
 }  // namespace
-
-namespace {
-
-// One row of quantize_rows_int8; the scalar definition of the math.
-void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr,
-                         float* scale, int32_t* gr) {
-  float amax = 0.0f;
-  bool finite = true;
-  for (int64_t i = 0; i < c; ++i) {
-    finite = finite && std::isfinite(xr[i]);
-    amax = std::max(amax, std::fabs(xr[i]));
-  }
-  std::memset(qr, 0, stride);
-  std::fill(gr, gr + stride / group, 0);
-  if (!finite) {
-    *scale = std::numeric_limits<float>::quiet_NaN();
-    return;
-  }
-  const float s = amax / 127.0f;
-  *scale = s;
-  if (s == 0.0f) return;  // all zero (or a scale below the float range): q = 0
-  for (int64_t i = 0; i < c; ++i) {
-    // |x / s| <= 127 up to rounding: clamp before converting.
-    const float v = std::clamp(std::nearbyint(xr[i] / s), -127.0f, 127.0f);
-    qr[i] = static_cast<int8_t>(v);
-    gr[i / group] += qr[i];
-  }
-}
-
-#ifdef MLX_LATTICE_X86
-// The same row with AVX-512 (16 channels per step; group is a multiple of 16
-// on this path, so a step never straddles two groups). Division, rounding
-// to nearest even (the default MXCSR mode, as nearbyint) and clamping give
-// the scalar path's values.
-__attribute__((target("avx512f"))) void quantize_row_avx512(const float* xr, int64_t c,
-                                                            int64_t stride, int64_t group,
-                                                            int8_t* qr, float* scale,
-                                                            int32_t* gr) {
-  const __m512 zero = _mm512_setzero_ps();
-  __m512 vmax = zero;
-  __mmask16 bad = 0;
-  for (int64_t i = 0; i < c; i += 16) {
-    const __mmask16 m = c - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                    : static_cast<__mmask16>((1u << (c - i)) - 1u);
-    const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
-    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), zero, _CMP_UNORD_Q);
-    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
-  }
-  std::memset(qr, 0, stride);
-  std::fill(gr, gr + stride / group, 0);
-  if (bad) {
-    *scale = std::numeric_limits<float>::quiet_NaN();
-    return;
-  }
-  const float s = _mm512_reduce_max_ps(vmax) / 127.0f;
-  *scale = s;
-  if (s == 0.0f) return;
-  const __m512 vs = _mm512_set1_ps(s);
-  const __m512i lo = _mm512_set1_epi32(-127);
-  const __m512i hi = _mm512_set1_epi32(127);
-  for (int64_t i = 0; i < c; i += 16) {
-    const __mmask16 m = c - i >= 16 ? static_cast<__mmask16>(0xffff)
-                                    : static_cast<__mmask16>((1u << (c - i)) - 1u);
-    const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
-    __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(x, vs));
-    q = _mm512_min_epi32(_mm512_max_epi32(q, lo), hi);
-    q = _mm512_maskz_mov_epi32(m, q);
-    gr[i / group] += _mm512_reduce_add_epi32(q);
-    alignas(16) int8_t bytes[16];
-    _mm_store_si128(reinterpret_cast<__m128i*>(bytes), _mm512_cvtepi32_epi8(q));
-    std::memcpy(qr + i, bytes, std::min<int64_t>(16, c - i));
-  }
-}
-#endif
-
-}  // namespace
-
-void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                        int8_t* q, float* scale, int32_t* gsum) {
-  constexpr int64_t kChunk = 1024;
-  const int64_t groups = stride / group;
-  auto row = quantize_row_scalar;
-#ifdef MLX_LATTICE_X86
-  if (group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) row = quantize_row_avx512;
-#endif
-  parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
-    const int64_t r1 = std::min(n, (chunk + 1) * kChunk);
-    for (int64_t r = chunk * kChunk; r < r1; ++r) {
-      row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups);
-    }
-  });
-}
 
 void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
                int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
@@ -460,36 +366,31 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     const int64_t g0 = tile * kTileRows;
     const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
     std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
-    const int64_t j0 = csr.offsets[g0];
-    const int64_t j1 = csr.offsets[g1];
-    if (j1 == j0) return;
+    if (csr.offsets[g1] == csr.offsets[g0]) return;
     auto& s = scratch;
-    s.counts.assign(n_kernels + 1, 0);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      ++s.counts[kernel_ids[e] + 1];
-    }
-    for (int64_t k = 0; k < n_kernels; ++k) s.counts[k + 1] += s.counts[k];
-    s.rows.resize(j1 - j0);
-    s.c_ptrs.resize(j1 - j0);
-    s.cursor.assign(s.counts.begin(), s.counts.end() - 1);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      const int32_t slot = s.cursor[kernel_ids[e]]++;
-      s.rows[slot] = a_index[e];
-      s.c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
-    }
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges);
+    const auto& counts = s.edges.counts;
+    const int32_t* edges = s.edges.edges.data();
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;
     for (int64_t k = 0; k < n_kernels; ++k) {
-      for (int64_t r = s.counts[k]; r < s.counts[k + 1]; r += kRows) {
+      const int64_t end = counts[k + 1];
+      for (int64_t r = counts[k]; r < end; r += kRows) {
+        // The next block's activation rows are gathered from anywhere in
+        // the quantized features: their loads go out now, behind this
+        // block's arithmetic.
+        for (int64_t i = r + kRows; i < std::min<int64_t>(end, r + 2 * kRows); ++i) {
+          const int8_t* next = buf.q.data() + static_cast<int64_t>(a_index[edges[i]]) * storage_in;
+          for (int64_t x = 0; x < storage_in; x += 64) __builtin_prefetch(next + x);
+        }
         for (int i = 0; i < kRows; ++i) {
-          if (r + i < s.counts[k + 1]) {
-            const int64_t row = s.rows[r + i];
+          if (r + i < end) {
+            const int32_t e = edges[r + i];
+            const int64_t row = a_index[e];
             blk.a[i] = buf.q.data() + row * storage_in;
             blk.sa[i] = buf.scale[row];
             blk.gsum[i] = buf.gsum.data() + row * groups;
-            blk.c[i] = s.c_ptrs[r + i];
+            blk.c[i] = out + static_cast<int64_t>(c_index[e]) * cout;
           } else {
             blk.a[i] = zero_row.data();
             blk.sa[i] = 0.0f;

@@ -11,6 +11,7 @@
 
 #include "gemm.h"
 #include "parallel.h"
+#include "tiles.h"
 
 namespace mlx_lattice::kernels {
 
@@ -20,8 +21,6 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Per-thread scratch of the tile loops, reused across calls.
 struct TileScratch {
-  std::vector<int32_t> counts;
-  std::vector<int32_t> cursor;
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<const float*> pack_a_rows;
@@ -128,52 +127,62 @@ constexpr int64_t kConvertChunk = 1 << 16;
 
 }  // namespace
 
-void to_float32(const void* src, FloatFormat format, int64_t n, float* dst) {
+void convert_to_float32(const void* src, FloatFormat format, int64_t n, float* dst) {
   if (format == FloatFormat::kF32) {
     std::memcpy(dst, src, sizeof(float) * n);
     return;
   }
   const uint16_t* s = static_cast<const uint16_t*>(src);
-  parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
-    const int64_t i0 = chunk * kConvertChunk;
-    const int64_t i1 = std::min(n, i0 + kConvertChunk);
-    if (format == FloatFormat::kBF16) {
-      for (int64_t i = i0; i < i1; ++i) {
-        uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
-        std::memcpy(dst + i, &bits, 4);
-      }
-      return;
+  if (format == FloatFormat::kBF16) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+      std::memcpy(dst + i, &bits, 4);
     }
+    return;
+  }
 #ifdef MLX_LATTICE_X86
-    if (has_f16c()) {
-      half_block_to_float(s + i0, i1 - i0, dst + i0);
-      return;
-    }
+  if (has_f16c()) {
+    half_block_to_float(s, n, dst);
+    return;
+  }
 #endif
-    for (int64_t i = i0; i < i1; ++i) dst[i] = half_to_float(s[i]);
-  });
+  for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
 }
 
-void from_float32(const float* src, int64_t n, FloatFormat format, void* dst) {
+void convert_from_float32(const float* src, int64_t n, FloatFormat format, void* dst) {
   if (format == FloatFormat::kF32) {
     std::memcpy(dst, src, sizeof(float) * n);
     return;
   }
   uint16_t* d = static_cast<uint16_t*>(dst);
+  if (format == FloatFormat::kBF16) {
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bfloat(src[i]);
+    return;
+  }
+#ifdef MLX_LATTICE_X86
+  if (has_f16c()) {
+    float_block_to_half(src, n, d);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
+}
+
+void to_float32(const void* src, FloatFormat format, int64_t n, float* dst) {
+  const int64_t width = format == FloatFormat::kF32 ? 4 : 2;
   parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
     const int64_t i0 = chunk * kConvertChunk;
     const int64_t i1 = std::min(n, i0 + kConvertChunk);
-    if (format == FloatFormat::kBF16) {
-      for (int64_t i = i0; i < i1; ++i) d[i] = float_to_bfloat(src[i]);
-      return;
-    }
-#ifdef MLX_LATTICE_X86
-    if (has_f16c()) {
-      float_block_to_half(src + i0, i1 - i0, d + i0);
-      return;
-    }
-#endif
-    for (int64_t i = i0; i < i1; ++i) d[i] = float_to_half(src[i]);
+    convert_to_float32(static_cast<const char*>(src) + i0 * width, format, i1 - i0, dst + i0);
+  });
+}
+
+void from_float32(const float* src, int64_t n, FloatFormat format, void* dst) {
+  const int64_t width = format == FloatFormat::kF32 ? 4 : 2;
+  parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
+    const int64_t i0 = chunk * kConvertChunk;
+    const int64_t i1 = std::min(n, i0 + kConvertChunk);
+    convert_from_float32(src + i0, i1 - i0, format, static_cast<char*>(dst) + i0 * width);
   });
 }
 
@@ -185,47 +194,6 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<
   edge_ids.resize(n_edges);
   std::vector<int32_t> cursor(offsets.begin(), offsets.end() - 1);
   for (int64_t e = 0; e < n_edges; ++e) edge_ids[cursor[keys[e]]++] = static_cast<int32_t>(e);
-}
-
-void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
-                     float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
-                     const int32_t* c_index, const int32_t* kernel_ids) {
-  const int64_t tiles = ceil_div(csr.groups, kTileRows);
-  const int64_t b_stride = a_width * c_width;
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
-    std::memset(c + g0 * c_width, 0, sizeof(float) * (g1 - g0) * c_width);
-    const int64_t j0 = csr.offsets[g0];
-    const int64_t j1 = csr.offsets[g1];
-    if (j1 == j0) return;
-    auto& s = scratch;
-    // Counting sort of the tile's edges by kernel offset (stable in CSR order).
-    s.counts.assign(n_kernels + 1, 0);
-    for (int64_t j = j0; j < j1; ++j) {
-      int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      ++s.counts[kernel_ids[e] + 1];
-    }
-    for (int64_t k = 0; k < n_kernels; ++k) s.counts[k + 1] += s.counts[k];
-    const int64_t n_tile = j1 - j0;
-    s.a_ptrs.resize(n_tile);
-    s.c_ptrs.resize(n_tile);
-    s.cursor.assign(s.counts.begin(), s.counts.end() - 1);
-    for (int64_t j = j0; j < j1; ++j) {
-      int64_t e = csr.edge_ids ? csr.edge_ids[j] : j;
-      int32_t slot = s.cursor[kernel_ids[e]]++;
-      s.a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
-      s.c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
-    }
-    for (int64_t k = 0; k < n_kernels; ++k) {
-      int64_t begin = s.counts[k];
-      int64_t rows = s.counts[k + 1] - begin;
-      if (rows > 0) {
-        gemm_rows(rows, s.a_ptrs.data() + begin, b + k * b_stride, a_width, c_width,
-                  s.c_ptrs.data() + begin);
-      }
-    }
-  });
 }
 
 void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,

@@ -39,6 +39,19 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                      float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
                      const int32_t* c_index, const int32_t* kernel_ids);
 
+// Storage formats of floating arrays the kernels read and write.
+enum class FloatFormat { kF32, kF16, kBF16 };
+
+// The forward stationary_conv with features and output stored as `format`:
+// half-precision input rows are converted to float32 per tile as the tile
+// gathers them, and the tile's output rows accumulate in a float32 buffer
+// rounded to `format` once (nearest even). The arithmetic is
+// stationary_conv's, so the result is its float32 result rounded. c_index
+// must be the output CSR's own rows.
+void forward_conv(const void* feats, FloatFormat format, int64_t cin, const float* weight,
+                  int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
+                  const int32_t* c_index, const int32_t* kernel_ids, void* out);
+
 // dW[k] = sum over edges e of offset k of F[in_rows[e]]^T G[out_rows[e]],
 // edges in kernel-CSR order. dW is (K, cin, cout), overwritten.
 void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,
@@ -66,9 +79,6 @@ void normalization_denominator(const float* weight, int64_t n_kernels, int64_t c
 void denominator_gradient(const float* grad, int64_t cout, const int32_t* kernel_ids,
                           const int32_t* out_offsets, int64_t n_out, int64_t n_kernels,
                           float* out);
-
-// Storage formats of floating arrays the kernels read and write.
-enum class FloatFormat { kF32, kF16, kBF16 };
 
 // dst[i] = float(src[i]) / dst[i] = round-to-nearest-even(src[i]), in parallel.
 void to_float32(const void* src, FloatFormat format, int64_t n, float* dst);

@@ -1,0 +1,115 @@
+// Per-row symmetric int8 quantization of activations (gemm_int8.h): the
+// scalar definition and its AVX-512 form, same values on both.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
+
+#include "gemm_int8.h"
+#include "isa.h"
+#include "parallel.h"
+
+namespace mlx_lattice::kernels {
+
+namespace {
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// One row of quantize_rows_int8; the scalar definition of the math.
+void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr,
+                         float* scale, int32_t* gr) {
+  float amax = 0.0f;
+  bool finite = true;
+  for (int64_t i = 0; i < c; ++i) {
+    finite = finite && std::isfinite(xr[i]);
+    amax = std::max(amax, std::fabs(xr[i]));
+  }
+  std::memset(qr, 0, stride);
+  std::fill(gr, gr + stride / group, 0);
+  if (!finite) {
+    *scale = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  const float s = amax / 127.0f;
+  *scale = s;
+  if (s == 0.0f) return;  // all zero (or a scale below the float range): q = 0
+  for (int64_t i = 0; i < c; ++i) {
+    // |x / s| <= 127 up to rounding: clamp before converting.
+    const float v = std::clamp(std::nearbyint(xr[i] / s), -127.0f, 127.0f);
+    qr[i] = static_cast<int8_t>(v);
+    gr[i / group] += qr[i];
+  }
+}
+
+#ifdef MLX_LATTICE_X86
+// The same row with AVX-512 (16 channels per step; group is a multiple of 16
+// on this path, so a step never straddles two groups). Division, rounding
+// to nearest even (the default MXCSR mode, as nearbyint) and clamping give
+// the scalar path's values; the group sums are exact integer sums in any
+// order.
+__attribute__((target("avx512f"))) void quantize_row_avx512(
+    const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr, float* scale,
+    int32_t* gr) {
+  const __m512 zero = _mm512_setzero_ps();
+  __m512 vmax = zero;
+  __mmask16 bad = 0;
+  auto mask = [c](int64_t i) {
+    return c - i >= 16 ? static_cast<__mmask16>(0xffff)
+                       : static_cast<__mmask16>((1u << (c - i)) - 1u);
+  };
+  for (int64_t i = 0; i < c; i += 16) {
+    const __m512 x = _mm512_maskz_loadu_ps(mask(i), xr + i);
+    bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), zero, _CMP_UNORD_Q);
+    vmax = _mm512_max_ps(vmax, _mm512_abs_ps(x));
+  }
+  if (stride > c) std::memset(qr + c, 0, stride - c);
+  std::fill(gr, gr + stride / group, 0);
+  const float s = _mm512_reduce_max_ps(vmax) / 127.0f;
+  if (bad || s == 0.0f) {
+    std::memset(qr, 0, c);
+    *scale = bad ? std::numeric_limits<float>::quiet_NaN() : s;
+    return;
+  }
+  *scale = s;
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512i lo = _mm512_set1_epi32(-127);
+  const __m512i hi = _mm512_set1_epi32(127);
+  for (int64_t g0 = 0; g0 < c; g0 += group) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = g0; i < std::min(c, g0 + group); i += 16) {
+      const __mmask16 m = mask(i);
+      const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
+      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(x, vs));
+      q = _mm512_maskz_mov_epi32(m, _mm512_min_epi32(_mm512_max_epi32(q, lo), hi));
+      sum = _mm512_add_epi32(sum, q);
+      _mm512_mask_cvtepi32_storeu_epi8(qr + i, m, q);
+    }
+    gr[g0 / group] = _mm512_reduce_add_epi32(sum);
+  }
+}
+#endif
+
+}  // namespace
+
+void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
+                        int8_t* q, float* scale, int32_t* gsum) {
+  constexpr int64_t kChunk = 1024;
+  const int64_t groups = stride / group;
+  auto row = quantize_row_scalar;
+#ifdef MLX_LATTICE_X86
+  if (group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) row = quantize_row_avx512;
+#endif
+  parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
+    const int64_t r1 = std::min(n, (chunk + 1) * kChunk);
+    for (int64_t r = chunk * kChunk; r < r1; ++r) {
+      row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups);
+    }
+  });
+}
+
+}  // namespace mlx_lattice::kernels

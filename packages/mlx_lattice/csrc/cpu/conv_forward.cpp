@@ -20,6 +20,7 @@ struct Scratch {
   TileEdges edges;
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
+  std::vector<int32_t> in_rows;
   std::vector<float> rows;  // a tile's converted input rows
   std::vector<float> tile;  // a tile's float32 output rows
 };
@@ -51,15 +52,13 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
     std::memset(c + g0 * c_width, 0, sizeof(float) * (g1 - g0) * c_width);
     if (csr.offsets[g1] == csr.offsets[g0]) return;
     auto& s = scratch;
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges);
-    const int64_t n_tile = s.edges.size();
+    const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
     s.a_ptrs.resize(n_tile);
     s.c_ptrs.resize(n_tile);
-    for (int64_t slot = 0; slot < n_tile; ++slot) {
-      const int32_t e = s.edges.edges[slot];
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
       s.a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
       s.c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
-    }
+    });
     tile_gemm(s, b, n_kernels, a_width, c_width);
   });
 }
@@ -81,17 +80,31 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
     auto& s = scratch;
     s.tile.assign((g1 - g0) * cout, 0.0f);
     if (csr.offsets[g1] > csr.offsets[g0]) {
-      sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges);
-      const int64_t n_tile = s.edges.size();
+      const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
       s.a_ptrs.resize(n_tile);
       s.c_ptrs.resize(n_tile);
-      if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);
-      for (int64_t slot = 0; slot < n_tile; ++slot) {
-        const int32_t e = s.edges.edges[slot];
-        float* row = s.rows.data() + slot * cin;
-        convert_to_float32(f + static_cast<int64_t>(a_index[e]) * cin, format, cin, row);
-        s.a_ptrs[slot] = row;
+      s.in_rows.resize(n_tile);
+      sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
+        s.in_rows[slot] = a_index[e];
         s.c_ptrs[slot] = s.tile.data() + (static_cast<int64_t>(c_index[e]) - g0) * cout;
+      });
+      if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);
+      // Rows kAhead slots ahead are requested while this one converts (the
+      // gathered rows are otherwise fetched one latency at a time).
+      constexpr int64_t kAhead = 8;
+      const int64_t row_bytes = cin * 2;
+      auto prefetch = [&](int64_t slot) {
+        if (slot >= n_tile) return;
+        const char* p =
+            reinterpret_cast<const char*>(f + static_cast<int64_t>(s.in_rows[slot]) * cin);
+        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
+      };
+      for (int64_t slot = 0; slot < kAhead; ++slot) prefetch(slot);
+      for (int64_t slot = 0; slot < n_tile; ++slot) {
+        prefetch(slot + kAhead);
+        float* row = s.rows.data() + slot * cin;
+        convert_to_float32(f + static_cast<int64_t>(s.in_rows[slot]) * cin, format, cin, row);
+        s.a_ptrs[slot] = row;
       }
       tile_gemm(s, weight, n_kernels, cin, cout);
     }

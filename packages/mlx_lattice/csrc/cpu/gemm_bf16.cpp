@@ -197,16 +197,14 @@ void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t*
     // The tile's output rows accumulate in a float32 buffer (in cache), then
     // are rounded to bf16 once.
     s.tile.assign((g1 - g0) * cout, 0.0f);
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges);
-    const auto& counts = s.edges.counts;
-    const int64_t n_tile = s.edges.size();
+    const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
     s.a_ptrs.resize(n_tile);
     s.c_ptrs.resize(n_tile);
-    for (int64_t slot = 0; slot < n_tile; ++slot) {
-      const int32_t e = s.edges.edges[slot];
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
       s.a_ptrs[slot] = rows + static_cast<int64_t>(a_index[e]) * row_len;
       s.c_ptrs[slot] = s.tile.data() + (static_cast<int64_t>(c_index[e]) - g0) * cout;
-    }
+    });
+    const auto& counts = s.edges.counts;
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;
     for (int64_t k = 0; k < n_kernels; ++k) {

@@ -321,6 +321,8 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
 // Per-thread scratch of the tile loop, reused across calls.
 struct Scratch {
   TileEdges edges;
+  std::vector<int32_t> rows;  // input row of each slot
+  std::vector<float*> c_ptrs;
   std::vector<float> sink;
 };
 
@@ -368,9 +370,14 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
     if (csr.offsets[g1] == csr.offsets[g0]) return;
     auto& s = scratch;
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges);
+    const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
+    s.rows.resize(n_tile);
+    s.c_ptrs.resize(n_tile);
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
+      s.rows[slot] = a_index[e];
+      s.c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+    });
     const auto& counts = s.edges.counts;
-    const int32_t* edges = s.edges.edges.data();
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;
     for (int64_t k = 0; k < n_kernels; ++k) {
@@ -380,17 +387,16 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
         // the quantized features: their loads go out now, behind this
         // block's arithmetic.
         for (int64_t i = r + kRows; i < std::min<int64_t>(end, r + 2 * kRows); ++i) {
-          const int8_t* next = buf.q.data() + static_cast<int64_t>(a_index[edges[i]]) * storage_in;
+          const int8_t* next = buf.q.data() + static_cast<int64_t>(s.rows[i]) * storage_in;
           for (int64_t x = 0; x < storage_in; x += 64) __builtin_prefetch(next + x);
         }
         for (int i = 0; i < kRows; ++i) {
           if (r + i < end) {
-            const int32_t e = edges[r + i];
-            const int64_t row = a_index[e];
+            const int64_t row = s.rows[r + i];
             blk.a[i] = buf.q.data() + row * storage_in;
             blk.sa[i] = buf.scale[row];
             blk.gsum[i] = buf.gsum.data() + row * groups;
-            blk.c[i] = out + static_cast<int64_t>(c_index[e]) * cout;
+            blk.c[i] = s.c_ptrs[r + i];
           } else {
             blk.a[i] = zero_row.data();
             blk.sa[i] = 0.0f;

@@ -106,7 +106,19 @@ void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, in
 #endif
   parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
     const int64_t r1 = std::min(n, (chunk + 1) * kChunk);
-    for (int64_t r = chunk * kChunk; r < r1; ++r) {
+    // One streaming pass over the features: rows kAhead ahead are requested
+    // now (the pass is otherwise bound by the latency of each row's first
+    // load, far below the memory bandwidth).
+    constexpr int64_t kAhead = 8;
+    const int64_t r0 = chunk * kChunk;
+    auto prefetch_row = [&](int64_t r) {
+      if (r >= r1) return;
+      const char* p = reinterpret_cast<const char*>(x + r * c);
+      for (int64_t b = 0; b < c * 4; b += 64) __builtin_prefetch(p + b);
+    };
+    for (int64_t r = r0; r < r0 + kAhead; ++r) prefetch_row(r);
+    for (int64_t r = r0; r < r1; ++r) {
+      prefetch_row(r + kAhead);
       row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups);
     }
   });

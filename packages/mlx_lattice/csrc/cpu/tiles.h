@@ -22,9 +22,33 @@ struct TileEdges {
 };
 
 // Fills `t` with the edges of groups [g0, g1) of `csr` (kernel_ids[e] in
-// [0, n_kernels), validated by the relation).
+// [0, n_kernels), validated by the relation) and calls fill(slot, e) for
+// every edge, in CSR order (so a driver's per-edge arrays are read in
+// sequence, many loads in flight, rather than through the sorted slots).
+template <typename Fill>
 void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
-                     int64_t n_kernels, TileEdges& t);
+                     int64_t n_kernels, TileEdges& t, Fill&& fill) {
+  const int64_t j0 = csr.offsets[g0];
+  const int64_t j1 = csr.offsets[g1];
+  t.counts.assign(n_kernels + 1, 0);
+  t.edges.resize(j1 - j0);
+  if (csr.edge_ids) {
+    for (int64_t j = j0; j < j1; ++j) ++t.counts[kernel_ids[csr.edge_ids[j]] + 1];
+  } else {
+    // The tile's offsets are one contiguous range: all its lines requested
+    // at once rather than one miss at a time.
+    for (int64_t j = j0; j < j1; j += 16) __builtin_prefetch(kernel_ids + j);
+    for (int64_t j = j0; j < j1; ++j) ++t.counts[kernel_ids[j] + 1];
+  }
+  for (int64_t k = 0; k < n_kernels; ++k) t.counts[k + 1] += t.counts[k];
+  t.cursor.assign(t.counts.begin(), t.counts.end() - 1);
+  for (int64_t j = j0; j < j1; ++j) {
+    const int32_t e = csr.edge_ids ? csr.edge_ids[j] : static_cast<int32_t>(j);
+    const int32_t slot = t.cursor[kernel_ids[e]]++;
+    t.edges[slot] = e;
+    fill(slot, e);
+  }
+}
 
 // Serial conversions of n values (the parallel to_float32 / from_float32 of
 // kernels.h split their arrays into these), for per-tile use.

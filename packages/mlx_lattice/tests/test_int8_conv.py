@@ -102,6 +102,35 @@ def test_matches_int64_reference_bit_for_bit(rng, cin, cout, bits, group):
     np.testing.assert_array_equal(np.array(out), int8_conv_ref(feats, qw, rel))
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES)
+def test_weight_only_is_the_float_conv_of_the_dequantized_weight(rng, cin, cout, bits, group, dtype):
+    """Without act_bits each tile dequantizes the panels it uses (no float
+    copy of the weight per call) to the values s * q + b of a NumPy
+    dequantization: the result is the float convolution with that weight,
+    bit for bit, for float32 and float16 features and 1 or 2 threads."""
+    rel, feats, _ = make_case(rng, 500, cin, cout, bits, group)
+    weight = rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2
+    qw = QuantizedWeight.from_float(mx.array(weight).astype(dtype), bits=bits, group_size=group)
+    codes = codes_ref(qw)[:, :, :cin].astype(np.float32)  # (K, Cout, Cin)
+    g = np.arange(cin) // group
+    scales = np.array(qw.scales.astype(mx.float32))[:, :, g]
+    biases = np.array(qw.biases.astype(mx.float32))[:, :, g]
+    dense = np.ascontiguousarray((scales * codes + biases).transpose(0, 2, 1))  # (K, Cin, Cout)
+    f = mx.array(feats).astype(dtype)
+    want = ops.sparse_conv_features_from_relation(f.astype(mx.float32), mx.array(dense), rel)
+    want = np.array(want.astype(dtype).astype(mx.float32))
+    before = mlx_lattice.get_num_threads()
+    try:
+        for threads in (1, 2):
+            mlx_lattice.set_num_threads(threads)
+            got = ops.sparse_quantized_conv_features_from_relation(f, qw, rel)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.array(got.astype(mx.float32)), want)
+    finally:
+        mlx_lattice.set_num_threads(before)
+
+
 @pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES[:3])
 def test_error_against_float_within_activation_rounding(rng, cin, cout, bits, group):
     """|int8 path - float path with the same dequantized weight| is at most

@@ -103,18 +103,26 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
       out32.finish();
       return;
     }
-    std::vector<float> w(r.n_kernels * q.in_channels * q.out_channels);
-    kernels::dequantize_weight(packed.size() ? packed.data<uint8_t>() : nullptr,
-                               static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),
-                               in[3].data<float>(), r.n_kernels, q.out_channels, q.in_channels,
-                               q.storage_in_channels, q.group_size, q.bits, w.data());
     kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
+    const uint8_t* codes = packed.size() ? packed.data<uint8_t>() : nullptr;
+    const int64_t row_bytes = static_cast<int64_t>(packed.shape(2)) * 4;
     if (in[0].dtype() == o.dtype()) {
-      kernels::forward_conv(in[0].size() ? in[0].data<void>() : nullptr, cpu::format_of(o.dtype()), q.in_channels,
-                            w.data(), r.n_kernels, q.out_channels, csr, idx(r.in_rows),
-                            idx(r.out_rows), idx(r.kernel_ids), o.size() ? o.data<void>() : nullptr);
+      // Dequantized per tile and offset (cpu/conv_forward.cpp): no float
+      // copy of the weight.
+      kernels::QuantizedWeightView view{codes,          row_bytes,           in[2].data<float>(),
+                                        in[3].data<float>(), q.storage_in_channels, q.group_size,
+                                        q.bits};
+      kernels::forward_conv_quantized(in[0].size() ? in[0].data<void>() : nullptr,
+                                      cpu::format_of(o.dtype()), q.in_channels, view,
+                                      r.n_kernels, q.out_channels, csr, idx(r.in_rows),
+                                      idx(r.out_rows), idx(r.kernel_ids),
+                                      o.size() ? o.data<void>() : nullptr);
       return;
     }
+    std::vector<float> w(r.n_kernels * q.in_channels * q.out_channels);
+    kernels::dequantize_weight(codes, row_bytes, in[2].data<float>(), in[3].data<float>(),
+                               r.n_kernels, q.out_channels, q.in_channels,
+                               q.storage_in_channels, q.group_size, q.bits, w.data());
     FloatIn f32(in[0], 0);
     FloatOut out32(o);
     kernels::stationary_conv(f32.get(), q.in_channels, w.data(), r.n_kernels, out32.get(),

@@ -4,7 +4,13 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
+
 #include "gemm.h"
+#include "isa.h"
 #include "kernels.h"
 #include "parallel.h"
 #include "tiles.h"
@@ -23,22 +29,157 @@ struct Scratch {
   std::vector<int32_t> in_rows;
   std::vector<float> rows;  // a tile's converted input rows
   std::vector<float> tile;  // a tile's float32 output rows
+  std::vector<float> panel;  // one offset's dequantized weight
 };
 
 thread_local Scratch scratch;
 
-// gemm_rows over every offset of a tile whose pointer lists are filled.
-void tile_gemm(Scratch& s, const float* b, int64_t n_kernels, int64_t a_width, int64_t c_width) {
-  const int64_t b_stride = a_width * c_width;
+// gemm_rows over every offset of a tile whose pointer lists are filled;
+// panel(k) gives offset k's (a_width x c_width) matrix.
+template <typename Panel>
+void tile_gemm(Scratch& s, Panel&& panel, int64_t n_kernels, int64_t a_width, int64_t c_width) {
   for (int64_t k = 0; k < n_kernels; ++k) {
     const int64_t begin = s.edges.counts[k];
     const int64_t rows = s.edges.counts[k + 1] - begin;
     if (rows > 0) {
-      gemm_rows(rows, s.a_ptrs.data() + begin, b + k * b_stride, a_width, c_width,
+      gemm_rows(rows, s.a_ptrs.data() + begin, panel(k), a_width, c_width,
                 s.c_ptrs.data() + begin);
     }
   }
 }
+
+// The forward tile loop over tiles of `tile_rows` outputs: float32 rows
+// are read in place and written straight to `out`; half-precision rows are
+// converted per tile and the tile's float32 outputs rounded once.
+template <typename Panel>
+void forward_tiles(const void* feats, FloatFormat format, int64_t cin, Panel&& panel,
+                   int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
+                   const int32_t* c_index, const int32_t* kernel_ids, void* out,
+                   int64_t tile_rows) {
+  const bool wide = format == FloatFormat::kF32;
+  const uint16_t* f = static_cast<const uint16_t*>(feats);
+  const int64_t tiles = ceil_div(csr.groups, tile_rows);
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t g0 = tile * tile_rows;
+    const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
+    auto& s = scratch;
+    float* c = wide ? static_cast<float*>(out) + g0 * cout : nullptr;
+    if (wide) {
+      std::memset(c, 0, sizeof(float) * (g1 - g0) * cout);
+    } else {
+      s.tile.assign((g1 - g0) * cout, 0.0f);
+      c = s.tile.data();
+    }
+    if (csr.offsets[g1] > csr.offsets[g0]) {
+      const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
+      s.a_ptrs.resize(n_tile);
+      s.c_ptrs.resize(n_tile);
+      s.in_rows.resize(n_tile);
+      sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
+        s.in_rows[slot] = a_index[e];
+        s.c_ptrs[slot] = c + (static_cast<int64_t>(c_index[e]) - g0) * cout;
+      });
+      if (wide) {
+        const float* a = static_cast<const float*>(feats);
+        for (int64_t slot = 0; slot < n_tile; ++slot) {
+          s.a_ptrs[slot] = a + static_cast<int64_t>(s.in_rows[slot]) * cin;
+        }
+      } else {
+        if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);
+        // Rows kAhead slots ahead are requested while this one converts
+        // (the gathered rows are otherwise fetched one latency at a time).
+        constexpr int64_t kAhead = 8;
+        auto prefetch = [&](int64_t slot) {
+          if (slot >= n_tile) return;
+          const char* p =
+              reinterpret_cast<const char*>(f + static_cast<int64_t>(s.in_rows[slot]) * cin);
+          for (int64_t b = 0; b < cin * 2; b += 64) __builtin_prefetch(p + b);
+        };
+        for (int64_t slot = 0; slot < kAhead; ++slot) prefetch(slot);
+        for (int64_t slot = 0; slot < n_tile; ++slot) {
+          prefetch(slot + kAhead);
+          float* row = s.rows.data() + slot * cin;
+          convert_to_float32(f + static_cast<int64_t>(s.in_rows[slot]) * cin, format, cin, row);
+          s.a_ptrs[slot] = row;
+        }
+      }
+      tile_gemm(s, panel, n_kernels, cin, cout);
+    }
+    if (!wide) {
+      convert_from_float32(c, (g1 - g0) * cout, format, static_cast<uint16_t*>(out) + g0 * cout);
+    }
+  });
+}
+
+// A quantized weight's codes re-laid out per call as (K, cin, cout) bytes,
+// scales and biases as (K, groups, cout): the panel of one offset then
+// dequantizes with contiguous vector loads.
+struct Codes {
+  std::vector<uint8_t> q;
+  std::vector<float> s;
+  std::vector<float> b;
+};
+
+void unpack_codes(const QuantizedWeightView& w, int64_t n_kernels, int64_t cin, int64_t cout,
+                  Codes& out) {
+  const int64_t groups = w.storage_in / w.group_size;
+  out.q.resize(n_kernels * cin * cout);
+  out.s.resize(n_kernels * groups * cout);
+  out.b.resize(n_kernels * groups * cout);
+  const uint32_t value_mask = (1u << w.bits) - 1u;
+  parallel_for(n_kernels, [&](int64_t k) {
+    for (int64_t o = 0; o < cout; ++o) {
+      const int64_t row = k * cout + o;
+      const uint8_t* p = w.packed + row * w.row_bytes;
+      for (int64_t c = 0; c < cin; ++c) {
+        const int64_t bit = c * w.bits;
+        const int64_t byte = bit >> 3;
+        uint32_t v = p[byte];
+        if (byte + 1 < w.row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
+        out.q[(k * cin + c) * cout + o] = static_cast<uint8_t>((v >> (bit & 7)) & value_mask);
+      }
+      for (int64_t g = 0; g < groups; ++g) {
+        out.s[(k * groups + g) * cout + o] = w.scales[row * groups + g];
+        out.b[(k * groups + g) * cout + o] = w.biases[row * groups + g];
+      }
+    }
+  });
+}
+
+// panel[c, x] = s[g, x] * q[c, x] + b[g, x] (g = c / group), rounded after
+// the product and after the sum: dequantize_weight's values.
+void dequantize_panel_scalar(const uint8_t* q, const float* s, const float* b, int64_t cin,
+                             int64_t cout, int64_t group, float* panel) {
+  for (int64_t c = 0; c < cin; ++c) {
+    const float* sg = s + (c / group) * cout;
+    const float* bg = b + (c / group) * cout;
+    for (int64_t x = 0; x < cout; ++x) {
+      panel[c * cout + x] = sg[x] * static_cast<float>(q[c * cout + x]) + bg[x];
+    }
+  }
+}
+
+#ifdef MLX_LATTICE_X86
+__attribute__((target("avx512f"))) void dequantize_panel_avx512(const uint8_t* q, const float* s,
+                                                                const float* b, int64_t cin,
+                                                                int64_t cout, int64_t group,
+                                                                float* panel) {
+  for (int64_t c = 0; c < cin; ++c) {
+    const float* sg = s + (c / group) * cout;
+    const float* bg = b + (c / group) * cout;
+    const uint8_t* qc = q + c * cout;
+    float* pc = panel + c * cout;
+    int64_t x = 0;
+    for (; x + 16 <= cout; x += 16) {
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qc + x));
+      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sg + x), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+      asm("" : "+v"(v));  // no fused multiply-add: the product rounds on its own
+      _mm512_storeu_ps(pc + x, _mm512_add_ps(v, _mm512_loadu_ps(bg + x)));
+    }
+    for (; x < cout; ++x) pc[x] = sg[x] * static_cast<float>(qc[x]) + bg[x];
+  }
+}
+#endif
 
 }  // namespace
 
@@ -59,7 +200,8 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
       s.a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
       s.c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
     });
-    tile_gemm(s, b, n_kernels, a_width, c_width);
+    const int64_t b_stride = a_width * c_width;
+    tile_gemm(s, [&](int64_t k) { return b + k * b_stride; }, n_kernels, a_width, c_width);
   });
 }
 
@@ -71,45 +213,35 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
                     static_cast<float*>(out), cout, csr, a_index, c_index, kernel_ids);
     return;
   }
-  const uint16_t* f = static_cast<const uint16_t*>(feats);
-  uint16_t* o = static_cast<uint16_t*>(out);
-  const int64_t tiles = ceil_div(csr.groups, kTileRows);
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
-    auto& s = scratch;
-    s.tile.assign((g1 - g0) * cout, 0.0f);
-    if (csr.offsets[g1] > csr.offsets[g0]) {
-      const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
-      s.a_ptrs.resize(n_tile);
-      s.c_ptrs.resize(n_tile);
-      s.in_rows.resize(n_tile);
-      sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-        s.in_rows[slot] = a_index[e];
-        s.c_ptrs[slot] = s.tile.data() + (static_cast<int64_t>(c_index[e]) - g0) * cout;
-      });
-      if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);
-      // Rows kAhead slots ahead are requested while this one converts (the
-      // gathered rows are otherwise fetched one latency at a time).
-      constexpr int64_t kAhead = 8;
-      const int64_t row_bytes = cin * 2;
-      auto prefetch = [&](int64_t slot) {
-        if (slot >= n_tile) return;
-        const char* p =
-            reinterpret_cast<const char*>(f + static_cast<int64_t>(s.in_rows[slot]) * cin);
-        for (int64_t b = 0; b < row_bytes; b += 64) __builtin_prefetch(p + b);
-      };
-      for (int64_t slot = 0; slot < kAhead; ++slot) prefetch(slot);
-      for (int64_t slot = 0; slot < n_tile; ++slot) {
-        prefetch(slot + kAhead);
-        float* row = s.rows.data() + slot * cin;
-        convert_to_float32(f + static_cast<int64_t>(s.in_rows[slot]) * cin, format, cin, row);
-        s.a_ptrs[slot] = row;
-      }
-      tile_gemm(s, weight, n_kernels, cin, cout);
-    }
-    convert_from_float32(s.tile.data(), (g1 - g0) * cout, format, o + g0 * cout);
-  });
+  const int64_t stride = cin * cout;
+  forward_tiles(feats, format, cin, [&](int64_t k) { return weight + k * stride; }, n_kernels,
+                cout, csr, a_index, c_index, kernel_ids, out, kTileRows);
+}
+
+void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
+                            const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
+                            const Csr& csr, const int32_t* a_index, const int32_t* c_index,
+                            const int32_t* kernel_ids, void* out) {
+  // Larger tiles than the float path: each tile dequantizes one panel per
+  // offset it uses, so more rows per panel amortize it (about 2% at C64).
+  constexpr int64_t kQuantizedTileRows = 4 * kTileRows;
+  thread_local Codes codes;
+  Codes& w = codes;  // the workers below use this thread's codes
+  unpack_codes(weight, n_kernels, cin, cout, w);
+  const int64_t groups = weight.storage_in / weight.group_size;
+  auto dequantize = dequantize_panel_scalar;
+#ifdef MLX_LATTICE_X86
+  if (isa::isa_usable(isa::Isa::kAvx512)) dequantize = dequantize_panel_avx512;
+#endif
+  auto panel = [&](int64_t k) {
+    auto& p = scratch.panel;
+    if (static_cast<int64_t>(p.size()) < cin * cout) p.resize(cin * cout);
+    dequantize(w.q.data() + k * cin * cout, w.s.data() + k * groups * cout,
+               w.b.data() + k * groups * cout, cin, cout, weight.group_size, p.data());
+    return static_cast<const float*>(p.data());
+  };
+  forward_tiles(feats, format, cin, panel, n_kernels, cout, csr, a_index, c_index, kernel_ids,
+                out, kQuantizedTileRows);
 }
 
 }  // namespace mlx_lattice::kernels

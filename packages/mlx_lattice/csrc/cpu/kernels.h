@@ -52,6 +52,29 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
                   int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
                   const int32_t* c_index, const int32_t* kernel_ids, void* out);
 
+// A group-affine quantized weight in mx.quantize's layout: packed codes
+// (K, cout, row_bytes), `bits` each little-endian over rows of storage_in
+// values, scales and biases (K, cout, storage_in / group_size).
+struct QuantizedWeightView {
+  const uint8_t* packed = nullptr;
+  int64_t row_bytes = 0;
+  const float* scales = nullptr;
+  const float* biases = nullptr;
+  int64_t storage_in = 0;
+  int64_t group_size = 0;
+  int bits = 8;
+};
+
+// forward_conv with a quantized weight (K, cin, cout) and no float copy of
+// it: per call its codes are re-laid out as bytes (K * cin * cout), and each
+// tile dequantizes the (cin, cout) panel of every offset it uses into a
+// per-thread buffer, with dequantize_weight's values (so the result is the
+// float path's with the dequantized weight, bit for bit).
+void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
+                            const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
+                            const Csr& csr, const int32_t* a_index, const int32_t* c_index,
+                            const int32_t* kernel_ids, void* out);
+
 // dW[k] = sum over edges e of offset k of F[in_rows[e]]^T G[out_rows[e]],
 // edges in kernel-CSR order. dW is (K, cin, cout), overwritten.
 void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,

@@ -336,9 +336,22 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
 #endif
 #ifdef MLX_LATTICE_X86
   if (has_avx512()) {
-    for_each_block(m, a_rows, kdim, n, c_rows, [&](const float* const* a, float* const* c) {
+    // Full blocks of 6 rows, then a block of the 1-5 rows left (no padding
+    // rows computed: about 7% of the work at 28 rows per offset and tile).
+    const int64_t full = m / kRows * kRows;
+    for_each_block(full, a_rows, kdim, n, c_rows, [&](const float* const* a, float* const* c) {
       rows512<6, false>(a, b, nullptr, kdim, n, 0, c);
     });
+    const float* const* a = a_rows + full;
+    float* const* c = c_rows + full;
+    switch (m - full) {
+      case 5: rows512<5, false>(a, b, nullptr, kdim, n, 0, c); break;
+      case 4: rows512<4, false>(a, b, nullptr, kdim, n, 0, c); break;
+      case 3: rows512<3, false>(a, b, nullptr, kdim, n, 0, c); break;
+      case 2: rows512<2, false>(a, b, nullptr, kdim, n, 0, c); break;
+      case 1: rows512<1, false>(a, b, nullptr, kdim, n, 0, c); break;
+      default: break;
+    }
     return;
   }
   if (has_avx2()) {

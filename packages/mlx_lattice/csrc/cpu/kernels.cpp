@@ -200,26 +200,46 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
                      const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
                      float* dweight) {
   constexpr int64_t kChunk = 128;  // edges whose rows stay in L1/L2 across strips
+  // Edges per band: a task walks its offsets band by band (band b of every
+  // offset, then band b + 1), so with edges in output order the feature and
+  // gradient rows of a band (a few hundred KB) serve all its offsets from
+  // cache instead of every offset streaming both whole arrays again. Each
+  // dW value still accumulates its offset's edges in kernel-CSR order, one
+  // fused multiply-add after the other, so neither the bands, the grouping
+  // of offsets nor the thread count change the bits.
+  constexpr int64_t kBandEdges = 8192;
   const int64_t n_kernels = kernel_csr.groups;
-  // One task per offset; with few offsets, split the rows of dW too so every
-  // thread has work (rows never share a reduction, so bits do not change).
+  if (n_kernels == 0) return;
+  const int64_t n_edges = kernel_csr.offsets[n_kernels] - kernel_csr.offsets[0];
+  const int64_t bands = std::max<int64_t>(1, ceil_div(n_edges, kBandEdges));
+  // Offsets in contiguous groups of about equal edge counts, two per thread
+  // (tasks are claimed dynamically); with few offsets, the rows of dW are
+  // split too so every thread has work.
+  const int64_t n_groups =
+      std::min<int64_t>(n_kernels, 2 * static_cast<int64_t>(std::max(1, get_num_threads())));
+  std::vector<int64_t> first(n_groups + 1, n_kernels);
+  first[0] = 0;
+  for (int64_t k = 0, g = 1; k < n_kernels && g < n_groups; ++k) {
+    const int64_t done = kernel_csr.offsets[k + 1] - kernel_csr.offsets[0];
+    if (done * n_groups >= g * n_edges && n_kernels - (k + 1) >= n_groups - g) first[g++] = k + 1;
+  }
+  for (int64_t g = n_groups - 1; g > 0; --g) first[g] = std::min(first[g], first[g + 1]);
   const int64_t row_block = n_kernels >= 8 ? cin : 24;
   const int64_t row_blocks = ceil_div(cin, row_block);
-  parallel_for(n_kernels * row_blocks, [&](int64_t task) {
-    const int64_t k = task / row_blocks;
+  parallel_for(n_groups * row_blocks, [&](int64_t task) {
+    const int64_t k0 = first[task / row_blocks];
+    const int64_t k1 = first[task / row_blocks + 1];
     const int64_t r0 = (task % row_blocks) * row_block;
     const int64_t r1 = std::min(cin, r0 + row_block);
-    float* dw = dweight + k * cin * cout;
-    std::memset(dw + r0 * cout, 0, sizeof(float) * (r1 - r0) * cout);
-    const int64_t j_begin = kernel_csr.offsets[k];
-    const int64_t j_end = kernel_csr.offsets[k + 1];
+    for (int64_t k = k0; k < k1; ++k) {
+      std::memset(dweight + (k * cin + r0) * cout, 0, sizeof(float) * (r1 - r0) * cout);
+    }
     auto& s = scratch;
     // Two pointer buffers: the next chunk's rows are gathered and prefetched
-    // while the current chunk computes (its first pass is otherwise bound by
-    // the latency of rows scattered over the whole feature arrays).
+    // while the current chunk computes.
     s.a_ptrs.resize(2 * kChunk);
     s.pack_a_rows.resize(2 * kChunk);
-    auto gather = [&](int64_t j0, int slot) {
+    auto gather = [&](int64_t j0, int64_t j_end, int slot) {
       const int64_t m = std::min<int64_t>(kChunk, j_end - j0);
       const float** f = s.pack_a_rows.data() + slot * kChunk;
       const float** g = s.a_ptrs.data() + slot * kChunk;
@@ -232,15 +252,24 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
       }
       return m;
     };
-    if (j_begin >= j_end) return;
-    int slot = 0;
-    int64_t m = gather(j_begin, slot);
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
-      const int64_t next = j0 + kChunk < j_end ? gather(j0 + kChunk, 1 - slot) : 0;
-      gemm_outer(m, s.pack_a_rows.data() + slot * kChunk, s.a_ptrs.data() + slot * kChunk, r0, r1,
-                 dw, cout);
-      slot = 1 - slot;
-      m = next;
+    for (int64_t band = 0; band < bands; ++band) {
+      for (int64_t k = k0; k < k1; ++k) {
+        const int64_t begin = kernel_csr.offsets[k];
+        const int64_t len = kernel_csr.offsets[k + 1] - begin;
+        const int64_t j_begin = begin + len * band / bands;
+        const int64_t j_end = begin + len * (band + 1) / bands;
+        if (j_begin >= j_end) continue;
+        float* dw = dweight + k * cin * cout;
+        int slot = 0;
+        int64_t m = gather(j_begin, j_end, slot);
+        for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
+          const int64_t next = j0 + kChunk < j_end ? gather(j0 + kChunk, j_end, 1 - slot) : 0;
+          gemm_outer(m, s.pack_a_rows.data() + slot * kChunk, s.a_ptrs.data() + slot * kChunk,
+                     r0, r1, dw, cout);
+          slot = 1 - slot;
+          m = next;
+        }
+      }
     }
   });
 }

@@ -4,7 +4,8 @@ One run, one machine: the built-in 64-beam scan voxelized at 5 cm, a
 submanifold 3x3x3 relation, 64 -> 64 channels. Prints the relation build
 time and, per kernel, the useful rate 2 * edges * Cin * Cout / time as
 GFLOP/s (GOP/s for integer kernels; each case's best of interleaved rounds,
-its median round beside it) against two yardsticks measured in the same run (benchmarks/yardstick.py): NumPy's real sgemm rate (a child process
+its median round beside it) against two yardsticks measured in the same
+run (benchmarks/yardstick.py): NumPy's real sgemm rate (a child process
 without the OpenBLAS core pin) and the machine's measured vector peak of the
 kernel's instruction family (fp32 FMA; int8 VNNI for the int8-activation
 kernels; bf16 dot for bf16), plus the speed-up over the fp32 forward.

@@ -36,9 +36,11 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                // Half-precision rows converted per tile (cpu/conv_forward.cpp).
                FloatIn b32(b, 1);
                kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
-               kernels::forward_conv(a.size() ? a.data<void>() : nullptr, cpu::format_of(a.dtype()), a.shape(1),
-                                     b32.get(), r.n_kernels, b.shape(2), csr, idx(r.in_rows),
-                                     idx(r.out_rows), idx(r.kernel_ids), o.size() ? o.data<void>() : nullptr);
+               kernels::forward_conv(a.size() ? a.data<void>() : nullptr,
+                                     cpu::format_of(a.dtype()), a.shape(1), b32.get(),
+                                     r.n_kernels, b.shape(2), csr, idx(r.in_rows),
+                                     idx(r.out_rows), idx(r.kernel_ids),
+                                     o.size() ? o.data<void>() : nullptr);
                return;
              }
              FloatIn a32(a, 0), b32(b, 1);
@@ -109,8 +111,12 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
     if (in[0].dtype() == o.dtype()) {
       // Dequantized per tile and offset (cpu/conv_forward.cpp): no float
       // copy of the weight.
-      kernels::QuantizedWeightView view{codes,          row_bytes,           in[2].data<float>(),
-                                        in[3].data<float>(), q.storage_in_channels, q.group_size,
+      kernels::QuantizedWeightView view{codes,
+                                        row_bytes,
+                                        in[2].data<float>(),
+                                        in[3].data<float>(),
+                                        q.storage_in_channels,
+                                        q.group_size,
                                         q.bits};
       kernels::forward_conv_quantized(in[0].size() ? in[0].data<void>() : nullptr,
                                       cpu::format_of(o.dtype()), q.in_channels, view,

@@ -172,7 +172,8 @@ __attribute__((target("avx512f"))) void dequantize_panel_avx512(const uint8_t* q
     int64_t x = 0;
     for (; x + 16 <= cout; x += 16) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qc + x));
-      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sg + x), _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)));
+      const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sg + x), codes);
       asm("" : "+v"(v));  // no fused multiply-add: the product rounds on its own
       _mm512_storeu_ps(pc + x, _mm512_add_ps(v, _mm512_loadu_ps(bg + x)));
     }

@@ -75,9 +75,11 @@ void forward_tiles(const void* feats, FloatFormat format, int64_t cin, Panel&& p
       s.a_ptrs.resize(n_tile);
       s.c_ptrs.resize(n_tile);
       s.in_rows.resize(n_tile);
+      int32_t* in_rows = s.in_rows.data();
+      float** c_ptrs = s.c_ptrs.data();
       sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-        s.in_rows[slot] = a_index[e];
-        s.c_ptrs[slot] = c + (static_cast<int64_t>(c_index[e]) - g0) * cout;
+        in_rows[slot] = a_index[e];
+        c_ptrs[slot] = c + (static_cast<int64_t>(c_index[e]) - g0) * cout;
       });
       if (wide) {
         const float* a = static_cast<const float*>(feats);
@@ -197,9 +199,11 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
     const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
     s.a_ptrs.resize(n_tile);
     s.c_ptrs.resize(n_tile);
+    const float** a_ptrs = s.a_ptrs.data();
+    float** c_ptrs = s.c_ptrs.data();
     sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-      s.a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
-      s.c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
+      a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
+      c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
     });
     const int64_t b_stride = a_width * c_width;
     tile_gemm(s, [&](int64_t k) { return b + k * b_stride; }, n_kernels, a_width, c_width);

@@ -376,6 +376,9 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
               buf.weight);
   const PackedWeight& w = buf.weight;
   const BlockFn block = selected().block;
+  const int8_t* q = buf.q.data();
+  const float* scale = buf.scale.data();
+  const int32_t* gsum = buf.gsum.data();
   // A zero row for padding partial blocks.
   const std::vector<int8_t> zero_row(storage_in, 0);
   const std::vector<int32_t> zero_sums(groups, 0);
@@ -390,9 +393,11 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
     s.rows.resize(n_tile);
     s.c_ptrs.resize(n_tile);
+    int32_t* rows = s.rows.data();
+    float** c_ptrs = s.c_ptrs.data();
     sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-      s.rows[slot] = a_index[e];
-      s.c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+      rows[slot] = a_index[e];
+      c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
     });
     const auto& counts = s.edges.counts;
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
@@ -404,17 +409,17 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
         // the quantized features: their loads go out now, behind this
         // block's arithmetic.
         for (int64_t i = r + kRows; i < std::min<int64_t>(end, r + 2 * kRows); ++i) {
-          const int8_t* next = buf.q.data() + static_cast<int64_t>(s.rows[i]) * storage_in;
+          const int8_t* next = q + static_cast<int64_t>(rows[i]) * storage_in;
           for (int64_t x = 0; x < storage_in; x += 64) __builtin_prefetch(next + x);
         }
         blk.rows = static_cast<int>(std::min<int64_t>(kRows, end - r));
         for (int i = 0; i < kRows; ++i) {
           if (r + i < end) {
-            const int64_t row = s.rows[r + i];
-            blk.a[i] = buf.q.data() + row * storage_in;
-            blk.sa[i] = buf.scale[row];
-            blk.gsum[i] = buf.gsum.data() + row * groups;
-            blk.c[i] = s.c_ptrs[r + i];
+            const int64_t row = rows[r + i];
+            blk.a[i] = q + row * storage_in;
+            blk.sa[i] = scale[row];
+            blk.gsum[i] = gsum + row * groups;
+            blk.c[i] = c_ptrs[r + i];
           } else {
             blk.a[i] = zero_row.data();
             blk.sa[i] = 0.0f;

@@ -32,20 +32,26 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
   const int64_t j1 = csr.offsets[g1];
   t.counts.assign(n_kernels + 1, 0);
   t.edges.resize(j1 - j0);
-  if (csr.edge_ids) {
-    for (int64_t j = j0; j < j1; ++j) ++t.counts[kernel_ids[csr.edge_ids[j]] + 1];
+  // Raw pointers in locals: the library builds with -fno-strict-aliasing,
+  // so every int32 store would otherwise reload the vectors' data pointers.
+  int32_t* counts = t.counts.data();
+  int32_t* edges = t.edges.data();
+  const int32_t* edge_ids = csr.edge_ids;
+  if (edge_ids) {
+    for (int64_t j = j0; j < j1; ++j) ++counts[kernel_ids[edge_ids[j]] + 1];
   } else {
     // The tile's offsets are one contiguous range: all its lines requested
     // at once rather than one miss at a time.
     for (int64_t j = j0; j < j1; j += 16) __builtin_prefetch(kernel_ids + j);
-    for (int64_t j = j0; j < j1; ++j) ++t.counts[kernel_ids[j] + 1];
+    for (int64_t j = j0; j < j1; ++j) ++counts[kernel_ids[j] + 1];
   }
-  for (int64_t k = 0; k < n_kernels; ++k) t.counts[k + 1] += t.counts[k];
+  for (int64_t k = 0; k < n_kernels; ++k) counts[k + 1] += counts[k];
   t.cursor.assign(t.counts.begin(), t.counts.end() - 1);
+  int32_t* cursor = t.cursor.data();
   for (int64_t j = j0; j < j1; ++j) {
-    const int32_t e = csr.edge_ids ? csr.edge_ids[j] : static_cast<int32_t>(j);
-    const int32_t slot = t.cursor[kernel_ids[e]]++;
-    t.edges[slot] = e;
+    const int32_t e = edge_ids ? edge_ids[j] : static_cast<int32_t>(j);
+    const int32_t slot = cursor[kernel_ids[e]]++;
+    edges[slot] = e;
     fill(slot, e);
   }
 }

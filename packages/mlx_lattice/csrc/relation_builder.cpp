@@ -158,6 +158,9 @@ struct Int32Buffer {
   int32_t* data = nullptr;
 };
 
+// At most 7^3 kernel offsets.
+constexpr int64_t kMaxKernels = 343;
+
 // Set bits of v (portable: no popcnt instruction assumed).
 inline int32_t popcount32(uint32_t v) {
   v = v - ((v >> 1) & 0x55555555u);
@@ -203,6 +206,40 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, int32_t* off
     int32_t* next = cursor.data() + c * groups;
     for (int64_t e = c * per; e < std::min(n_edges, (c + 1) * per); ++e) {
       edge_ids[next[keys[e]]++] = static_cast<int32_t>(e);
+    }
+  });
+}
+
+// The kernel grouping from each output row's offset mask (bit k: the row has
+// an edge at offset k, edges of a row stored by ascending k from its
+// offset): tiles of rows count their offsets, then write their edge ids into
+// each offset's group in row order, the same stable order as group_by.
+void group_by_offset(const uint32_t* masks, const int32_t* out_offsets, int64_t n_out,
+                     int64_t n_kernels, int32_t* k_offsets, int32_t* k_edge_ids) {
+  constexpr int64_t kTile = 8192;
+  const int64_t tiles = (n_out + kTile - 1) / kTile;
+  std::vector<int32_t> cursor(tiles * n_kernels, 0);  // per tile and offset
+  parallel_for(tiles, [&](int64_t t) {
+    int32_t* count = cursor.data() + t * n_kernels;
+    for (int64_t o = t * kTile; o < std::min(n_out, (t + 1) * kTile); ++o) {
+      for (uint32_t m = masks[o]; m != 0; m &= m - 1) ++count[__builtin_ctz(m)];
+    }
+  });
+  int32_t total = 0;
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    k_offsets[k] = total;
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int32_t n = cursor[t * n_kernels + k];
+      cursor[t * n_kernels + k] = total;
+      total += n;
+    }
+  }
+  k_offsets[n_kernels] = total;
+  parallel_for(tiles, [&](int64_t t) {
+    int32_t* next = cursor.data() + t * n_kernels;
+    for (int64_t o = t * kTile; o < std::min(n_out, (t + 1) * kTile); ++o) {
+      int32_t e = out_offsets[o];
+      for (uint32_t m = masks[o]; m != 0; m &= m - 1) k_edge_ids[next[__builtin_ctz(m)]++] = e++;
     }
   });
 }
@@ -365,15 +402,21 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     out_rows = Int32Buffer(n_edges);
     kernel_ids = Int32Buffer(n_edges);
   };
-  auto write_row = [&](int64_t o, const int32_t* nbr) {
-    int64_t e = out_offsets.data[o];
+  // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
+  // its neighbours and their offsets (compacted without branches: whether a
+  // neighbour exists is data, not a pattern the branch predictor learns).
+  auto write_row = [&](int64_t o, const int32_t* nbr, int32_t* present, int32_t* kernel) {
+    int64_t m = 0;
     for (int64_t k = 0; k < n_kernels; ++k) {
-      if (nbr[k] < 0) continue;
-      in_rows.data[e] = nbr[k];
-      out_rows.data[e] = static_cast<int32_t>(o);
-      kernel_ids.data[e] = static_cast<int32_t>(k);
-      ++e;
+      present[m] = nbr[k];
+      kernel[m] = static_cast<int32_t>(k);
+      m += nbr[k] >= 0;
     }
+    const int64_t e = out_offsets.data[o];
+    std::copy(present, present + m, in_rows.data + e);
+    std::fill(out_rows.data + e, out_rows.data + e + m, static_cast<int32_t>(o));
+    std::copy(kernel, kernel + m, kernel_ids.data + e);
+    return m;
   };
   // A self relation with odd kernel sizes is symmetric: the edges into
   // input p are the mirrors of p's own edges, so p's input group (edge ids
@@ -400,18 +443,17 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     allocate_edges();
     if (mirrored) in_edge_ids = Int32Buffer(out_offsets.data[n_out]);
     grid.for_each_row(offsets, [&](int64_t o, const int32_t* nbr) {
-      write_row(o, nbr);
+      int32_t present[kMaxKernels], kernel[kMaxKernels];
+      const int64_t m = write_row(o, nbr, present, kernel);
       if (!mirrored) return;
       // Edge (in o, out q, K - 1 - k) for each neighbour q = nbr[k]; ids
       // ascend with q, so sort the (at most 32) ids.
       int32_t ids[32];
-      int m = 0;
-      for (int64_t k = 0; k < n_kernels; ++k) {
-        const int32_t q = nbr[k];
-        if (q < 0) continue;
-        const uint32_t below = (uint32_t{1} << (n_kernels - 1 - k)) - 1;
+      for (int64_t i = 0; i < m; ++i) {
+        const int32_t q = present[i];
+        const uint32_t below = (uint32_t{1} << (n_kernels - 1 - kernel[i])) - 1;
         const int32_t id = out_offsets.data[q] + popcount32(masks[q] & below);
-        int j = m++;
+        int64_t j = i;
         for (; j > 0 && ids[j - 1] > id; --j) ids[j] = ids[j - 1];
         ids[j] = id;
       }
@@ -435,7 +477,10 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     allocate_edges();
     parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
       const int64_t o1 = std::min(n_out, (t + 1) * tile);
-      for (int64_t o = t * tile; o < o1; ++o) write_row(o, map.data() + o * n_kernels);
+      int32_t present[kMaxKernels], kernel[kMaxKernels];
+      for (int64_t o = t * tile; o < o1; ++o) {
+        write_row(o, map.data() + o * n_kernels, present, kernel);
+      }
     });
   }
   const int64_t n_edges = out_offsets.data[n_out];
@@ -443,11 +488,13 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   Int32Buffer in_offsets(n_in + 1), k_offsets(n_kernels + 1), k_edge_ids(n_edges);
   if (mirrored) {
     std::copy(out_offsets.data, out_offsets.data + n_out + 1, in_offsets.data);
+    group_by_offset(masks.data(), out_offsets.data, n_out, n_kernels, k_offsets.data,
+                    k_edge_ids.data);
   } else {
     in_edge_ids = Int32Buffer(n_edges);
     group_by(in_rows.data, n_edges, n_in, in_offsets.data, in_edge_ids.data);
+    group_by(kernel_ids.data, n_edges, n_kernels, k_offsets.data, k_edge_ids.data);
   }
-  group_by(kernel_ids.data, n_edges, n_kernels, k_offsets.data, k_edge_ids.data);
 
   std::map<std::string, mx::array> result;
   result.emplace("out_coords", out);

@@ -3,9 +3,10 @@ reference and against the fp32 forward convolution it feeds.
 
 Two built-in cases: the LiDAR scan (about 100k voxels) and a large surface
 (a sphere sampled on a 512^3 grid, about 709k voxels, 13.6 edges per
-voxel). For each: relation build, the NumPy reference (sorted keys and
-``searchsorted`` per offset), and the C64 fp32 forward on the built relation,
-measured interleaved, reported as ratios.
+voxel). For each: relation build, the same relation through the coordinate
+hash (outputs given), the NumPy reference (sorted keys and ``searchsorted``
+per offset) and the C64 fp32 forward on the built relation, measured
+interleaved, reported as ratios.
 """
 
 from __future__ import annotations
@@ -71,9 +72,16 @@ def measure(name: str, coords_np: np.ndarray, rng: np.random.Generator) -> None:
     assert numpy_relation(coords_np) == rel.n_edges
     feats = mx.array(rng.standard_normal((rel.n_in, CHANNELS), dtype=np.float32))
     weight = mx.array(rng.standard_normal((27, CHANNELS, CHANNELS), dtype=np.float32) / 40)
-    build, ref, forward = [], [], []
+    build, hashed, ref, forward = [], [], [], []
     for _ in range(ROUNDS):
         build.append(median_s(lambda: build_kernel_relation(coords, kernel_size=3), repeats=3))
+        # The same relation with its outputs given takes the coordinate hash.
+        hashed.append(
+            median_s(
+                lambda: build_kernel_relation(coords, coords, kernel_size=3, kind="forward"),
+                repeats=3,
+            )
+        )
         ref.append(median_s(lambda: numpy_relation(coords_np), repeats=1))
         forward.append(
             median_s(
@@ -81,11 +89,12 @@ def measure(name: str, coords_np: np.ndarray, rng: np.random.Generator) -> None:
                 repeats=3,
             )
         )
-    b, r, f = (statistics.median(x) for x in (build, ref, forward))
+    b, h, r, f = (statistics.median(x) for x in (build, hashed, ref, forward))
     print(
         f"{name}: {rel.n_in} voxels, {rel.n_edges} edges ({rel.n_edges / rel.n_in:.1f}/voxel): "
         f"build {b * 1e3:.0f} ms, NumPy reference {r * 1e3:.0f} ms, fp32 forward C{CHANNELS} "
-        f"{f * 1e3:.0f} ms; build/forward {b / f:.2f}, NumPy/build {r / b:.2f}"
+        f"{f * 1e3:.0f} ms; build/forward {b / f:.2f}, NumPy/build {r / b:.2f}, "
+        f"coordinate-hash path/build {h / b:.2f}"
     )
 
 

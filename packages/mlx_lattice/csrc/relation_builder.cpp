@@ -3,11 +3,17 @@
 #include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <sstream>
 #include <vector>
 
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
+
 #include "common.h"
-#include "cpu/kernels.h"
+#include "relation_grid.h"
+#include "relation_groups.h"
 #include "cpu/parallel.h"
 #include "validate.h"
 
@@ -122,106 +128,67 @@ mx::array to_array(const std::vector<int32_t>& v, mx::Shape shape) {
   return mx::array(v.data(), std::move(shape), mx::int32);
 }
 
-}  // namespace
-
-void check_coordinates(const mx::array& coords, const std::string& name) {
-  auto c = concrete_coords(coords, name);
-  index_coords(idx_or_null(c), c.shape(0), name);
+// Asks the kernel to back the 2 MiB-aligned interior of a large fresh buffer
+// with huge pages: the buffer is written once, and faulting it in 4 KiB pages
+// costs about as much as building the relation's edges (Linux; elsewhere, or
+// when transparent huge pages are off, the advice is a no-op).
+void advise_huge_pages(void* data, size_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
+  if (bytes < 2 * kHuge) return;
+  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
+  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
+  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
+#else
+  (void)data;
+  (void)bytes;
+#endif
 }
 
-std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coords,
-                                                       const std::optional<mx::array>& out_coords,
-                                                       Triple kernel_size, Triple stride,
-                                                       Triple dilation, Triple tensor_stride,
-                                                       const std::string& kind) {
-  const std::string op = "build_kernel_relation";
-  for (int a = 0; a < 3; ++a) {
-    if (kernel_size[a] < 1 || kernel_size[a] > 7) {
-      fail(op, "kernel_size must be in [1, 7] per axis, got " + std::to_string(kernel_size[a]) +
-                   ".");
-    }
-    if (stride[a] < 1 || dilation[a] < 1 || tensor_stride[a] < 1) {
-      fail(op, "stride, dilation and tensor_stride must be >= 1.");
-    }
+// An int32 vector allocated by MLX and written in place: the result arrays
+// are filled directly (no copy, and MLX's allocator reuses freed buffers).
+struct Int32Buffer {
+  Int32Buffer() = default;
+  explicit Int32Buffer(int64_t n)
+      : array(mx::allocator::malloc(sizeof(int32_t) * std::max<int64_t>(n, 1)),
+              {static_cast<int>(n)}, mx::int32),
+        data(array.data<int32_t>()) {
+    advise_huge_pages(data, sizeof(int32_t) * n);
   }
-  if (kind != "submanifold" && kind != "forward" && kind != "target") {
-    fail(op, "kind must be 'submanifold', 'forward' or 'target', got '" + kind + "'.");
-  }
-  if (kind == "submanifold" && out_coords) {
-    fail(op, "a submanifold relation has out_coords = in_coords; do not pass out_coords.");
-  }
-  if (kind == "target" && !out_coords) {
-    fail(op, "a target relation needs out_coords (the finer coordinates to produce).");
-  }
-  if (kind != "forward" && stride != Triple{1, 1, 1}) {
-    fail(op, "stride applies to 'forward' relations only; a '" + kind +
-                 "' relation takes stride 1 (use tensor_stride for the grid spacing).");
-  }
+  mx::array array{0};
+  int32_t* data = nullptr;
+};
 
-  auto in = concrete_coords(in_coords, "in_coords");
-  const int64_t n_in = in.shape(0);
-  const int32_t* in_c = idx_or_null(in);
-  CoordTable table = index_coords(in_c, n_in, "in_coords");
+// At most 7^3 kernel offsets.
+constexpr int64_t kMaxKernels = 343;
 
-  // Output coordinates.
-  std::vector<int32_t> out_buf;
-  mx::array out = in;
-  if (out_coords) {
-    out = concrete_coords(*out_coords, "out_coords");
-    index_coords(idx_or_null(out), out.shape(0), "out_coords");
-  } else if (kind == "forward" && stride != Triple{1, 1, 1}) {
-    int64_t step[3];
-    for (int a = 0; a < 3; ++a) step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];
-    out_buf.reserve(4 * n_in);
-    std::vector<int32_t> scratch(4 * n_in);
-    int64_t n = 0;
-    for (int64_t r = 0; r < n_in; ++r) {
-      int32_t* c = scratch.data() + 4 * n;
-      c[0] = in_c[4 * r];
-      for (int a = 0; a < 3; ++a) {
-        c[a + 1] = static_cast<int32_t>(floor_to(in_c[4 * r + a + 1], step[a]));
-      }
-      ++n;
-    }
-    // Unique in order of first appearance.
-    CoordTable seen(scratch.data(), n);
-    for (int64_t r = 0; r < n; ++r) {
-      if (seen.insert(static_cast<int32_t>(r)) < 0) {
-        out_buf.insert(out_buf.end(), scratch.begin() + 4 * r, scratch.begin() + 4 * r + 4);
-      }
-    }
-    out = to_array(out_buf, {static_cast<int>(out_buf.size() / 4), 4});
+// Set bits of v (portable: no popcnt instruction assumed).
+inline int32_t popcount32(uint32_t v) {
+  v = v - ((v >> 1) & 0x55555555u);
+  v = (v & 0x33333333u) + ((v >> 2) & 0x33333333u);
+  return static_cast<int32_t>((((v + (v >> 4)) & 0x0f0f0f0fu) * 0x01010101u) >> 24);
+}
+
+// Raises when the counts in offsets[1..n_out] sum past int32.
+void check_edge_count(int64_t n_out, const int32_t* counts) {
+  int64_t total = 0;
+  for (int64_t o = 0; o < n_out; ++o) total += counts[o + 1];
+  if (total > std::numeric_limits<int32_t>::max()) {
+    fail("build_kernel_relation", "the relation has more than 2^31 - 1 edges.");
   }
-  const int64_t n_out = out.shape(0);
-  const int32_t* out_c = out_buf.empty() ? idx_or_null(out) : out_buf.data();
+}
 
-  // Kernel offsets, x-major.
-  const int64_t n_kernels = static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
-  const int64_t sign = kind == "target" ? -1 : 1;
-  std::vector<std::array<int64_t, 3>> offsets;
-  for (int ix = 0; ix < kernel_size[0]; ++ix) {
-    for (int iy = 0; iy < kernel_size[1]; ++iy) {
-      for (int iz = 0; iz < kernel_size[2]; ++iz) {
-        int i[3] = {ix, iy, iz};
-        std::array<int64_t, 3> off;
-        for (int a = 0; a < 3; ++a) {
-          off[a] = sign * static_cast<int64_t>(i[a] - (kernel_size[a] - 1) / 2) * dilation[a] *
-                   tensor_stride[a];
-        }
-        offsets.push_back(off);
-      }
-    }
-  }
-
-  // Pass 1: (n_out, K) neighbour map, in parallel tiles of outputs. Lookups
-  // go in batches: hash and prefetch a batch, then probe it, so the cache
-  // misses of one batch overlap. A submanifold relation with odd kernel sizes
-  // is symmetric (p = q + offset(k) <=> q = p + offset(K - 1 - k)), so only
-  // the offsets before the centre are looked up and each hit fills its mirror
-  // cell; every cell has exactly one writer, so the map does not depend on
-  // scheduling.
-  const bool symmetric = kind == "submanifold" && kernel_size[0] % 2 == 1 &&
-                         kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
+// The (n_out, K) neighbour map through the coordinate hash, in parallel tiles
+// of outputs. Lookups go in batches: hash and prefetch a batch, then probe
+// it, so the cache misses of one batch overlap. A submanifold relation with
+// odd kernel sizes is symmetric (p = q + offset(k) <=> q = p + offset(K - 1
+// - k)), so only the offsets before the centre are looked up and each hit
+// fills its mirror cell; every cell has exactly one writer, so the map does
+// not depend on scheduling.
+std::vector<int32_t> neighbour_map(const CoordTable& table, const int32_t* out_c, int64_t n_out,
+                                   const std::vector<std::array<int64_t, 3>>& offsets,
+                                   bool symmetric) {
+  const int64_t n_kernels = static_cast<int64_t>(offsets.size());
   const int64_t searched = symmetric ? n_kernels / 2 : n_kernels;
   std::vector<int32_t> map(n_out * n_kernels, -1);
   const int64_t tile = 1024;
@@ -261,58 +228,218 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       }
     }
   });
-  std::vector<int32_t> out_offsets(n_out + 1, 0);
-  parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
-    const int64_t o1 = std::min(n_out, (t + 1) * tile);
-    for (int64_t o = t * tile; o < o1; ++o) {
-      int32_t count = 0;
-      for (int64_t k = 0; k < n_kernels; ++k) count += map[o * n_kernels + k] >= 0;
-      out_offsets[o + 1] = count;
-    }
-  });
+  return map;
+}
 
-  // Pass 2: output CSR, then edges grouped by output with offsets ascending.
-  for (int64_t o = 0; o < n_out; ++o) out_offsets[o + 1] += out_offsets[o];
-  const int64_t n_edges = out_offsets[n_out];
-  if (n_edges > std::numeric_limits<int32_t>::max()) {
-    fail(op, "the relation has more than 2^31 - 1 edges.");
+}  // namespace
+
+void check_coordinates(const mx::array& coords, const std::string& name) {
+  auto c = concrete_coords(coords, name);
+  index_coords(idx_or_null(c), c.shape(0), name);
+}
+
+std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coords,
+                                                       const std::optional<mx::array>& out_coords,
+                                                       Triple kernel_size, Triple stride,
+                                                       Triple dilation, Triple tensor_stride,
+                                                       const std::string& kind) {
+  const std::string op = "build_kernel_relation";
+  for (int a = 0; a < 3; ++a) {
+    if (kernel_size[a] < 1 || kernel_size[a] > 7) {
+      fail(op, "kernel_size must be in [1, 7] per axis, got " + std::to_string(kernel_size[a]) +
+                   ".");
+    }
+    if (stride[a] < 1 || dilation[a] < 1 || tensor_stride[a] < 1) {
+      fail(op, "stride, dilation and tensor_stride must be >= 1.");
+    }
   }
-  std::vector<int32_t> in_rows(n_edges), out_rows(n_edges), kernel_ids(n_edges);
-  parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
-    const int64_t o1 = std::min(n_out, (t + 1) * tile);
-    for (int64_t o = t * tile; o < o1; ++o) {
-      int64_t e = out_offsets[o];
-      for (int64_t k = 0; k < n_kernels; ++k) {
-        int32_t r = map[o * n_kernels + k];
-        if (r < 0) continue;
-        in_rows[e] = r;
-        out_rows[e] = static_cast<int32_t>(o);
-        kernel_ids[e] = static_cast<int32_t>(k);
-        ++e;
+  if (kind != "submanifold" && kind != "forward" && kind != "target") {
+    fail(op, "kind must be 'submanifold', 'forward' or 'target', got '" + kind + "'.");
+  }
+  if (kind == "submanifold" && out_coords) {
+    fail(op, "a submanifold relation has out_coords = in_coords; do not pass out_coords.");
+  }
+  if (kind == "target" && !out_coords) {
+    fail(op, "a target relation needs out_coords (the finer coordinates to produce).");
+  }
+  if (kind != "forward" && stride != Triple{1, 1, 1}) {
+    fail(op, "stride applies to 'forward' relations only; a '" + kind +
+                 "' relation takes stride 1 (use tensor_stride for the grid spacing).");
+  }
+
+  // Kernel offsets, x-major.
+  const int64_t n_kernels = static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
+  const int64_t sign = kind == "target" ? -1 : 1;
+  std::vector<std::array<int64_t, 3>> offsets;
+  for (int ix = 0; ix < kernel_size[0]; ++ix) {
+    for (int iy = 0; iy < kernel_size[1]; ++iy) {
+      for (int iz = 0; iz < kernel_size[2]; ++iz) {
+        int i[3] = {ix, iy, iz};
+        std::array<int64_t, 3> off;
+        for (int a = 0; a < 3; ++a) {
+          off[a] = sign * static_cast<int64_t>(i[a] - (kernel_size[a] - 1) / 2) * dilation[a] *
+                   tensor_stride[a];
+        }
+        offsets.push_back(off);
       }
     }
-  });
+  }
 
-  std::vector<int32_t> in_offsets, in_edge_ids, k_offsets, k_edge_ids;
-  parallel_for(2, [&](int64_t which) {  // the two groupings are independent
-    if (which == 0) {
-      kernels::group_by(in_rows.data(), n_edges, n_in, in_offsets, in_edge_ids);
-    } else {
-      kernels::group_by(kernel_ids.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
+  auto in = concrete_coords(in_coords, "in_coords");
+  const int64_t n_in = in.shape(0);
+  const int32_t* in_c = idx_or_null(in);
+  // A relation of the inputs with themselves searches a block grid when the
+  // offsets allow it (see relation_grid.h), else a hash of the coordinates.
+  const bool self = !out_coords && !(kind == "forward" && stride != Triple{1, 1, 1});
+  BlockGrid grid;
+  const bool gridded = self && BlockGrid::covers(offsets) && grid.build(in_c, n_in, "in_coords");
+  std::optional<CoordTable> table;
+  if (!gridded) table.emplace(index_coords(in_c, n_in, "in_coords"));
+
+  // Output coordinates.
+  mx::array out = in;
+  if (out_coords) {
+    out = concrete_coords(*out_coords, "out_coords");
+    index_coords(idx_or_null(out), out.shape(0), "out_coords");
+  } else if (kind == "forward" && stride != Triple{1, 1, 1}) {
+    int64_t step[3];
+    for (int a = 0; a < 3; ++a) step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];
+    std::vector<int32_t> scratch(4 * n_in);
+    for (int64_t r = 0; r < n_in; ++r) {
+      int32_t* c = scratch.data() + 4 * r;
+      c[0] = in_c[4 * r];
+      for (int a = 0; a < 3; ++a) {
+        c[a + 1] = static_cast<int32_t>(floor_to(in_c[4 * r + a + 1], step[a]));
+      }
     }
-  });
+    // Unique in order of first appearance.
+    std::vector<int32_t> out_buf;
+    out_buf.reserve(4 * n_in);
+    CoordTable seen(scratch.data(), n_in);
+    for (int64_t r = 0; r < n_in; ++r) {
+      if (seen.insert(static_cast<int32_t>(r)) < 0) {
+        out_buf.insert(out_buf.end(), scratch.begin() + 4 * r, scratch.begin() + 4 * r + 4);
+      }
+    }
+    out = to_array(out_buf, {static_cast<int>(out_buf.size() / 4), 4});
+  }
+  const int64_t n_out = out.shape(0);
+  const int32_t* out_c = idx_or_null(out);
 
-  const int e = static_cast<int>(n_edges);
+  Int32Buffer out_offsets(n_out + 1);
+  out_offsets.data[0] = 0;
+  Int32Buffer in_rows, out_rows, kernel_ids;
+  auto allocate_edges = [&] {
+    for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] += out_offsets.data[o];
+    const int64_t n_edges = out_offsets.data[n_out];
+    in_rows = Int32Buffer(n_edges);
+    out_rows = Int32Buffer(n_edges);
+    kernel_ids = Int32Buffer(n_edges);
+  };
+  // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
+  // its neighbours and their offsets (compacted without branches: whether a
+  // neighbour exists is data, not a pattern the branch predictor learns).
+  auto write_row = [&](int64_t o, const int32_t* nbr, int32_t* present, int32_t* kernel) {
+    int64_t m = 0;
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      present[m] = nbr[k];
+      kernel[m] = static_cast<int32_t>(k);
+      m += nbr[k] >= 0;
+    }
+    const int64_t e = out_offsets.data[o];
+    std::copy(present, present + m, in_rows.data + e);
+    std::fill(out_rows.data + e, out_rows.data + e + m, static_cast<int32_t>(o));
+    std::copy(kernel, kernel + m, kernel_ids.data + e);
+    return m;
+  };
+  // A self relation with odd kernel sizes is symmetric: the edges into
+  // input p are the mirrors of p's own edges, so p's input group (edge ids
+  // ascending) is written with its output row, from its neighbours' offsets
+  // and offset masks, instead of a counting sort of all edges.
+  const bool mirrored = gridded && n_kernels <= 32 && kernel_size[0] % 2 == 1 &&
+                        kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
+  std::vector<uint32_t> masks(mirrored ? n_out : 0);
+  Int32Buffer in_edge_ids;
+  if (gridded) {
+    // Two visits: count each row's edges, then write them at its offset
+    // (searching again is cheaper than storing an (n_out, K) map).
+    grid.for_each_row(offsets, [&](int64_t o, const int32_t* nbr) {
+      int32_t count = 0;
+      uint32_t mask = 0;
+      for (int64_t k = 0; k < n_kernels; ++k) {
+        count += nbr[k] >= 0;
+        if (mirrored) mask |= static_cast<uint32_t>(nbr[k] >= 0) << k;
+      }
+      out_offsets.data[o + 1] = count;
+      if (mirrored) masks[o] = mask;
+    });
+    check_edge_count(n_out, out_offsets.data);
+    allocate_edges();
+    if (mirrored) in_edge_ids = Int32Buffer(out_offsets.data[n_out]);
+    grid.for_each_row(offsets, [&](int64_t o, const int32_t* nbr) {
+      int32_t present[kMaxKernels], kernel[kMaxKernels];
+      const int64_t m = write_row(o, nbr, present, kernel);
+      if (!mirrored) return;
+      // Edge (in o, out q, K - 1 - k) for each neighbour q = nbr[k]; ids
+      // ascend with q, so sort the (at most 32) ids.
+      int32_t ids[32];
+      for (int64_t i = 0; i < m; ++i) {
+        const int32_t q = present[i];
+        const uint32_t below = (uint32_t{1} << (n_kernels - 1 - kernel[i])) - 1;
+        const int32_t id = out_offsets.data[q] + popcount32(masks[q] & below);
+        int64_t j = i;
+        for (; j > 0 && ids[j - 1] > id; --j) ids[j] = ids[j - 1];
+        ids[j] = id;
+      }
+      std::copy(ids, ids + m, in_edge_ids.data + out_offsets.data[o]);
+    });
+  } else {
+    const std::vector<int32_t> map = neighbour_map(*table, out_c, n_out, offsets,
+                                                   kind == "submanifold" && kernel_size[0] % 2 == 1 &&
+                                                       kernel_size[1] % 2 == 1 &&
+                                                       kernel_size[2] % 2 == 1);
+    const int64_t tile = 1024;
+    parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
+      const int64_t o1 = std::min(n_out, (t + 1) * tile);
+      for (int64_t o = t * tile; o < o1; ++o) {
+        int32_t count = 0;
+        for (int64_t k = 0; k < n_kernels; ++k) count += map[o * n_kernels + k] >= 0;
+        out_offsets.data[o + 1] = count;
+      }
+    });
+    check_edge_count(n_out, out_offsets.data);
+    allocate_edges();
+    parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
+      const int64_t o1 = std::min(n_out, (t + 1) * tile);
+      int32_t present[kMaxKernels], kernel[kMaxKernels];
+      for (int64_t o = t * tile; o < o1; ++o) {
+        write_row(o, map.data() + o * n_kernels, present, kernel);
+      }
+    });
+  }
+  const int64_t n_edges = out_offsets.data[n_out];
+
+  Int32Buffer in_offsets(n_in + 1), k_offsets(n_kernels + 1), k_edge_ids(n_edges);
+  if (mirrored) {
+    std::copy(out_offsets.data, out_offsets.data + n_out + 1, in_offsets.data);
+    group_by_offset(masks.data(), out_offsets.data, n_out, n_kernels, k_offsets.data,
+                    k_edge_ids.data);
+  } else {
+    in_edge_ids = Int32Buffer(n_edges);
+    group_by(in_rows.data, n_edges, n_in, in_offsets.data, in_edge_ids.data);
+    group_by(kernel_ids.data, n_edges, n_kernels, k_offsets.data, k_edge_ids.data);
+  }
+
   std::map<std::string, mx::array> result;
-  result.emplace("out_coords", out_buf.empty() ? out : to_array(out_buf, {static_cast<int>(n_out), 4}));
-  result.emplace("in_rows", to_array(in_rows, {e}));
-  result.emplace("out_rows", to_array(out_rows, {e}));
-  result.emplace("kernel_ids", to_array(kernel_ids, {e}));
-  result.emplace("output_row_offsets", to_array(out_offsets, {static_cast<int>(n_out + 1)}));
-  result.emplace("input_row_offsets", to_array(in_offsets, {static_cast<int>(n_in + 1)}));
-  result.emplace("input_edge_ids", to_array(in_edge_ids, {e}));
-  result.emplace("kernel_row_offsets", to_array(k_offsets, {static_cast<int>(n_kernels + 1)}));
-  result.emplace("kernel_edge_ids", to_array(k_edge_ids, {e}));
+  result.emplace("out_coords", out);
+  result.emplace("in_rows", in_rows.array);
+  result.emplace("out_rows", out_rows.array);
+  result.emplace("kernel_ids", kernel_ids.array);
+  result.emplace("output_row_offsets", out_offsets.array);
+  result.emplace("input_row_offsets", in_offsets.array);
+  result.emplace("input_edge_ids", in_edge_ids.array);
+  result.emplace("kernel_row_offsets", k_offsets.array);
+  result.emplace("kernel_edge_ids", k_edge_ids.array);
   return result;
 }
 

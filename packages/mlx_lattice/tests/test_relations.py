@@ -216,3 +216,119 @@ def test_bad_coordinates():
     with pytest.raises(ValueError, match="do not pass out_coords"):
         build_kernel_relation(np.zeros((1, 4), np.int32), np.zeros((1, 4), np.int32))
     assert build_kernel_relation(mx.array([[0, 1, 2, 3]], dtype=mx.int64)).n_edges == 1
+
+
+def relation_arrays(rel):
+    """Every index array of a relation, as NumPy."""
+    return [
+        np.array(a)
+        for a in (
+            rel.edges.in_rows,
+            rel.edges.out_rows,
+            rel.edges.kernel_ids,
+            rel.output_csr.row_offsets,
+            rel.input_csr.row_offsets,
+            rel.input_csr.edge_ids,
+            rel.kernel_csr.row_offsets,
+            rel.kernel_csr.edge_ids,
+        )
+    ]
+
+
+def shell_coords(radius: float, batches: int = 1) -> np.ndarray:
+    """Voxels of a sphere surface (every cell whose centre lies within half a
+    voxel of the radius), batches stacked, rows in x-major order."""
+    r = int(np.ceil(radius)) + 1
+    g = np.arange(-r, r + 1)
+    x, y, z = np.meshgrid(g, g, g, indexing="ij")
+    keep = np.abs(np.sqrt(x**2 + y**2 + z**2) - radius) <= 0.5
+    xyz = np.stack([x[keep], y[keep], z[keep]], 1)
+    return np.concatenate(
+        [np.concatenate([np.full((len(xyz), 1), b), xyz], 1) for b in range(batches)]
+    ).astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    ("kernel_size", "dilation", "tensor_stride"),
+    [(3, 1, 1), (2, 1, 1), (5, 2, 1), (7, 1, 1), ((3, 1, 5), 1, 1), (3, 1, 2), (4, 1, 1)],
+)
+def test_block_grid_matches_coordinate_hash(rng, ref, kernel_size, dilation, tensor_stride):
+    # A dense set relates to itself through the block grid; the same relation
+    # with its outputs given goes through the coordinate hash. Every array,
+    # order included, must agree, and both match the brute force.
+    coords = ref.random_coords(rng, 900, 10, batches=2)
+    args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
+    grid = build_kernel_relation(coords, **args)
+    hashed = build_kernel_relation(coords, coords, kind="forward", **args)
+    unstrided = build_kernel_relation(coords, kind="forward", **args)
+    for a, b, c in zip(
+        relation_arrays(grid), relation_arrays(hashed), relation_arrays(unstrided), strict=True
+    ):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(a, c)
+    ks = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+    offsets = ref.offsets(ks, (dilation,) * 3, (tensor_stride,) * 3)
+    assert edge_set(grid) == ref.brute_force_edges(coords, coords, offsets)
+    check_groupings(grid)
+
+
+def test_dense_clusters_at_coordinate_limits(rng, ref):
+    # Dense clusters (block grid path) at both ends of int32, straddling zero
+    # and in several batches: no neighbour wraps around or crosses a batch.
+    low, high = -(2**31), 2**31 - 5
+    cube = np.stack(np.meshgrid(*[np.arange(5)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    parts = []
+    for b, corner in ((0, (high, high, high)), (1, (low, low, low)), (0, (-2, -3, -2)), (2, (high, low, 0))):
+        xyz = cube + np.array(corner, dtype=np.int64)
+        parts.append(np.concatenate([np.full((len(xyz), 1), b), xyz], 1))
+    coords = np.concatenate(parts).astype(np.int32)
+    coords = coords[rng.permutation(len(coords))]
+    rel = build_kernel_relation(coords, kernel_size=3)
+    assert edge_set(rel) == ref.brute_force_edges(
+        coords, coords, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
+    )
+    check_groupings(rel)
+    for a, b in zip(
+        relation_arrays(rel),
+        relation_arrays(build_kernel_relation(coords, coords, kind="forward")),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_duplicates_found_on_both_paths():
+    dense = shell_coords(6.0)
+    dup = np.concatenate([dense, dense[[7]], dense[:3]])
+    with pytest.raises(ValueError, match=rf"at rows 7 and {len(dense)}\."):
+        build_kernel_relation(dup)
+    sparse = np.array([[0, 0, 0, 0], [0, 1000, 0, 0], [1, 5, 5, 5], [0, 1000, 0, 0]], np.int32)
+    with pytest.raises(ValueError, match=r"\(0, 1000, 0, 0\) at rows 1 and 3\."):
+        build_kernel_relation(sparse)
+
+
+@pytest.fixture
+def restore_threads():
+    import mlx_lattice
+
+    previous = mlx_lattice.get_num_threads()
+    yield mlx_lattice
+    mlx_lattice.set_num_threads(previous)
+
+
+def test_large_surface_is_exact_for_any_thread_count(rng, restore_threads):
+    # About 10k voxels per batch, 2 batches, rows shuffled: many grid tasks and
+    # several grouping chunks. The hash path and NumPy's stable argsort are the
+    # references; 1, 2 and 3 threads give identical bits.
+    coords = shell_coords(28.0, batches=2)
+    coords = coords[rng.permutation(len(coords))]
+    expected = relation_arrays(build_kernel_relation(coords, coords, kind="forward"))
+    results = []
+    for n in (1, 2, 3):
+        restore_threads.set_num_threads(n)
+        rel = build_kernel_relation(coords, kernel_size=3)
+        results.append(relation_arrays(rel))
+    check_groupings(rel)
+    assert rel.n_edges > 2 * 65536  # at least two grouping chunks
+    for arrays in results:
+        for a, b in zip(arrays, expected, strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -1,0 +1,21 @@
+// Groupings of a relation's edges (edge ids per input row, per kernel
+// offset), as stable counting sorts whose result never depends on the
+// thread count.
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_lattice {
+
+// Edge ids grouped by keys[e] in [0, groups): offsets (groups + 1) and
+// edge_ids (n_edges), ids ascending within a group.
+void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, int32_t* offsets,
+              int32_t* edge_ids);
+
+// The same grouping by kernel offset for edges stored by output row with
+// ascending offsets, from each row's offset mask (bit k: an edge at offset
+// k, n_kernels <= 32) and the rows' edge offsets.
+void group_by_offset(const uint32_t* masks, const int32_t* out_offsets, int64_t n_out,
+                     int64_t n_kernels, int32_t* k_offsets, int32_t* k_edge_ids);
+
+}  // namespace mlx_lattice

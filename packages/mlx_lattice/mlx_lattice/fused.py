@@ -170,3 +170,4 @@ def dense_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) ->
     if bias is not None:
         out = out + bias.astype(out.dtype)
     return out
+

@@ -38,16 +38,18 @@ def _stats(xf: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def _make(eps: float, relu: bool) -> object:
+    # x is float32 here: batch_norm_train casts half-precision features
+    # outside, where MLX differentiates the casts as casts (inside, the
+    # backward pass would cast x again and recompute the mask).
     @mx.custom_function
     def fused(x: mx.array, weight: mx.array, bias: mx.array) -> tuple[mx.array, ...]:
-        xf = x.astype(_F32)
-        mean, var = _stats(xf)
+        mean, var = _stats(x)
         scale = weight.astype(_F32) * mx.rsqrt(var + eps)
         shift = bias.astype(_F32) - mean * scale
-        y = xf * scale + shift
+        y = x * scale + shift
         if relu:
             y = mx.maximum(y, 0)
-        return y.astype(x.dtype), mean, var
+        return y, mean, var
 
     @fused.vjp
     def fused_vjp(
@@ -56,19 +58,14 @@ def _make(eps: float, relu: bool) -> object:
         x, weight, bias = primals
         y, mean, var = outputs
         n = x.shape[0]
-        xf = x.astype(_F32)
+        xf = x
         rstd = mx.rsqrt(var + eps)
         w32 = weight.astype(_F32)
-        g = cotangents[0].astype(_F32)
+        g = cotangents[0]
         if relu:
             # The ReLU's mask as sign(y) (y >= 0): a unary op and a same-dtype
             # product, several times faster on the CPU than mx.where with a
-            # scalar or a product with a bool mask. A half-precision y is
-            # recomputed in float32 instead (mixed-dtype ops are slow, and a
-            # tiny positive value rounded to zero keeps its gradient).
-            if y.dtype != _F32:
-                scale = w32 * rstd
-                y = mx.maximum(xf * scale + (bias.astype(_F32) - mean * scale), 0)
+            # scalar or a product with a bool mask.
             g = g * mx.sign(y)
         dbias = mx.sum(g, axis=0)
         # sum(g * xhat) with xhat = (x - mean) * rstd, without forming xhat.
@@ -79,7 +76,7 @@ def _make(eps: float, relu: bool) -> object:
         d = -a * dbias / n - mean * c
         dx = g * a + (xf * c + d)
         return (
-            dx.astype(x.dtype),
+            dx,
             dweight.astype(weight.dtype),
             dbias.astype(bias.dtype),
         )
@@ -123,8 +120,8 @@ def batch_norm_train(
     fn = _FUSED.get(key)
     if fn is None:
         fn = _FUSED[key] = _make(*key)
-    y, mean, var = fn(x, weight, bias)  # type: ignore[operator]
-    return y, mx.stop_gradient(mean), mx.stop_gradient(var)
+    y, mean, var = fn(x.astype(_F32), weight, bias)  # type: ignore[operator]
+    return y.astype(x.dtype), mx.stop_gradient(mean), mx.stop_gradient(var)
 
 
 _IDENTITY: OrderedDict[int, KernelRelation] = OrderedDict()

@@ -4,9 +4,8 @@ One run, one machine, ~100k voxels:
 
 * training step time (forward + backward + Adam update; the fastest of
   ``--rounds`` interleaved rounds) of MinkUNet and
-  SPVCNN (per-point scores) for float32, float16 (mixed precision: float16
-  features and convolutions, float32 master weights, optimizer state and norm
-  statistics) and int8 weights, with relations cached (``warm``, the same
+  SPVCNN (per-point scores) for float32, float16 (weights and features;
+  norm statistics in float32) and int8 weights, with relations cached (``warm``, the same
   scan again) and built in the step (``cold``, a new coordinate set, as when
   every step sees a new scan);
 * the share of a cold step spent outside the convolutions (norms,
@@ -15,7 +14,7 @@ One run, one machine, ~100k voxels:
   on its recorded input;
 * the same steps through the previous, unfused layer paths (``mlx.nn``
   BatchNorm then ReLU, ``mx.matmul`` point layers, a scatter-add gradient for
-  SPVCNN's voxel rows, float16 weights for float16), timed in the same rounds;
+  SPVCNN's voxel rows), timed in the same rounds;
 * forward throughput (voxels/s) for float32, float16, int8 and int4.
 
 Pass ``--quick`` for a small scan (a smoke run).
@@ -57,9 +56,11 @@ CLASSES = 5
 def _model(kind: str, widths: tuple[int, ...], cls: type = MinkUNet) -> MinkUNet:
     mx.random.seed(0)
     model = cls(2, CLASSES, widths)
-    # float16: float16 features into float32 parameters; every convolution
-    # casts its weight to the features' dtype (mixed precision).
-    if kind in ("int8", "int4"):
+    # float16: float16 weights and features; norms compute in float32.
+    # (float32 master weights with float16 features measured slower.)
+    if kind == "float16":
+        model.apply(lambda p: p.astype(mx.float16))
+    elif kind in ("int8", "int4"):
         rules = [
             qr.Rule(module_path="stem/.*"),  # Cin=2: packing would grow it
             qr.Rule(op_names=("sparse_conv",), weight_qtype=kind, tile_size=32),
@@ -190,8 +191,6 @@ def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target:
         unfused = kind.endswith("unfused")
         if unfused:
             _unfuse(model)
-            if dtype == mx.float16:
-                model.apply(lambda p: p.astype(mx.float16))
 
         def make(d=dtype, u=unfused, f=make_input) -> object:
             x = f(d)  # type: ignore[operator]
@@ -278,8 +277,8 @@ def main() -> None:
         "cold: relations (and SPVCNN's point-voxel maps) built inside the step, as for a new "
         "scan each step;\noutside convs: 1 - convs / cold, convs = every conv layer's forward + "
         "backward timed alone on its input;\n'unfused': the previous path, timed in the same "
-        "rounds (mlx.nn BatchNorm + ReLU, mx.matmul point layers, float16 weights for float16; "
-        "convs as the fused row)"
+        "rounds (mlx.nn BatchNorm + ReLU, mx.matmul point layers, a scatter-add voxel-row "
+        "gradient; convs as the fused row)"
     )
     if args.no_forward:
         return

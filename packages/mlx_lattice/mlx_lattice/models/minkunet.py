@@ -31,9 +31,9 @@ Trace = dict
 
 class FloatBatchNorm(nn.BatchNorm):
     """Batch norm whose statistics and affine map run in float32 whatever the
-    features' dtype; the result comes back in the input dtype. In training
-    ``relu`` is one fused step with a closed-form backward pass
-    (:func:`mlx_lattice.fused.batch_norm_train`).
+    features' dtype; the result comes back in the input dtype. In training on
+    float32 features ``relu`` is one fused step with a closed-form backward
+    pass (:func:`mlx_lattice.fused.batch_norm_train`).
 
     MLX's CPU half-precision elementwise ops are several times slower than
     float32 ones, and float16 batch statistics lose precision; one cast each

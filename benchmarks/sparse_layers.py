@@ -103,6 +103,31 @@ def main() -> None:
             f"{t16 / t32:>9.2f}{t16d / t16:>12.2f}{t32 / conv_s:>12.2f}"
         )
 
+    # BatchNorm + ReLU as the models run it in training: fused (statistics
+    # once in float32, closed-form backward) against mlx.nn.BatchNorm then
+    # mx.maximum on float32 features (the previous path), timed round robin.
+    fused_bn, plain_bn = nn.BatchNorm(C), mnn.BatchNorm(C)
+
+    def unfused(t: SparseTensor) -> mx.array:
+        return mx.maximum(plain_bn(t.feats.astype(mx.float32)), 0).astype(t.dtype)
+
+    for label, x in (("float32", x32), ("float16", x16)):
+        calls = (
+            _fwd_bwd(lambda f, x=x: fused_bn.relu(x.replace(f)).feats, x.feats),
+            _fwd_bwd(lambda f, x=x: unfused(x.replace(f)), x.feats),
+        )
+        for c in calls:
+            c()  # warm-up
+        best = [float("inf"), float("inf")]
+        for _ in range(5):
+            best = [
+                min(b, median_s(c, repeats=1, warmup=0)) for b, c in zip(best, calls, strict=True)
+            ]
+        print(
+            f"batch_norm+relu {label} forward+backward: fused {best[0] * 1e3:.1f} ms, "
+            f"unfused {best[1] / best[0]:.2f}x that, fused / conv {best[0] / conv_s:.2f}"
+        )
+
     # Linear on sparse features: the library's native 1x1x1 convolution
     # against mx.matmul on the same features (what mlx.nn.Linear does).
     lin = nn.Linear(C, C)

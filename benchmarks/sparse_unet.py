@@ -3,14 +3,18 @@
 One run, one machine, ~100k voxels:
 
 * training step time (forward + backward + Adam update; the fastest of
-  five steps) of MinkUNet and
-  SPVCNN (per-point scores) for float32, float16 and int8 weights, with relations cached (``warm``, the same
+  ``--rounds`` interleaved rounds) of MinkUNet and
+  SPVCNN (per-point scores) for float32, float16 (weights and features;
+  norm statistics in float32) and int8 weights, with relations cached (``warm``, the same
   scan again) and built in the step (``cold``, a new coordinate set, as when
   every step sees a new scan);
 * the share of a cold step spent outside the convolutions (norms,
   activations, concatenation, loss, update and relation building): one minus
   the summed time of every convolution layer's forward and backward run alone
   on its recorded input;
+* the same steps through the previous, unfused layer paths (``mlx.nn``
+  BatchNorm then ReLU, ``mx.matmul`` point layers, a scatter-add gradient for
+  SPVCNN's voxel rows), timed in the same rounds;
 * forward throughput (voxels/s) for float32, float16, int8 and int4.
 
 Pass ``--quick`` for a small scan (a smoke run).
@@ -21,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import time
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
@@ -29,11 +34,18 @@ import numpy as np
 
 import mlx_lattice
 import quantrules as qr
-from benchmarks.timing import best_us, median_s
-from mlx_lattice import SparseTensor
+from benchmarks.timing import median_s
+from mlx_lattice import SparseTensor, geometry, nn
 from mlx_lattice._native import ext
 from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
-from mlx_lattice.models import SPVCNN, MinkUNet, cross_entropy, point_cloud_input
+from mlx_lattice.models import (
+    SPVCNN,
+    MinkUNet,
+    PointBranch,
+    PointCloudInput,
+    cross_entropy,
+    point_cloud_input,
+)
 from mlx_lattice.nn import is_sparse_conv
 
 WIDTHS = (32, 64, 96, 128)
@@ -44,6 +56,8 @@ CLASSES = 5
 def _model(kind: str, widths: tuple[int, ...], cls: type = MinkUNet) -> MinkUNet:
     mx.random.seed(0)
     model = cls(2, CLASSES, widths)
+    # float16: float16 weights and features; norms compute in float32.
+    # (float32 master weights with float16 features measured slower.)
     if kind == "float16":
         model.apply(lambda p: p.astype(mx.float16))
     elif kind in ("int8", "int4"):
@@ -91,8 +105,9 @@ def _conv_inputs(model: mlx_nn.Module, x: object) -> list:
     return log
 
 
-def _conv_seconds(layer: mlx_nn.Module, x: SparseTensor) -> float:
-    """Forward and backward (input and, when trainable, weight gradients) of one layer."""
+def _conv_call(layer: mlx_nn.Module, x: SparseTensor) -> object:
+    """Forward and backward (input and, when trainable, weight gradients) of
+    one layer, as a call to time."""
     params = layer.trainable_parameters()
     cot = mx.ones((1,), dtype=x.dtype)
 
@@ -101,13 +116,7 @@ def _conv_seconds(layer: mlx_nn.Module, x: SparseTensor) -> float:
         return (layer(x.replace(feats)).feats * cot).sum()
 
     grad = mx.value_and_grad(loss, argnums=(0, 1) if params else 0)
-    return _best_s(lambda: mx.eval(grad(x.feats, params)))
-
-
-def _best_s(fn: object, repeat: int = 5) -> float:
-    """Seconds of the fastest of ``repeat`` calls (after a warm-up): on a
-    shared machine the fastest call is the one least disturbed by other load."""
-    return best_us(fn, number=1, repeat=repeat) / 1e6
+    return lambda: mx.eval(grad(x.feats, params))
 
 
 def _train_step(model: MinkUNet, optimizer: optim.Optimizer, x: object, labels: mx.array) -> None:
@@ -120,9 +129,112 @@ def _train_step(model: MinkUNet, optimizer: optim.Optimizer, x: object, labels: 
     mx.eval(value, model.parameters(), optimizer.state)
 
 
+class _UnfusedNorm(nn.BatchNorm):
+    """The previous norm path: ``mlx.nn.BatchNorm`` on float32 features, then
+    ReLU, then the cast back (reference rows only)."""
+
+    def _forward(self, x: SparseTensor, relu: bool) -> SparseTensor:
+        y = mlx_nn.BatchNorm.__call__(self, x.feats.astype(mx.float32))
+        return x.replace((mx.maximum(y, 0) if relu else y).astype(x.dtype))
+
+
+class _MatmulLinear(nn.Linear):
+    """Plain arrays through ``mx.matmul`` (``mlx.nn.Linear``), as before."""
+
+    def __call__(self, x: object) -> object:  # type: ignore[override]
+        if isinstance(x, SparseTensor):
+            return super().__call__(x)
+        return mlx_nn.Linear.__call__(self, x)
+
+
+class _UnfusedPointBranch(PointBranch):
+    def __call__(self, z: mx.array) -> mx.array:
+        y = self.linear(z)
+        return mx.maximum(mlx_nn.BatchNorm.__call__(self.norm, y.astype(mx.float32)), 0).astype(
+            z.dtype
+        )
+
+
+class _GatherInput(PointCloudInput):
+    def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
+        vox, inverse, _ = self.level(x)
+        return x.replace(geometry.voxelize(point_feats, vox, "mean")[inverse])
+
+
+def _unfuse(model: mlx_nn.Module) -> None:
+    """Swap in the previous (unfused) layer paths, in place."""
+    for _, module in model.named_modules():
+        if isinstance(module, nn.BatchNorm):
+            module.__class__ = _UnfusedNorm
+        elif isinstance(module, PointBranch):
+            module.__class__ = _UnfusedPointBranch
+        elif isinstance(module, nn.Linear):
+            module.__class__ = _MatmulLinear
+
+
+def _seconds(fn: object) -> float:
+    start = time.perf_counter()
+    fn()  # type: ignore[operator]
+    return time.perf_counter() - start
+
+
+def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target: mx.array,
+                rounds: int) -> None:
+    """Every variant's warm and cold step and its convolutions, timed round
+    robin (one call of each per round, the best per variant kept): load that
+    drifts during the run hits every variant alike."""
+    kinds = ("float32", "float32 unfused", "float16", "float16 unfused", "int8")
+    setups = {}
+    for kind in kinds:
+        model = _model(kind.split()[0], widths, cls)
+        dtype = mx.float16 if kind.startswith("float16") else mx.float32
+        unfused = kind.endswith("unfused")
+        if unfused:
+            _unfuse(model)
+
+        def make(d=dtype, u=unfused, f=make_input) -> object:
+            x = f(d)  # type: ignore[operator]
+            if u and isinstance(x, PointCloudInput):
+                x.__class__ = _GatherInput
+            return x
+
+        opt = optim.Adam(learning_rate=1e-3)
+        warm_x = make()
+
+        def step(m=model, o=opt, x=warm_x) -> None:
+            _train_step(m, o, x, target)
+
+        def cold(m=model, o=opt, mk=make) -> None:
+            _train_step(m, o, mk(), target)
+
+        step()
+        convs = [] if unfused else [
+            _conv_call(layer, x) for layer, x in _conv_inputs(model, warm_x)
+        ]
+        setups[kind] = (step, cold, convs)
+    best = {k: [float("inf")] * (2 + len(v[2])) for k, v in setups.items()}
+    for r in range(rounds + 1):
+        for kind, (step, cold, convs) in setups.items():
+            times = [_seconds(step), _seconds(cold)] + [_seconds(c) for c in convs]
+            if r:  # round 0 warms up
+                best[kind] = [min(a, b) for a, b in zip(best[kind], times, strict=True)]
+    base_cold = best["float32"][1]
+    for kind in kinds:
+        warm, cold = best[kind][:2]
+        conv_kind = kind.replace(" unfused", "")
+        convs = sum(best[conv_kind][2:])
+        print(
+            f"{name + ' ' + kind:<25}{warm * 1e3:>9.1f}{cold * 1e3:>9.1f}{convs * 1e3:>10.1f}"
+            f"{1 - convs / cold:>15.0%}{cold / base_cold:>12.2f}",
+            flush=True,
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small scan and model (smoke run)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
+    parser.add_argument("--no-forward", action="store_true", help="training steps only")
     args = parser.parse_args()
     widths = (8, 16, 16) if args.quick else WIDTHS
     config = SceneConfig(beams=16, azimuth_steps=512) if args.quick else None
@@ -150,9 +262,9 @@ def main() -> None:
         f"{CLASSES} classes"
     )
 
-    print("\ntraining step (forward + backward + Adam update)")
+    print(f"\ntraining step (forward + backward + Adam update; best of {args.rounds} interleaved rounds)")
     print(
-        f"{'model':<18}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>15}"
+        f"{'model':<25}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>15}"
         f"{'vs float32':>12}"
     )
     cases = (
@@ -160,32 +272,16 @@ def main() -> None:
         ("SPVCNN", SPVCNN, fresh_points, point_labels),
     )
     for name, cls, make_input, target in cases:
-        base_cold = None
-        for kind in ("float32", "float16", "int8"):
-            model = _model(kind, widths, cls)
-            dtype = mx.float16 if kind == "float16" else mx.float32
-            opt = optim.Adam(learning_rate=1e-3)
-            warm_x = make_input(dtype)
-
-            def step(m=model, o=opt, x=warm_x, t=target) -> None:
-                _train_step(m, o, x, t)
-
-            def cold_step(m=model, o=opt, d=dtype, t=target, make=make_input) -> None:
-                _train_step(m, o, make(d), t)
-
-            warm = _best_s(step)
-            cold = _best_s(cold_step)
-            convs = sum(_conv_seconds(layer, x) for layer, x in _conv_inputs(model, warm_x))
-            base_cold = base_cold or cold
-            print(
-                f"{name + ' ' + kind:<18}{warm * 1e3:>9.1f}{cold * 1e3:>9.1f}{convs * 1e3:>10.1f}"
-                f"{1 - convs / cold:>15.0%}{cold / base_cold:>12.2f}"
-            )
+        _train_rows(name, cls, widths, make_input, target, args.rounds)
     print(
         "cold: relations (and SPVCNN's point-voxel maps) built inside the step, as for a new "
         "scan each step;\noutside convs: 1 - convs / cold, convs = every conv layer's forward + "
-        "backward timed alone on its input"
+        "backward timed alone on its input;\n'unfused': the previous path, timed in the same "
+        "rounds (mlx.nn BatchNorm + ReLU, mx.matmul point layers, a scatter-add voxel-row "
+        "gradient; convs as the fused row)"
     )
+    if args.no_forward:
+        return
 
     print("\nforward")
     print(

@@ -15,13 +15,14 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import numpy as np
 
-from mlx_lattice import ops
+from mlx_lattice import fused, ops
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedWeight
 from mlx_lattice.core.relations import normalize_triple
 from mlx_lattice.tensor import SparseTensor
 
 __all__ = [
+    "DENSE_NATIVE_ROWS",
     "GELU",
     "AvgPool3d",
     "BatchNorm",
@@ -53,6 +54,7 @@ __all__ = [
     "SumPool3d",
     "Tanh",
     "TrilinearUpsample3d",
+    "batch_norm_features",
     "fake_quantize_rows",
     "is_sparse_conv",
     "to_quantized",
@@ -577,24 +579,73 @@ class TrilinearUpsample3d(mlx_nn.Module):
         return ops.trilinear_upsample3d(x, stride=self._stride)
 
 
+def batch_norm_features(norm: mlx_nn.BatchNorm, f: mx.array, *, relu: bool = False) -> mx.array:
+    """``norm(f)`` (an ``mlx.nn.BatchNorm``, its mode and running statistics
+    honoured), then a ReLU if ``relu``, on a plain ``(N, C)`` array, computed
+    in float32 and returned in ``f``'s dtype. In training, on float32
+    features, with an affine norm that tracks running statistics this is
+    :func:`mlx_lattice.fused.batch_norm_train` (statistics once, closed-form
+    backward); otherwise ``mlx.nn.BatchNorm`` itself (for half-precision
+    features the unfused path measured faster in a whole training step,
+    ``//benchmarks:sparse_unet``, though not for the layer alone).
+
+    >>> batch_norm_features(mlx_nn.BatchNorm(1), mx.array([[1.0], [3.0]]), relu=True).round(4).tolist()
+    [[0.0], [1.0]]
+    """
+    if (
+        norm.training
+        and f.dtype == mx.float32
+        and "weight" in norm
+        and "running_mean" in norm
+        and f.ndim == 2
+        and int(f.shape[0]) > 1
+    ):
+        y, mean, var = fused.batch_norm_train(f, norm.weight, norm.bias, eps=norm.eps, relu=relu)
+        n, mu = int(f.shape[0]), norm.momentum
+        rm, rv = norm.running_mean, norm.running_var
+        norm.running_mean = ((1 - mu) * rm + mu * mean).astype(rm.dtype)
+        norm.running_var = ((1 - mu) * rv + mu * var * (n / (n - 1))).astype(rv.dtype)
+        return y
+    if f.dtype in (mx.float16, mx.bfloat16):
+        stats = {k: norm[k].dtype for k in ("running_mean", "running_var") if k in norm}
+        y = mlx_nn.BatchNorm.__call__(norm, f.astype(mx.float32))
+        for k, dtype in stats.items():
+            norm[k] = norm[k].astype(dtype)
+    else:
+        y = mlx_nn.BatchNorm.__call__(norm, f)
+    if relu:
+        y = mx.maximum(y, 0)
+    return y.astype(f.dtype)
+
+
 class BatchNorm(mlx_nn.BatchNorm):
     """``mlx.nn.BatchNorm`` over the features of a sparse tensor (statistics
     over all points of the batch; ``train()`` / ``eval()`` as usual).
 
-    Half-precision features are normalized in float32 and cast back (MLX's
-    CPU half-precision elementwise ops are several times slower than the
-    casts); running statistics keep their dtype.
+    Statistics and the affine map run in float32 whatever the features'
+    dtype (MLX's CPU half-precision elementwise ops are several times slower
+    than the casts, and half-precision statistics lose precision); the result
+    comes back in the input dtype and running statistics keep their dtype. In
+    training on float32 features (affine, running statistics tracked) the
+    norm runs as :func:`mlx_lattice.fused.batch_norm_train`: the statistics
+    computed once and a closed-form backward pass. :meth:`relu` fuses the ReLU
+    that usually follows (see :func:`batch_norm_features`).
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32),
+    ...                  mx.array([[1.0, -2.0], [3.0, 2.0]]))
+    >>> BatchNorm(2).relu(x).feats.round(3).tolist()
+    [[0.0, 0.0], [1.0, 1.0]]
     """
 
+    def _forward(self, x: SparseTensor, relu: bool) -> SparseTensor:
+        return x.replace(batch_norm_features(self, x.feats, relu=relu))
+
     def __call__(self, x: SparseTensor) -> SparseTensor:  # type: ignore[override]
-        f = x.feats
-        if f.dtype not in (mx.float16, mx.bfloat16):
-            return x.replace(super().__call__(f))
-        stats = {k: self[k].dtype for k in ("running_mean", "running_var") if k in self}
-        out = super().__call__(f.astype(mx.float32)).astype(f.dtype)
-        for k, dtype in stats.items():
-            self[k] = self[k].astype(dtype)
-        return x.replace(out)
+        return self._forward(x, relu=False)
+
+    def relu(self, x: SparseTensor) -> SparseTensor:
+        """``relu(self(x))`` in one fused step (the ReLU in float32 too)."""
+        return self._forward(x, relu=True)
 
 
 class ReLU(mlx_nn.Module):
@@ -604,13 +655,27 @@ class ReLU(mlx_nn.Module):
         return ops.relu(x)
 
 
+#: Plain ``(N, Cin)`` arrays with at least this many rows go through the
+#: native GEMM in :class:`Linear` (below it ``mx.matmul`` is as fast).
+DENSE_NATIVE_ROWS = 4096
+
+
 class Linear(mlx_nn.Linear):
     """``mlx.nn.Linear`` over the features, run as a 1x1x1 sparse convolution
-    (:func:`mlx_lattice.ops.linear`); plain arrays go through ``mlx.nn.Linear``."""
+    (:func:`mlx_lattice.ops.linear`); plain 2-D float arrays of at least
+    :data:`DENSE_NATIVE_ROWS` rows (SPVCNN's per-point layers) go through the
+    same native kernels (:func:`mlx_lattice.fused.dense_linear`), other arrays
+    through ``mlx.nn.Linear``."""
 
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
             return ops.linear(x, self.weight, self.get("bias"))
+        if (
+            x.ndim == 2
+            and int(x.shape[0]) >= DENSE_NATIVE_ROWS
+            and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
+        ):
+            return fused.dense_linear(x, self.weight, self.get("bias"))
         return super().__call__(x)
 
     def to_quantized(  # type: ignore[override]

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from scipy import special
 
-from mlx_lattice import SparseTensor, SparseTensorError, nn, ops
+from mlx_lattice import SparseTensor, SparseTensorError, fused, nn, ops
 
 
 @pytest.fixture(params=[11, 12])
@@ -313,3 +313,133 @@ def test_linear_gradients_match_finite_differences(seeded, ref):
     minus = loss(*[a - h * v for a, v in zip((x.feats, w, b), vs, strict=True)]).item()
     analytic = sum((g * v).sum().item() for g, v in zip(grads, vs, strict=True))
     assert analytic == pytest.approx((plus - minus) / (2 * h), rel=1e-3, abs=1e-3)
+
+
+# -- fused training ops (mlx_lattice.fused) against the unfused MLX reference -----------------------
+
+
+def _unfused_bn(x, w, b, relu, eps=1e-5):
+    """mlx.nn.BatchNorm (training mode) and mx.maximum, differentiated by MLX."""
+    ref = mnn.BatchNorm(int(x.shape[1]), eps=eps)
+    ref.weight, ref.bias = w, b
+    y = ref(x)
+    return (mx.maximum(y, 0) if relu else y), ref
+
+
+@pytest.mark.parametrize("relu", [False, True])
+def test_fused_batch_norm_matches_unfused_mlx(seeded, relu):
+    n, c = 300, 7
+    f = mx.array(seeded.standard_normal((n, c)).astype(np.float32) * 3 + 1)
+    w = mx.array(seeded.standard_normal(c).astype(np.float32))
+    b = mx.array(seeded.standard_normal(c).astype(np.float32))
+    y, mean, var = fused.batch_norm_train(f, w, b, relu=relu)
+    expected, _ = _unfused_bn(f, w, b, relu)
+    np.testing.assert_allclose(np.array(y), np.array(expected), rtol=1e-5, atol=1e-5)
+    f64 = np.array(f).astype(np.float64)
+    np.testing.assert_allclose(np.array(mean), f64.mean(0), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.array(var), f64.var(0), rtol=1e-5, atol=1e-5)
+
+    direction = mx.array(seeded.standard_normal((n, c)).astype(np.float32))
+
+    def ours(x, w, b):
+        return (fused.batch_norm_train(x, w, b, relu=relu)[0] * direction).sum()
+
+    def theirs(x, w, b):
+        return (_unfused_bn(x, w, b, relu)[0] * direction).sum()
+
+    got = mx.grad(ours, argnums=(0, 1, 2))(f, w, b)
+    want = mx.grad(theirs, argnums=(0, 1, 2))(f, w, b)
+    for name, g, r in zip(("x", "weight", "bias"), got, want, strict=True):
+        np.testing.assert_allclose(
+            np.array(g), np.array(r), rtol=1e-4, atol=1e-4, err_msg=f"d{name}"
+        )
+
+
+def test_fused_batch_norm_layer_running_statistics_match_mlx(seeded, ref):
+    x, _ = tensor(seeded, ref, channels=8)
+    w = mx.array(seeded.standard_normal(8).astype(np.float32))
+    b = mx.array(seeded.standard_normal(8).astype(np.float32))
+    layer = nn.BatchNorm(8, momentum=0.3)
+    layer.weight, layer.bias = w, b
+    reference = mnn.BatchNorm(8, momentum=0.3)
+    reference.weight, reference.bias = w, b
+    for _ in range(2):
+        y = layer.relu(x)
+        expected = mx.maximum(reference(x.feats), 0)
+        np.testing.assert_allclose(np.array(y.feats), np.array(expected), rtol=1e-5, atol=1e-5)
+    for key in ("running_mean", "running_var"):
+        np.testing.assert_allclose(
+            np.array(layer[key]), np.array(reference[key]), rtol=1e-5, atol=1e-6, err_msg=key
+        )
+    layer.eval()
+    reference.eval()
+    np.testing.assert_allclose(
+        np.array(layer.relu(x).feats),
+        np.array(mx.maximum(reference(x.feats), 0)),
+        rtol=1e-5,
+        atol=1e-5,
+    )
+
+
+def test_fused_batch_norm_gradients_match_finite_differences(seeded):
+    n, c = 40, 5
+    f = mx.array(seeded.standard_normal((n, c)).astype(np.float32) * 2)
+    w = mx.array(seeded.uniform(0.5, 2.0, c).astype(np.float32))
+    b = mx.array(seeded.standard_normal(c).astype(np.float32))
+    direction = mx.array(seeded.standard_normal((n, c)).astype(np.float32))
+
+    def loss(x, w, b):
+        return (fused.batch_norm_train(x, w, b, relu=True)[0] * direction).sum()
+
+    args = (f, w, b)
+    grads = mx.grad(loss, argnums=(0, 1, 2))(*args)
+    vs = [mx.array(seeded.standard_normal(a.shape).astype(np.float32)) for a in args]
+    h = 1e-3
+    plus = loss(*[a + h * v for a, v in zip(args, vs, strict=True)]).item()
+    minus = loss(*[a - h * v for a, v in zip(args, vs, strict=True)]).item()
+    analytic = sum((g * v).sum().item() for g, v in zip(grads, vs, strict=True))
+    # float32 central differences of a sum over 200 terms: ~1e-2 absolute noise.
+    assert analytic == pytest.approx((plus - minus) / (2 * h), rel=1e-2, abs=2e-2)
+
+
+def test_fused_batch_norm_half_precision_and_errors(seeded):
+    f = mx.array(seeded.standard_normal((64, 4)).astype(np.float32))
+    w, b = mx.ones((4,)), mx.zeros((4,))
+    half = f.astype(mx.float16)
+    y, mean, _ = fused.batch_norm_train(half, w, b, relu=True)
+    assert y.dtype == mx.float16 and mean.dtype == mx.float32
+    # Computed in float32 from the rounded inputs, rounded once.
+    y32, _, _ = fused.batch_norm_train(half.astype(mx.float32), w, b, relu=True)
+    np.testing.assert_array_equal(np.array(y), np.array(y32.astype(mx.float16)))
+    dx = mx.grad(lambda x: fused.batch_norm_train(x, w, b)[0].astype(mx.float32).sum())(half)
+    assert dx.dtype == mx.float16
+    with pytest.raises(ValueError, match=r"x must be \(N, C\) with N >= 2"):
+        fused.batch_norm_train(f[:1], w, b)
+    with pytest.raises(ValueError, match=r"weight must be \(4,\)"):
+        fused.batch_norm_train(f, mx.ones((3,)), b)
+
+
+def test_dense_linear_matches_numpy_and_matmul_gradients(seeded):
+    n = nn.DENSE_NATIVE_ROWS + 37
+    x = mx.array(seeded.standard_normal((n, 24)).astype(np.float32))
+    w = mx.array(seeded.standard_normal((16, 24)).astype(np.float32))
+    b = mx.array(seeded.standard_normal(16).astype(np.float32))
+    expected = np.array(x).astype(np.float64) @ np.array(w).T.astype(np.float64) + np.array(b)
+    np.testing.assert_allclose(np.array(fused.dense_linear(x, w, b)), expected, rtol=1e-4, atol=1e-4)
+    rel = fused.identity_relation(n)
+    np.testing.assert_array_equal(np.array(rel.edges.in_rows), np.arange(n))
+    np.testing.assert_array_equal(np.array(rel.edges.out_rows), np.arange(n))
+    layer = nn.Linear(24, 16)
+    layer.weight, layer.bias = w, b
+    np.testing.assert_allclose(np.array(layer(x)), expected, rtol=1e-4, atol=1e-4)
+
+    direction = mx.array(seeded.standard_normal((n, 16)).astype(np.float32))
+    got = mx.grad(lambda *a: (fused.dense_linear(*a) * direction).sum(), argnums=(0, 1, 2))(x, w, b)
+    want = mx.grad(lambda x, w, b: ((x @ w.T + b) * direction).sum(), argnums=(0, 1, 2))(x, w, b)
+    for name, g, r in zip(("x", "weight", "bias"), got, want, strict=True):
+        np.testing.assert_allclose(
+            np.array(g), np.array(r), rtol=1e-4, atol=1e-3, err_msg=f"d{name}"
+        )
+    assert fused.dense_linear(x[:0], w, b).shape == (0, 16)
+    with pytest.raises(ValueError, match=r"weight \(Cout, Cin\)"):
+        fused.dense_linear(x, w.T)

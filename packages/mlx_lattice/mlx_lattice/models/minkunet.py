@@ -31,24 +31,15 @@ Trace = dict
 
 class FloatBatchNorm(nn.BatchNorm):
     """Batch norm whose statistics and affine map run in float32 whatever the
-    features' dtype; the result comes back in the input dtype.
+    features' dtype; the result comes back in the input dtype. In training on
+    float32 features ``relu`` is one fused step with a closed-form backward
+    pass (:func:`mlx_lattice.fused.batch_norm_train`).
 
     MLX's CPU half-precision elementwise ops are several times slower than
     float32 ones, and float16 batch statistics lose precision; one cast each
-    way is cheaper than the norm in float16.
+    way is cheaper than the norm in float16. (Now the behaviour of
+    :class:`mlx_lattice.nn.BatchNorm` itself; kept as the model's named type.)
     """
-
-    def __call__(self, x: SparseTensor) -> SparseTensor:  # type: ignore[override]
-        dtype = x.dtype
-        if dtype == mx.float32:
-            return super().__call__(x)
-        y = mlx_nn.BatchNorm.__call__(self, x.feats.astype(mx.float32))
-        return x.replace(y.astype(dtype))
-
-    def relu(self, x: SparseTensor) -> SparseTensor:
-        """``relu(self(x))`` with the ReLU in float32 too (one cast each way)."""
-        y = mlx_nn.BatchNorm.__call__(self, x.feats.astype(mx.float32))
-        return x.replace(mx.maximum(y, 0).astype(x.dtype))
 
 
 def _run(layer: mlx_nn.Module, x, trace: Trace | None, path: str):  # noqa: ANN001

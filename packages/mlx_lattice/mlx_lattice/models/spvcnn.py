@@ -31,6 +31,23 @@ from mlx_lattice.tensor import SparseTensor, SparseTensorError
 __all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
 
 
+@mx.custom_function
+def _permute_rows(a: mx.array, rows: mx.array, inverse_rows: mx.array) -> mx.array:
+    """``a[rows]`` for a permutation ``rows`` built by :class:`PointCloudInput`
+    (valid by construction), with ``g[inverse_rows]`` as its gradient: MLX
+    differentiates a gather into a scatter-add, slower than the inverse gather."""
+    return mx.take(a, rows, axis=0)
+
+
+@_permute_rows.vjp
+def _permute_rows_vjp(
+    primals: tuple[mx.array, ...], cotangent: mx.array | tuple, output: object
+) -> tuple[mx.array, ...]:
+    _, rows, inverse_rows = primals
+    g = cotangent[0] if isinstance(cotangent, tuple | list) else cotangent
+    return mx.take(g, inverse_rows, axis=0), mx.zeros_like(rows), mx.zeros_like(inverse_rows)
+
+
 @dataclass
 class PointCloudInput:
     """Points, their features and their level-0 voxels, ready for :class:`SPVCNN`.
@@ -84,7 +101,13 @@ class PointCloudInput:
         inverse = np.empty_like(order)
         inverse[order] = np.arange(len(order))  # row r of x is voxel inverse[r] of vox
         pvm = geometry.point_voxel_map(self.points, index, self.voxel_size * s, batch=self.batch)
-        entry = (vox, mx.array(inverse.astype(np.int32)), pvm, x.coords)
+        entry = (
+            vox,
+            mx.array(inverse.astype(np.int32)),
+            pvm,
+            x.coords,
+            mx.array(order.astype(np.int32)),
+        )
         self._levels[s] = entry
         return entry[:3]
 
@@ -96,7 +119,10 @@ class PointCloudInput:
     def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
         """Point features averaged onto ``x``'s voxels (same rows as ``x``)."""
         vox, inverse, _ = self.level(x)
-        return x.replace(geometry.voxelize(point_feats, vox, "mean")[inverse])
+        order = self._levels[x.tensor_stride[0]][4]
+        # A permutation: its gradient is the inverse gather, not a scatter-add.
+        feats = geometry.voxelize(point_feats, vox, "mean")
+        return x.replace(_permute_rows(feats, inverse, order))
 
 
 def point_cloud_input(
@@ -128,7 +154,8 @@ def point_cloud_input(
 
 
 class PointBranch(mlx_nn.Module):
-    """Per-point Linear, batch norm (in float32) and ReLU."""
+    """Per-point Linear (native GEMM for large point sets), batch norm (in
+    float32) and ReLU."""
 
     def __init__(self, cin: int, cout: int) -> None:
         super().__init__()
@@ -136,8 +163,7 @@ class PointBranch(mlx_nn.Module):
         self.norm = mlx_nn.BatchNorm(cout)
 
     def __call__(self, z: mx.array) -> mx.array:
-        y = self.linear(z)
-        return mx.maximum(self.norm(y.astype(mx.float32)), 0).astype(z.dtype)
+        return nn.batch_norm_features(self.norm, self.linear(z), relu=True).astype(z.dtype)
 
 
 class _PointMLPs(mlx_nn.Module):

@@ -11,13 +11,17 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <string>
 
 #include "bindings.h"
+#include "cpu/geometry_detail.h"
 #include "cpu/geometry_kernels.h"
 #include "cpu/kernels.h"
 #include "ops.h"
+#include "primitives.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -85,6 +89,74 @@ Dict neighbors_dict(const geo::Neighbors& nbrs, int64_t n_support, int64_t n_ker
           {"dist2", to_mx(d, {static_cast<int>(n_edges)}, mx::float32)}};
 }
 
+// The grid the Metal kNN kernel searches: cells of about k support points
+// (bounding-box estimate), grown until batches x cells fit in int32 keys.
+ml::KnnGrid knn_grid(const double* pts, const int32_t* batch, int64_t n, int64_t k) {
+  ml::KnnGrid g;
+  if (n == 0) return g;
+  double lo[3], hi[3];
+  int32_t top = 0;
+  for (int a = 0; a < 3; ++a) lo[a] = hi[a] = pts[a];
+  for (int64_t i = 0; i < n; ++i) {
+    top = std::max(top, batch[i]);
+    for (int a = 0; a < 3; ++a) {
+      lo[a] = std::min(lo[a], pts[3 * i + a]);
+      hi[a] = std::max(hi[a], pts[3 * i + a]);
+    }
+  }
+  g.n_batches = top + 1;
+  double extent = 0.0;
+  for (int a = 0; a < 3; ++a) extent = std::max(extent, hi[a] - lo[a]);
+  double cell = 1.0;
+  if (extent > 0) {
+    double vol = 1.0;
+    for (int a = 0; a < 3; ++a) vol *= std::max(hi[a] - lo[a], extent * 1e-3);
+    cell = std::max(std::cbrt(vol * static_cast<double>(std::max<int64_t>(k, 2)) /
+                              static_cast<double>(n)),
+                    extent * 1e-6);
+  }
+  for (;;) {
+    double cells = static_cast<double>(g.n_batches);
+    for (int a = 0; a < 3; ++a) cells *= std::floor((hi[a] - lo[a]) / cell) + 1.0;
+    if (cells < static_cast<double>(1 << 30)) break;
+    cell *= 2.0;
+  }
+  g.cell = static_cast<float>(cell);
+  for (int a = 0; a < 3; ++a) {
+    g.origin[a] = static_cast<float>(lo[a]);
+    g.dims[a] = static_cast<int32_t>(std::floor((hi[a] - lo[a]) / cell)) + 1;
+  }
+  return g;
+}
+
+// Points as an MLX array: float64 for the CPU kernels, float32 where the
+// Metal bodies evaluate (GPUs have no float64).
+mx::array points_array(const double* pts, int64_t n, bool metal) {
+  const mx::Shape shape = {static_cast<int>(n), 3};
+  if (!metal) return mx::array(pts, shape, mx::float64);
+  std::vector<float> f(pts, pts + 3 * n);
+  return mx::array(f.data(), shape, mx::float32);
+}
+
+// The kNN table (rows / dist2, Q x kt, -1 past the found) as neighbour lists.
+geo::Neighbors from_table(const mx::array& rows, const mx::array& dist2) {
+  const int64_t nq = rows.shape(0), kt = rows.shape(1);
+  const int32_t* r = rows.data<int32_t>();
+  const float* d = dist2.data<float>();
+  geo::Neighbors out;
+  out.offsets.assign(nq + 1, 0);
+  out.rows.reserve(nq * kt);
+  out.dist2.reserve(nq * kt);
+  for (int64_t q = 0; q < nq; ++q) {
+    for (int64_t j = 0; j < kt && r[q * kt + j] >= 0; ++j) {
+      out.rows.push_back(r[q * kt + j]);
+      out.dist2.push_back(d[q * kt + j]);
+    }
+    out.offsets[q + 1] = static_cast<int32_t>(out.rows.size());
+  }
+  return out;
+}
+
 }  // namespace
 
 namespace mlx_lattice {
@@ -143,9 +215,30 @@ void bind_geometry(nb::module_& m) {
       [](Points query, Ints qbatch, Points support, Ints sbatch, int64_t k) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
-        return neighbors_dict(geo::knn(query.data(), qbatch.data(), query.shape(0), support.data(),
-                                       sbatch.data(), support.shape(0), k),
-                              support.shape(0), k);
+        if (k < 1) throw std::invalid_argument("k must be >= 1.");
+        const int64_t nq = query.shape(0), ns = support.shape(0);
+        geo::detail::check_finite(query.data(), nq, "query");
+        geo::detail::check_batch(qbatch.data(), nq, "query_batch");
+        geo::detail::check_finite(support.data(), ns, "support");
+        geo::detail::check_batch(sbatch.data(), ns, "support_batch");
+        // The search is the GeometryKnn primitive on the default stream (its
+        // Metal kernel on GPUs); columns past the support are always empty.
+        const auto s = mx::default_stream(mx::default_device());
+        const bool metal = ml::uses_metal_bodies(s);
+        const int64_t kt = std::max<int64_t>(1, std::min(k, ns));
+        if (metal && kt > ml::kKnnMaxKGpu) {
+          throw std::invalid_argument("k must be <= " + std::to_string(ml::kKnnMaxKGpu) +
+                                      " for the GPU kNN kernel, got " + std::to_string(k) +
+                                      "; run it on a CPU stream.");
+        }
+        const auto grid = metal ? knn_grid(support.data(), sbatch.data(), ns, kt) : ml::KnnGrid{};
+        auto table = ml::make_knn(
+            static_cast<int>(kt), grid, points_array(query.data(), nq, metal),
+            mx::array(qbatch.data(), {static_cast<int>(nq)}, mx::int32),
+            points_array(support.data(), ns, metal),
+            mx::array(sbatch.data(), {static_cast<int>(ns)}, mx::int32), s);
+        mx::eval(table);
+        return neighbors_dict(from_table(table[0], table[1]), ns, k);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "k"_a, release(),
       "Exact k nearest support points per query (same batch), by (distance, row).");
@@ -204,8 +297,10 @@ void bind_geometry(nb::module_& m) {
   m.def(
       "coords_morton",
       [](Coords coords) {
-        auto codes = geo::morton_codes(coords.data(), coords.shape(0));
-        return to_mx(codes, {static_cast<int>(codes.size())}, mx::int64);
+        geo::check_morton_range(coords.data(), coords.shape(0));
+        const auto s = mx::default_stream(mx::default_device());
+        return ml::make_morton(
+            mx::array(coords.data(), {static_cast<int>(coords.shape(0)), 4}, mx::int32), s);
       },
       "coords"_a, release(), "Morton codes of (x, y, z) biased by 2^20 (21 bits per axis).");
 }

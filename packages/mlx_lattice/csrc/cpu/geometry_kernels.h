@@ -59,6 +59,8 @@ Merged merge_sets(const int32_t* a, int64_t na, const int32_t* b, int64_t nb, bo
 // Morton code of each row's (x, y, z): each coordinate biased by 2^20 must
 // lie in [0, 2^21); bit 3i+2 holds bit i of x, 3i+1 of y, 3i of z.
 std::vector<int64_t> morton_codes(const int32_t* coords, int64_t n);
+// Raises unless every row's (x, y, z) is in the Morton range.
+void check_morton_range(const int32_t* coords, int64_t n);
 
 // ---- points <-> voxels --------------------------------------------------------------------
 

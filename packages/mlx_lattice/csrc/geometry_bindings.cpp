@@ -54,39 +54,78 @@ void same_length(const char* a, int64_t na, const char* b, int64_t nb_) {
   }
 }
 
-// The neighbour lists as a relation's arrays: edges grouped by query (rank =
-// kernel id), plus the input and kernel groupings (stable counting sorts).
-Dict neighbors_dict(const geo::Neighbors& nbrs, int64_t n_support, int64_t n_kernels) {
-  const int64_t n_edges = static_cast<int64_t>(nbrs.rows.size());
-  const int64_t n_queries = static_cast<int64_t>(nbrs.offsets.size()) - 1;
-  std::vector<float> d(n_edges);
+// An MLX array owning the vector's buffer (no copy of the edge lists).
+template <typename T>
+mx::array owned(std::vector<T>&& v, mx::Shape shape, mx::Dtype dtype) {
+  if (v.empty()) return to_mx(v, std::move(shape), dtype);
+  auto* held = new std::vector<T>(std::move(v));
+  return mx::array(static_cast<void*>(held->data()), std::move(shape), dtype,
+                   [held](void*) { delete held; });
+}
+
+mx::array owned_ints(std::vector<int32_t>&& v) {
+  const int n = static_cast<int>(v.size());
+  return owned(std::move(v), {n}, mx::int32);
+}
+
+// Neighbour lists (edges grouped by query: offsets, support rows, squared
+// distances) as a relation's arrays: rank = kernel id, plus the input and
+// kernel groupings (stable counting sorts).
+Dict edges_dict(std::vector<int32_t>&& offsets, std::vector<int32_t>&& in_rows,
+                std::vector<float>&& dist2, int64_t n_support, int64_t n_kernels) {
+  const int64_t n_edges = static_cast<int64_t>(in_rows.size());
+  const int64_t n_queries = static_cast<int64_t>(offsets.size()) - 1;
   std::vector<int32_t> out_rows(n_edges), ranks(n_edges), edge_ids(n_edges);
   for (int64_t q = 0; q < n_queries; ++q) {
-    for (int32_t e = nbrs.offsets[q]; e < nbrs.offsets[q + 1]; ++e) {
+    for (int32_t e = offsets[q]; e < offsets[q + 1]; ++e) {
       out_rows[e] = static_cast<int32_t>(q);
-      ranks[e] = e - nbrs.offsets[q];
+      ranks[e] = e - offsets[q];
+      edge_ids[e] = e;
     }
   }
-  for (int64_t e = 0; e < n_edges; ++e) {
-    d[e] = static_cast<float>(nbrs.dist2[e]);
-    edge_ids[e] = static_cast<int32_t>(e);
-  }
   std::vector<int32_t> in_offsets, in_edge_ids, k_offsets, k_edge_ids;
-  ml::kernels::group_by(nbrs.rows.data(), n_edges, n_support, in_offsets, in_edge_ids);
+  ml::kernels::group_by(in_rows.data(), n_edges, n_support, in_offsets, in_edge_ids);
   ml::kernels::group_by(ranks.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
   std::vector<int32_t> counts(n_kernels);
   for (int64_t k = 0; k < n_kernels; ++k) counts[k] = k_offsets[k + 1] - k_offsets[k];
-  return {{"output_row_offsets", ints(nbrs.offsets)},
-          {"in_rows", ints(nbrs.rows)},
-          {"out_rows", ints(out_rows)},
-          {"kernel_ids", ints(ranks)},
-          {"output_edge_ids", ints(edge_ids)},
-          {"input_row_offsets", ints(in_offsets)},
-          {"input_edge_ids", ints(in_edge_ids)},
-          {"kernel_row_offsets", ints(k_offsets)},
-          {"kernel_edge_ids", ints(k_edge_ids)},
-          {"counts", ints(counts)},
-          {"dist2", to_mx(d, {static_cast<int>(n_edges)}, mx::float32)}};
+  const int n = static_cast<int>(n_edges);
+  return {{"output_row_offsets", owned_ints(std::move(offsets))},
+          {"in_rows", owned_ints(std::move(in_rows))},
+          {"out_rows", owned_ints(std::move(out_rows))},
+          {"kernel_ids", owned_ints(std::move(ranks))},
+          {"output_edge_ids", owned_ints(std::move(edge_ids))},
+          {"input_row_offsets", owned_ints(std::move(in_offsets))},
+          {"input_edge_ids", owned_ints(std::move(in_edge_ids))},
+          {"kernel_row_offsets", owned_ints(std::move(k_offsets))},
+          {"kernel_edge_ids", owned_ints(std::move(k_edge_ids))},
+          {"counts", owned_ints(std::move(counts))},
+          {"dist2", owned(std::move(dist2), {n}, mx::float32)}};
+}
+
+Dict neighbors_dict(geo::Neighbors&& nbrs, int64_t n_support, int64_t n_kernels) {
+  std::vector<float> d(nbrs.dist2.begin(), nbrs.dist2.end());
+  return edges_dict(std::move(nbrs.offsets), std::move(nbrs.rows), std::move(d), n_support,
+                    n_kernels);
+}
+
+// The kNN table (rows / dist2, Q x kt, -1 past the found) as a relation.
+Dict table_dict(const mx::array& rows, const mx::array& dist2, int64_t n_support,
+                int64_t n_kernels) {
+  const int64_t nq = rows.shape(0), kt = rows.shape(1);
+  const int32_t* r = rows.data<int32_t>();
+  const float* d = dist2.data<float>();
+  std::vector<int32_t> offsets(nq + 1, 0), in_rows;
+  std::vector<float> dd;
+  in_rows.reserve(nq * kt);
+  dd.reserve(nq * kt);
+  for (int64_t q = 0; q < nq; ++q) {
+    for (int64_t j = 0; j < kt && r[q * kt + j] >= 0; ++j) {
+      in_rows.push_back(r[q * kt + j]);
+      dd.push_back(d[q * kt + j]);
+    }
+    offsets[q + 1] = static_cast<int32_t>(in_rows.size());
+  }
+  return edges_dict(std::move(offsets), std::move(in_rows), std::move(dd), n_support, n_kernels);
 }
 
 // The grid the Metal kNN kernel searches: cells of about k support points
@@ -136,25 +175,6 @@ mx::array points_array(const double* pts, int64_t n, bool metal) {
   if (!metal) return mx::array(pts, shape, mx::float64);
   std::vector<float> f(pts, pts + 3 * n);
   return mx::array(f.data(), shape, mx::float32);
-}
-
-// The kNN table (rows / dist2, Q x kt, -1 past the found) as neighbour lists.
-geo::Neighbors from_table(const mx::array& rows, const mx::array& dist2) {
-  const int64_t nq = rows.shape(0), kt = rows.shape(1);
-  const int32_t* r = rows.data<int32_t>();
-  const float* d = dist2.data<float>();
-  geo::Neighbors out;
-  out.offsets.assign(nq + 1, 0);
-  out.rows.reserve(nq * kt);
-  out.dist2.reserve(nq * kt);
-  for (int64_t q = 0; q < nq; ++q) {
-    for (int64_t j = 0; j < kt && r[q * kt + j] >= 0; ++j) {
-      out.rows.push_back(r[q * kt + j]);
-      out.dist2.push_back(d[q * kt + j]);
-    }
-    out.offsets[q + 1] = static_cast<int32_t>(out.rows.size());
-  }
-  return out;
 }
 
 }  // namespace
@@ -238,7 +258,7 @@ void bind_geometry(nb::module_& m) {
             points_array(support.data(), ns, metal),
             mx::array(sbatch.data(), {static_cast<int>(ns)}, mx::int32), s);
         mx::eval(table);
-        return neighbors_dict(from_table(table[0], table[1]), ns, k);
+        return table_dict(table[0], table[1], ns, k);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "k"_a, release(),
       "Exact k nearest support points per query (same batch), by (distance, row).");
@@ -254,7 +274,8 @@ void bind_geometry(nb::module_& m) {
         for (size_t q = 0; q + 1 < nbrs.offsets.size(); ++q) {
           widest = std::max<int64_t>(widest, nbrs.offsets[q + 1] - nbrs.offsets[q]);
         }
-        return neighbors_dict(nbrs, support.shape(0), max_neighbors > 0 ? max_neighbors : widest);
+        return neighbors_dict(std::move(nbrs), support.shape(0),
+                              max_neighbors > 0 ? max_neighbors : widest);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "r"_a, "max_neighbors"_a,
       release(), "Support points within distance r of each query (same batch), nearest first.");

@@ -2,7 +2,6 @@
 // GeometryDevoxelize, GeometryKnn, GeometryMorton): the kernels of cpu/geometry_*.cpp on the CPU stream's
 // encoder. Operands are float32 / int32 (the graph builders cast).
 #include <algorithm>
-#include <limits>
 #include <vector>
 
 #include "../primitives.h"
@@ -62,18 +61,8 @@ void GeometryKnn::eval_cpu(const std::vector<array>& inputs, std::vector<array>&
   cpu::dispatch(stream(), inputs, outputs, [k = k_](std::vector<array>& in, std::vector<array>& out) {
     const int64_t nq = in[0].shape(0), ns = in[2].shape(0);
     std::vector<double> qcopy, scopy;
-    const auto nbrs = geometry::knn(points64(in[0], qcopy), cpu::idx(in[1]), nq,
-                                    points64(in[2], scopy), cpu::idx(in[3]), ns, k);
-    int32_t* rows = out[0].data<int32_t>();
-    float* d2 = out[1].data<float>();
-    for (int64_t q = 0; q < nq; ++q) {
-      const int32_t b = nbrs.offsets[q], n = nbrs.offsets[q + 1] - b;
-      for (int64_t j = 0; j < k; ++j) {
-        rows[q * k + j] = j < n ? nbrs.rows[b + j] : -1;
-        d2[q * k + j] = j < n ? static_cast<float>(nbrs.dist2[b + j])
-                              : std::numeric_limits<float>::infinity();
-      }
-    }
+    geometry::knn(points64(in[0], qcopy), cpu::idx(in[1]), nq, points64(in[2], scopy),
+                  cpu::idx(in[3]), ns, k, k, out[0].data<int32_t>(), out[1].data<float>());
   });
 }
 

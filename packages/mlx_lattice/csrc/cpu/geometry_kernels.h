@@ -109,8 +109,11 @@ struct Neighbors {
   std::vector<int32_t> rows;     // support rows
   std::vector<double> dist2;
 };
-Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
-              const int32_t* sbatch, int64_t ns, int64_t k);
+// kNN as a table: row q of rows / dist2 (nq x width, width >= min(k, ns))
+// holds q's neighbours nearest first, then -1 / +inf.
+void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
+         const int32_t* sbatch, int64_t ns, int64_t k, int64_t width, int32_t* rows,
+         float* dist2);
 // All support points with distance <= r (at most max_neighbors nearest when > 0).
 Neighbors radius_search(const double* query, const int32_t* qbatch, int64_t nq,
                         const double* support, const int32_t* sbatch, int64_t ns, double r,

@@ -309,6 +309,10 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
   std::vector<int32_t> pending(nq);
   for (int64_t q = 0; q < nq; ++q) pending[q] = static_cast<int32_t>(q);
   std::vector<char> failed(nq, 0);
+  // A query that failed a level keeps its k-th distance there: those k
+  // candidates lie in the next level's (larger) block too, so it bounds the
+  // search again.
+  std::vector<double> kth_bound(nq, std::numeric_limits<double>::infinity());
   // About 2k points per occupied cell: with nearest-first cells and box
   // pruning, larger cells cost less than the retries of smaller ones.
   double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, 2.0 * k));
@@ -377,12 +381,13 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
           // k-th distance (computed as the candidates' are, so exactly). Only
           // candidates within the bound are kept, then the k best by
           // (distance, row) selected. Without a bound every candidate is kept.
-          double bound = std::numeric_limits<double>::infinity();
+          double bound = kth_bound[q];
           if (!prev.empty()) {
-            bound = 0.0;
+            double reach = 0.0;
             for (const int32_t row : prev) {
-              bound = std::max(bound, dist2(qp, support + 3 * static_cast<int64_t>(row)));
+              reach = std::max(reach, dist2(qp, support + 3 * static_cast<int64_t>(row)));
             }
+            bound = std::min(bound, reach);
           }
           for (;;) {
             top.clear();
@@ -432,6 +437,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
             store(q, heap.data(), heap.size());
           } else {
             failed[q] = 1;
+            if (static_cast<int64_t>(top.size()) == k) kth_bound[q] = top.back().d2;
           }
         }
       }

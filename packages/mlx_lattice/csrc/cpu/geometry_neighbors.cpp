@@ -334,7 +334,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
       std::vector<int32_t> rows;
       std::vector<double> xyz;
       std::vector<int32_t> cell_start;
-      std::vector<std::array<int, 3>> cell_offset;
+      std::vector<std::array<double, 6>> cell_box;  // lo, hi per axis (with slack)
       std::vector<Cand> top, heap;
       std::vector<int32_t> prev;
       for (int64_t g = t * 64; g < end; ++g) {
@@ -344,7 +344,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
         rows.clear();
         xyz.clear();
         cell_start.clear();
-        cell_offset.clear();
+        cell_box.clear();
         bool covered = true;
         for (int a = 0; a < 3; ++a) {
           covered = covered && home[a + 1] - kBlock <= bounds->lo[a] &&
@@ -362,7 +362,12 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
           });
           if (rows.size() > before) {
             cell_start.push_back(static_cast<int32_t>(before));
-            cell_offset.push_back(d);
+            std::array<double, 6> box;
+            for (int a = 0; a < 3; ++a) {
+              box[a] = grid.edge(int64_t{home[a + 1]} + d[a], a) - grid.cell() * 1e-9;
+              box[a + 3] = box[a] + grid.cell() * (1.0 + 2e-9);
+            }
+            cell_box.push_back(box);
           }
         }
         cell_start.push_back(static_cast<int32_t>(rows.size()));
@@ -395,9 +400,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
               // Lower bound of the distance to this cell's box.
               double dmin = 0.0;
               for (int a = 0; a < 3; ++a) {
-                const double lo = grid.edge(int64_t{home[a + 1]} + cell_offset[c][a], a) - slack;
-                const double hi = lo + h + 2 * slack;
-                const double gap = qp[a] < lo ? lo - qp[a] : (qp[a] > hi ? qp[a] - hi : 0.0);
+                const double gap = std::max({cell_box[c][a] - qp[a], qp[a] - cell_box[c][a + 3], 0.0});
                 dmin += gap * gap;
               }
               if (dmin > bound) continue;

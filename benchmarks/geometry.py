@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -50,7 +51,13 @@ def _row(name: str, ours: float, ref: float, ref_name: str) -> None:
     )
 
 
-def _paired(name: str, ours, ref, ref_name: str, pairs: int = 7) -> None:  # noqa: ANN001
+def _paired(
+    name: str,
+    ours: Callable[[], object],
+    ref: Callable[[], object],
+    ref_name: str,
+    pairs: int = 7,
+) -> None:
     """Alternates ours / ref call by call; prints the medians, the median of
     the per-pair wall-clock ratios and the ratio of total CPU time."""
     ours()

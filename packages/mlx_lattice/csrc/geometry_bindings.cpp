@@ -154,11 +154,16 @@ ml::KnnGrid knn_grid(const double* pts, const int32_t* batch, int64_t n, int64_t
                               static_cast<double>(n)),
                     extent * 1e-6);
   }
+  constexpr double kMaxKeys = 1 << 30;
+  if (g.n_batches >= kMaxKeys) {
+    throw std::invalid_argument("support_batch values up to " + std::to_string(top) +
+                                " exceed the GPU kNN grid's int32 cell keys.");
+  }
   for (;;) {
     double cells = static_cast<double>(g.n_batches);
     for (int a = 0; a < 3; ++a) cells *= std::floor((hi[a] - lo[a]) / cell) + 1.0;
-    if (cells < static_cast<double>(1 << 30)) break;
-    cell *= 2.0;
+    if (cells < kMaxKeys) break;
+    cell *= 2.0;  // ends: one cell per axis leaves n_batches < kMaxKeys keys
   }
   g.cell = static_cast<float>(cell);
   for (int a = 0; a < 3; ++a) {

@@ -374,10 +374,15 @@ def test_geometry_knn_on_float_points(rng, harness):
 
 def test_geometry_knn_gpu_limits(harness):
     """The Metal kernel keeps at most 64 neighbours per query: larger k raise
-    the library's error where it would run (CPU streams have no limit)."""
+    the library's error where it would run (CPU streams have no limit). An
+    empty support gives every query no neighbour on both paths."""
     pts = np.zeros((70, 3))
     with pytest.raises(geometry.GeometryError, match="k must be <= 64"):
         harness(lambda: _knn_arrays(pts, pts, 65, None, None))
+    cpu, gpu = harness(lambda: _knn_arrays(pts[:5], np.zeros((0, 3)), 3, None, None))
+    for a, b in zip(cpu, gpu, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert np.array(gpu[0]).size == 0 and np.array(gpu[3]).tolist() == [0] * 6
 
 
 def _morton_reference(x, y, z):

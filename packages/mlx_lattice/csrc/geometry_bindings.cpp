@@ -20,6 +20,7 @@
 #include "cpu/geometry_detail.h"
 #include "cpu/geometry_kernels.h"
 #include "cpu/kernels.h"
+#include "cpu/parallel.h"
 #include "ops.h"
 #include "primitives.h"
 
@@ -76,13 +77,17 @@ Dict edges_dict(std::vector<int32_t>&& offsets, std::vector<int32_t>&& in_rows,
   const int64_t n_edges = static_cast<int64_t>(in_rows.size());
   const int64_t n_queries = static_cast<int64_t>(offsets.size()) - 1;
   std::vector<int32_t> out_rows(n_edges), ranks(n_edges), edge_ids(n_edges);
-  for (int64_t q = 0; q < n_queries; ++q) {
-    for (int32_t e = offsets[q]; e < offsets[q + 1]; ++e) {
-      out_rows[e] = static_cast<int32_t>(q);
-      ranks[e] = e - offsets[q];
-      edge_ids[e] = e;
+  constexpr int64_t kChunk = 4096;  // queries per task
+  ml::parallel_for((n_queries + kChunk - 1) / kChunk, [&](int64_t t) {
+    const int64_t end = std::min(n_queries, (t + 1) * kChunk);
+    for (int64_t q = t * kChunk; q < end; ++q) {
+      for (int32_t e = offsets[q]; e < offsets[q + 1]; ++e) {
+        out_rows[e] = static_cast<int32_t>(q);
+        ranks[e] = e - offsets[q];
+        edge_ids[e] = e;
+      }
     }
-  }
+  });
   std::vector<int32_t> in_offsets, in_edge_ids, k_offsets, k_edge_ids;
   ml::kernels::group_by(in_rows.data(), n_edges, n_support, in_offsets, in_edge_ids);
   ml::kernels::group_by(ranks.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
@@ -114,17 +119,23 @@ Dict table_dict(const mx::array& rows, const mx::array& dist2, int64_t n_support
   const int64_t nq = rows.shape(0), kt = rows.shape(1);
   const int32_t* r = rows.data<int32_t>();
   const float* d = dist2.data<float>();
-  std::vector<int32_t> offsets(nq + 1, 0), in_rows;
-  std::vector<float> dd;
-  in_rows.reserve(nq * kt);
-  dd.reserve(nq * kt);
+  std::vector<int32_t> offsets(nq + 1, 0);
   for (int64_t q = 0; q < nq; ++q) {
-    for (int64_t j = 0; j < kt && r[q * kt + j] >= 0; ++j) {
-      in_rows.push_back(r[q * kt + j]);
-      dd.push_back(d[q * kt + j]);
-    }
-    offsets[q + 1] = static_cast<int32_t>(in_rows.size());
+    int64_t n = 0;
+    while (n < kt && r[q * kt + n] >= 0) ++n;
+    offsets[q + 1] = offsets[q] + static_cast<int32_t>(n);
   }
+  std::vector<int32_t> in_rows(offsets[nq]);
+  std::vector<float> dd(offsets[nq]);
+  constexpr int64_t kChunk = 4096;  // queries per task
+  ml::parallel_for((nq + kChunk - 1) / kChunk, [&](int64_t t) {
+    const int64_t end = std::min(nq, (t + 1) * kChunk);
+    for (int64_t q = t * kChunk; q < end; ++q) {
+      std::copy(r + q * kt, r + q * kt + (offsets[q + 1] - offsets[q]),
+                in_rows.begin() + offsets[q]);
+      std::copy(d + q * kt, d + q * kt + (offsets[q + 1] - offsets[q]), dd.begin() + offsets[q]);
+    }
+  });
   return edges_dict(std::move(offsets), std::move(in_rows), std::move(dd), n_support, n_kernels);
 }
 

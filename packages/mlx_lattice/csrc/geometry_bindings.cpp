@@ -284,6 +284,27 @@ void bind_geometry(nb::module_& m) {
       [](Points query, Ints qbatch, Points support, Ints sbatch, double r, int64_t max_neighbors) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
+        const int64_t nq = query.shape(0), ns = support.shape(0);
+        const auto s = mx::default_stream(mx::default_device());
+        if (ml::uses_metal_bodies(s) && max_neighbors >= 1 && max_neighbors <= ml::kKnnMaxKGpu &&
+            r > 0 && std::isfinite(r)) {
+          // The nearest max_neighbors within r: the kNN primitive bounded by
+          // the radius (its Metal kernel). Without a cap (or a larger one) the
+          // search stays on the CPU kernels.
+          geo::detail::check_finite(query.data(), nq, "query");
+          geo::detail::check_batch(qbatch.data(), nq, "query_batch");
+          geo::detail::check_finite(support.data(), ns, "support");
+          geo::detail::check_batch(sbatch.data(), ns, "support_batch");
+          const int64_t kt = std::max<int64_t>(1, std::min(max_neighbors, ns));
+          auto table = ml::make_knn(
+              static_cast<int>(kt), knn_grid(support.data(), sbatch.data(), ns, kt),
+              points_array(query.data(), nq, true),
+              mx::array(qbatch.data(), {static_cast<int>(nq)}, mx::int32),
+              points_array(support.data(), ns, true),
+              mx::array(sbatch.data(), {static_cast<int>(ns)}, mx::int32), s, r);
+          mx::eval(table);
+          return table_dict(table[0], table[1], ns, max_neighbors);
+        }
         auto nbrs = geo::radius_search(query.data(), qbatch.data(), query.shape(0), support.data(),
                                        sbatch.data(), support.shape(0), r, max_neighbors);
         int64_t widest = 1;

@@ -213,8 +213,10 @@ class GeometryDevoxelize : public mx::Primitive {
 // query_batch (Q), support (S, 3), support_batch (S); points float64 (CPU
 // kernels) or float32. Where the Metal bodies evaluate (uses_metal_bodies),
 // also the support's grid: its cell keys sorted (S), the permutation sorting
-// them (S) and the support sorted by cell (S, 3), float32. Not
-// differentiable: gather the neighbours and recompute distances instead.
+// them (S) and the support sorted by cell (S, 3), float32. With a radius
+// (> 0) only neighbours within it count (radius_relation with
+// max_neighbors = k). Not differentiable: gather the neighbours and
+// recompute distances instead.
 constexpr int kKnnMaxKGpu = 64;  // the largest k of the Metal kernel (MLXL_KNN_MAX_K)
 struct KnnGrid {
   float origin[3] = {0, 0, 0};
@@ -224,8 +226,8 @@ struct KnnGrid {
 };
 class GeometryKnn : public mx::Primitive {
  public:
-  GeometryKnn(mx::Stream stream, int k, KnnGrid grid)
-      : mx::Primitive(stream), k_(k), grid_(grid) {}
+  GeometryKnn(mx::Stream stream, int k, KnnGrid grid, double radius = 0.0)
+      : mx::Primitive(stream), k_(k), grid_(grid), radius_(radius) {}
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
   void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
   DEFINE_VMAP()
@@ -235,10 +237,12 @@ class GeometryKnn : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
   int k() const { return k_; }
   const KnnGrid& grid() const { return grid_; }
+  double radius() const { return radius_; }
 
  private:
   int k_;
   KnnGrid grid_;
+  double radius_;
 };
 
 // Morton codes (N,) int64 of (N, 4) int32 coordinates (layout in
@@ -302,8 +306,10 @@ std::vector<array> make_voxelize(int mode, const array& feats, const std::vector
 array make_devoxelize(GeometryDevoxelize::Face face, bool nearest, int64_t n_voxels, const array& x,
                       const std::vector<array>& index, mx::Stream s);
 // {rows, dist2}; points as given (float64 stays on the CPU kernels).
+// radius > 0: only neighbours within it (the k nearest of them).
 std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,
-                            const array& support, const array& sbatch, mx::Stream s);
+                            const array& support, const array& sbatch, mx::Stream s,
+                            double radius = 0.0);
 array make_morton(const array& coords, mx::Stream s);
 
 }  // namespace mlx_lattice

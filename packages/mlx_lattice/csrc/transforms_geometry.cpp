@@ -200,7 +200,8 @@ array cell_keys(const array& pts, const array& batch, const KnnGrid& g, mx::Stre
 }  // namespace
 
 std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,
-                            const array& support, const array& sbatch, mx::Stream s) {
+                            const array& support, const array& sbatch, mx::Stream s,
+                            double radius) {
   const int nq = query.shape(0);
   std::vector<array> inputs = {query, qbatch, support, sbatch};
   if (uses_metal_bodies(s)) {
@@ -214,14 +215,14 @@ std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, cons
     inputs.push_back(mx::contiguous(mx::take(inputs[2], order, 0, s), false, s));
   }
   return array::make_arrays({{nq, k}, {nq, k}}, {mx::int32, mx::float32},
-                            std::make_shared<GeometryKnn>(s, k, grid), inputs);
+                            std::make_shared<GeometryKnn>(s, k, grid, radius), inputs);
 }
 
 bool GeometryKnn::is_equivalent(const mx::Primitive& other) const {
   const auto& o = static_cast<const GeometryKnn&>(other);
   const auto& a = grid_;
   const auto& b = o.grid_;
-  return k_ == o.k_ && a.cell == b.cell && a.n_batches == b.n_batches &&
+  return k_ == o.k_ && radius_ == o.radius_ && a.cell == b.cell && a.n_batches == b.n_batches &&
          std::equal(a.origin, a.origin + 3, b.origin) && std::equal(a.dims, a.dims + 3, b.dims);
 }
 

@@ -467,6 +467,9 @@ def radius_relation(
     Same inputs and ordering as :func:`knn_relation`; with ``max_neighbors``
     only the nearest ``max_neighbors`` are kept and ``n_kernels =
     max_neighbors``, else ``n_kernels`` is the largest neighbour count (>= 1).
+    With ``max_neighbors <= 64`` on a GPU stream the search runs as the kNN
+    Metal kernel bounded by ``r`` (float32 distances); otherwise natively on
+    the CPU.
 
     >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
     >>> rel = radius_relation(np.array([[0.5, 0, 0]]), support, 0.5)

@@ -385,6 +385,30 @@ def test_geometry_knn_gpu_limits(harness):
     assert np.array(gpu[0]).size == 0 and np.array(gpu[3]).tolist() == [0] * 6
 
 
+@pytest.mark.parametrize(("r", "cap"), [(1.5, 8), (2.5, 64)])
+def test_geometry_radius_with_cap_on_lattice_points(rng, harness, r, cap):
+    """radius_relation with max_neighbors runs the kNN kernel bounded by the
+    radius: identical to the CPU kernel and to brute force (the nearest
+    ``cap`` within ``r``, by distance then row) on lattice points."""
+    s = rng.integers(-5, 6, (220, 3)).astype(np.float64)
+    q = rng.integers(-7, 8, (80, 3)).astype(np.float64) + rng.choice([0.0, 0.5], (80, 3))
+    sb = rng.integers(0, 2, len(s)).astype(np.int32)
+    qb = rng.integers(0, 3, len(q)).astype(np.int32)  # batch 2 has no support
+
+    def run():
+        rel = geometry.radius_relation(q, s, r, cap, query_batch=qb, support_batch=sb)
+        return [rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.counts]
+
+    cpu, gpu = harness(run)
+    for a, b in zip(cpu, gpu, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    in_rows, out_rows = np.array(gpu[0]), np.array(gpu[1])
+    ref = _knn_reference(q, qb, s, sb, len(s))
+    for i, row in enumerate(ref):
+        expected = [j for d, j in row if d <= r * r][:cap]
+        assert in_rows[out_rows == i].tolist() == expected, i
+
+
 def _morton_reference(x, y, z):
     code = 0
     for bit in range(21):

@@ -2,6 +2,7 @@
 // GeometryDevoxelize, GeometryKnn, GeometryMorton): the kernels of cpu/geometry_*.cpp on the CPU stream's
 // encoder. Operands are float32 / int32 (the graph builders cast).
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "../primitives.h"
@@ -58,12 +59,29 @@ const double* points64(const array& a, std::vector<double>& copy) {
 }  // namespace
 
 void GeometryKnn::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
-  cpu::dispatch(stream(), inputs, outputs, [k = k_](std::vector<array>& in, std::vector<array>& out) {
-    const int64_t nq = in[0].shape(0), ns = in[2].shape(0);
-    std::vector<double> qcopy, scopy;
-    geometry::knn(points64(in[0], qcopy), cpu::idx(in[1]), nq, points64(in[2], scopy),
-                  cpu::idx(in[3]), ns, k, k, out[0].data<int32_t>(), out[1].data<float>());
-  });
+  cpu::dispatch(stream(), inputs, outputs,
+                [k = k_, radius = radius_](std::vector<array>& in, std::vector<array>& out) {
+                  const int64_t nq = in[0].shape(0), ns = in[2].shape(0);
+                  std::vector<double> qcopy, scopy;
+                  const double* q = points64(in[0], qcopy);
+                  const double* sp = points64(in[2], scopy);
+                  int32_t* rows = out[0].data<int32_t>();
+                  float* d2 = out[1].data<float>();
+                  if (radius <= 0.0) {
+                    geometry::knn(q, cpu::idx(in[1]), nq, sp, cpu::idx(in[3]), ns, k, k, rows, d2);
+                    return;
+                  }
+                  const auto nb = geometry::radius_search(q, cpu::idx(in[1]), nq, sp,
+                                                          cpu::idx(in[3]), ns, radius, k);
+                  for (int64_t i = 0; i < nq; ++i) {
+                    const int32_t b = nb.offsets[i], n = nb.offsets[i + 1] - b;
+                    for (int64_t j = 0; j < k; ++j) {
+                      rows[i * k + j] = j < n ? nb.rows[b + j] : -1;
+                      d2[i * k + j] = j < n ? static_cast<float>(nb.dist2[b + j])
+                                            : std::numeric_limits<float>::infinity();
+                    }
+                  }
+                });
 }
 
 void GeometryMorton::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {

@@ -1,6 +1,8 @@
 // GPU encode bodies of the neighbour and coordinate primitives (kernels in
 // geometry_search.metal). GeometryKnn's graph builder added the support's
 // grid (sorted keys, their permutation, the sorted points) as inputs 4-6.
+#include <limits>
+
 #include "encode.h"
 
 namespace mlx_lattice::gpu {
@@ -15,7 +17,9 @@ void encode(const GeometryKnn& p, KernelEncoder& enc, Operands& ops,
                {g.dims[0], g.dims[1], g.dims[2]},
                {g.origin[0], g.origin[1], g.origin[2]},
                1.0f / g.cell,
-               g.cell};
+               g.cell,
+               p.radius() > 0 ? static_cast<float>(p.radius() * p.radius())
+                              : std::numeric_limits<float>::infinity()};
   encode_knn(enc, ops.floats(in[0]), ops.index(in[1]), ops.floats(in[6]), ops.index(in[5]),
              ops.index(in[4]), ops.index(out[0]), ops.output(out[1]), plan);
 }

@@ -1,5 +1,6 @@
 // Geometry kernels over coordinates and points: exact k nearest neighbours on
-// a uniform grid of cells, and Morton codes. Integer results match the CPU
+// a uniform grid of cells (optionally within a radius: radius search with
+// max_neighbors), and Morton codes. Integer results match the CPU
 // kernels (cpu/geometry_*.cpp) exactly; kNN distances are float32 here
 // (float64 on the CPU), so rows agree wherever float32 squared distances are
 // exact (lattice points such as voxel centres) and otherwise up to ties
@@ -22,6 +23,7 @@ struct KnnParams {
   float oz;
   float inv;  // 1 / cell, as the graph computed the support's keys
   float cell;
+  float max_d2;  // radius search: only distances <= this (+inf for kNN)
 };
 
 // First index in keys[lo, hi) not below key.
@@ -96,6 +98,7 @@ kernel void mlxl_geo_knn(
               const float dy = qy - support[3 * j + 1];
               const float dz = qz - support[3 * j + 2];
               const float d = dx * dx + dy * dy + dz * dz;
+              if (d > p.max_d2) continue;
               const int row = sorted_rows[j];
               uint pos;
               if (n < p.k) {
@@ -119,9 +122,10 @@ kernel void mlxl_geo_knn(
       const bool covered = hx - ring <= 0 && hx + ring >= p.nx - 1 && hy - ring <= 0 &&
                            hy + ring >= p.ny - 1 && hz - ring <= 0 && hz + ring >= p.nz - 1;
       if (covered) break;
-      if (exact_cell && n == p.k) {
+      if (exact_cell) {
         const float margin = float(ring) * p.cell - slack;
-        if (margin > 0.0f && hd[p.k - 1] < margin * margin) break;
+        if (margin > 0.0f && n == p.k && hd[p.k - 1] < margin * margin) break;
+        if (margin > 0.0f && margin * margin > p.max_d2) break;  // the rest is beyond the radius
       }
     }
   }

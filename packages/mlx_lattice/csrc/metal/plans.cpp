@@ -228,11 +228,11 @@ void encode_knn(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_s
   struct {
     uint32_t nq, ns, k, n_batches;
     int32_t nx, ny, nz;
-    float ox, oy, oz, inv, cell;
-  } params{plan.nq,      plan.ns,        plan.k,         plan.n_batches, plan.dims[0],
-           plan.dims[1], plan.dims[2],   plan.origin[0], plan.origin[1], plan.origin[2],
-           plan.inv,     plan.cell};
-  static_assert(sizeof(params) == 48);
+    float ox, oy, oz, inv, cell, max_d2;
+  } params{plan.nq,      plan.ns,      plan.k,         plan.n_batches, plan.dims[0],
+           plan.dims[1], plan.dims[2], plan.origin[0], plan.origin[1], plan.origin[2],
+           plan.inv,     plan.cell,    plan.max_d2};
+  static_assert(sizeof(params) == 52);
   enc.kernel("mlxl_geo_knn");
   enc.input(0, query);
   enc.input(1, qbatch);

@@ -75,6 +75,7 @@ struct KnnPlan {
   int32_t dims[3];
   float origin[3];
   float inv, cell;
+  float max_d2;  // +inf for kNN; r^2 for radius search
 };
 constexpr uint32_t kKnnMaxK = 64;  // MLXL_KNN_MAX_K of the kernel (kKnnMaxKGpu)
 

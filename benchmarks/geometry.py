@@ -8,7 +8,11 @@ The scan's ~135k points at 5 cm voxels (~100k voxels):
 * devoxelize (linear, 64 channels): forward, backward (vjp) and their ratio;
 * kNN (k = 16) and radius search over the voxel centres against SciPy's
   ``cKDTree`` (tree build included, as ours builds its grid per call) with
-  the same number of threads (``workers=`` / ``set_num_threads``);
+  the same number of threads (``workers=`` / ``set_num_threads``). The two
+  sides alternate call by call (7 pairs) and the lines give the medians and
+  the median of the per-pair ratios, so a change in machine load between
+  the sides does not bias the ratio; the process CPU-time ratio is printed
+  too;
 * union and intersection of two scans' voxels against NumPy (``np.unique``
   on the stacked rows, ``np.intersect1d`` on a row view).
 
@@ -16,6 +20,10 @@ Ratios > 1 mean mlx_lattice is faster.
 """
 
 from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +48,36 @@ VOXEL = 0.05
 def _row(name: str, ours: float, ref: float, ref_name: str) -> None:
     print(
         f"{name:<40} {ours * 1e3:9.2f} ms   {ref_name:<28} {ref * 1e3:9.2f} ms   ratio {ref / ours:6.2f}x"
+    )
+
+
+def _paired(
+    name: str,
+    ours: Callable[[], object],
+    ref: Callable[[], object],
+    ref_name: str,
+    pairs: int = 7,
+) -> None:
+    """Alternates ours / ref call by call; prints the medians, the median of
+    the per-pair wall-clock ratios and the ratio of total CPU time."""
+    ours()
+    ref()
+    walls: list[tuple[float, float]] = []
+    cpu = [0.0, 0.0]
+    for _ in range(pairs):
+        pair = []
+        for side, fn in enumerate((ours, ref)):
+            w0, c0 = time.perf_counter(), time.process_time()
+            fn()
+            pair.append(time.perf_counter() - w0)
+            cpu[side] += time.process_time() - c0
+        walls.append((pair[0], pair[1]))
+    t_ours = statistics.median(w[0] for w in walls)
+    t_ref = statistics.median(w[1] for w in walls)
+    ratio = statistics.median(w[1] / w[0] for w in walls)
+    print(
+        f"{name:<40} {t_ours * 1e3:9.2f} ms   {ref_name:<28} {t_ref * 1e3:9.2f} ms   "
+        f"ratio {ratio:6.2f}x (paired median; CPU time {cpu[1] / cpu[0]:.2f}x)"
     )
 
 
@@ -95,19 +133,22 @@ def main() -> None:
 
     # neighbours over the voxel centres
     centres = (np.array(vox.coords)[:, 1:] + 0.5) * VOXEL
-    for k in (16,):
-        t_ours = median_s(lambda k=k: knn_relation(centres, centres, k), repeats=3)
-        t_tree = median_s(
-            lambda k=k: cKDTree(centres).query(centres, k=k, workers=threads), repeats=3
-        )
-        _row(f"knn_relation k={k}", t_ours, t_tree, f"cKDTree query workers={threads}")
-    r = 2.5 * VOXEL
-    t_ours = median_s(lambda: radius_relation(centres, centres, r), repeats=3)
-    t_tree = median_s(
-        lambda: cKDTree(centres).query_ball_point(centres, r, workers=threads, return_sorted=True),
-        repeats=3,
+    k = 16
+    _paired(
+        f"knn_relation k={k}",
+        lambda: knn_relation(centres, centres, k),
+        lambda: cKDTree(centres).query(centres, k=k, workers=threads),
+        f"cKDTree query workers={threads}",
     )
-    _row(f"radius_relation r={r:.3f}", t_ours, t_tree, f"cKDTree ball workers={threads}")
+    r = 2.5 * VOXEL
+    _paired(
+        f"radius_relation r={r:.3f}",
+        lambda: radius_relation(centres, centres, r),
+        lambda: cKDTree(centres).query_ball_point(
+            centres, r, workers=threads, return_sorted=True
+        ),
+        f"cKDTree ball workers={threads}",
+    )
 
     # coordinate sets
     a = vox.coords

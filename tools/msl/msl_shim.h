@@ -26,6 +26,7 @@
 #define thread
 
 using uint = uint32_t;
+using ulong = uint64_t;
 using ushort = uint16_t;
 using uchar = uint8_t;
 using half = _Float16;
@@ -298,8 +299,13 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup
 namespace metal {
 using std::abs;
 using std::exp;
+using std::floor;
 using std::fma;
 using std::sqrt;
+template <typename T>
+T clamp(T x, T lo, T hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
 template <typename T>
 T max(T a, T b) {
   return a > b ? a : b;

@@ -11,13 +11,18 @@
 #include <nanobind/stl/vector.h>
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 #include <map>
 #include <string>
 
 #include "bindings.h"
+#include "cpu/geometry_detail.h"
 #include "cpu/geometry_kernels.h"
 #include "cpu/kernels.h"
+#include "cpu/parallel.h"
 #include "ops.h"
+#include "primitives.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -50,39 +55,142 @@ void same_length(const char* a, int64_t na, const char* b, int64_t nb_) {
   }
 }
 
-// The neighbour lists as a relation's arrays: edges grouped by query (rank =
-// kernel id), plus the input and kernel groupings (stable counting sorts).
-Dict neighbors_dict(const geo::Neighbors& nbrs, int64_t n_support, int64_t n_kernels) {
-  const int64_t n_edges = static_cast<int64_t>(nbrs.rows.size());
-  const int64_t n_queries = static_cast<int64_t>(nbrs.offsets.size()) - 1;
-  std::vector<float> d(n_edges);
+// An MLX array owning the vector's buffer (no copy of the edge lists).
+template <typename T>
+mx::array owned(std::vector<T>&& v, mx::Shape shape, mx::Dtype dtype) {
+  if (v.empty()) return to_mx(v, std::move(shape), dtype);
+  auto* held = new std::vector<T>(std::move(v));
+  return mx::array(static_cast<void*>(held->data()), std::move(shape), dtype,
+                   [held](void*) { delete held; });
+}
+
+mx::array owned_ints(std::vector<int32_t>&& v) {
+  const int n = static_cast<int>(v.size());
+  return owned(std::move(v), {n}, mx::int32);
+}
+
+// Neighbour lists (edges grouped by query: offsets, support rows, squared
+// distances) as a relation's arrays: rank = kernel id, plus the input and
+// kernel groupings (stable counting sorts).
+Dict edges_dict(std::vector<int32_t>&& offsets, std::vector<int32_t>&& in_rows,
+                std::vector<float>&& dist2, int64_t n_support, int64_t n_kernels) {
+  const int64_t n_edges = static_cast<int64_t>(in_rows.size());
+  const int64_t n_queries = static_cast<int64_t>(offsets.size()) - 1;
   std::vector<int32_t> out_rows(n_edges), ranks(n_edges), edge_ids(n_edges);
-  for (int64_t q = 0; q < n_queries; ++q) {
-    for (int32_t e = nbrs.offsets[q]; e < nbrs.offsets[q + 1]; ++e) {
-      out_rows[e] = static_cast<int32_t>(q);
-      ranks[e] = e - nbrs.offsets[q];
+  constexpr int64_t kChunk = 4096;  // queries per task
+  ml::parallel_for((n_queries + kChunk - 1) / kChunk, [&](int64_t t) {
+    const int64_t end = std::min(n_queries, (t + 1) * kChunk);
+    for (int64_t q = t * kChunk; q < end; ++q) {
+      for (int32_t e = offsets[q]; e < offsets[q + 1]; ++e) {
+        out_rows[e] = static_cast<int32_t>(q);
+        ranks[e] = e - offsets[q];
+        edge_ids[e] = e;
+      }
     }
-  }
-  for (int64_t e = 0; e < n_edges; ++e) {
-    d[e] = static_cast<float>(nbrs.dist2[e]);
-    edge_ids[e] = static_cast<int32_t>(e);
-  }
+  });
   std::vector<int32_t> in_offsets, in_edge_ids, k_offsets, k_edge_ids;
-  ml::kernels::group_by(nbrs.rows.data(), n_edges, n_support, in_offsets, in_edge_ids);
+  ml::kernels::group_by(in_rows.data(), n_edges, n_support, in_offsets, in_edge_ids);
   ml::kernels::group_by(ranks.data(), n_edges, n_kernels, k_offsets, k_edge_ids);
   std::vector<int32_t> counts(n_kernels);
   for (int64_t k = 0; k < n_kernels; ++k) counts[k] = k_offsets[k + 1] - k_offsets[k];
-  return {{"output_row_offsets", ints(nbrs.offsets)},
-          {"in_rows", ints(nbrs.rows)},
-          {"out_rows", ints(out_rows)},
-          {"kernel_ids", ints(ranks)},
-          {"output_edge_ids", ints(edge_ids)},
-          {"input_row_offsets", ints(in_offsets)},
-          {"input_edge_ids", ints(in_edge_ids)},
-          {"kernel_row_offsets", ints(k_offsets)},
-          {"kernel_edge_ids", ints(k_edge_ids)},
-          {"counts", ints(counts)},
-          {"dist2", to_mx(d, {static_cast<int>(n_edges)}, mx::float32)}};
+  const int n = static_cast<int>(n_edges);
+  return {{"output_row_offsets", owned_ints(std::move(offsets))},
+          {"in_rows", owned_ints(std::move(in_rows))},
+          {"out_rows", owned_ints(std::move(out_rows))},
+          {"kernel_ids", owned_ints(std::move(ranks))},
+          {"output_edge_ids", owned_ints(std::move(edge_ids))},
+          {"input_row_offsets", owned_ints(std::move(in_offsets))},
+          {"input_edge_ids", owned_ints(std::move(in_edge_ids))},
+          {"kernel_row_offsets", owned_ints(std::move(k_offsets))},
+          {"kernel_edge_ids", owned_ints(std::move(k_edge_ids))},
+          {"counts", owned_ints(std::move(counts))},
+          {"dist2", owned(std::move(dist2), {n}, mx::float32)}};
+}
+
+Dict neighbors_dict(geo::Neighbors&& nbrs, int64_t n_support, int64_t n_kernels) {
+  std::vector<float> d(nbrs.dist2.begin(), nbrs.dist2.end());
+  return edges_dict(std::move(nbrs.offsets), std::move(nbrs.rows), std::move(d), n_support,
+                    n_kernels);
+}
+
+// The kNN table (rows / dist2, Q x kt, -1 past the found) as a relation.
+Dict table_dict(const mx::array& rows, const mx::array& dist2, int64_t n_support,
+                int64_t n_kernels) {
+  const int64_t nq = rows.shape(0), kt = rows.shape(1);
+  const int32_t* r = rows.data<int32_t>();
+  const float* d = dist2.data<float>();
+  std::vector<int32_t> offsets(nq + 1, 0);
+  for (int64_t q = 0; q < nq; ++q) {
+    int64_t n = 0;
+    while (n < kt && r[q * kt + n] >= 0) ++n;
+    offsets[q + 1] = offsets[q] + static_cast<int32_t>(n);
+  }
+  std::vector<int32_t> in_rows(offsets[nq]);
+  std::vector<float> dd(offsets[nq]);
+  constexpr int64_t kChunk = 4096;  // queries per task
+  ml::parallel_for((nq + kChunk - 1) / kChunk, [&](int64_t t) {
+    const int64_t end = std::min(nq, (t + 1) * kChunk);
+    for (int64_t q = t * kChunk; q < end; ++q) {
+      std::copy(r + q * kt, r + q * kt + (offsets[q + 1] - offsets[q]),
+                in_rows.begin() + offsets[q]);
+      std::copy(d + q * kt, d + q * kt + (offsets[q + 1] - offsets[q]), dd.begin() + offsets[q]);
+    }
+  });
+  return edges_dict(std::move(offsets), std::move(in_rows), std::move(dd), n_support, n_kernels);
+}
+
+// The grid the Metal kNN kernel searches: cells of about k support points
+// (bounding-box estimate), grown until batches x cells fit in int32 keys.
+ml::KnnGrid knn_grid(const double* pts, const int32_t* batch, int64_t n, int64_t k) {
+  ml::KnnGrid g;
+  if (n == 0) return g;
+  double lo[3], hi[3];
+  int32_t top = 0;
+  for (int a = 0; a < 3; ++a) lo[a] = hi[a] = pts[a];
+  for (int64_t i = 0; i < n; ++i) {
+    top = std::max(top, batch[i]);
+    for (int a = 0; a < 3; ++a) {
+      lo[a] = std::min(lo[a], pts[3 * i + a]);
+      hi[a] = std::max(hi[a], pts[3 * i + a]);
+    }
+  }
+  g.n_batches = top + 1;
+  double extent = 0.0;
+  for (int a = 0; a < 3; ++a) extent = std::max(extent, hi[a] - lo[a]);
+  double cell = 1.0;
+  if (extent > 0) {
+    double vol = 1.0;
+    for (int a = 0; a < 3; ++a) vol *= std::max(hi[a] - lo[a], extent * 1e-3);
+    cell = std::max(std::cbrt(vol * static_cast<double>(std::max<int64_t>(k, 2)) /
+                              static_cast<double>(n)),
+                    extent * 1e-6);
+  }
+  constexpr double kMaxKeys = 1 << 30;
+  if (g.n_batches >= kMaxKeys) {
+    throw std::invalid_argument("support_batch values up to " + std::to_string(top) +
+                                " exceed the GPU kNN grid's int32 cell keys.");
+  }
+  for (;;) {
+    double cells = static_cast<double>(g.n_batches);
+    for (int a = 0; a < 3; ++a) cells *= std::floor((hi[a] - lo[a]) / cell) + 1.0;
+    if (cells < kMaxKeys) break;
+    cell *= 2.0;  // ends: one cell per axis leaves n_batches < kMaxKeys keys
+  }
+  g.cell = static_cast<float>(cell);
+  for (int a = 0; a < 3; ++a) {
+    g.origin[a] = static_cast<float>(lo[a]);
+    g.dims[a] = static_cast<int32_t>(std::floor((hi[a] - lo[a]) / cell)) + 1;
+  }
+  return g;
+}
+
+// Points as an MLX array: float64 for the CPU kernels, float32 where the
+// Metal bodies evaluate (GPUs have no float64).
+mx::array points_array(const double* pts, int64_t n, bool metal) {
+  const mx::Shape shape = {static_cast<int>(n), 3};
+  if (!metal) return mx::array(pts, shape, mx::float64);
+  std::vector<float> f(pts, pts + 3 * n);
+  return mx::array(f.data(), shape, mx::float32);
 }
 
 }  // namespace
@@ -143,9 +251,30 @@ void bind_geometry(nb::module_& m) {
       [](Points query, Ints qbatch, Points support, Ints sbatch, int64_t k) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
-        return neighbors_dict(geo::knn(query.data(), qbatch.data(), query.shape(0), support.data(),
-                                       sbatch.data(), support.shape(0), k),
-                              support.shape(0), k);
+        if (k < 1) throw std::invalid_argument("k must be >= 1.");
+        const int64_t nq = query.shape(0), ns = support.shape(0);
+        geo::detail::check_finite(query.data(), nq, "query");
+        geo::detail::check_batch(qbatch.data(), nq, "query_batch");
+        geo::detail::check_finite(support.data(), ns, "support");
+        geo::detail::check_batch(sbatch.data(), ns, "support_batch");
+        // The search is the GeometryKnn primitive on the default stream (its
+        // Metal kernel on GPUs); columns past the support are always empty.
+        const auto s = mx::default_stream(mx::default_device());
+        const bool metal = ml::uses_metal_bodies(s);
+        const int64_t kt = std::max<int64_t>(1, std::min(k, ns));
+        if (metal && kt > ml::kKnnMaxKGpu) {
+          throw std::invalid_argument("k must be <= " + std::to_string(ml::kKnnMaxKGpu) +
+                                      " for the GPU kNN kernel, got " + std::to_string(k) +
+                                      "; run it on a CPU stream.");
+        }
+        const auto grid = metal ? knn_grid(support.data(), sbatch.data(), ns, kt) : ml::KnnGrid{};
+        auto table = ml::make_knn(
+            static_cast<int>(kt), grid, points_array(query.data(), nq, metal),
+            mx::array(qbatch.data(), {static_cast<int>(nq)}, mx::int32),
+            points_array(support.data(), ns, metal),
+            mx::array(sbatch.data(), {static_cast<int>(ns)}, mx::int32), s);
+        mx::eval(table);
+        return table_dict(table[0], table[1], ns, k);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "k"_a, release(),
       "Exact k nearest support points per query (same batch), by (distance, row).");
@@ -155,13 +284,35 @@ void bind_geometry(nb::module_& m) {
       [](Points query, Ints qbatch, Points support, Ints sbatch, double r, int64_t max_neighbors) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
+        const int64_t nq = query.shape(0), ns = support.shape(0);
+        const auto s = mx::default_stream(mx::default_device());
+        if (ml::uses_metal_bodies(s) && max_neighbors >= 1 && max_neighbors <= ml::kKnnMaxKGpu &&
+            r > 0 && std::isfinite(r)) {
+          // The nearest max_neighbors within r: the kNN primitive bounded by
+          // the radius (its Metal kernel). Without a cap (or a larger one) the
+          // search stays on the CPU kernels.
+          geo::detail::check_finite(query.data(), nq, "query");
+          geo::detail::check_batch(qbatch.data(), nq, "query_batch");
+          geo::detail::check_finite(support.data(), ns, "support");
+          geo::detail::check_batch(sbatch.data(), ns, "support_batch");
+          const int64_t kt = std::max<int64_t>(1, std::min(max_neighbors, ns));
+          auto table = ml::make_knn(
+              static_cast<int>(kt), knn_grid(support.data(), sbatch.data(), ns, kt),
+              points_array(query.data(), nq, true),
+              mx::array(qbatch.data(), {static_cast<int>(nq)}, mx::int32),
+              points_array(support.data(), ns, true),
+              mx::array(sbatch.data(), {static_cast<int>(ns)}, mx::int32), s, r);
+          mx::eval(table);
+          return table_dict(table[0], table[1], ns, max_neighbors);
+        }
         auto nbrs = geo::radius_search(query.data(), qbatch.data(), query.shape(0), support.data(),
                                        sbatch.data(), support.shape(0), r, max_neighbors);
         int64_t widest = 1;
         for (size_t q = 0; q + 1 < nbrs.offsets.size(); ++q) {
           widest = std::max<int64_t>(widest, nbrs.offsets[q + 1] - nbrs.offsets[q]);
         }
-        return neighbors_dict(nbrs, support.shape(0), max_neighbors > 0 ? max_neighbors : widest);
+        return neighbors_dict(std::move(nbrs), support.shape(0),
+                              max_neighbors > 0 ? max_neighbors : widest);
       },
       "query"_a, "query_batch"_a, "support"_a, "support_batch"_a, "r"_a, "max_neighbors"_a,
       release(), "Support points within distance r of each query (same batch), nearest first.");
@@ -204,8 +355,10 @@ void bind_geometry(nb::module_& m) {
   m.def(
       "coords_morton",
       [](Coords coords) {
-        auto codes = geo::morton_codes(coords.data(), coords.shape(0));
-        return to_mx(codes, {static_cast<int>(codes.size())}, mx::int64);
+        geo::check_morton_range(coords.data(), coords.shape(0));
+        const auto s = mx::default_stream(mx::default_device());
+        return ml::make_morton(
+            mx::array(coords.data(), {static_cast<int>(coords.shape(0)), 4}, mx::int32), s);
       },
       "coords"_a, release(), "Morton codes of (x, y, z) biased by 2^20 (21 bits per axis).");
 }

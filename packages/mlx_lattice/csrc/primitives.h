@@ -207,6 +207,64 @@ class GeometryDevoxelize : public mx::Primitive {
   int64_t n_voxels_;
 };
 
+// The k nearest support points of every query (same batch), by (squared
+// distance, support row): outputs rows (Q, k) int32 (-1 past the batch's
+// support) and dist2 (Q, k) float32 (+inf there). Inputs: query (Q, 3),
+// query_batch (Q), support (S, 3), support_batch (S); points float64 (CPU
+// kernels) or float32. Where the Metal bodies evaluate (uses_metal_bodies),
+// also the support's grid: its cell keys sorted (S), the permutation sorting
+// them (S) and the support sorted by cell (S, 3), float32. With a radius
+// (> 0) only neighbours within it count (radius_relation with
+// max_neighbors = k). Not differentiable: gather the neighbours and
+// recompute distances instead.
+constexpr int kKnnMaxKGpu = 64;  // the largest k of the Metal kernel (MLXL_KNN_MAX_K)
+struct KnnGrid {
+  float origin[3] = {0, 0, 0};
+  float cell = 1;
+  int32_t dims[3] = {1, 1, 1};  // cells per axis; batches * dims fit in int32
+  int32_t n_batches = 0;
+};
+class GeometryKnn : public mx::Primitive {
+ public:
+  GeometryKnn(mx::Stream stream, int k, KnnGrid grid, double radius = 0.0)
+      : mx::Primitive(stream), k_(k), grid_(grid), radius_(radius) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryKnn)
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  int k() const { return k_; }
+  const KnnGrid& grid() const { return grid_; }
+  double radius() const { return radius_; }
+
+ private:
+  int k_;
+  KnnGrid grid_;
+  double radius_;
+};
+
+// Morton codes (N,) int64 of (N, 4) int32 coordinates (layout in
+// cpu/geometry_kernels.h; the range is validated before the node is built).
+class GeometryMorton : public mx::Primitive {
+ public:
+  explicit GeometryMorton(mx::Stream stream) : mx::Primitive(stream) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryMorton)
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+};
+
+// Whether primitives on this stream evaluate through the Metal encode bodies
+// (a GPU stream; every stream in the test-only harness extension): their
+// graph builders then add the GPU-only inputs (the kNN grid). Defined by
+// cpu/geometry.cpp and harness/eval.cpp.
+bool uses_metal_bodies(const mx::Stream& s);
+
 // Every primitive class, for the files that define one method per primitive
 // by build choice (metal/eval.cpp, no_metal.cpp, harness/eval.cpp). A new
 // primitive is added here (multi-output ones to the second list).
@@ -220,7 +278,9 @@ class GeometryDevoxelize : public mx::Primitive {
 // Primitives with several outputs (eval signatures take a vector of outputs).
 #define MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(X) \
   X(GeometryVoxelize)                          \
-  X(GeometryDevoxelize)
+  X(GeometryDevoxelize)                        \
+  X(GeometryKnn)                               \
+  X(GeometryMorton)
 
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
@@ -245,5 +305,11 @@ std::vector<array> make_voxelize(int mode, const array& feats, const std::vector
 // index = {rows, weights, nearest, voxel_offsets, voxel_entries}.
 array make_devoxelize(GeometryDevoxelize::Face face, bool nearest, int64_t n_voxels, const array& x,
                       const std::vector<array>& index, mx::Stream s);
+// {rows, dist2}; points as given (float64 stays on the CPU kernels).
+// radius > 0: only neighbours within it (the k nearest of them).
+std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,
+                            const array& support, const array& sbatch, mx::Stream s,
+                            double radius = 0.0);
+array make_morton(const array& coords, mx::Stream s);
 
 }  // namespace mlx_lattice

@@ -2,8 +2,10 @@
 // vmap). Both are linear in the features: voxelize's sum/mean are sums over a
 // voxel's points, max/first route the gradient to the picked point;
 // devoxelize's transpose is the same map read the other way.
+#include <algorithm>
 #include <optional>
 #include <stdexcept>
+#include <string>
 
 #include "primitives.h"
 
@@ -163,6 +165,112 @@ std::pair<std::vector<array>, std::vector<int>> GeometryDevoxelize::vmap(const s
   throw std::invalid_argument(
       "GeometryDevoxelize (devoxelize): vmap is not supported; stack the channels of the "
       "batched features instead (features are (N, C)).");
+}
+
+}  // namespace mlx_lattice
+
+// ---------------------------------------------------- GeometryKnn, Morton
+// Index-valued outputs: no gradients (a clear error, never a silent zero).
+
+namespace mlx_lattice {
+
+namespace {
+
+// Cell key of each support point: ((batch * nx + cx) * ny + cy) * nz + cz,
+// with c = floor((p - origin) * (1 / cell)) in float32 as the kernel computes
+// it for queries (clipped to the grid; points lie inside it up to rounding).
+array cell_keys(const array& pts, const array& batch, const KnnGrid& g, mx::Stream s) {
+  const float inv = 1.0f / g.cell;
+  auto rel = mx::multiply(mx::subtract(pts, array(g.origin, {1, 3}), s), array(inv), s);
+  auto cells = mx::astype(mx::floor(rel, s), mx::int32, s);
+  cells = mx::clip(cells, array(0),
+                   array({g.dims[0] - 1, g.dims[1] - 1, g.dims[2] - 1}, {1, 3}), s);
+  auto axis = [&](int a) { return mx::squeeze(mx::slice(cells, {0, a}, {pts.shape(0), a + 1}, s), 1, s); };
+  auto key = mx::add(mx::multiply(batch, array(g.dims[0]), s), axis(0), s);
+  key = mx::add(mx::multiply(key, array(g.dims[1]), s), axis(1), s);
+  return mx::add(mx::multiply(key, array(g.dims[2]), s), axis(2), s);
+}
+
+[[noreturn]] void not_differentiable(const char* what) {
+  throw std::invalid_argument(std::string(what) +
+                              " has index-valued outputs and no derivatives; gather the "
+                              "neighbours' points or features and differentiate those.");
+}
+
+}  // namespace
+
+std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,
+                            const array& support, const array& sbatch, mx::Stream s,
+                            double radius) {
+  const int nq = query.shape(0);
+  std::vector<array> inputs = {query, qbatch, support, sbatch};
+  if (uses_metal_bodies(s)) {
+    inputs[0] = as_float32(query, s);
+    inputs[2] = as_float32(support, s);
+    auto keys = cell_keys(inputs[2], sbatch, grid, s);
+    // Order inside a cell is left to the sort: the kernel breaks ties by row.
+    auto order = mx::astype(mx::argsort(keys, 0, s), mx::int32, s);
+    inputs.push_back(mx::take(keys, order, 0, s));
+    inputs.push_back(order);
+    inputs.push_back(mx::contiguous(mx::take(inputs[2], order, 0, s), false, s));
+  }
+  return array::make_arrays({{nq, k}, {nq, k}}, {mx::int32, mx::float32},
+                            std::make_shared<GeometryKnn>(s, k, grid, radius), inputs);
+}
+
+bool GeometryKnn::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GeometryKnn&>(other);
+  const auto& a = grid_;
+  const auto& b = o.grid_;
+  return k_ == o.k_ && radius_ == o.radius_ && a.cell == b.cell && a.n_batches == b.n_batches &&
+         std::equal(a.origin, a.origin + 3, b.origin) && std::equal(a.dims, a.dims + 3, b.dims);
+}
+
+std::vector<mx::Shape> GeometryKnn::output_shapes(const std::vector<array>& inputs) {
+  return {{inputs[0].shape(0), k_}, {inputs[0].shape(0), k_}};
+}
+
+std::vector<array> GeometryKnn::vjp(const std::vector<array>&, const std::vector<array>&,
+                                    const std::vector<int>&, const std::vector<array>&) {
+  not_differentiable("GeometryKnn (knn)");
+}
+
+std::vector<array> GeometryKnn::jvp(const std::vector<array>&, const std::vector<array>&,
+                                    const std::vector<int>&) {
+  not_differentiable("GeometryKnn (knn)");
+}
+
+std::pair<std::vector<array>, std::vector<int>> GeometryKnn::vmap(const std::vector<array>&,
+                                                                  const std::vector<int>&) {
+  throw std::invalid_argument(
+      "GeometryKnn (knn): vmap is not supported; batch points through query_batch / "
+      "support_batch instead.");
+}
+
+array make_morton(const array& coords, mx::Stream s) {
+  return array({coords.shape(0)}, mx::int64, std::make_shared<GeometryMorton>(s),
+               {mx::contiguous(coords, false, s)});
+}
+
+std::vector<mx::Shape> GeometryMorton::output_shapes(const std::vector<array>& inputs) {
+  return {{inputs[0].shape(0)}};
+}
+
+std::vector<array> GeometryMorton::vjp(const std::vector<array>&, const std::vector<array>&,
+                                       const std::vector<int>&, const std::vector<array>&) {
+  not_differentiable("GeometryMorton (morton_codes)");
+}
+
+std::vector<array> GeometryMorton::jvp(const std::vector<array>&, const std::vector<array>&,
+                                       const std::vector<int>&) {
+  not_differentiable("GeometryMorton (morton_codes)");
+}
+
+std::pair<std::vector<array>, std::vector<int>> GeometryMorton::vmap(const std::vector<array>&,
+                                                                     const std::vector<int>&) {
+  throw std::invalid_argument(
+      "GeometryMorton (morton_codes): vmap is not supported; codes are per row, pass the "
+      "stacked (N, 4) rows.");
 }
 
 }  // namespace mlx_lattice

@@ -165,6 +165,8 @@ def downsample_coords(
 def morton_codes(coords: ArrayLike) -> mx.array:
     """``(N,)`` int64 Morton codes of the spatial part (layout in the module doc).
 
+    An MLX primitive on the default stream (a Metal kernel on GPU streams).
+
     >>> morton_codes(np.array([[0, -1048576, -1048576, -1048576], [0, -1048575, -1048576, -1048576]])).tolist()
     [0, 4]
     """

@@ -432,7 +432,10 @@ def knn_relation(
     ``out_rows[e]`` with kernel id = its rank (``n_kernels = k``). A query
     whose batch has fewer than ``k`` support points gets them all. The
     relation's ``in_coords``/``out_coords`` are the coordinates, or
-    ``(batch, 0, 0, 0)`` rows for float points.
+    ``(batch, 0, 0, 0)`` rows for float points. The search is an MLX
+    primitive on the default stream: on a GPU stream its Metal kernel
+    computes distances in float32 (same rows wherever float32 squared
+    distances are exact, e.g. voxel centres) and takes ``k <= 64``.
 
     >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
     >>> rel = knn_relation(np.array([[0.9, 0, 0]]), support, 2)
@@ -464,6 +467,9 @@ def radius_relation(
     Same inputs and ordering as :func:`knn_relation`; with ``max_neighbors``
     only the nearest ``max_neighbors`` are kept and ``n_kernels =
     max_neighbors``, else ``n_kernels`` is the largest neighbour count (>= 1).
+    With ``max_neighbors <= 64`` on a GPU stream the search runs as the kNN
+    Metal kernel bounded by ``r`` (float32 distances); otherwise natively on
+    the CPU.
 
     >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
     >>> rel = radius_relation(np.array([[0.5, 0, 0]]), support, 0.5)

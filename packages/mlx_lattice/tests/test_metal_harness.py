@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lattice import geometry
+from mlx_lattice import coords, geometry
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
@@ -54,16 +54,16 @@ def harness():
         return cpu, gpu
 
     def both(fn, expect_groups=True):
-        assert ops.ext is ext and geometry.ext is ext
+        assert ops.ext is ext and geometry.ext is ext and coords.ext is ext
         cpu = fn()
         mx.eval(cpu)
         before = harness_ext.harness_groups_run()
-        ops.ext = geometry.ext = harness_ext
+        ops.ext = geometry.ext = coords.ext = harness_ext
         try:
             gpu = fn()
             mx.eval(gpu)
         finally:
-            ops.ext = geometry.ext = ext
+            ops.ext = geometry.ext = coords.ext = ext
         assert (harness_ext.harness_groups_run() > before) == expect_groups  # Metal kernels ran
         return cpu, gpu
 
@@ -295,6 +295,143 @@ def test_geometry_voxelize_and_devoxelize(rng, harness, n_points, batches, chann
             picks = np.array(gpu[3 * i + 2])
             np.testing.assert_array_equal(picks, np.array(cpu[3 * i + 2]))
             assert picks.min(initial=1) >= 1 and picks.max(initial=n_points) <= n_points
+
+
+def _knn_reference(q, qb, s, sb, k):
+    """Brute force in float64: per query, (squared distance, row) of the k
+    nearest support points of its batch."""
+    out = []
+    for i in range(len(q)):
+        rows = np.flatnonzero(sb == qb[i])
+        d = ((s[rows] - q[i]) ** 2).sum(1)
+        out.append(sorted(zip(d.tolist(), rows.tolist(), strict=True))[:k])
+    return out
+
+
+def _knn_arrays(q, s, k, qb, sb):
+    rel = geometry.knn_relation(q, s, k, query_batch=qb, support_batch=sb)
+    return [
+        rel.edges.in_rows,
+        rel.edges.out_rows,
+        rel.edges.kernel_ids,
+        rel.output_csr.row_offsets,
+        rel.input_csr.row_offsets,
+        rel.counts,
+    ]
+
+
+@pytest.mark.parametrize(("k", "batches"), [(1, 1), (5, 2), (16, 3), (64, 2)])
+def test_geometry_knn_on_lattice_points(rng, harness, k, batches):
+    """geometry_search.metal's grid kNN against the CPU kernel and brute
+    force on lattice points, where float32 squared distances are exact: the
+    results must be identical, ties (many: small integer lattice, duplicate
+    points) broken by (distance, row). Also: a query batch without support,
+    batches with fewer than k points, and queries far outside the grid."""
+    s = rng.integers(-6, 7, (260, 3)).astype(np.float64)
+    q = rng.integers(-8, 9, (90, 3)).astype(np.float64) + rng.choice([0.0, 0.5], (90, 3))
+    q[:3] = [[400.0, -3.0, 2.5], [-1000.0, 1000.0, 0.0], [2.5, 2.5, -64.0]]
+    sb = rng.integers(0, batches, len(s)).astype(np.int32)
+    sb[:4] = batches  # a batch of 4 support points
+    qb = rng.integers(0, batches + 2, len(q)).astype(np.int32)  # batches + 1 has no support
+    cpu, gpu = harness(lambda: _knn_arrays(q, s, k, qb, sb))
+    for a, b in zip(cpu, gpu, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    ref = _knn_reference(q, qb, s, sb, k)
+    in_rows, out_rows, kernel_ids = (np.array(a) for a in gpu[:3])
+    got = [[] for _ in q]
+    for i, o, r in zip(in_rows.tolist(), out_rows.tolist(), kernel_ids.tolist(), strict=True):
+        assert r == len(got[o])
+        got[o].append(i)
+    assert got == [[r for _, r in row] for row in ref]
+
+
+def test_geometry_knn_on_float_points(rng, harness):
+    """Random float points: the kernel computes in float32, the CPU in
+    float64. Neighbour lists agree exactly wherever the reference's
+    consecutive distances (up to rank k + 1) differ by more than float32
+    rounding (1e-5 relative); the few queries with closer gaps are skipped."""
+    k = 12
+    s = rng.normal(0.0, 3.0, (500, 3)) * [4.0, 4.0, 0.5]  # a flat, surface-like cloud
+    q = rng.normal(0.0, 3.5, (120, 3)) * [4.0, 4.0, 0.5]
+    qb = rng.integers(0, 2, len(q)).astype(np.int32)
+    sb = rng.integers(0, 2, len(s)).astype(np.int32)
+    cpu, gpu = harness(lambda: _knn_arrays(q, s, k, qb, sb))
+    ref = _knn_reference(q, qb, s, sb, k + 1)
+    rows_of = {}
+    for name, arrays in (("cpu", cpu), ("gpu", gpu)):
+        in_rows, out_rows = np.array(arrays[0]), np.array(arrays[1])
+        rows_of[name] = [in_rows[out_rows == i].tolist() for i in range(len(q))]
+    compared = 0
+    for i, row in enumerate(ref):
+        d = np.array([x for x, _ in row])
+        if len(d) > 1 and np.min(np.diff(d) / np.maximum(d[1:], 1e-30)) < 1e-5:
+            continue
+        expected = [r for _, r in row[:k]]
+        assert rows_of["cpu"][i] == expected and rows_of["gpu"][i] == expected, i
+        compared += 1
+    assert compared > 100
+
+
+def test_geometry_knn_gpu_limits(harness):
+    """The Metal kernel keeps at most 64 neighbours per query: larger k raise
+    the library's error where it would run (CPU streams have no limit). An
+    empty support gives every query no neighbour on both paths."""
+    pts = np.zeros((70, 3))
+    with pytest.raises(geometry.GeometryError, match="k must be <= 64"):
+        harness(lambda: _knn_arrays(pts, pts, 65, None, None))
+    cpu, gpu = harness(lambda: _knn_arrays(pts[:5], np.zeros((0, 3)), 3, None, None))
+    for a, b in zip(cpu, gpu, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    assert np.array(gpu[0]).size == 0 and np.array(gpu[3]).tolist() == [0] * 6
+
+
+@pytest.mark.parametrize(("r", "cap"), [(1.5, 8), (2.5, 64)])
+def test_geometry_radius_with_cap_on_lattice_points(rng, harness, r, cap):
+    """radius_relation with max_neighbors runs the kNN kernel bounded by the
+    radius: identical to the CPU kernel and to brute force (the nearest
+    ``cap`` within ``r``, by distance then row) on lattice points."""
+    s = rng.integers(-5, 6, (220, 3)).astype(np.float64)
+    q = rng.integers(-7, 8, (80, 3)).astype(np.float64) + rng.choice([0.0, 0.5], (80, 3))
+    sb = rng.integers(0, 2, len(s)).astype(np.int32)
+    qb = rng.integers(0, 3, len(q)).astype(np.int32)  # batch 2 has no support
+
+    def run():
+        rel = geometry.radius_relation(q, s, r, cap, query_batch=qb, support_batch=sb)
+        return [rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.counts]
+
+    cpu, gpu = harness(run)
+    for a, b in zip(cpu, gpu, strict=True):
+        np.testing.assert_array_equal(np.array(a), np.array(b))
+    in_rows, out_rows = np.array(gpu[0]), np.array(gpu[1])
+    ref = _knn_reference(q, qb, s, sb, len(s))
+    for i, row in enumerate(ref):
+        expected = [j for d, j in row if d <= r * r][:cap]
+        assert in_rows[out_rows == i].tolist() == expected, i
+
+
+def _morton_reference(x, y, z):
+    code = 0
+    for bit in range(21):
+        for shift, v in ((2, x), (1, y), (0, z)):
+            code |= (((v + 2**20) >> bit) & 1) << (3 * bit + shift)
+    return code
+
+
+@pytest.mark.parametrize("n", [0, 1, 700])
+def test_geometry_morton_codes(rng, harness, n):
+    """geometry_search.metal's Morton codes against the CPU kernel and a
+    bit-interleaving reference (range ends and negatives included)."""
+    c = np.concatenate(
+        [rng.integers(0, 3, (n, 1)), rng.integers(-(2**20), 2**20, (n, 3))], 1
+    ).astype(np.int32)
+    ends = np.array([[-(2**20)] * 3, [2**20 - 1] * 3, [-1, 0, 1], [0, 0, 0]], np.int32)
+    c[:4, 1:] = ends[: len(c)]
+    cpu, gpu = harness(lambda: coords.morton_codes(c), expect_groups=n > 0)
+    assert np.array(gpu).dtype == np.int64
+    np.testing.assert_array_equal(np.array(cpu), np.array(gpu))
+    assert np.array(gpu).tolist() == [_morton_reference(*r[1:]) for r in c.tolist()]
+    with pytest.raises(coords.CoordinateError, match="Morton range"):
+        harness(lambda: coords.morton_codes(np.array([[0, 2**20, 0, 0]])))
 
 
 def test_product_extension_carries_no_harness():

@@ -1,6 +1,8 @@
 // CPU evaluation of the geometry primitives (GeometryVoxelize,
-// GeometryDevoxelize): the kernels of cpu/geometry_*.cpp on the CPU stream's
+// GeometryDevoxelize, GeometryKnn, GeometryMorton): the kernels of cpu/geometry_*.cpp on the CPU stream's
 // encoder. Operands are float32 / int32 (the graph builders cast).
+#include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "../primitives.h"
@@ -38,6 +40,55 @@ void GeometryDevoxelize::eval_cpu(const std::vector<array>& inputs, std::vector<
                         cpu::idx(in[4]), cpu::idx(in[5]), n_voxels, nearest, out.data<float>());
                   }
                 });
+}
+
+bool uses_metal_bodies(const mx::Stream& s) { return s.device == mx::Device::gpu; }
+
+namespace {
+
+// float64 points: the array's own data, or a converted copy.
+const double* points64(const array& a, std::vector<double>& copy) {
+  if (a.size() == 0) return nullptr;
+  if (a.dtype() == mx::float64) return a.data<double>();
+  copy.resize(a.size());
+  const float* f = a.data<float>();
+  for (size_t i = 0; i < a.size(); ++i) copy[i] = f[i];
+  return copy.data();
+}
+
+}  // namespace
+
+void GeometryKnn::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
+  cpu::dispatch(stream(), inputs, outputs,
+                [k = k_, radius = radius_](std::vector<array>& in, std::vector<array>& out) {
+                  const int64_t nq = in[0].shape(0), ns = in[2].shape(0);
+                  std::vector<double> qcopy, scopy;
+                  const double* q = points64(in[0], qcopy);
+                  const double* sp = points64(in[2], scopy);
+                  int32_t* rows = out[0].data<int32_t>();
+                  float* d2 = out[1].data<float>();
+                  if (radius <= 0.0) {
+                    geometry::knn(q, cpu::idx(in[1]), nq, sp, cpu::idx(in[3]), ns, k, k, rows, d2);
+                    return;
+                  }
+                  const auto nb = geometry::radius_search(q, cpu::idx(in[1]), nq, sp,
+                                                          cpu::idx(in[3]), ns, radius, k);
+                  for (int64_t i = 0; i < nq; ++i) {
+                    const int32_t b = nb.offsets[i], n = nb.offsets[i + 1] - b;
+                    for (int64_t j = 0; j < k; ++j) {
+                      rows[i * k + j] = j < n ? nb.rows[b + j] : -1;
+                      d2[i * k + j] = j < n ? static_cast<float>(nb.dist2[b + j])
+                                            : std::numeric_limits<float>::infinity();
+                    }
+                  }
+                });
+}
+
+void GeometryMorton::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
+  cpu::dispatch(stream(), inputs, outputs, [](std::vector<array>& in, std::vector<array>& out) {
+    const auto codes = geometry::morton_codes(cpu::idx(in[0]), in[0].shape(0));
+    std::copy(codes.begin(), codes.end(), out[0].data<int64_t>());
+  });
 }
 
 }  // namespace mlx_lattice

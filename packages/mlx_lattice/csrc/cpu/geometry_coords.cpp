@@ -203,11 +203,9 @@ Merged merge_sets(const int32_t* a, int64_t na, const int32_t* b, int64_t nb, bo
   return m;
 }
 
-std::vector<int64_t> morton_codes(const int32_t* coords, int64_t n) {
+void check_morton_range(const int32_t* coords, int64_t n) {
   constexpr int64_t kBias = int64_t{1} << 20;
-  std::vector<int64_t> out(n);
   for (int64_t r = 0; r < n; ++r) {
-    uint64_t v[3];
     for (int a = 0; a < 3; ++a) {
       const int64_t x = static_cast<int64_t>(coords[4 * r + a + 1]) + kBias;
       if (x < 0 || x >= 2 * kBias) {
@@ -216,7 +214,18 @@ std::vector<int64_t> morton_codes(const int32_t* coords, int64_t n) {
             << " is outside the Morton range [-2^20, 2^20) per axis.";
         fail(msg.str());
       }
-      v[a] = static_cast<uint64_t>(x);
+    }
+  }
+}
+
+std::vector<int64_t> morton_codes(const int32_t* coords, int64_t n) {
+  constexpr int64_t kBias = int64_t{1} << 20;
+  check_morton_range(coords, n);
+  std::vector<int64_t> out(n);
+  for (int64_t r = 0; r < n; ++r) {
+    uint64_t v[3];
+    for (int a = 0; a < 3; ++a) {
+      v[a] = static_cast<uint64_t>(static_cast<int64_t>(coords[4 * r + a + 1]) + kBias);
     }
     uint64_t code = 0;
     for (int bit = 0; bit < 21; ++bit) {

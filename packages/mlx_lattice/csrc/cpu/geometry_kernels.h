@@ -59,6 +59,8 @@ Merged merge_sets(const int32_t* a, int64_t na, const int32_t* b, int64_t nb, bo
 // Morton code of each row's (x, y, z): each coordinate biased by 2^20 must
 // lie in [0, 2^21); bit 3i+2 holds bit i of x, 3i+1 of y, 3i of z.
 std::vector<int64_t> morton_codes(const int32_t* coords, int64_t n);
+// Raises unless every row's (x, y, z) is in the Morton range.
+void check_morton_range(const int32_t* coords, int64_t n);
 
 // ---- points <-> voxels --------------------------------------------------------------------
 
@@ -107,8 +109,11 @@ struct Neighbors {
   std::vector<int32_t> rows;     // support rows
   std::vector<double> dist2;
 };
-Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
-              const int32_t* sbatch, int64_t ns, int64_t k);
+// kNN as a table: row q of rows / dist2 (nq x width, width >= min(k, ns))
+// holds q's neighbours nearest first, then -1 / +inf.
+void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
+         const int32_t* sbatch, int64_t ns, int64_t k, int64_t width, int32_t* rows,
+         float* dist2);
 // All support points with distance <= r (at most max_neighbors nearest when > 0).
 Neighbors radius_search(const double* query, const int32_t* qbatch, int64_t nq,
                         const double* support, const int32_t* sbatch, int64_t ns, double r,

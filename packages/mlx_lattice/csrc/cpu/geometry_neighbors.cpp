@@ -2,6 +2,7 @@
 // hashed uniform grid, ties broken by support row.
 #include <algorithm>
 #include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <map>
@@ -107,10 +108,16 @@ inline double dist2(const double* q, const double* s) {
   return dx * dx + dy * dy + dz * dz;
 }
 
+// A candidate, ordered by (squared distance, row). Distances are >= +0 (and
+// never NaN: points are finite), so their bit patterns order as the values
+// do: integer comparisons, without the branches of floating ones.
 struct Cand {
   double d2;
   int32_t row;
-  bool operator<(const Cand& o) const { return d2 < o.d2 || (d2 == o.d2 && row < o.row); }
+  bool operator<(const Cand& o) const {
+    const auto a = std::bit_cast<uint64_t>(d2), b = std::bit_cast<uint64_t>(o.d2);
+    return a < b || (a == b && row < o.row);
+  }
 };
 
 void check_points(const double* pts, const int32_t* batch, int64_t n, const char* name,
@@ -191,15 +198,25 @@ static const std::vector<std::array<int, 3>> kBlockOrder = [] {
   return order;
 }();
 
-Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
-              const int32_t* sbatch, int64_t ns, int64_t k) {
+void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
+         const int32_t* sbatch, int64_t ns, int64_t k, int64_t width, int32_t* rows,
+         float* dist2_out) {
   if (k < 1) fail("k must be >= 1.");
+  if (width < std::min(k, ns)) fail("the kNN table is narrower than min(k, support rows).");
   check_points(query, qbatch, nq, "query", "query_batch");
   check_points(support, sbatch, ns, "support", "support_batch");
-  Neighbors out;
-  out.offsets.assign(nq + 1, 0);
-  if (ns == 0 || nq == 0) return out;
-  std::vector<std::vector<Cand>> found(nq);
+  // Each query's row of the table: its neighbours ascending, then -1 / +inf.
+  const auto store = [&](int64_t q, const Cand* c, size_t n) {
+    for (int64_t i = 0; i < width; ++i) {
+      const bool found = i < static_cast<int64_t>(n);
+      rows[q * width + i] = found ? c[i].row : -1;
+      dist2_out[q * width + i] =
+          found ? static_cast<float>(c[i].d2) : std::numeric_limits<float>::infinity();
+    }
+  };
+  // Queries of batches without support keep this.
+  for (int64_t q = 0; q < nq; ++q) store(q, nullptr, 0);
+  if (ns == 0 || nq == 0) return;
 
   // Exact search by growing rings of cells around the query's cell; stops
   // once the k-th distance is below the distance to the unvisited cells.
@@ -292,6 +309,10 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
   std::vector<int32_t> pending(nq);
   for (int64_t q = 0; q < nq; ++q) pending[q] = static_cast<int32_t>(q);
   std::vector<char> failed(nq, 0);
+  // A query that failed a level keeps its k-th distance there: those k
+  // candidates lie in the next level's (larger) block too, so it bounds the
+  // search again.
+  std::vector<double> kth_bound(nq, std::numeric_limits<double>::infinity());
   // About 2k points per occupied cell: with nearest-first cells and box
   // pruning, larger cells cost less than the retries of smaller ones.
   double cell = pick_cell(support, sbatch, ns, std::max<double>(2.0, 2.0 * k));
@@ -313,8 +334,9 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
       std::vector<int32_t> rows;
       std::vector<double> xyz;
       std::vector<int32_t> cell_start;
-      std::vector<std::array<int, 3>> cell_offset;
+      std::vector<std::array<double, 6>> cell_box;  // lo, hi per axis (with slack)
       std::vector<Cand> top, heap;
+      std::vector<int32_t> prev;
       for (int64_t g = t * 64; g < end; ++g) {
         const int32_t* home = groups.coords.data() + 4 * g;
         const auto* bounds = grid.bounds(home[0]);
@@ -322,7 +344,7 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
         rows.clear();
         xyz.clear();
         cell_start.clear();
-        cell_offset.clear();
+        cell_box.clear();
         bool covered = true;
         for (int a = 0; a < 3; ++a) {
           covered = covered && home[a + 1] - kBlock <= bounds->lo[a] &&
@@ -340,44 +362,65 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
           });
           if (rows.size() > before) {
             cell_start.push_back(static_cast<int32_t>(before));
-            cell_offset.push_back(d);
+            std::array<double, 6> box;
+            for (int a = 0; a < 3; ++a) {
+              box[a] = grid.edge(int64_t{home[a + 1]} + d[a], a) - grid.cell() * 1e-9;
+              box[a + 3] = box[a] + grid.cell() * (1.0 + 2e-9);
+            }
+            cell_box.push_back(box);
           }
         }
         cell_start.push_back(static_cast<int32_t>(rows.size()));
         const double h = grid.cell(), slack = h * 1e-9;
+        prev.clear();  // the k neighbours of the group's last query with k candidates
         for (int32_t i = groups.offsets[g]; i < groups.offsets[g + 1]; ++i) {
           const int64_t q = pending[groups.members[i]];
           const double* qp = query + 3 * q;
           if (!grid.in_range(qp)) {
             brute_force(q, heap);
-            found[q] = heap;
+            store(q, heap.data(), heap.size());
             continue;
           }
-          top.clear();
-          for (size_t c = 0; c + 1 < cell_start.size(); ++c) {
-            if (static_cast<int64_t>(top.size()) == k) {
+          // The k neighbours of the group's previous query are candidates of
+          // this block too: the farthest of them from this query bounds its
+          // k-th distance (computed as the candidates' are, so exactly). Only
+          // candidates within the bound are kept, then the k best by
+          // (distance, row) selected. Without a bound every candidate is kept.
+          double bound = kth_bound[q];
+          if (!prev.empty()) {
+            double reach = 0.0;
+            for (const int32_t row : prev) {
+              reach = std::max(reach, dist2(qp, support + 3 * static_cast<int64_t>(row)));
+            }
+            bound = std::min(bound, reach);
+          }
+          for (;;) {
+            top.clear();
+            for (size_t c = 0; c + 1 < cell_start.size(); ++c) {
               // Lower bound of the distance to this cell's box.
               double dmin = 0.0;
               for (int a = 0; a < 3; ++a) {
-                const double lo = grid.edge(int64_t{home[a + 1]} + cell_offset[c][a], a) - slack;
-                const double hi = lo + h + 2 * slack;
-                const double gap = qp[a] < lo ? lo - qp[a] : (qp[a] > hi ? qp[a] - hi : 0.0);
+                const double gap = std::max({cell_box[c][a] - qp[a], qp[a] - cell_box[c][a + 3], 0.0});
                 dmin += gap * gap;
               }
-              if (dmin > top.front().d2) continue;
-            }
-            for (int32_t j = cell_start[c]; j < cell_start[c + 1]; ++j) {
-              const Cand cand{dist2(qp, xyz.data() + 3 * static_cast<int64_t>(j)), rows[j]};
-              // top is a max-heap of the k best by (distance, row).
-              if (static_cast<int64_t>(top.size()) == k) {
-                if (!(cand < top.front())) continue;
-                std::pop_heap(top.begin(), top.end());
-                top.back() = cand;
-              } else {
-                top.push_back(cand);
+              if (dmin > bound) continue;
+              for (int32_t j = cell_start[c]; j < cell_start[c + 1]; ++j) {
+                const double d = dist2(qp, xyz.data() + 3 * static_cast<int64_t>(j));
+                if (d <= bound) top.push_back({d, rows[j]});
               }
-              std::push_heap(top.begin(), top.end());
             }
+            // (Cannot happen: the bound holds k candidates. Kept as a guard.)
+            if (static_cast<int64_t>(top.size()) >= k || !std::isfinite(bound)) break;
+            bound = std::numeric_limits<double>::infinity();
+          }
+          if (static_cast<int64_t>(top.size()) > k) {
+            std::nth_element(top.begin(), top.begin() + (k - 1), top.end());
+            top.resize(k);
+          }
+          std::sort(top.begin(), top.end());
+          prev.clear();
+          if (static_cast<int64_t>(top.size()) == k) {
+            for (const auto& c : top) prev.push_back(c.row);
           }
           bool done = covered;
           if (!done && static_cast<int64_t>(top.size()) == k) {
@@ -388,16 +431,16 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
               margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
             }
             margin -= slack;
-            done = margin > 0 && top.front().d2 < margin * margin;
+            done = margin > 0 && top.back().d2 < margin * margin;
           }
           if (done) {
-            std::sort_heap(top.begin(), top.end());
-            found[q] = top;
+            store(q, top.data(), top.size());
           } else if (last) {
             ring_search(grid, q, heap);
-            found[q] = heap;
+            store(q, heap.data(), heap.size());
           } else {
             failed[q] = 1;
+            if (static_cast<int64_t>(top.size()) == k) kth_bound[q] = top.back().d2;
           }
         }
       }
@@ -409,17 +452,6 @@ Neighbors knn(const double* query, const int32_t* qbatch, int64_t nq, const doub
     }
     pending.swap(next);
   }
-  for (int64_t q = 0; q < nq; ++q)
-    out.offsets[q + 1] = out.offsets[q] + static_cast<int32_t>(found[q].size());
-  out.rows.resize(out.offsets[nq]);
-  out.dist2.resize(out.offsets[nq]);
-  for (int64_t q = 0; q < nq; ++q) {
-    for (size_t i = 0; i < found[q].size(); ++i) {
-      out.rows[out.offsets[q] + i] = found[q][i].row;
-      out.dist2[out.offsets[q] + i] = found[q][i].d2;
-    }
-  }
-  return out;
 }
 
 Neighbors radius_search(const double* query, const int32_t* qbatch, int64_t nq,

@@ -58,4 +58,9 @@ void encode(const GeometryVoxelize& p, KernelEncoder& enc, Operands& ops,
 void encode(const GeometryDevoxelize& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
 
+void encode(const GeometryKnn& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const GeometryMorton& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+
 }  // namespace mlx_lattice::gpu

@@ -218,4 +218,39 @@ void encode_voxel_reduce(KernelEncoder& enc, Buffer feats, Buffer offsets, Buffe
   if (n_voxels && channels) dispatch_geometry_rows(enc, n_voxels, channels);
 }
 
+void encode_knn(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_support,
+                Buffer sorted_rows, Buffer sorted_keys, Buffer rows, Buffer dist2,
+                const KnnPlan& plan) {
+  if (plan.k < 1 || plan.k > kKnnMaxK) {
+    throw std::invalid_argument("the Metal kNN kernel supports 1 <= k <= 64");
+  }
+  // Laid out as the MSL KnnParams.
+  struct {
+    uint32_t nq, ns, k, n_batches;
+    int32_t nx, ny, nz;
+    float ox, oy, oz, inv, cell, max_d2;
+  } params{plan.nq,      plan.ns,      plan.k,         plan.n_batches, plan.dims[0],
+           plan.dims[1], plan.dims[2], plan.origin[0], plan.origin[1], plan.origin[2],
+           plan.inv,     plan.cell,    plan.max_d2};
+  static_assert(sizeof(params) == 52);
+  enc.kernel("mlxl_geo_knn");
+  enc.input(0, query);
+  enc.input(1, qbatch);
+  enc.input(2, sorted_support);
+  enc.input(3, sorted_rows);
+  enc.input(4, sorted_keys);
+  enc.output(5, rows);
+  enc.output(6, dist2);
+  enc.value(7, params);
+  if (plan.nq) enc.dispatch({ceil_div(plan.nq, 64), 1, 1}, {64, 1, 1});
+}
+
+void encode_morton(KernelEncoder& enc, Buffer coords, Buffer codes, uint32_t n) {
+  enc.kernel("mlxl_geo_morton");
+  enc.input(0, coords);
+  enc.output(1, codes);
+  enc.value(2, n);
+  if (n) enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
+}
+
 }  // namespace mlx_lattice::gpu

@@ -68,4 +68,23 @@ void encode_voxel_reduce(KernelEncoder& enc, Buffer feats, Buffer offsets, Buffe
                          Buffer out, Buffer arg, uint32_t n_voxels, uint32_t channels,
                          uint32_t mode);
 
+// Neighbours and coordinates (geometry_search.metal).
+
+struct KnnPlan {
+  uint32_t nq, ns, k, n_batches;
+  int32_t dims[3];
+  float origin[3];
+  float inv, cell;
+  float max_d2;  // +inf for kNN; r^2 for radius search
+};
+constexpr uint32_t kKnnMaxK = 64;  // MLXL_KNN_MAX_K of the kernel (kKnnMaxKGpu)
+
+// rows / dist2 (nq x k) from the queries and the support sorted by cell key.
+void encode_knn(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_support,
+                Buffer sorted_rows, Buffer sorted_keys, Buffer rows, Buffer dist2,
+                const KnnPlan& plan);
+
+// codes (n, int64) of coords (n x 4 int32).
+void encode_morton(KernelEncoder& enc, Buffer coords, Buffer codes, uint32_t n);
+
 }  // namespace mlx_lattice::gpu

@@ -17,7 +17,7 @@
 #
 # CPython 3.12 is not in any Debian suite (bookworm has 3.11, trixie, forky
 # and sid have 3.13), nor on PyPI or npm as an installable interpreter, so
-# its wheel cannot be built offline here; see the README's build notes.
+# its wheel cannot be built offline here; see the README's Wheels section.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -33,13 +33,13 @@ for version in "${versions[@]}"; do
     ${QUANTLATTICE_DISK_CACHE:+--disk_cache=$QUANTLATTICE_DISK_CACHE}; then
     status=1
   fi
-  wheel=$(ls bazel-bin/packages/mlx_lattice/*-"$cp"-"$cp"-*.whl 2>/dev/null || true)
+  wheel=$(ls -t bazel-bin/packages/mlx_lattice/*-"$cp"-"$cp"-*.whl 2>/dev/null | head -n 1 || true)
   if [ -z "$wheel" ]; then
     echo "extra_python_wheels: no $cp wheel was built" >&2
     status=1
   else
     rm -rf "dist/$cp" && mkdir -p "dist/$cp"
-    cp bazel-bin/packages/*/*.whl "dist/$cp/"
+    cp "$wheel" bazel-bin/packages/quantrules/*.whl bazel-bin/packages/taktiny_ops/*.whl "dist/$cp/"
     echo "=== CPython $version: $(cd "dist/$cp" && ls) ==="
   fi
   ./bazelw shutdown

@@ -1,7 +1,10 @@
 """Build a wheel from files named on the command line (no setuptools).
 
-Writes the `.dist-info` (METADATA, WHEEL, RECORD) itself, with pins taken from
-the hashed lock file so a wheel never asks for versions the tests did not run.
+Writes the `.dist-info` (METADATA, WHEEL, RECORD) itself. Exact pins (`==`,
+for ABI-coupled packages) come from the hashed lock file; lower bounds (`>=`)
+come from the minimums file (third_party/python/requirements_min.txt, the
+oldest versions the package tests pass with, tools/test_minimums.sh) when one
+is given, else from the lock.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ def _normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def _release(version: str) -> tuple[int, ...]:
+    """The numeric release part of a version (2.0.2 -> (2, 0, 2))."""
+    return tuple(int(part) for part in re.findall(r"\d+", version.split("+")[0])[:4])
+
+
 def _record_line(name: str, data: bytes) -> str:
     digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
     return f"{name},sha256={digest},{len(data)}"
@@ -49,6 +57,7 @@ def main() -> int:
     p.add_argument("--tag", required=True)
     p.add_argument("--lock", required=True)
     p.add_argument("--strip-prefix", required=True)
+    p.add_argument("--minimums", default="", help="pins used as the lower bounds of '>='")
     p.add_argument("--summary", default="")
     p.add_argument("--requires", action="append", default=[])
     p.add_argument("--sibling", action="append", default=[])
@@ -57,13 +66,24 @@ def main() -> int:
 
     version = a.version
     pins = _lock_versions(a.lock)
+    minimums = _lock_versions(a.minimums) if a.minimums else {}
     requires = [f"{s}=={version}" for s in a.sibling]
     for spec in a.requires:
         name, op = spec.split(" ", 1)
         op, _, marker = op.partition(";")
-        if _normalize(name.split("[")[0]) not in pins:
+        key = _normalize(name.split("[")[0])
+        if key not in pins:
             sys.exit(f"build_wheel: {name!r} is not in the lock file")
-        req = f"{name}{op}{pins[_normalize(name.split('[')[0])]}"
+        bound = pins[key]
+        if op == ">=" and a.minimums:
+            if key not in minimums:
+                sys.exit(f"build_wheel: {name!r} has no tested minimum in {a.minimums}")
+            bound = minimums[key]
+            if _release(bound) > _release(pins[key]):
+                sys.exit(
+                    f"build_wheel: minimum {name}=={bound} is newer than the lock's {pins[key]}"
+                )
+        req = f"{name}{op}{bound}"
         requires.append(f"{req}; {marker.strip()}" if marker else req)
 
     dist = a.distribution.replace("-", "_")

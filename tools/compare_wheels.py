@@ -1,8 +1,9 @@
 """Compare two sets of wheels (e.g. the modern and the Bazel 4.2 lane's //:wheels).
 
 Wheels match when their names, member lists and .dist-info METADATA and
-WHEEL files are equal, up to the manylinux platform tag (each lane tags the
-glibc it builds against: bookworm's 2.36, forky's 2.43); compiled members may
+WHEEL files are equal, up to the manylinux platform tag (tools/wheel.bzl
+tags manylinux_2_39, or the glibc of the build where that is older: the Bazel
+4.2 lane on bookworm tags 2_36); compiled members may
 differ in bytes (different compilers), everything else must be
 byte-identical. Exits 1 on a difference.
 

@@ -90,8 +90,9 @@ _PROBE = "import sys, sysconfig; print('%d.%d' % sys.version_info[:2]); print(sy
 
 # The wheel tag of native extensions built here: manylinux_2_<glibc minor> on
 # glibc Linux (an extension compiled against glibc 2.N headers needs at most
-# 2.N; auditwheel checks the symbols in //:wheel_audit_test), else the
-# interpreter's platform.
+# 2.N), else the interpreter's platform. tools/wheel.bzl lowers the glibc
+# level to the one it declares; auditwheel checks the symbols against it in
+# //:wheel_audit_test.
 _TAG_PROBE = """
 import os, sys, sysconfig
 i = 'cp%d%d' % sys.version_info[:2]

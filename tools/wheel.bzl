@@ -1,17 +1,42 @@
 """`py_wheel_package`: one wheel per package, built by tools/build_wheel.py.
 
 The version comes from tools/version.bzl (the single version source). Each entry of
-`requires` is pinned with the version the lock file resolved, using the given
-operator (`==` for ABI-coupled pins such as mlx/nanobind); siblings in
-`sibling_requires` are pinned to this repository's own version.
+`requires` names an operator: `==` pins the version the lock file resolved
+(ABI-coupled packages such as mlx/nanobind), `>=` takes the oldest version
+the package tests pass with from third_party/python/requirements_min.txt;
+siblings in `sibling_requires` are pinned to this repository's own version.
 """
 
 load("@py_env//:tags.bzl", "NATIVE_TAG")
 load("//tools:version.bzl", "VERSION")
 
+# The glibc level of native Linux wheels: manylinux_2_39, the policy auditwheel
+# reports as the minimum for the extension as the modern lane builds it (GCC 16
+# on forky's glibc 2.43 headers), or the build's own glibc where that is older
+# (the Bazel 4.2 lane on bookworm: 2_36). Bazel names outputs before it builds
+# them, so the level is declared here rather than read back;
+# //:wheel_audit_test fails when the symbols need a newer one.
+MANYLINUX_GLIBC_MINOR = 39
+
+def native_tag(tag = NATIVE_TAG, glibc_minor = MANYLINUX_GLIBC_MINOR):
+    """A native wheel tag with its manylinux level capped.
+
+    Args:
+      tag: cpXY-cpXY-<platform>, the platform as the build's glibc gives it.
+      glibc_minor: the highest manylinux_2_<minor> level to tag.
+
+    Returns:
+      `tag` with manylinux_2_<min(build's, glibc_minor)>; other platforms as given.
+    """
+    python, abi, platform = tag.split("-")
+    if platform.startswith("manylinux_2_"):
+        _, _, build_minor, arch = platform.split("_", 3)
+        platform = "manylinux_2_%d_%s" % (min(glibc_minor, int(build_minor)), arch)
+    return "-".join([python, abi, platform])
+
 def _wheel_impl(ctx):
-    # NATIVE_TAG: cpXY-cpXY-manylinux_2_<glibc of the build>_x86_64 on Linux.
-    tag = NATIVE_TAG if ctx.attr.platform_specific else "py3-none-any"
+    # cpXY-cpXY-manylinux_2_39_x86_64 on Linux, the interpreter's platform elsewhere.
+    tag = native_tag() if ctx.attr.platform_specific else "py3-none-any"
     out = ctx.actions.declare_file("%s-%s-%s.whl" % (ctx.attr.distribution, VERSION, tag))
     args = ctx.actions.args()
     args.add("--out", out)
@@ -19,6 +44,7 @@ def _wheel_impl(ctx):
     args.add("--version", VERSION)
     args.add("--tag", tag)
     args.add("--lock", ctx.file.lock)
+    args.add("--minimums", ctx.file.minimums)
     args.add("--strip-prefix", ctx.attr.strip_prefix)
     args.add("--summary", ctx.attr.summary)
     for name, op in sorted(ctx.attr.requires.items()):
@@ -32,7 +58,7 @@ def _wheel_impl(ctx):
             args.add("--file", f.short_path + "=" + f.path)
     ctx.actions.run(
         outputs = [out],
-        inputs = inputs + [ctx.file.lock],
+        inputs = inputs + [ctx.file.lock, ctx.file.minimums],
         executable = ctx.executable._builder,
         arguments = [args],
         mnemonic = "PyWheel",
@@ -51,6 +77,11 @@ py_wheel_package = rule(
         "sibling_requires": attr.string_list(),
         "platform_specific": attr.bool(default = False),
         "lock": attr.label(default = "//third_party/python:requirements_lock.txt", allow_single_file = True),
+        "minimums": attr.label(
+            default = "//third_party/python:requirements_min.txt",
+            allow_single_file = True,
+            doc = "the lower bounds of '>=' requirements (the oldest versions the tests pass with)",
+        ),
         "_builder": attr.label(default = "//tools:build_wheel", executable = True, cfg = "exec"),
     },
 )

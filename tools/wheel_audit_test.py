@@ -46,7 +46,12 @@ def audit(wheel: str) -> list[str]:
     if report["unsupported_isa"]:
         problems.append(f"{wheel}: auditwheel found unsupported ISA extensions")
     if glibc_minor(report["sym_tag"]) > glibc_minor(platform):
-        problems.append(f"{wheel}: symbols need {report['sym_tag']}, tagged {platform}")
+        problems.append(
+            f"{wheel}: symbols need {report['sym_tag']}, tagged {platform} "
+            "(raise MANYLINUX_GLIBC_MINOR in tools/wheel.bzl)"
+        )
+    elif glibc_minor(report["sym_tag"]) < glibc_minor(platform):
+        print(f"{wheel}: this build's symbols would allow {report['sym_tag']}")
     print(
         f"{wheel}: tagged {platform}; auditwheel: symbols {report['sym_tag']}, external {sorted(external)}"
     )

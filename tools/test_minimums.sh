@@ -1,0 +1,84 @@
+#!/usr/bin/env bash
+# The wheels' lower bounds are real: installs the oldest versions in
+# third_party/python/requirements_min.txt (the Requires-Dist lower bounds
+# tools/build_wheel.py writes) into throwaway virtual environments of the
+# host's CPython, the built wheels next to them, and runs the packages' pytest
+# suites against the installed wheels, outside Bazel:
+#
+#   tools/test_minimums.sh WHEEL_DIR
+#
+#   mlx env: numpy at its minimum, mlx/mlx-cpu/nanobind at the lock's exact
+#            pins; quantrules and mlx_lattice tests (not the Metal harness and
+#            the two-process tests, whose extra targets the wheel lacks).
+#   jax env: jax, jaxlib and flax at their minimums, qwix at the lock's pin;
+#            quantrules and taktiny_ops tests.
+#
+# WHEEL_DIR holds //:wheels of a lane whose extension runs on the host (the
+# Bazel 4.2 lane's on bookworm; the modern lane's needs glibc 2.38). Needs
+# PyPI. Each test prints its closing pytest line; exits non-zero on a failure.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+wheels=$(cd "${1:?usage: tools/test_minimums.sh WHEEL_DIR}" && pwd -P)
+python=${QUANTLATTICE_PYTHON:-python3}
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+
+pin() {  # pin NAME FILE: the NAME==version line of FILE
+  grep -iE "^$1==" "$2" | sed 's/[ \\].*//'
+}
+mins=third_party/python/requirements_min.txt
+lock=third_party/python/requirements_lock.txt
+
+env_with() {  # env_with DIR REQUIREMENT...: a venv with these installed
+  local dir=$1
+  shift
+  "$python" -m venv "$dir"
+  if ! "$dir/bin/pip" install --quiet --disable-pip-version-check --only-binary=:all: "$@" >"$dir.log" 2>&1; then
+    cat "$dir.log" >&2
+    return 1
+  fi
+  "$dir/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-index \
+    "$wheels"/quantrules-*.whl "${extra_wheels[@]}"
+  "$dir/bin/pip" list --disable-pip-version-check 2>/dev/null | grep -iE "^(numpy|jax|jaxlib|flax|mlx|qwix) " | tr -s ' ' | tr '\n' ' ' || true
+  echo
+}
+
+status=0
+run_tests() {  # run_tests ENV PACKAGE PATH... (test paths under packages/PACKAGE; --ignore=PATH)
+  local env=$1 package=$2 arg args=()
+  shift 2
+  for arg in "$@"; do
+    case "$arg" in
+    --ignore=*) args+=("--ignore=$root/packages/$package/${arg#--ignore=}") ;;
+    *) args+=("$root/packages/$package/$arg") ;;
+    esac
+  done
+  echo "=== minimums: $package tests ==="
+  # From a folder outside the sources: tests that start a fresh interpreter
+  # must import the installed wheel, not packages/*/ of the checkout.
+  (cd "$work" && "$env/bin/python" "$root/tools/pytest_main.py" -q \
+    -W ignore::DeprecationWarning "${args[@]}") >"$work/$package.log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$work/$package.log" || true
+  tail -n 1 "$work/$package.log"
+}
+
+# The mlx wheel's extension is copied in place (pip would check the wheel's
+# manylinux level against this host; the extension itself is what runs).
+echo "=== minimums: mlx env ==="
+extra_wheels=()
+env_with "$work/mlx" "$(pin numpy $mins)" "$(pin mlx $lock)" "$(pin mlx-cpu $lock)" \
+  "$(pin nanobind $lock)" pytest hypothesis scipy
+site=$("$work/mlx/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+"$work/mlx/bin/python" -m zipfile -e "$(ls "$wheels"/*mlx_lattice-*.whl)" "$site"
+run_tests "$work/mlx" mlx_lattice tests --ignore=tests/test_metal_harness.py \
+  --ignore=tests/test_distributed.py --ignore=tests/distributed_worker.py
+run_tests "$work/mlx" quantrules tests --ignore=tests/test_qwix.py
+
+echo "=== minimums: jax env ==="
+extra_wheels=("$wheels"/taktiny_ops-*.whl)
+env_with "$work/jax" "$(pin jax $mins)" "$(pin jaxlib $mins)" "$(pin flax $mins)" \
+  "$(pin qwix $lock)" pytest hypothesis absl-py
+run_tests "$work/jax" quantrules tests
+run_tests "$work/jax" taktiny_ops tests tests/sharding_test.py
+exit $status

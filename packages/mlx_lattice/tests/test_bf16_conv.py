@@ -173,4 +173,7 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
         mag[out_rows[sel]] += np.abs(f[in_rows[sel]]).astype(np.float64) @ np.abs(w[k])
     bound = 2.0**-7 * np.maximum(np.abs(a), np.abs(b)) + 2 * 27 * 48 * 2.0**-23 * mag
     assert np.all(np.abs(a - b) <= bound)
-    assert np.any(a != b) or str(results[fast]["isa"]) == "float32"
+    # Which path each process ran is checked by name, not by a != b: the two
+    # orders differ in float32's last bits, which seldom cross a bf16
+    # rounding boundary, so for some seeds (1330351057) every output agrees.
+    assert str(results[fast]["isa"]) in (fast, "float32")

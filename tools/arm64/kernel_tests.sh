@@ -62,6 +62,16 @@ for model in cortex-a53 a64fx neoverse-n1 max; do
       failed=1
   done
 done
+# The half blocks as clang (the macOS compiler's family) builds them, where
+# clang-16 is installed (tools/macos_check installs it).
+if command -v clang++-16 >/dev/null; then
+  clang++-16 --target=aarch64-linux-gnu -std=c++20 -O2 -Wall -Wextra -Werror -static -pthread \
+    $cpu/gemm_bf16.cpp $cpu/gemm_arm.cpp $cpu/isa.cpp $cpu/parallel.cpp $cpu/gemm_half_test.cpp \
+    -o "$out/gemm_half_test_clang"
+  echo -n "max, clang-16 build: " &&
+    timeout 120 qemu-aarch64-static -cpu max "$out/gemm_half_test_clang" neon-bf16 neon-bf16 \
+      neon-fhm || failed=1
+fi
 echo "aarch64 kernel tests under qemu: $([ $failed = 0 ] && echo ok || echo FAILED)," \
   "$(( $(date +%s) - start )) s"
 exit $failed

@@ -9,7 +9,8 @@
 #   3. that wheel installed next to the aarch64 mlx and numpy wheels and run
 #      by Debian's aarch64 python3.11 under qemu-aarch64-static (-cpu max):
 #      the ISA tests and a bounded subset of the conv, quantized conv,
-#      pooling and relation tests, against the same references as on x86.
+#      bf16/fp16 conv, pooling and relation tests, against the same
+#      references as on x86.
 # Needs root (apt-get: g++-aarch64-linux-gnu, qemu-user-static, mmdebstrap),
 # PyPI and Debian's registry. Downloads and the aarch64 sysroot are cached
 # under ${MLX_LATTICE_CI_CACHE:-$HOME/.cache/mlx_lattice_ci}/arm64; the wheel is
@@ -107,7 +108,8 @@ cp "$build/_version.py" "$run/site/quantrules/_version.py"
 cp $pkg/conftest.py "$run/"
 cp tools/pytest_main.py "$run/"  # the pytest entry with the seeding plugin the conftest uses
 cp $pkg/tests/test_conv.py $pkg/tests/test_quantized_pool.py $pkg/tests/test_relations.py \
-  $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py "$run/tests/"
+  $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py \
+  $pkg/tests/test_bf16_conv.py $pkg/tests/test_half_conv.py "$run/tests/"
 aarch64-linux-gnu-readelf -h "$run/site/mlx_lattice/_native/ext.so" | grep -q 'Machine:.*AArch64' ||
   { echo "FAIL: the wheel's extension is not aarch64"; exit 1; }
 qemu="qemu-aarch64-static -cpu max -L $sysroot"
@@ -115,9 +117,10 @@ py=(timeout "${MLX_LATTICE_ARM64_TIMEOUT:-900}" env PYTHONPATH="$run/site:$site"
   MLX_LATTICE_NUM_THREADS=2 MLX_LATTICE_TEST_LAUNCHER="$qemu" $qemu "$sysroot/usr/bin/python3.11")
 (cd "$run" && "${py[@]}" -c 'import platform, mlx.core as mx
 from mlx_lattice._native import ext
-print(platform.machine(), "mlx", mx.__version__, "fp32 paths", ext.gemm_isas(), "int8", ext.int8_isa())
+print(platform.machine(), "mlx", mx.__version__, "fp32 paths", ext.gemm_isas(), "int8",
+      ext.int8_isa(), "bf16", ext.bf16_isa(), "fp16", ext.fp16_isa())
 assert platform.machine() == "aarch64" and ext.gemm_isas() == ["neon-fma", "scalar"]
-assert ext.int8_isa() == "neon-i8mm"')
+assert (ext.int8_isa(), ext.bf16_isa(), ext.fp16_isa()) == ("neon-i8mm", "neon-bf16", "neon-fhm")')
 # Deselected here: mx.compile on the CPU stream JIT-compiles C++ with a
 # compiler the aarch64 sysroot does not have (both tests run in full on x86).
 deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bitwise_stable
@@ -126,7 +129,9 @@ deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bit
 subset=${MLX_LATTICE_ARM64_SUBSET:-}
 (cd "$run" && "${py[@]}" pytest_main.py -q tests/test_relations.py \
   tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
+  tests/test_bf16_conv.py tests/test_half_conv.py \
   "tests/test_validation_threads.py::test_every_micro_kernel_path" \
+  "tests/test_validation_threads.py::test_half_conversions_round_trip_exactly" \
   "tests/test_validation_threads.py::test_isa_list_is_ordered_and_ends_in_scalar" \
   ${subset:+-k "$subset"} "${deselect[@]}")
 stamp "aarch64 Python subset passed"

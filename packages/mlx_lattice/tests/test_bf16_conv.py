@@ -1,10 +1,13 @@
 """The bfloat16 forward convolution (vdpbf16ps where the CPU has
-AVX512-BF16) against a NumPy emulation of its arithmetic, bit for bit, and
-against float64 within bf16 rounding; the same bits for any thread count."""
+AVX512-BF16, BFMLALT/BFMLALB where it has FEAT_BF16) against a NumPy
+emulation of its arithmetic, bit for bit, and against float64 within bf16
+rounding; the same bits for any thread count."""
 
 from __future__ import annotations
 
 import os
+import platform
+import shlex
 import subprocess
 import sys
 
@@ -61,7 +64,7 @@ def make_case(rng, cin: int, cout: int):
 
 
 needs_bf16 = pytest.mark.skipif(
-    ext.bf16_isa() != "avx512-bf16", reason="no AVX512-BF16 here: bf16 uses the float32 path"
+    ext.bf16_isa() == "float32", reason="no bf16 block here: bf16 uses the float32 path"
 )
 
 
@@ -134,7 +137,7 @@ np.savez(sys.argv[2], out=np.array(out), isa=ext.bf16_isa())
 
 
 def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
-    """With the ISA capped below AVX512-BF16 (MLX_LATTICE_GEMM_ISA) bf16
+    """With the ISA capped below the bf16 block (MLX_LATTICE_GEMM_ISA) bf16
     runs through float32; both paths agree within one bf16 step of the
     result plus the float32 accumulation bound (they add in different
     orders)."""
@@ -145,18 +148,22 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
     w = bf16_values(bf16_bits(rng.standard_normal((27, 48, 40)).astype(np.float32) * 0.2))
     np.savez(tmp_path / "in.npz", coords=coords, f=f, w=w)
     results = {}
-    for isa in ("avx512-bf16", "avx512f"):
+    # The bf16 block of this architecture and a level below it.
+    aarch64 = platform.machine() in ("aarch64", "arm64")
+    fast, capped = ("neon-bf16", "neon-i8mm") if aarch64 else ("avx512-bf16", "avx512f")
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))  # tools/arm64
+    for isa in (fast, capped):
         env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
         out = tmp_path / f"{isa}.npz"
         subprocess.run(
-            [sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "in.npz"), str(out)],
+            [*launcher, sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "in.npz"), str(out)],
             env=env,
             check=True,
         )
         results[isa] = np.load(out)
-    assert str(results["avx512f"]["isa"]) == "float32"
-    a = results["avx512-bf16"]["out"].astype(np.float64)
-    b = results["avx512f"]["out"].astype(np.float64)
+    assert str(results[capped]["isa"]) == "float32"
+    a = results[fast]["out"].astype(np.float64)
+    b = results[capped]["out"].astype(np.float64)
     rel = build_kernel_relation(coords, kernel_size=3)
     mag = np.zeros(a.shape)
     k_ids = np.array(rel.edges.kernel_ids)
@@ -166,4 +173,7 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
         mag[out_rows[sel]] += np.abs(f[in_rows[sel]]).astype(np.float64) @ np.abs(w[k])
     bound = 2.0**-7 * np.maximum(np.abs(a), np.abs(b)) + 2 * 27 * 48 * 2.0**-23 * mag
     assert np.all(np.abs(a - b) <= bound)
-    assert np.any(a != b) or str(results["avx512-bf16"]["isa"]) == "float32"
+    # Which path each process ran is checked by name, not by a != b: the two
+    # orders differ in float32's last bits, which seldom cross a bf16
+    # rounding boundary, so for some seeds (1330351057) every output agrees.
+    assert str(results[fast]["isa"]) in (fast, "float32")

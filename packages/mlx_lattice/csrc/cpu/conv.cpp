@@ -21,15 +21,16 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              const auto& a = in[0];
              const auto& b = in[1];
              const Relation& r = *rel;
-             if (mode == Mode::kForward && a.dtype() == mx::bfloat16 &&
-                 b.dtype() == mx::bfloat16 && o.dtype() == mx::bfloat16 &&
-                 kernels::bf16_conv_available()) {
-               // bf16 x bf16 -> float32 with vdpbf16ps (cpu/gemm_bf16.h).
+             const bool half = a.dtype() == b.dtype() && o.dtype() == a.dtype();
+             const bool bf16 = half && a.dtype() == mx::bfloat16 && kernels::bf16_conv_available();
+             const bool fp16 = half && a.dtype() == mx::float16 && kernels::fp16_conv_available();
+             if (mode == Mode::kForward && (bf16 || fp16)) {
+               // Half x half -> float32 tiles (cpu/gemm_bf16.h).
                kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
-               kernels::bf16_conv(a.data<uint16_t>(), a.shape(0), a.shape(1),
-                                  b.data<uint16_t>(), r.n_kernels, b.shape(2), csr,
-                                  idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids),
-                                  o.data<uint16_t>());
+               (bf16 ? kernels::bf16_conv : kernels::fp16_conv)(
+                   a.data<uint16_t>(), a.shape(0), a.shape(1), b.data<uint16_t>(), r.n_kernels,
+                   b.shape(2), csr, idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids),
+                   o.data<uint16_t>());
                return;
              }
              if (mode == Mode::kForward && a.dtype() == o.dtype() && a.dtype() != mx::float32) {

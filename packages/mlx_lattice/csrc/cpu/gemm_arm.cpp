@@ -23,6 +23,7 @@ namespace {
 constexpr unsigned long kHwcapAsimd = 1UL << 1;
 constexpr unsigned long kHwcapAsimdhp = 1UL << 10;
 constexpr unsigned long kHwcapAsimddp = 1UL << 20;
+constexpr unsigned long kHwcapAsimdfhm = 1UL << 23;
 constexpr unsigned long kHwcap2I8mm = 1UL << 13;
 constexpr unsigned long kHwcap2Bf16 = 1UL << 14;
 #endif
@@ -45,12 +46,14 @@ Features cpu_features() {
   f.neon = (hw & kHwcapAsimd) != 0;
   f.fp16 = (hw & kHwcapAsimdhp) != 0;
   f.dotprod = (hw & kHwcapAsimddp) != 0;
+  f.fhm = (hw & kHwcapAsimdfhm) != 0;
   f.bf16 = (hw2 & kHwcap2Bf16) != 0;
   f.i8mm = (hw2 & kHwcap2I8mm) != 0;
 #elif defined(__aarch64__) && defined(__APPLE__)
   f.neon = true;  // every Apple arm64 CPU
   f.fp16 = sysctl_flag("hw.optional.arm.FEAT_FP16");
   f.dotprod = sysctl_flag("hw.optional.arm.FEAT_DotProd");
+  f.fhm = sysctl_flag("hw.optional.arm.FEAT_FHM");
   f.bf16 = sysctl_flag("hw.optional.arm.FEAT_BF16");
   f.i8mm = sysctl_flag("hw.optional.arm.FEAT_I8MM");
 #elif defined(__aarch64__)

@@ -12,7 +12,8 @@ namespace mlx_lattice::arm {
 // Features read from the CPU (getauxval on Linux, sysctlbyname on macOS).
 struct Features {
   bool neon = false;     // Advanced SIMD with fp32 FMA (always on AArch64)
-  bool fp16 = false;     // FEAT_FP16: half-precision FMLA
+  bool fp16 = false;     // FEAT_FP16: half-precision arithmetic
+  bool fhm = false;      // FEAT_FHM: FMLAL/FMLAL2 (fp16 products, fp32 sums)
   bool dotprod = false;  // FEAT_DotProd: SDOT/UDOT
   bool bf16 = false;     // FEAT_BF16: BFDOT/BFMMLA
   bool i8mm = false;     // FEAT_I8MM: SMMLA

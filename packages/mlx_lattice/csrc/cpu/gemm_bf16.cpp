@@ -8,6 +8,9 @@
 #include <immintrin.h>
 #define MLX_LATTICE_X86 1
 #endif
+#if defined(__aarch64__)
+#include <arm_neon.h>
+#endif
 
 #include "isa.h"
 #include "parallel.h"
@@ -133,6 +136,41 @@ __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
 
 #endif
 
+#include "gemm_half_neon.inc"  // AArch64 BFMLALB/T and FMLAL/FMLAL2 blocks
+
+// The half-precision blocks by ISA level (cpu/isa.h), best first; the last
+// entry (no kernel) sends callers to the float32 path.
+using BlockFn = void (*)(const Block& blk, const PackedBf16& w, int64_t k, int64_t cout);
+using RoundFn = void (*)(const float* src, int64_t n, uint16_t* dst);
+struct HalfEntry {
+  isa::Isa isa;
+  BlockFn block;
+  RoundFn round;  // the float32 tile to the storage format
+};
+constexpr HalfEntry kBf16Table[] = {
+#ifdef MLX_LATTICE_X86
+    {isa::Isa::kAvx512Bf16, block_bf16, tile_to_bf16},
+#endif
+#if defined(__aarch64__)
+    {isa::Isa::kNeonBf16, block_neon_half<true>, tile_to_bf16_neon},
+#endif
+    {isa::Isa::kScalar, nullptr, nullptr}};
+constexpr HalfEntry kFp16Table[] = {
+#if defined(__aarch64__)
+    {isa::Isa::kNeonFhm, block_neon_half<false>, tile_to_fp16_neon},
+#endif
+    {isa::Isa::kScalar, nullptr, nullptr}};
+
+const HalfEntry& bf16_entry() {
+  static const HalfEntry& entry = isa::pick(kBf16Table);
+  return entry;
+}
+
+const HalfEntry& fp16_entry() {
+  static const HalfEntry& entry = isa::pick(kFp16Table);
+  return entry;
+}
+
 struct Scratch {
   TileEdges edges;
   std::vector<const uint16_t*> a_ptrs;
@@ -149,20 +187,12 @@ struct Buffers {
   std::vector<uint16_t> zeros;
 };
 
-}  // namespace
-
-bool bf16_conv_available() {
-#ifdef MLX_LATTICE_X86
-  return isa::isa_usable(isa::Isa::kAvx512Bf16);
-#else
-  return false;
-#endif
-}
-
-void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
-               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
-#ifdef MLX_LATTICE_X86
+// The tile driver shared by every half-precision block (one entry's block and
+// rounding): weight packing, per-tile edge sort by offset, float32 tile.
+void half_conv(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int64_t cin,
+               const uint16_t* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
+               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
+               uint16_t* out) {
   thread_local Buffers buffers;
   Buffers& buf = buffers;  // the workers below use this thread's buffers
   PackedBf16& w = buf.weight;
@@ -214,15 +244,41 @@ void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t*
           blk.a[i] = real ? s.a_ptrs[r + i] : buf.zeros.data();
           blk.c[i] = real ? s.c_ptrs[r + i] : s.sink.data();
         }
-        block_bf16(blk, w, k, cout);
+        entry.block(blk, w, k, cout);
       }
     }
-    tile_to_bf16(s.tile.data(), (g1 - g0) * cout, out + g0 * cout);
+    entry.round(s.tile.data(), (g1 - g0) * cout, out + g0 * cout);
   });
-#else
-  (void)feats, (void)n_in, (void)cin, (void)weight, (void)n_kernels, (void)cout, (void)csr;
-  (void)a_index, (void)c_index, (void)kernel_ids, (void)out;
-#endif
+}
+
+}  // namespace
+
+bool bf16_conv_available() { return bf16_entry().block != nullptr; }
+
+const char* bf16_isa() {
+  return bf16_conv_available() ? isa::isa_name(bf16_entry().isa) : "float32";
+}
+
+void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
+               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
+               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
+  if (!bf16_conv_available()) return;
+  half_conv(bf16_entry(), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
+            kernel_ids, out);
+}
+
+bool fp16_conv_available() { return fp16_entry().block != nullptr; }
+
+const char* fp16_isa() {
+  return fp16_conv_available() ? isa::isa_name(fp16_entry().isa) : "float32";
+}
+
+void fp16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
+               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
+               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
+  if (!fp16_conv_available()) return;
+  half_conv(fp16_entry(), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
+            kernel_ids, out);
 }
 
 }  // namespace mlx_lattice::kernels

@@ -172,8 +172,8 @@ int run_one(const char* isa) {
 
 int print_features() {
   const auto f = mlx_lattice::arm::cpu_features();
-  std::printf("neon=%d fp16=%d dotprod=%d bf16=%d i8mm=%d\n", f.neon, f.fp16, f.dotprod, f.bf16,
-              f.i8mm);
+  std::printf("neon=%d fp16=%d fhm=%d dotprod=%d bf16=%d i8mm=%d\n", f.neon, f.fp16, f.fhm,
+              f.dotprod, f.bf16, f.i8mm);
   return 0;
 }
 

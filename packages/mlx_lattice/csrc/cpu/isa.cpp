@@ -11,7 +11,8 @@ namespace {
 
 constexpr Isa kLevels[] = {Isa::kScalar,     Isa::kAvx2,       Isa::kAvxVnni,
                            Isa::kAvx512,     Isa::kAvx512Vnni, Isa::kAvx512Bf16,
-                           Isa::kNeon,       Isa::kNeonDot,    Isa::kNeonI8mm};
+                           Isa::kNeon,       Isa::kNeonDot,    Isa::kNeonFhm,
+                           Isa::kNeonI8mm,   Isa::kNeonBf16};
 
 bool detect(Isa isa) {
   switch (isa) {
@@ -35,8 +36,12 @@ bool detect(Isa isa) {
       return arm::cpu_features().neon;
     case Isa::kNeonDot:
       return detect(Isa::kNeon) && arm::cpu_features().dotprod;
+    case Isa::kNeonFhm:
+      return detect(Isa::kNeon) && arm::cpu_features().fhm;
     case Isa::kNeonI8mm:
       return detect(Isa::kNeon) && arm::cpu_features().i8mm;
+    case Isa::kNeonBf16:
+      return detect(Isa::kNeon) && arm::cpu_features().bf16;
 #endif
     default:
       return false;
@@ -69,7 +74,9 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx512Bf16: return "avx512-bf16";
     case Isa::kNeon: return "neon-fma";
     case Isa::kNeonDot: return "neon-dotprod";
+    case Isa::kNeonFhm: return "neon-fhm";
     case Isa::kNeonI8mm: return "neon-i8mm";
+    case Isa::kNeonBf16: return "neon-bf16";
   }
   return "unknown";
 }

@@ -37,7 +37,9 @@ enum class Isa : int {
   // ARM64 (cpu/gemm_arm.h reads the feature bits)
   kNeon = 100,      // Advanced SIMD, fp32 FMLA (every AArch64 CPU)
   kNeonDot = 110,   // + FEAT_DotProd (SDOT/UDOT)
+  kNeonFhm = 115,   // + FEAT_FHM (FMLAL/FMLAL2: fp16 products, fp32 sums)
   kNeonI8mm = 120,  // + FEAT_I8MM (USDOT/SMMLA/USMMLA)
+  kNeonBf16 = 130,  // + FEAT_BF16 (BFMLALB/BFMLALT)
 };
 
 // Whether this CPU (and OS) can run code of level `isa`.

@@ -1,0 +1,144 @@
+"""The float16 forward convolution (cpu/gemm_bf16.h): FMLAL/FMLAL2 where the
+CPU has FEAT_FHM ("neon-fhm"), else the float32 path. Both must give the
+bits of a NumPy emulation of the float32 fused chain (offsets ascending,
+channels ascending, each product exact in float32 and each add rounded once,
+then one rounding to float16): the FHM block is that chain on the widened
+inputs, not float16 arithmetic."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import subprocess
+import sys
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+
+def fp16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
+    """float16 result of the documented float32 chain (inputs float16-valued)."""
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    k_ids = np.array(rel.edges.kernel_ids)
+    acc = np.zeros((rel.n_out_capacity, w.shape[2]), np.float32)
+    for k in range(w.shape[0]):
+        sel = k_ids == k
+        i, o = in_rows[sel], out_rows[sel]
+        assert len(np.unique(o)) == len(o)
+        a = acc[o]
+        for c in range(f.shape[1]):
+            a = a + f[i, c][:, None] * w[k, c][None, :]
+        acc[o] = a
+    return acc.astype(np.float16)
+
+
+def make_case(rng, cin: int, cout: int):
+    pts = rng.integers(0, 9, (700, 3))
+    coords = np.unique(np.concatenate([rng.integers(0, 2, (700, 1)), pts], 1), axis=0)
+    coords = coords.astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    f = rng.standard_normal((len(coords), cin)).astype(np.float16).astype(np.float32)
+    w = (rng.standard_normal((27, cin, cout)) * 0.2).astype(np.float16).astype(np.float32)
+    return coords, rel, f, w
+
+
+def run_fp16(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
+    out = ops.sparse_conv_features_from_relation(
+        mx.array(f).astype(mx.float16), mx.array(w).astype(mx.float16), rel
+    )
+    assert out.dtype == mx.float16
+    return np.array(out.view(mx.uint16))
+
+
+fused = pytest.mark.skipif(
+    ext.fp16_isa() == "float32" and ext.gemm_isa() == "scalar",
+    reason="no fused path here: the scalar float32 path rounds every product",
+)
+needs_fhm = pytest.mark.skipif(
+    ext.fp16_isa() == "float32", reason="no FEAT_FHM block here: float16 uses the float32 path"
+)
+
+
+@fused
+@pytest.mark.parametrize(("cin", "cout"), [(64, 64), (19, 70), (7, 33), (1, 3)])
+def test_matches_emulation_bit_for_bit(rng, cin, cout):
+    _, rel, f, w = make_case(rng, cin, cout)
+    want = fp16_conv_ref(f, w, rel).view(np.uint16)
+    np.testing.assert_array_equal(run_fp16(f, w, rel), want)
+
+
+def test_within_float16_rounding_of_float64(rng):
+    """Every path: |out - exact| <= one float16 rounding of the result plus
+    the float32 accumulation bound n * eps * sum|terms| (n = K * Cin)."""
+    _, rel, f, w = make_case(rng, 40, 24)
+    got = run_fp16(f, w, rel).view(np.float16).astype(np.float64)
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    k_ids = np.array(rel.edges.kernel_ids)
+    exact = np.zeros(got.shape)
+    mag = np.zeros(got.shape)
+    for k in range(27):
+        sel = k_ids == k
+        exact[out_rows[sel]] += f[in_rows[sel]].astype(np.float64) @ w[k].astype(np.float64)
+        mag[out_rows[sel]] += np.abs(f[in_rows[sel]]).astype(np.float64) @ np.abs(w[k])
+    bound = 2.0**-11 * np.abs(exact) + 2.0**-24 + 1.01 * 27 * 40 * 2.0**-23 * mag
+    assert np.all(np.abs(got - exact) <= bound)
+
+
+@needs_fhm
+def test_same_bits_for_any_thread_count(rng):
+    _, rel, f, w = make_case(rng, 40, 24)
+    before = mlx_lattice.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            mlx_lattice.set_num_threads(threads)
+            results.append(run_fp16(f, w, rel))
+    finally:
+        mlx_lattice.set_num_threads(before)
+    for r in results[1:]:
+        np.testing.assert_array_equal(r, results[0])
+
+
+_FALLBACK_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+data = np.load(sys.argv[1])
+rel = build_kernel_relation(data["coords"], kernel_size=3)
+f = mx.array(data["f"]).astype(mx.float16)
+w = mx.array(data["w"]).astype(mx.float16)
+out = ops.sparse_conv_features_from_relation(f, w, rel).view(mx.uint16)
+np.savez(sys.argv[2], out=np.array(out), isa=ext.fp16_isa(), gemm=ext.gemm_isa())
+"""
+
+
+@needs_fhm
+def test_float32_fallback_gives_the_same_bits(rng, tmp_path):
+    """Capped below neon-fhm (MLX_LATTICE_GEMM_ISA=neon-dotprod), float16
+    runs through the float32 NEON path: the same chain, the same bits."""
+    coords, _, f, w = make_case(rng, 48, 40)
+    np.savez(tmp_path / "in.npz", coords=coords, f=f, w=w)
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+    results = {}
+    for isa in ("neon-fhm", "neon-dotprod"):
+        out = tmp_path / f"{isa}.npz"
+        subprocess.run(
+            [*launcher, sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "in.npz"), str(out)],
+            env=dict(os.environ, MLX_LATTICE_GEMM_ISA=isa),
+            check=True,
+        )
+        results[isa] = np.load(out)
+    assert str(results["neon-fhm"]["isa"]) == "neon-fhm"
+    assert str(results["neon-dotprod"]["isa"]) == "float32"
+    assert str(results["neon-dotprod"]["gemm"]) == "neon-fma"
+    np.testing.assert_array_equal(results["neon-fhm"]["out"], results["neon-dotprod"]["out"])

@@ -94,6 +94,7 @@ while IFS= read -r f; do files+=(--file "$f=$f"); done < <(
   find $pkg/mlx_lattice -name '*.py' ! -name _version.py | sort)
 python3 tools/build_wheel.py --out "$wheel" --distribution mlx_lattice --version "$version" \
   --tag cp311-cp311-linux_aarch64 --lock third_party/python/requirements_lock.txt \
+  --minimums third_party/python/requirements_min.txt \
   --strip-prefix $pkg --summary "Sparse 3-D convolution on MLX." \
   --requires "mlx ==" --requires "mlx-cpu ==;platform_system == 'Linux'" \
   --requires "nanobind ==" --requires "numpy >=" --sibling quantrules "${files[@]}"

@@ -17,28 +17,13 @@ import statistics
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.scans import surface_coords
 from benchmarks.timing import median_s
 from mlx_lattice.core import build_kernel_relation, ops
 from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 
 CHANNELS = 64
 ROUNDS = 3
-
-
-def surface_coords(grid: int = 512) -> np.ndarray:
-    """A sphere of radius 0.4 * grid sampled densely (Fibonacci points 0.3
-    voxel apart) and voxelized on a grid^3 grid, rows in x-major order."""
-    radius = 0.4 * grid
-    n = int(4 * np.pi * radius**2 / 0.09)
-    i = np.arange(n, dtype=np.float64) + 0.5
-    z = 1 - 2 * i / n
-    r = np.sqrt(1 - z * z)
-    phi = i * np.pi * (3 - np.sqrt(5))
-    pts = np.stack([r * np.cos(phi), r * np.sin(phi), z], 1) * radius + grid / 2
-    vox = np.floor(pts).astype(np.int64)
-    keys = np.unique((vox[:, 0] * grid + vox[:, 1]) * grid + vox[:, 2])
-    xyz = np.stack([keys // (grid * grid), keys // grid % grid, keys % grid], 1)
-    return np.concatenate([np.zeros((len(xyz), 1), np.int64), xyz], 1).astype(np.int32)
 
 
 def numpy_relation(coords: np.ndarray) -> int:

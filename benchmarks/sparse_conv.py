@@ -28,6 +28,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_lattice
+from benchmarks.scans import surface_coords
 from benchmarks.timing import median_s
 from benchmarks.yardstick import sgemm_reference, vector_peak
 from mlx_lattice._native import ext
@@ -51,27 +52,10 @@ def _sgemm_rate(m: int, k: int, n: int) -> float:
     return 2 * m * k * n / median_s(lambda: a @ b) / 1e9
 
 
-def _surface_coords(grid: int = 512) -> np.ndarray:
-    """A large built-in case: a sphere of radius 0.4 * grid sampled densely
-    (Fibonacci points 0.3 voxel apart) and voxelized on a grid^3 grid:
-    about 790k surface voxels at grid 512."""
-    radius = 0.4 * grid
-    n = int(4 * np.pi * radius**2 / 0.09)
-    i = np.arange(n, dtype=np.float64) + 0.5
-    z = 1 - 2 * i / n
-    r = np.sqrt(1 - z * z)
-    phi = i * np.pi * (3 - np.sqrt(5))
-    pts = np.stack([r * np.cos(phi), r * np.sin(phi), z], 1) * radius + grid / 2
-    vox = np.floor(pts).astype(np.int64)
-    keys = np.unique((vox[:, 0] * grid + vox[:, 1]) * grid + vox[:, 2])
-    xyz = np.stack([keys // (grid * grid), keys // grid % grid, keys % grid], 1)
-    return np.concatenate([np.zeros((len(xyz), 1), np.int64), xyz], 1).astype(np.int32)
-
-
 def _large_case(rng: np.random.Generator) -> tuple[int, int, float, float]:
     """Relation build and fp32 forward (C64) on the large surface: voxels,
     edges, build seconds, forward seconds (interleaved rounds)."""
-    coords = mx.array(_surface_coords())
+    coords = mx.array(surface_coords())
     mx.eval(coords)
     rel = build_kernel_relation(coords, kernel_size=3)
     feats = mx.array(rng.standard_normal((rel.n_in, CHANNELS), dtype=np.float32))

@@ -150,8 +150,10 @@ void unpack_codes(const QuantizedWeightView& w, int64_t n_kernels, int64_t cin, 
 
 // panel[c, x] = s[g, x] * q[c, x] + b[g, x] (g = c / group), rounded after
 // the product and after the sum: dequantize_weight's values.
-void dequantize_panel_scalar(const uint8_t* q, const float* s, const float* b, int64_t cin,
-                             int64_t cout, int64_t group, float* panel) {
+MLX_LATTICE_NO_CONTRACT void dequantize_panel_scalar(const uint8_t* q, const float* s,
+                                                     const float* b, int64_t cin, int64_t cout,
+                                                     int64_t group, float* panel) {
+  MLX_LATTICE_NO_CONTRACT_BODY
   for (int64_t c = 0; c < cin; ++c) {
     const float* sg = s + (c / group) * cout;
     const float* bg = b + (c / group) * cout;

@@ -9,6 +9,21 @@
 #include <cstdint>
 #include <vector>
 
+// Functions whose documented rounding is "after the product and after the
+// sum" (the weight dequantization s * q + b): no fused multiply-add
+// contraction, which GCC applies by default on AArch64 and which would make
+// the values differ from the float reference there.
+#if defined(__clang__)
+#define MLX_LATTICE_NO_CONTRACT
+#define MLX_LATTICE_NO_CONTRACT_BODY _Pragma("clang fp contract(off)")
+#elif defined(__GNUC__)
+#define MLX_LATTICE_NO_CONTRACT __attribute__((optimize("fp-contract=off")))
+#define MLX_LATTICE_NO_CONTRACT_BODY
+#else
+#define MLX_LATTICE_NO_CONTRACT
+#define MLX_LATTICE_NO_CONTRACT_BODY
+#endif
+
 namespace mlx_lattice::kernels {
 
 // Rows of output tiles (output-stationary work unit).

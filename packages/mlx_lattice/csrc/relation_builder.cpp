@@ -231,6 +231,74 @@ std::vector<int32_t> neighbour_map(const CoordTable& table, const int32_t* out_c
   return map;
 }
 
+// For each fine row p: the coarse row q and the kernel offset k with
+// p == q + offset(k) (offsets as for `forward`, all >= 0), or row -1.
+struct Parents {
+  std::vector<int32_t> row, kernel;
+};
+
+// Parents when every axis has kernel size 1 or 2 and, on each size-2 axis,
+// every coarse coordinate is a multiple of M = 2 * dilation * tensor_stride
+// (as after flooring to a stride of 2, or on the coarse side of a transposed
+// relation): offsets 0 and d = dilation * tensor_stride are then < M, so the
+// only candidate is q = floor(p / M) * M (size 1: q = p), and p - q must be
+// 0 or d. The coarse rows are looked up in `coarse_table`, or, for computed
+// strided outputs (`floored_row`: each fine row's floored output row), q is
+// a row exactly when it equals p floored to the stride. Returns nothing when
+// the kernel or the coordinates do not fit.
+std::optional<Parents> single_parents(const int32_t* fine, int64_t n_fine, const int32_t* coarse,
+                                      int64_t n_coarse, const CoordTable* coarse_table,
+                                      const std::vector<int32_t>& floored_row, Triple stride,
+                                      Triple kernel_size, Triple dilation, Triple tensor_stride) {
+  int64_t d[3], m[3], step[3];
+  for (int a = 0; a < 3; ++a) {
+    if (kernel_size[a] > 2) return std::nullopt;
+    d[a] = static_cast<int64_t>(dilation[a]) * tensor_stride[a];
+    m[a] = 2 * d[a];
+    step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];
+  }
+  const bool computed = !floored_row.empty();
+  if (!computed && coarse_table == nullptr) return std::nullopt;
+  for (int64_t r = 0; r < n_coarse; ++r) {
+    for (int a = 0; a < 3; ++a) {
+      if (kernel_size[a] == 2 && coarse[4 * r + a + 1] % m[a] != 0) return std::nullopt;
+    }
+  }
+  Parents parents;
+  parents.row.assign(n_fine, -1);
+  parents.kernel.assign(n_fine, 0);
+  constexpr int64_t kTile = 4096;
+  parallel_for((n_fine + kTile - 1) / kTile, [&](int64_t t) {
+    for (int64_t p = t * kTile; p < std::min(n_fine, (t + 1) * kTile); ++p) {
+      const int32_t* c = fine + 4 * p;
+      int32_t q[4] = {c[0], 0, 0, 0};
+      int32_t k = 0;
+      bool ok = true;
+      for (int a = 0; a < 3 && ok; ++a) {
+        int64_t v = c[a + 1], tap = 0;
+        if (kernel_size[a] == 2) {
+          const int64_t below = floor_to(v, m[a]);
+          tap = (v - below) / d[a];
+          ok = (v - below) % d[a] == 0 && below >= std::numeric_limits<int32_t>::min();
+          v = below;
+          if (computed) ok = ok && v == floor_to(c[a + 1], step[a]);
+        } else if (computed) {
+          ok = v == floor_to(v, step[a]);
+        }
+        q[a + 1] = static_cast<int32_t>(v);
+        k = k * kernel_size[a] + static_cast<int32_t>(tap);
+      }
+      if (!ok) continue;
+      const int32_t row = computed ? floored_row[p]
+                                   : coarse_table->find_hashed(q, hash_coord(q));
+      if (row < 0) continue;
+      parents.row[p] = row;
+      parents.kernel[p] = k;
+    }
+  });
+  return parents;
+}
+
 }  // namespace
 
 void check_coordinates(const mx::array& coords, const std::string& name) {
@@ -296,11 +364,13 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   std::optional<CoordTable> table;
   if (!gridded) table.emplace(index_coords(in_c, n_in, "in_coords"));
 
-  // Output coordinates.
+  // Output coordinates (and, for computed ones, each input's floored row).
   mx::array out = in;
+  std::optional<CoordTable> out_table;
+  std::vector<int32_t> floored_row;
   if (out_coords) {
     out = concrete_coords(*out_coords, "out_coords");
-    index_coords(idx_or_null(out), out.shape(0), "out_coords");
+    out_table.emplace(index_coords(idx_or_null(out), out.shape(0), "out_coords"));
   } else if (kind == "forward" && stride != Triple{1, 1, 1}) {
     int64_t step[3];
     for (int a = 0; a < 3; ++a) step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];
@@ -316,15 +386,32 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     std::vector<int32_t> out_buf;
     out_buf.reserve(4 * n_in);
     CoordTable seen(scratch.data(), n_in);
+    floored_row.resize(n_in);
     for (int64_t r = 0; r < n_in; ++r) {
-      if (seen.insert(static_cast<int32_t>(r)) < 0) {
+      const int32_t first = seen.insert(static_cast<int32_t>(r));
+      if (first < 0) {
+        floored_row[r] = static_cast<int32_t>(out_buf.size() / 4);
         out_buf.insert(out_buf.end(), scratch.begin() + 4 * r, scratch.begin() + 4 * r + 4);
+      } else {
+        floored_row[r] = floored_row[first];
       }
     }
     out = to_array(out_buf, {static_cast<int>(out_buf.size() / 4), 4});
   }
   const int64_t n_out = out.shape(0);
   const int32_t* out_c = idx_or_null(out);
+
+  // Kernels of at most two taps per axis between a set and a coarser one
+  // (a strided forward relation, its target transpose): each fine row has
+  // at most one coarse partner, found without searching every offset.
+  std::optional<Parents> parents;
+  if (!gridded && !self && kind != "submanifold") {
+    const bool target = kind == "target";
+    parents = single_parents(target ? out_c : in_c, target ? n_out : n_in,
+                             target ? in_c : out_c, target ? n_in : n_out,
+                             target ? &*table : (out_table ? &*out_table : nullptr), floored_row,
+                             stride, kernel_size, dilation, tensor_stride);
+  }
 
   Int32Buffer out_offsets(n_out + 1);
   out_offsets.data[0] = 0;
@@ -393,6 +480,56 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       }
       std::copy(ids, ids + m, in_edge_ids.data + out_offsets.data[o]);
     });
+  } else if (parents) {
+    // Target: one edge at most per output (a fine row), already in output
+    // order. Forward: one at most per input; a stable counting sort by
+    // output, then each output's few edges by ascending offset.
+    const bool by_input = kind == "forward";
+    const int64_t n_fine = by_input ? n_in : n_out;
+    std::vector<int32_t> cnt(by_input ? n_out + 1 : 0, 0);
+    if (by_input) {
+      for (int64_t p = 0; p < n_fine; ++p) {
+        if (parents->row[p] >= 0) ++cnt[parents->row[p] + 1];
+      }
+      for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] = cnt[o + 1];
+    } else {
+      for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] = parents->row[o] >= 0;
+    }
+    allocate_edges();
+    if (by_input) {
+      std::copy(out_offsets.data, out_offsets.data + n_out, cnt.begin());
+      for (int64_t p = 0; p < n_fine; ++p) {
+        const int32_t q = parents->row[p];
+        if (q < 0) continue;
+        const int32_t e = cnt[q]++;
+        in_rows.data[e] = static_cast<int32_t>(p);
+        out_rows.data[e] = q;
+        kernel_ids.data[e] = parents->kernel[p];
+      }
+      parallel_for((n_out + 4095) / 4096, [&](int64_t t) {
+        for (int64_t o = t * 4096; o < std::min(n_out, (t + 1) * 4096); ++o) {
+          for (int32_t e = out_offsets.data[o] + 1; e < out_offsets.data[o + 1]; ++e) {
+            const int32_t k = kernel_ids.data[e], r = in_rows.data[e];
+            int32_t j = e;
+            for (; j > out_offsets.data[o] && kernel_ids.data[j - 1] > k; --j) {
+              kernel_ids.data[j] = kernel_ids.data[j - 1];
+              in_rows.data[j] = in_rows.data[j - 1];
+            }
+            kernel_ids.data[j] = k;
+            in_rows.data[j] = r;
+          }
+        }
+      });
+    } else {
+      int32_t e = 0;
+      for (int64_t o = 0; o < n_out; ++o) {
+        if (parents->row[o] < 0) continue;
+        in_rows.data[e] = parents->row[o];
+        out_rows.data[e] = static_cast<int32_t>(o);
+        kernel_ids.data[e] = parents->kernel[o];
+        ++e;
+      }
+    }
   } else {
     const std::vector<int32_t> map = neighbour_map(*table, out_c, n_out, offsets,
                                                    kind == "submanifold" && kernel_size[0] % 2 == 1 &&

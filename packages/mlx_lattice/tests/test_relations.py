@@ -332,3 +332,176 @@ def test_large_surface_is_exact_for_any_thread_count(rng, restore_threads):
     for arrays in results:
         for a, b in zip(arrays, expected, strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+def _triple(v):
+    return tuple(int(a) for a in np.broadcast_to(np.array(v), (3,)))
+
+
+def shifted_coords(rng, ref, n, extent, ts, shift, batches=2):
+    """Random rows on a grid of spacing ts (per axis), moved by shift (per
+    axis; negative coordinates included)."""
+    rows = ref.random_coords(rng, n, extent, batches=batches)
+    rows = rows.astype(np.int64)
+    rows[:, 1:] = rows[:, 1:] * np.array(ts) + np.array(shift)
+    return rows.astype(np.int32)
+
+
+@pytest.mark.parametrize(
+    ("tensor_stride", "shift", "kernel_size", "dilation"),
+    [
+        (2, (0, 0, 0), 3, 1),
+        (4, (-40, -40, -40), 3, 1),
+        (8, (-4, 0, 4), 3, 1),
+        (3, (1, -2, 0), 3, 1),
+        ((2, 4, 1), (1, 1, 0), 3, 1),
+        (2, (0, 0, 0), 5, 2),
+        (4, (0, 0, 0), 2, 1),
+    ],
+)
+def test_coarse_submanifold_matches_brute_force(
+    rng, ref, tensor_stride, shift, kernel_size, dilation
+):
+    # Rows on a grid of spacing tensor_stride, shifted (negative coordinates
+    # too), as at the strided levels of a network: the self relation and the
+    # same relation with its outputs given agree in every array, and both
+    # match the brute force.
+    ts = _triple(tensor_stride)
+    coords = shifted_coords(rng, ref, 900, 10, ts, shift)
+    args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
+    grid = build_kernel_relation(coords, **args)
+    hashed = build_kernel_relation(coords, coords, kind="forward", **args)
+    for a, b in zip(relation_arrays(grid), relation_arrays(hashed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    offsets = ref.offsets(_triple(kernel_size), _triple(dilation), ts)
+    assert edge_set(grid) == ref.brute_force_edges(coords, coords, offsets)
+    check_groupings(grid)
+
+
+def test_coarse_submanifold_with_a_row_off_the_grid(rng, ref):
+    # One row off the tensor-stride grid: no neighbour of it, the rest exact.
+    coords = shifted_coords(rng, ref, 400, 8, (2, 2, 2), (0, 0, 0))
+    coords = np.concatenate([coords, np.array([[0, 1, 1, 1]], np.int32)])
+    rel = build_kernel_relation(coords, kernel_size=3, tensor_stride=2)
+    offsets = ref.offsets((3, 3, 3), (1, 1, 1), (2, 2, 2))
+    assert edge_set(rel) == ref.brute_force_edges(coords, coords, offsets)
+    check_groupings(rel)
+
+
+def test_coarse_duplicates_show_the_given_coordinates():
+    coords = np.array([[0, 2 * x, 2 * y, -6] for x in range(6) for y in range(6)], np.int32)
+    dup = np.concatenate([coords, coords[[5]]])
+    with pytest.raises(ValueError, match=rf"\(0, 0, 10, -6\) at rows 5 and {len(coords)}\."):
+        build_kernel_relation(dup, tensor_stride=2)
+
+
+@pytest.mark.parametrize(
+    ("kernel_size", "stride", "dilation", "tensor_stride", "shift"),
+    [
+        (2, 2, 1, 1, (0, 0, 0)),
+        (2, 2, 1, 1, (-9, -4, -1)),
+        (2, 3, 1, 1, (0, 0, 0)),
+        (2, 4, 1, 1, (-3, 0, 0)),
+        (2, 4, 2, 1, (0, -5, 0)),
+        (2, 2, 1, 2, (0, 0, 0)),
+        (2, 2, 1, 4, (-8, 4, 0)),
+        ((2, 1, 2), (2, 1, 2), 1, 1, (0, 0, 0)),
+        ((2, 2, 1), (2, 1, 2), 1, 1, (-1, 0, 0)),
+        (1, 2, 1, 1, (0, 0, -3)),
+        (3, 3, 1, 1, (0, 0, 0)),
+    ],
+)
+def test_strided_and_transposed_relations_match_brute_force(
+    rng, ref, kernel_size, stride, dilation, tensor_stride, shift
+):
+    # Forward (outputs computed and given) and target relations of kernels of
+    # up to two taps per axis take one candidate per fine row; every kind is
+    # checked against the brute force and the canonical groupings (which fix
+    # every array), and the target against the transpose of the forward.
+    ts = _triple(tensor_stride)
+    fine = shifted_coords(rng, ref, 700, 9, ts, shift)
+    args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
+    down = build_kernel_relation(fine, stride=stride, kind="forward", **args)
+    st = np.array(_triple(stride)) * np.array(ts)
+    floored = np.concatenate([fine[:, :1], (fine[:, 1:] // st) * st], axis=1)
+    _, first = np.unique(floored, axis=0, return_index=True)
+    coarse = np.array(down.out_coords)
+    np.testing.assert_array_equal(coarse, floored[np.sort(first)])
+    offsets = ref.offsets(_triple(kernel_size), _triple(dilation), ts)
+    assert edge_set(down) == ref.brute_force_edges(fine, coarse, offsets)
+    check_groupings(down)
+    given = build_kernel_relation(fine, coarse[::-1].copy(), kind="forward", **args)
+    assert edge_set(given) == ref.brute_force_edges(fine, coarse[::-1], offsets)
+    check_groupings(given)
+    up = build_kernel_relation(coarse, fine, kind="target", **args)
+    assert edge_set(up) == ref.brute_force_edges(coarse, fine, offsets, sign=-1)
+    assert edge_set(up) == {(o, i, k) for i, o, k in edge_set(down)}
+    check_groupings(up)
+
+
+def test_transposed_relation_onto_sets_off_the_coarse_grid(rng, ref):
+    # Coarse rows not all multiples of 2 * dilation * tensor_stride (and a
+    # coarse row between fine rows): the general search, still exact.
+    fine = ref.random_coords(rng, 300, 8, batches=2)
+    coarse = ref.random_coords(rng, 100, 8, batches=2)
+    offsets = ref.offsets((2, 2, 2), (1, 1, 1), (1, 1, 1))
+    up = build_kernel_relation(coarse, fine, kernel_size=2, kind="target")
+    assert edge_set(up) == ref.brute_force_edges(coarse, fine, offsets, sign=-1)
+    check_groupings(up)
+    down = build_kernel_relation(fine, coarse, kernel_size=2, kind="forward")
+    assert edge_set(down) == ref.brute_force_edges(fine, coarse, offsets)
+    check_groupings(down)
+
+
+def test_strided_relations_at_coordinate_limits_and_empty(ref):
+    low, high = -(2**31), 2**31 - 1
+    fine = np.array(
+        [[0, low, low, 0], [0, low + 1, low, 1], [0, high, high, high], [1, high - 1, 0, -1],
+         [1, -1, -1, -1], [1, 0, 0, 0]],
+        np.int32,
+    )
+    down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+    coarse = np.array(down.out_coords)
+    offsets = ref.offsets((2, 2, 2), (1, 1, 1), (1, 1, 1))
+    assert edge_set(down) == ref.brute_force_edges(fine, coarse, offsets)
+    up = build_kernel_relation(coarse, fine, kernel_size=2, kind="target")
+    assert edge_set(up) == ref.brute_force_edges(coarse, fine, offsets, sign=-1)
+    for rel in (down, up):
+        check_groupings(rel)
+    # An odd stride cannot floor int32's minimum inside int32 on the coarse
+    # grid of a transposed relation: no partner, no wrap-around.
+    edge = np.array([[0, low, 0, 0]], np.int32)
+    coarse3 = np.array([[0, high - 1, 0, 0]], np.int32)
+    rel = build_kernel_relation(coarse3, edge, kernel_size=2, tensor_stride=1, kind="target")
+    assert rel.n_edges == 0
+    empty = np.zeros((0, 4), np.int32)
+    for rel in (
+        build_kernel_relation(empty, kernel_size=2, stride=2, kind="forward"),
+        build_kernel_relation(empty, fine, kernel_size=2, kind="target"),
+        build_kernel_relation(coarse, empty, kernel_size=2, kind="target"),
+        build_kernel_relation(empty, tensor_stride=4),
+    ):
+        check_groupings(rel)
+        assert rel.n_edges == 0
+
+
+@pytest.mark.parametrize("kind", ["forward", "target", "submanifold"])
+def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads, kind):
+    # About 20k fine rows (several tiles): 1, 2 and 3 threads give identical bits.
+    fine = shell_coords(28.0, batches=2)
+    fine = fine[rng.permutation(len(fine))]
+    down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+    results = []
+    for n in (1, 2, 3):
+        restore_threads.set_num_threads(n)
+        if kind == "forward":
+            rel = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+        elif kind == "target":
+            rel = build_kernel_relation(down.out_coords, fine, kernel_size=2, kind="target")
+        else:
+            rel = build_kernel_relation(down.out_coords, tensor_stride=2)
+        results.append(relation_arrays(rel))
+    check_groupings(rel)
+    for arrays in results[1:]:
+        for a, b in zip(arrays, results[0], strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -85,6 +85,12 @@ class PointCloudInput:
             return cached[:3]
         coords = np.array(x.coords).astype(np.int64)
         index = np.concatenate([coords[:, :1], coords[:, 1:] // s], axis=1)
+        if s == 1 and x.coords is self.tensor.coords:
+            # This input's own voxels, in their own order: no permutation.
+            rows = mx.arange(len(index), dtype=mx.int32)
+            pvm = geometry.point_voxel_map(self.points, index, self.voxel_size, batch=self.batch)
+            self._levels[s] = (self.voxels, rows, pvm, x.coords, None)
+            return self.voxels, rows, pvm
         vox = (
             self.voxels
             if s == 1
@@ -120,8 +126,10 @@ class PointCloudInput:
         """Point features averaged onto ``x``'s voxels (same rows as ``x``)."""
         vox, inverse, _ = self.level(x)
         order = self._levels[x.tensor_stride[0]][4]
-        # A permutation: its gradient is the inverse gather, not a scatter-add.
         feats = geometry.voxelize(point_feats, vox, "mean")
+        if order is None:  # x's rows are the voxels' rows
+            return x.replace(feats)
+        # A permutation: its gradient is the inverse gather, not a scatter-add.
         return x.replace(_permute_rows(feats, inverse, order))
 
 

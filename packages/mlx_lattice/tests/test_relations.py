@@ -367,7 +367,7 @@ def test_coarse_submanifold_matches_brute_force(
     # same relation with its outputs given agree in every array, and both
     # match the brute force.
     ts = _triple(tensor_stride)
-    coords = shifted_coords(rng, ref, 900, 10, ts, shift)
+    coords = shifted_coords(rng, ref, 300, 7, ts, shift)
     args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
     grid = build_kernel_relation(coords, **args)
     hashed = build_kernel_relation(coords, coords, kind="forward", **args)
@@ -380,7 +380,7 @@ def test_coarse_submanifold_matches_brute_force(
 
 def test_coarse_submanifold_with_a_row_off_the_grid(rng, ref):
     # One row off the tensor-stride grid: no neighbour of it, the rest exact.
-    coords = shifted_coords(rng, ref, 400, 8, (2, 2, 2), (0, 0, 0))
+    coords = shifted_coords(rng, ref, 200, 6, (2, 2, 2), (0, 0, 0))
     coords = np.concatenate([coords, np.array([[0, 1, 1, 1]], np.int32)])
     rel = build_kernel_relation(coords, kernel_size=3, tensor_stride=2)
     offsets = ref.offsets((3, 3, 3), (1, 1, 1), (2, 2, 2))
@@ -419,7 +419,7 @@ def test_strided_and_transposed_relations_match_brute_force(
     # checked against the brute force and the canonical groupings (which fix
     # every array), and the target against the transpose of the forward.
     ts = _triple(tensor_stride)
-    fine = shifted_coords(rng, ref, 700, 9, ts, shift)
+    fine = shifted_coords(rng, ref, 300, 7, ts, shift)
     args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
     down = build_kernel_relation(fine, stride=stride, kind="forward", **args)
     st = np.array(_triple(stride)) * np.array(ts)
@@ -442,8 +442,8 @@ def test_strided_and_transposed_relations_match_brute_force(
 def test_transposed_relation_onto_sets_off_the_coarse_grid(rng, ref):
     # Coarse rows not all multiples of 2 * dilation * tensor_stride (and a
     # coarse row between fine rows): the general search, still exact.
-    fine = ref.random_coords(rng, 300, 8, batches=2)
-    coarse = ref.random_coords(rng, 100, 8, batches=2)
+    fine = ref.random_coords(rng, 200, 7, batches=2)
+    coarse = ref.random_coords(rng, 80, 7, batches=2)
     offsets = ref.offsets((2, 2, 2), (1, 1, 1), (1, 1, 1))
     up = build_kernel_relation(coarse, fine, kernel_size=2, kind="target")
     assert edge_set(up) == ref.brute_force_edges(coarse, fine, offsets, sign=-1)

@@ -10,6 +10,7 @@
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
 #include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
@@ -19,6 +20,7 @@
 #include "cpu/kernels.h"
 #include "cpu/parallel.h"
 #include "ops.h"
+#include "primitives.h"
 #include "relation_builder.h"
 
 namespace nb = nanobind;
@@ -295,6 +297,27 @@ max gradient goes to the first maximum in edge order.
 )pbdoc");
 
   bind_geometry(m);
+
+  // ------------------------------------------------------------ batch norm
+  m.def(
+      "batch_norm_train",
+      [](const mx::array& x, const mx::array& weight, const mx::array& bias, float eps, bool relu,
+         mx::StreamOrDevice s) {
+        nb::gil_scoped_release unlocked;
+        auto out = batch_norm_train(x, weight, bias, eps, relu, s);
+        return std::make_tuple(out[0], out[1], out[2]);
+      },
+      "x"_a, "weight"_a, "bias"_a, nb::kw_only(), "eps"_a, "relu"_a, "stream"_a = nb::none(),
+      R"pbdoc(
+Training-mode batch norm of ``(N, C)`` features ``x`` (float32, float16 or
+bfloat16; ``N >= 1``) over the rows, then a ReLU if ``relu``: returns
+``(y, mean, var)``, ``y`` in ``x``'s dtype, the biased batch statistics
+float32. Statistics are two-pass in double over fixed row blocks (bitwise
+the same for any thread count); the affine map runs in float32 and is
+rounded once to ``x``'s dtype. Differentiable (closed-form backward, its own
+primitive) in ``x``, ``weight`` and ``bias``; ``mean`` and ``var`` carry no
+gradient. CPU streams only.
+)pbdoc");
 }
 
 }  // namespace mlx_lattice

@@ -312,4 +312,63 @@ std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, cons
                             double radius = 0.0);
 array make_morton(const array& coords, mx::Stream s);
 
+// ---------------------------------------------------------------- batch norm
+// Training-mode batch norm (+ optional ReLU) of (N, C) features, N >= 1:
+// graph code, CPU evaluation and transforms in norm.cpp, kernels in
+// cpu/norm.h. CPU only: eval_gpu raises (mlx_lattice.fused keeps the MLX
+// composition for other devices).
+// BatchNormTrain: (x, weight, bias) -> (y in x's dtype, mean, var float32);
+// weight and bias float32. The mean / var outputs carry no gradient (their
+// cotangents are ignored; the Python API stops them).
+class BatchNormTrain : public mx::Primitive {
+ public:
+  BatchNormTrain(mx::Stream stream, float eps, bool relu)
+      : mx::Primitive(stream), eps_(eps), relu_(relu) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(BatchNormTrain)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const BatchNormTrain&>(other);
+    return eps_ == o.eps_ && relu_ == o.relu_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  float eps() const { return eps_; }
+  bool relu() const { return relu_; }
+
+ private:
+  float eps_;
+  bool relu_;
+};
+
+// The closed-form backward pass of BatchNormTrain: (g, x, y, weight, mean,
+// var) -> (dx in x's dtype, dweight, dbias float32); g and y in x's dtype
+// (y only read with relu: gradients pass where y > 0). Not differentiable.
+class BatchNormTrainGrad : public mx::Primitive {
+ public:
+  BatchNormTrainGrad(mx::Stream stream, float eps, bool relu)
+      : mx::Primitive(stream), eps_(eps), relu_(relu) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(BatchNormTrainGrad)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    const auto& o = static_cast<const BatchNormTrainGrad&>(other);
+    return eps_ == o.eps_ && relu_ == o.relu_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+
+ private:
+  float eps_;
+  bool relu_;
+};
+
+// Validates and builds BatchNormTrain (norm.cpp): {y, mean, var}. Raises
+// std::invalid_argument naming the argument for a bad rank, shape, dtype,
+// eps or a non-CPU stream.
+std::vector<array> batch_norm_train(const array& x, const array& weight, const array& bias,
+                                    float eps, bool relu, mx::StreamOrDevice s = {});
+
 }  // namespace mlx_lattice

@@ -6,9 +6,12 @@ elementwise passes over the ``(N, C)`` features (the mean and variance are
 computed three times in training mode, and the backward pass differentiates
 each step). :func:`batch_norm_train` computes the statistics once, in
 float32 whatever the features' dtype, and its backward pass is the closed
-form (two reductions and one fused affine map), so a half-precision network
-keeps float32 statistics with one cast each way. ``//benchmarks:sparse_unet``
-measures the training step it serves.
+form (two reductions and one fused affine map). On the CPU both passes are
+native primitives (``ext.batch_norm_train``: float32, float16 and bfloat16
+features read and written in their own dtype, so a half-precision network
+pays no casts and no half-precision elementwise ops for its norms); on other
+devices the same closed form runs as MLX ops on float32 copies.
+``//benchmarks:sparse_unet`` measures the training step it serves.
 
 :func:`dense_linear` runs ``x @ W.T + b`` on a plain ``(N, Cin)`` array as a
 1x1x1 sparse convolution over an identity relation (built once per row count
@@ -23,6 +26,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
+from mlx_lattice._native import ext
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.relations import KernelRelation, build_kernel_relation
 
@@ -86,6 +90,8 @@ def _make(eps: float, relu: bool) -> object:
 
 _FUSED: dict[tuple[float, bool], object] = {}
 
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
+
 
 def batch_norm_train(
     x: mx.array,
@@ -98,24 +104,37 @@ def batch_norm_train(
     """Training-mode batch norm of ``(N, C)`` features over the rows, with an
     optional ReLU: ``y = max((x - mean) / sqrt(var + eps) * weight + bias, 0)``.
 
-    Statistics and the affine map run in float32; ``y`` comes back in ``x``'s
-    dtype. Returns ``(y, mean, var)`` with the biased float32 batch statistics
-    (for running averages; they carry no gradient). Gradients flow to ``x``,
-    ``weight`` and ``bias`` through the closed-form backward pass.
+    Statistics and the affine map run in float32 (on the CPU: two-pass
+    statistics accumulated in double over fixed row blocks, bitwise the same
+    for any thread count); ``y`` comes back in ``x``'s dtype, rounded once
+    from the float32 result. Returns ``(y, mean, var)`` with the biased
+    float32 batch statistics (for running averages; they carry no
+    gradient). Gradients flow to ``x``, ``weight`` and ``bias`` through the
+    closed-form backward pass. ``x`` is float32, float16 or bfloat16 with at
+    least one row; bad arguments raise ``ValueError`` naming them.
 
     >>> x = mx.array([[1.0, 0.0], [3.0, 4.0]])
     >>> y, mean, var = batch_norm_train(x, mx.ones((2,)), mx.zeros((2,)), eps=0.0, relu=True)
     >>> y.tolist(), mean.tolist(), var.tolist()
     ([[0.0, 0.0], [1.0, 1.0]], [2.0, 2.0], [1.0, 4.0])
     """
-    if x.ndim != 2 or int(x.shape[0]) < 2:
-        raise ValueError(f"x must be (N, C) with N >= 2 rows, got shape {tuple(x.shape)}.")
+    if not isinstance(x, mx.array) or x.ndim != 2 or int(x.shape[0]) < 1:
+        shape = tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
+        raise ValueError(f"x must be (N, C) with N >= 1 rows, got shape {shape}.")
+    if x.dtype not in _FLOATS:
+        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}.")
     c = int(x.shape[1])
     for name, p in (("weight", weight), ("bias", bias)):
-        if p.shape != (c,):
-            raise ValueError(f"{name} must be ({c},), got shape {tuple(p.shape)}.")
-    if not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}.")
+        if not isinstance(p, mx.array) or p.shape != (c,):
+            shape = tuple(p.shape) if isinstance(p, mx.array) else type(p).__name__
+            raise ValueError(f"{name} must be ({c},), got shape {shape}.")
+        if p.dtype not in _FLOATS:
+            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {p.dtype}.")
+    if not (isinstance(eps, int | float) and 0 <= eps < float("inf")):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}.")
+    if mx.default_device() == mx.cpu:
+        y, mean, var = ext.batch_norm_train(x, weight, bias, eps=float(eps), relu=bool(relu))
+        return y, mx.stop_gradient(mean), mx.stop_gradient(var)
     key = (float(eps), bool(relu))
     fn = _FUSED.get(key)
     if fn is None:

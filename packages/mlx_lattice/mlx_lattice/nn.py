@@ -582,19 +582,19 @@ class TrilinearUpsample3d(mlx_nn.Module):
 def batch_norm_features(norm: mlx_nn.BatchNorm, f: mx.array, *, relu: bool = False) -> mx.array:
     """``norm(f)`` (an ``mlx.nn.BatchNorm``, its mode and running statistics
     honoured), then a ReLU if ``relu``, on a plain ``(N, C)`` array, computed
-    in float32 and returned in ``f``'s dtype. In training, on float32
-    features, with an affine norm that tracks running statistics this is
-    :func:`mlx_lattice.fused.batch_norm_train` (statistics once, closed-form
-    backward); otherwise ``mlx.nn.BatchNorm`` itself (for half-precision
-    features the unfused path measured faster in a whole training step,
-    ``//benchmarks:sparse_unet``, though not for the layer alone).
+    in float32 and returned in ``f``'s dtype. In training, with an affine
+    norm that tracks running statistics and at least two rows, this is
+    :func:`mlx_lattice.fused.batch_norm_train` for float32, float16 and
+    bfloat16 features alike (statistics once, closed-form backward; on the
+    CPU native kernels that read and write the features' own dtype);
+    otherwise ``mlx.nn.BatchNorm`` itself on float32 features.
 
     >>> batch_norm_features(mlx_nn.BatchNorm(1), mx.array([[1.0], [3.0]]), relu=True).round(4).tolist()
     [[0.0], [1.0]]
     """
     if (
         norm.training
-        and f.dtype == mx.float32
+        and f.dtype in (mx.float32, mx.float16, mx.bfloat16)
         and "weight" in norm
         and "running_mean" in norm
         and f.ndim == 2
@@ -626,10 +626,10 @@ class BatchNorm(mlx_nn.BatchNorm):
     dtype (MLX's CPU half-precision elementwise ops are several times slower
     than the casts, and half-precision statistics lose precision); the result
     comes back in the input dtype and running statistics keep their dtype. In
-    training on float32 features (affine, running statistics tracked) the
-    norm runs as :func:`mlx_lattice.fused.batch_norm_train`: the statistics
-    computed once and a closed-form backward pass. :meth:`relu` fuses the ReLU
-    that usually follows (see :func:`batch_norm_features`).
+    training (affine, running statistics tracked) the norm runs as
+    :func:`mlx_lattice.fused.batch_norm_train` for every float dtype: the
+    statistics computed once and a closed-form backward pass. :meth:`relu`
+    fuses the ReLU that usually follows (see :func:`batch_norm_features`).
 
     >>> x = SparseTensor(mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32),
     ...                  mx.array([[1.0, -2.0], [3.0, 2.0]]))

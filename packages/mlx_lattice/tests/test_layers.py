@@ -413,8 +413,8 @@ def test_fused_batch_norm_half_precision_and_errors(seeded):
     np.testing.assert_array_equal(np.array(y), np.array(y32.astype(mx.float16)))
     dx = mx.grad(lambda x: fused.batch_norm_train(x, w, b)[0].astype(mx.float32).sum())(half)
     assert dx.dtype == mx.float16
-    with pytest.raises(ValueError, match=r"x must be \(N, C\) with N >= 2"):
-        fused.batch_norm_train(f[:1], w, b)
+    with pytest.raises(ValueError, match=r"x must be \(N, C\) with N >= 1"):
+        fused.batch_norm_train(f[:0], w, b)
     with pytest.raises(ValueError, match=r"weight must be \(4,\)"):
         fused.batch_norm_train(f, mx.ones((3,)), b)
 

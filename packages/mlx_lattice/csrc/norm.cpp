@@ -1,0 +1,175 @@
+// Training-mode batch norm (+ ReLU): graph builder with validation, CPU
+// evaluation (kernels in cpu/norm.cpp) and transforms of BatchNormTrain and
+// BatchNormTrainGrad. The backward pass is its own primitive, so mx.grad of a
+// network runs two reductions and one fused map per norm instead of MLX's
+// elementwise chain; the statistics are float32 whatever the features'
+// dtype. Compiled into every extension (the Metal harness runs it on the CPU).
+#include <cmath>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "cpu/eval.h"
+#include "cpu/norm.h"
+#include "primitives.h"
+
+namespace mlx_lattice {
+
+namespace {
+
+std::string shape_str(const array& a) {
+  std::string s = "(";
+  for (int i = 0; i < static_cast<int>(a.ndim()); ++i) {
+    s += (i ? ", " : "") + std::to_string(a.shape(i));
+  }
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+bool float_dtype(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; }
+
+array as_rows(const array& a, mx::Dtype dtype, mx::Stream s) {
+  return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
+}
+
+[[noreturn]] void cpu_only(const char* name) {
+  throw std::runtime_error(std::string(name) +
+                           ": the native batch norm runs on the CPU stream only "
+                           "(mlx_lattice.fused.batch_norm_train uses MLX ops on other devices).");
+}
+
+}  // namespace
+
+std::vector<array> batch_norm_train(const array& x, const array& weight, const array& bias,
+                                    float eps, bool relu, mx::StreamOrDevice sd) {
+  auto s = mx::to_stream(sd);
+  if (s.device != mx::Device::cpu) {
+    throw std::invalid_argument("batch_norm_train: stream must be a CPU stream.");
+  }
+  if (x.ndim() != 2 || x.shape(0) < 1) {
+    throw std::invalid_argument("batch_norm_train: x must be (N, C) with N >= 1, got shape " +
+                                shape_str(x) + ".");
+  }
+  if (!float_dtype(x.dtype())) {
+    throw std::invalid_argument(
+        "batch_norm_train: x must be float32, float16 or bfloat16.");
+  }
+  const int c = x.shape(1);
+  for (auto [name, p] : {std::pair<const char*, const array*>{"weight", &weight},
+                         std::pair<const char*, const array*>{"bias", &bias}}) {
+    if (p->ndim() != 1 || p->shape(0) != c) {
+      throw std::invalid_argument("batch_norm_train: " + std::string(name) + " must be (" +
+                                  std::to_string(c) + ",), got shape " + shape_str(*p) + ".");
+    }
+    if (!float_dtype(p->dtype())) {
+      throw std::invalid_argument("batch_norm_train: " + std::string(name) +
+                                  " must be float32, float16 or bfloat16.");
+    }
+  }
+  if (!(eps >= 0.0f) || !std::isfinite(eps)) {
+    throw std::invalid_argument("batch_norm_train: eps must be finite and >= 0.");
+  }
+  const int n = x.shape(0);
+  return array::make_arrays(
+      {{n, c}, {c}, {c}}, {x.dtype(), mx::float32, mx::float32},
+      std::make_shared<BatchNormTrain>(s, eps, relu),
+      {as_rows(x, x.dtype(), s), as_rows(weight, mx::float32, s), as_rows(bias, mx::float32, s)});
+}
+
+// ------------------------------------------------------------ BatchNormTrain
+
+std::vector<mx::Shape> BatchNormTrain::output_shapes(const std::vector<array>& inputs) {
+  const int c = inputs[0].shape(1);
+  return {inputs[0].shape(), {c}, {c}};
+}
+
+void BatchNormTrain::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
+  cpu::dispatch(stream(), inputs, outputs,
+                [eps = eps_, relu = relu_](std::vector<array>& in, std::vector<array>& out) {
+                  const auto& x = in[0];
+                  kernels::batch_norm_forward(x.data<void>(), cpu::format_of(x.dtype()),
+                                              x.shape(0), x.shape(1), in[1].data<float>(),
+                                              in[2].data<float>(), eps, relu, out[0].data<void>(),
+                                              out[1].data<float>(), out[2].data<float>());
+                });
+}
+
+void BatchNormTrain::eval_gpu(const std::vector<array>&, std::vector<array>&) {
+  cpu_only("BatchNormTrain");
+}
+
+std::vector<array> BatchNormTrain::vjp(const std::vector<array>& primals,
+                                       const std::vector<array>& cotangents,
+                                       const std::vector<int>& argnums,
+                                       const std::vector<array>& outputs) {
+  auto s = stream();
+  const auto& x = primals[0];
+  const int n = x.shape(0), c = x.shape(1);
+  auto grads = array::make_arrays(
+      {{n, c}, {c}, {c}}, {x.dtype(), mx::float32, mx::float32},
+      std::make_shared<BatchNormTrainGrad>(s, eps_, relu_),
+      {as_rows(cotangents[0], x.dtype(), s), x, outputs[0], primals[1], outputs[1], outputs[2]});
+  std::vector<array> out;
+  for (int arg : argnums) {
+    out.push_back(mx::astype(grads[arg], primals[arg].dtype(), s));
+  }
+  return out;
+}
+
+std::vector<array> BatchNormTrain::jvp(const std::vector<array>&, const std::vector<array>&,
+                                       const std::vector<int>&) {
+  throw std::invalid_argument(
+      "BatchNormTrain (batch_norm_train): jvp is not supported; use mx.vjp / mx.grad, or "
+      "mlx.nn.BatchNorm for forward-mode derivatives.");
+}
+
+std::pair<std::vector<array>, std::vector<int>> BatchNormTrain::vmap(const std::vector<array>&,
+                                                                     const std::vector<int>&) {
+  throw std::invalid_argument(
+      "BatchNormTrain (batch_norm_train): vmap is not supported; normalize each (N, C) item "
+      "separately.");
+}
+
+// -------------------------------------------------------- BatchNormTrainGrad
+
+std::vector<mx::Shape> BatchNormTrainGrad::output_shapes(const std::vector<array>& inputs) {
+  const int c = inputs[1].shape(1);
+  return {inputs[1].shape(), {c}, {c}};
+}
+
+void BatchNormTrainGrad::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
+  cpu::dispatch(stream(), inputs, outputs,
+                [eps = eps_, relu = relu_](std::vector<array>& in, std::vector<array>& out) {
+                  const auto& x = in[1];
+                  kernels::batch_norm_backward(
+                      in[0].data<void>(), x.data<void>(), in[2].data<void>(),
+                      cpu::format_of(x.dtype()), x.shape(0), x.shape(1), in[3].data<float>(),
+                      in[4].data<float>(), in[5].data<float>(), eps, relu, out[0].data<void>(),
+                      out[1].data<float>(), out[2].data<float>());
+                });
+}
+
+void BatchNormTrainGrad::eval_gpu(const std::vector<array>&, std::vector<array>&) {
+  cpu_only("BatchNormTrainGrad");
+}
+
+std::vector<array> BatchNormTrainGrad::vjp(const std::vector<array>&, const std::vector<array>&,
+                                           const std::vector<int>&, const std::vector<array>&) {
+  throw std::invalid_argument(
+      "BatchNormTrainGrad (the batch_norm_train gradient): second derivatives are not "
+      "supported; use mlx.nn.BatchNorm for higher-order gradients.");
+}
+
+std::vector<array> BatchNormTrainGrad::jvp(const std::vector<array>&, const std::vector<array>&,
+                                           const std::vector<int>&) {
+  throw std::invalid_argument(
+      "BatchNormTrainGrad (the batch_norm_train gradient): jvp is not supported.");
+}
+
+std::pair<std::vector<array>, std::vector<int>> BatchNormTrainGrad::vmap(
+    const std::vector<array>&, const std::vector<int>&) {
+  throw std::invalid_argument(
+      "BatchNormTrainGrad (the batch_norm_train gradient): vmap is not supported.");
+}
+
+}  // namespace mlx_lattice

@@ -331,18 +331,22 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
     const int64_t n_groups = static_cast<int64_t>(groups.offsets.size()) - 1;
     parallel_for((n_groups + 63) / 64, [&](int64_t t) {
       const int64_t end = std::min(n_groups, (t + 1) * 64);
+      // The block's candidates, coordinates stored per axis so that a cell's
+      // distances compute as independent lanes.
       std::vector<int32_t> rows;
-      std::vector<double> xyz;
+      std::vector<double> xs, ys, zs, d2s;
       std::vector<int32_t> cell_start;
       std::vector<std::array<double, 6>> cell_box;  // lo, hi per axis (with slack)
-      std::vector<Cand> top, heap;
+      std::vector<Cand> top(static_cast<size_t>(k)), heap;
       std::vector<int32_t> prev;
       for (int64_t g = t * 64; g < end; ++g) {
         const int32_t* home = groups.coords.data() + 4 * g;
         const auto* bounds = grid.bounds(home[0]);
         if (!bounds) continue;
         rows.clear();
-        xyz.clear();
+        xs.clear();
+        ys.clear();
+        zs.clear();
         cell_start.clear();
         cell_box.clear();
         bool covered = true;
@@ -356,9 +360,11 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
           const int32_t key[4] = {home[0], home[1] + d[0], home[2] + d[1], home[3] + d[2]};
           const size_t before = rows.size();
           grid.visit(key, [&](int32_t row) {
+            const double* p = support + 3 * static_cast<int64_t>(row);
             rows.push_back(row);
-            xyz.insert(xyz.end(), support + 3 * static_cast<int64_t>(row),
-                       support + 3 * static_cast<int64_t>(row) + 3);
+            xs.push_back(p[0]);
+            ys.push_back(p[1]);
+            zs.push_back(p[2]);
           });
           if (rows.size() > before) {
             cell_start.push_back(static_cast<int32_t>(before));
@@ -371,6 +377,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
           }
         }
         cell_start.push_back(static_cast<int32_t>(rows.size()));
+        d2s.resize(rows.size());
         const double h = grid.cell(), slack = h * 1e-9;
         prev.clear();  // the k neighbours of the group's last query with k candidates
         for (int32_t i = groups.offsets[g]; i < groups.offsets[g + 1]; ++i) {
@@ -383,9 +390,10 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
           }
           // The k neighbours of the group's previous query are candidates of
           // this block too: the farthest of them from this query bounds its
-          // k-th distance (computed as the candidates' are, so exactly). Only
-          // candidates within the bound are kept, then the k best by
-          // (distance, row) selected. Without a bound every candidate is kept.
+          // k-th distance (computed as the candidates' are, so exactly). The k
+          // best candidates within the bound by (distance, row) are kept
+          // sorted; once k are held, the k-th tightens the bound. Without a
+          // bound every candidate is considered.
           double bound = kth_bound[q];
           if (!prev.empty()) {
             double reach = 0.0;
@@ -394,8 +402,11 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
             }
             bound = std::min(bound, reach);
           }
+          const double qx = qp[0], qy = qp[1], qz = qp[2];
+          int64_t n_top = 0;
           for (;;) {
-            top.clear();
+            n_top = 0;
+            double limit = bound;  // candidates above it cannot enter the k best
             for (size_t c = 0; c + 1 < cell_start.size(); ++c) {
               // Lower bound of the distance to this cell's box.
               double dmin = 0.0;
@@ -403,27 +414,37 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
                 const double gap = std::max({cell_box[c][a] - qp[a], qp[a] - cell_box[c][a + 3], 0.0});
                 dmin += gap * gap;
               }
-              if (dmin > bound) continue;
-              for (int32_t j = cell_start[c]; j < cell_start[c + 1]; ++j) {
-                const double d = dist2(qp, xyz.data() + 3 * static_cast<int64_t>(j));
-                if (d <= bound) top.push_back({d, rows[j]});
+              if (dmin > limit) continue;
+              const int32_t lo = cell_start[c], hi = cell_start[c + 1];
+              for (int32_t j = lo; j < hi; ++j) {
+                const double dx = qx - xs[j], dy = qy - ys[j], dz = qz - zs[j];
+                d2s[j] = dx * dx + dy * dy + dz * dz;
+              }
+              for (int32_t j = lo; j < hi; ++j) {
+                if (!(d2s[j] <= limit)) continue;
+                const Cand cand{d2s[j], rows[j]};
+                int64_t pos = n_top;
+                if (n_top == k) {
+                  if (!(cand < top[k - 1])) continue;
+                  pos = k - 1;
+                } else {
+                  ++n_top;
+                }
+                for (; pos > 0 && cand < top[pos - 1]; --pos) top[pos] = top[pos - 1];
+                top[pos] = cand;
+                if (n_top == k) limit = std::min(limit, top[k - 1].d2);
               }
             }
             // (Cannot happen: the bound holds k candidates. Kept as a guard.)
-            if (static_cast<int64_t>(top.size()) >= k || !std::isfinite(bound)) break;
+            if (n_top >= k || !std::isfinite(bound)) break;
             bound = std::numeric_limits<double>::infinity();
           }
-          if (static_cast<int64_t>(top.size()) > k) {
-            std::nth_element(top.begin(), top.begin() + (k - 1), top.end());
-            top.resize(k);
-          }
-          std::sort(top.begin(), top.end());
           prev.clear();
-          if (static_cast<int64_t>(top.size()) == k) {
-            for (const auto& c : top) prev.push_back(c.row);
+          if (n_top == k) {
+            for (int64_t j = 0; j < k; ++j) prev.push_back(top[j].row);
           }
           bool done = covered;
-          if (!done && static_cast<int64_t>(top.size()) == k) {
+          if (!done && n_top == k) {
             double margin = std::numeric_limits<double>::infinity();
             for (int a = 0; a < 3; ++a) {
               const double lo_edge = grid.edge(int64_t{home[a + 1]} - kBlock, a);
@@ -431,16 +452,16 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
               margin = std::min({margin, qp[a] - lo_edge, hi_edge - qp[a]});
             }
             margin -= slack;
-            done = margin > 0 && top.back().d2 < margin * margin;
+            done = margin > 0 && top[k - 1].d2 < margin * margin;
           }
           if (done) {
-            store(q, top.data(), top.size());
+            store(q, top.data(), static_cast<size_t>(n_top));
           } else if (last) {
             ring_search(grid, q, heap);
             store(q, heap.data(), heap.size());
           } else {
             failed[q] = 1;
-            if (static_cast<int64_t>(top.size()) == k) kth_bound[q] = top.back().d2;
+            if (n_top == k) kth_bound[q] = top[k - 1].d2;
           }
         }
       }

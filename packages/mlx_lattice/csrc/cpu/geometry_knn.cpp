@@ -1,190 +1,30 @@
-// Geometry kernels for exact neighbour search: kNN and radius queries over a
-// hashed uniform grid, ties broken by support row.
+// Exact k nearest neighbours over the grid of cpu/geometry_grid.h: queries
+// grouped by cell share their block's candidates; ties broken by support row.
 #include <algorithm>
 #include <array>
-#include <bit>
 #include <cmath>
 #include <limits>
-#include <map>
-#include <memory>
+#include <vector>
 
-#include "geometry_detail.h"
-#include "geometry_kernels.h"
+#include "geometry_grid.h"
 #include "parallel.h"
 
 namespace mlx_lattice::geometry {
 
-using detail::check_batch;
-using detail::check_finite;
+using detail::Cand;
+using detail::check_points;
+using detail::dist2;
 using detail::fail;
-using detail::same_row;
-
-// ---- neighbours ---------------------------------------------------------------------------
+using detail::Grid;
+using detail::pick_cell;
 
 namespace {
-
-// Support points bucketed in a hashed uniform grid (per batch).
-class Grid {
- public:
-  Grid(const double* pts, const int32_t* batch, int64_t n, double cell)
-      : pts_(pts), inv_(1.0 / cell), cell_(cell) {
-    // Cells are counted from the support's minimum corner, so indices stay
-    // small wherever the points are.
-    for (int a = 0; a < 3; ++a) origin_[a] = n ? pts[a] : 0.0;
-    for (int64_t i = 0; i < n; ++i) {
-      for (int a = 0; a < 3; ++a) origin_[a] = std::min(origin_[a], pts[3 * i + a]);
-    }
-    std::vector<int32_t> keys(4 * n);
-    for (int64_t i = 0; i < n; ++i) {
-      keys[4 * i] = batch[i];
-      for (int a = 0; a < 3; ++a) keys[4 * i + a + 1] = cell_of(pts[3 * i + a], a);
-    }
-    cells_ = unique_rows(keys.data(), n);
-    index_ = std::make_unique<CoordIndex>(cells_.coords.data(),
-                                          static_cast<int64_t>(cells_.offsets.size()) - 1, "cells");
-    // Cell bounds per batch, so a ring search knows when it has seen everything.
-    for (size_t c = 0; c + 1 < cells_.offsets.size(); ++c) {
-      const int32_t* k = cells_.coords.data() + 4 * c;
-      auto& b = bounds_[k[0]];
-      if (!b.set) {
-        for (int a = 0; a < 3; ++a) b.lo[a] = b.hi[a] = k[a + 1];
-        b.set = true;
-      }
-      for (int a = 0; a < 3; ++a) {
-        b.lo[a] = std::min(b.lo[a], k[a + 1]);
-        b.hi[a] = std::max(b.hi[a], k[a + 1]);
-      }
-    }
-  }
-
-  int32_t cell_of(double x, int axis) const {
-    const double c = std::floor((x - origin_[axis]) * inv_);
-    return static_cast<int32_t>(std::clamp(c, -kMaxCell, kMaxCell));
-  }
-
-  // Whether p's cell indices are exact (not clamped): only then do cell
-  // boxes bound distances; other points are searched by brute force.
-  bool in_range(const double* p) const {
-    for (int a = 0; a < 3; ++a) {
-      if (!(std::fabs(std::floor((p[a] - origin_[a]) * inv_)) < kMaxCell - 4)) return false;
-    }
-    return true;
-  }
-
-  // Lower edge of cell index i along an axis.
-  double edge(int64_t i, int axis) const { return origin_[axis] + static_cast<double>(i) * cell_; }
-
-  // Calls fn(support_row) for every point of cell key (batch, cx, cy, cz).
-  template <typename F>
-  void visit(const int32_t key[4], F&& fn) const {
-    const int32_t c = index_->find(key);
-    if (c < 0) return;
-    for (int32_t i = cells_.offsets[c]; i < cells_.offsets[c + 1]; ++i) fn(cells_.members[i]);
-  }
-
-  struct Bounds {
-    bool set = false;
-    int32_t lo[3] = {0, 0, 0}, hi[3] = {0, 0, 0};
-  };
-  const Bounds* bounds(int32_t batch) const {
-    auto it = bounds_.find(batch);
-    return it == bounds_.end() ? nullptr : &it->second;
-  }
-  double cell() const { return cell_; }
-  const double* pts() const { return pts_; }
-
- private:
-  static constexpr double kMaxCell = 1.0e9;
-  const double* pts_;
-  double inv_, cell_;
-  double origin_[3] = {0.0, 0.0, 0.0};
-  UniqueRows cells_;
-  std::unique_ptr<CoordIndex> index_;
-  std::map<int32_t, Bounds> bounds_;
-};
-
-inline double dist2(const double* q, const double* s) {
-  const double dx = q[0] - s[0], dy = q[1] - s[1], dz = q[2] - s[2];
-  return dx * dx + dy * dy + dz * dz;
-}
-
-// A candidate, ordered by (squared distance, row). Distances are >= +0 (and
-// never NaN: points are finite), so their bit patterns order as the values
-// do: integer comparisons, without the branches of floating ones.
-struct Cand {
-  double d2;
-  int32_t row;
-  bool operator<(const Cand& o) const {
-    const auto a = std::bit_cast<uint64_t>(d2), b = std::bit_cast<uint64_t>(o.d2);
-    return a < b || (a == b && row < o.row);
-  }
-};
-
-void check_points(const double* pts, const int32_t* batch, int64_t n, const char* name,
-                  const char* batch_name) {
-  check_finite(pts, n, name);
-  check_batch(batch, n, batch_name);
-}
-
-// A cell size giving a few points per occupied cell: the bounding-box
-// estimate, halved while occupied cells hold many more points than wanted.
-double pick_cell(const double* pts, const int32_t* batch, int64_t n, double per_cell) {
-  double lo[3], hi[3];
-  for (int a = 0; a < 3; ++a) lo[a] = hi[a] = n ? pts[a] : 0.0;
-  for (int64_t i = 0; i < n; ++i) {
-    for (int a = 0; a < 3; ++a) {
-      lo[a] = std::min(lo[a], pts[3 * i + a]);
-      hi[a] = std::max(hi[a], pts[3 * i + a]);
-    }
-  }
-  double extent = 0;
-  for (int a = 0; a < 3; ++a) extent = std::max(extent, hi[a] - lo[a]);
-  if (!(extent > 0)) return 1.0;
-  double vol = 1.0;
-  for (int a = 0; a < 3; ++a) vol *= std::max(hi[a] - lo[a], extent * 1e-3);
-  double cell = std::cbrt(vol * per_cell / std::max<int64_t>(n, 1));
-  // Refine on the occupancy of the full set: points usually lie on surfaces,
-  // far denser than the bounding box suggests. Counts scale roughly with the
-  // cell area there, hence the square-root steps.
-  std::vector<int32_t> keys(4 * n);
-  for (int iter = 0; iter < 10; ++iter) {
-    for (int64_t i = 0; i < n; ++i) {
-      keys[4 * i] = batch[i];
-      for (int a = 0; a < 3; ++a) {
-        keys[4 * i + a + 1] = static_cast<int32_t>(
-            std::clamp(std::floor((pts[3 * i + a] - lo[a]) / cell), -1e9, 1e9));
-      }
-    }
-    // Points in the cell of an average point (sum of squared counts / n):
-    // what a query pays, dominated by the dense regions.
-    const auto order = sort_rows(keys.data(), n);
-    double sum_sq = 0.0;
-    int64_t run = n ? 1 : 0;
-    for (int64_t i = 1; i <= n; ++i) {
-      if (i < n && same_row(keys.data() + 4 * static_cast<int64_t>(order[i]),
-                            keys.data() + 4 * static_cast<int64_t>(order[i - 1]))) {
-        ++run;
-      } else {
-        sum_sq += static_cast<double>(run) * static_cast<double>(run);
-        run = 1;
-      }
-    }
-    const double per = n ? sum_sq / static_cast<double>(n) : 0.0;
-    if (per <= 1.4 * per_cell && per >= 0.7 * per_cell) break;
-    const double factor = std::clamp(std::sqrt(per_cell / per), 0.25, 4.0);
-    if (per < 0.7 * per_cell && (factor <= 1.0 || cell >= extent)) break;
-    cell *= factor;
-  }
-  return std::max(cell, extent * 1e-7);  // cell indices stay far from int32 limits
-}
-
-}  // namespace
 
 // Half-width in cells of the block of cells a query group shares.
 constexpr int kBlock = 1;
 
 // The cells of the (2 kBlock + 1)^3 block, nearest first (by |dx| + |dy| + |dz|).
-static const std::vector<std::array<int, 3>> kBlockOrder = [] {
+const std::vector<std::array<int, 3>> kBlockOrder = [] {
   std::vector<std::array<int, 3>> order;
   for (int dx = -kBlock; dx <= kBlock; ++dx) {
     for (int dy = -kBlock; dy <= kBlock; ++dy) {
@@ -197,6 +37,8 @@ static const std::vector<std::array<int, 3>> kBlockOrder = [] {
   });
   return order;
 }();
+
+}  // namespace
 
 void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* support,
          const int32_t* sbatch, int64_t ns, int64_t k, int64_t width, int32_t* rows,
@@ -411,7 +253,8 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
               // Lower bound of the distance to this cell's box.
               double dmin = 0.0;
               for (int a = 0; a < 3; ++a) {
-                const double gap = std::max({cell_box[c][a] - qp[a], qp[a] - cell_box[c][a + 3], 0.0});
+                const double gap =
+                    std::max({cell_box[c][a] - qp[a], qp[a] - cell_box[c][a + 3], 0.0});
                 dmin += gap * gap;
               }
               if (dmin > limit) continue;
@@ -473,79 +316,6 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
     }
     pending.swap(next);
   }
-}
-
-Neighbors radius_search(const double* query, const int32_t* qbatch, int64_t nq,
-                        const double* support, const int32_t* sbatch, int64_t ns, double r,
-                        int64_t max_neighbors) {
-  if (!(r > 0) || !std::isfinite(r)) fail("r must be positive and finite.");
-  check_points(query, qbatch, nq, "query", "query_batch");
-  check_points(support, sbatch, ns, "support", "support_batch");
-  Neighbors out;
-  out.offsets.assign(nq + 1, 0);
-  if (ns == 0 || nq == 0) return out;
-  // Cells no smaller than r (so 27 cells cover the ball) unless r is huge
-  // compared to the spacing of the points.
-  const double cell = std::max(r, pick_cell(support, sbatch, ns, 4.0));
-  const Grid grid(support, sbatch, ns, cell);
-  const double r2 = r * r;
-  std::vector<std::vector<Cand>> found(nq);
-  parallel_for((nq + 255) / 256, [&](int64_t t) {
-    const int64_t end = std::min(nq, (t + 1) * 256);
-    for (int64_t q = t * 256; q < end; ++q) {
-      auto& hits = found[q];
-      const double* qp = query + 3 * q;
-      if (!grid.in_range(qp)) {  // far outside the support: scan its batch
-        for (int64_t s = 0; s < ns; ++s) {
-          if (sbatch[s] != qbatch[q]) continue;
-          const double d = dist2(qp, support + 3 * s);
-          if (d <= r2) hits.push_back({d, static_cast<int32_t>(s)});
-        }
-        std::sort(hits.begin(), hits.end());
-        if (max_neighbors > 0 && static_cast<int64_t>(hits.size()) > max_neighbors) {
-          hits.resize(max_neighbors);
-        }
-        continue;
-      }
-      int32_t lo[3], hi[3];
-      for (int a = 0; a < 3; ++a) {
-        lo[a] = grid.cell_of(qp[a] - r, a);
-        hi[a] = grid.cell_of(qp[a] + r, a);
-      }
-      for (int64_t x = lo[0]; x <= hi[0]; ++x) {
-        for (int64_t y = lo[1]; y <= hi[1]; ++y) {
-          for (int64_t z = lo[2]; z <= hi[2]; ++z) {
-            const int32_t key[4] = {qbatch[q], static_cast<int32_t>(x), static_cast<int32_t>(y),
-                                    static_cast<int32_t>(z)};
-            grid.visit(key, [&](int32_t row) {
-              const double d = dist2(qp, support + 3 * static_cast<int64_t>(row));
-              if (d <= r2) hits.push_back({d, row});
-            });
-          }
-        }
-      }
-      std::sort(hits.begin(), hits.end());
-      if (max_neighbors > 0 && static_cast<int64_t>(hits.size()) > max_neighbors) {
-        hits.resize(max_neighbors);
-      }
-    }
-  });
-  int64_t total = 0;
-  for (int64_t q = 0; q < nq; ++q) {
-    total += static_cast<int64_t>(found[q].size());
-    if (total > std::numeric_limits<int32_t>::max())
-      fail("radius search found more than 2^31 - 1 pairs.");
-    out.offsets[q + 1] = static_cast<int32_t>(total);
-  }
-  out.rows.resize(total);
-  out.dist2.resize(total);
-  for (int64_t q = 0; q < nq; ++q) {
-    for (size_t i = 0; i < found[q].size(); ++i) {
-      out.rows[out.offsets[q] + i] = found[q][i].row;
-      out.dist2[out.offsets[q] + i] = found[q][i].d2;
-    }
-  }
-  return out;
 }
 
 }  // namespace mlx_lattice::geometry

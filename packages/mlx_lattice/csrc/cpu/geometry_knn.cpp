@@ -56,8 +56,13 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
           found ? static_cast<float>(c[i].d2) : std::numeric_limits<float>::infinity();
     }
   };
-  // Queries of batches without support keep this.
-  for (int64_t q = 0; q < nq; ++q) store(q, nullptr, 0);
+  // Queries of batches without support keep this (written by the threads:
+  // the table's first touch).
+  constexpr int64_t kFillChunk = 4096;
+  parallel_for((nq + kFillChunk - 1) / kFillChunk, [&](int64_t t) {
+    const int64_t end = std::min(nq, (t + 1) * kFillChunk);
+    for (int64_t q = t * kFillChunk; q < end; ++q) store(q, nullptr, 0);
+  });
   if (ns == 0 || nq == 0) return;
 
   // Exact search by growing rings of cells around the query's cell; stops

@@ -1,5 +1,6 @@
 // Geometry kernels: points <-> voxels (geometry_voxels.cpp), exact neighbour
-// search (geometry_neighbors.cpp), coordinate sets (geometry_coords.cpp).
+// search (geometry_knn.cpp, geometry_radius.cpp over the grid of
+// geometry_grid.h), coordinate sets (geometry_coords.cpp).
 //
 // Plain C++ over pointers (no MLX include). Every routine is deterministic:
 // results never depend on the thread count, and ties are broken by index.

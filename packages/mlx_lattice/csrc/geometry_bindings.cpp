@@ -353,6 +353,28 @@ void bind_geometry(nb::module_& m) {
       "Sorted union (or intersection) of two sets with the row of each in a and b (-1 if absent).");
 
   m.def(
+      "geometry_uses_metal",
+      [] { return ml::uses_metal_bodies(mx::default_stream(mx::default_device())); },
+      "Whether the geometry ops take their Metal kernels (the default stream is a GPU one, or "
+      "this is the test-only harness extension).");
+
+  m.def(
+      "coords_hash",
+      [](const mx::array& coords, const mx::array& queries) {
+        for (const auto& [a, name] : {std::pair{&coords, "coords"}, std::pair{&queries, "queries"}}) {
+          if (a->ndim() != 2 || a->shape(1) != 4 || a->dtype() != mx::int32) {
+            throw std::invalid_argument(std::string(name) + " must be an (N, 4) int32 array.");
+          }
+        }
+        const auto s = mx::default_stream(mx::default_device());
+        auto out = ml::make_coord_hash(coords, queries, s);
+        return Dict{{"first", out[0]}, {"rows", out[1]}};
+      },
+      "coords"_a, "queries"_a,
+      "GeometryHash on the default stream (lazy): first (smallest row with each row's "
+      "coordinates) and rows (that row for each query, or -1).");
+
+  m.def(
       "coords_morton",
       [](Coords coords) {
         geo::check_morton_range(coords.data(), coords.shape(0));

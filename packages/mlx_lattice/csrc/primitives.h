@@ -259,6 +259,32 @@ class GeometryMorton : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
 };
 
+// ---- Exact coordinate hash (geometry_hash.metal; cpu/geometry_hash.cpp).
+// Inputs: coords (N, 4) and queries (Q, 4) int32. Outputs: first (N,) int32,
+// the smallest row with coords[r]'s coordinates (first[r] == r for the first
+// occurrence); rows (Q,) int32, that smallest row for each query or -1; then
+// scratch of the GPU kernels: table (slots,), minrow (slots,), slot_of (N,)
+// (contents unspecified). slots: a power of two >= max(64, 2N). Results do
+// not depend on the order GPU threads ran in. Not differentiable.
+class GeometryHash : public mx::Primitive {
+ public:
+  GeometryHash(mx::Stream stream, int64_t slots) : mx::Primitive(stream), slots_(slots) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryHash)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return slots_ == static_cast<const GeometryHash&>(other).slots_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  int64_t slots() const { return slots_; }
+
+ private:
+  int64_t slots_;
+};
+// ---- end of the coordinate hash block.
+
 // Whether primitives on this stream evaluate through the Metal encode bodies
 // (a GPU stream; every stream in the test-only harness extension): their
 // graph builders then add the GPU-only inputs (the kNN grid). Defined by
@@ -280,7 +306,8 @@ bool uses_metal_bodies(const mx::Stream& s);
   X(GeometryVoxelize)                          \
   X(GeometryDevoxelize)                        \
   X(GeometryKnn)                               \
-  X(GeometryMorton)
+  X(GeometryMorton)                            \
+  X(GeometryHash)
 
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
@@ -311,5 +338,7 @@ std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, cons
                             const array& support, const array& sbatch, mx::Stream s,
                             double radius = 0.0);
 array make_morton(const array& coords, mx::Stream s);
+// {first, rows} of GeometryHash over (N, 4) coords and (Q, 4) queries, int32.
+std::vector<array> make_coord_hash(const array& coords, const array& queries, mx::Stream s);
 
 }  // namespace mlx_lattice

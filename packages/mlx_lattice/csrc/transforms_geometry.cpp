@@ -3,6 +3,7 @@
 // voxel's points, max/first route the gradient to the picked point;
 // devoxelize's transpose is the same map read the other way.
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -271,6 +272,50 @@ std::pair<std::vector<array>, std::vector<int>> GeometryMorton::vmap(const std::
   throw std::invalid_argument(
       "GeometryMorton (morton_codes): vmap is not supported; codes are per row, pass the "
       "stacked (N, 4) rows.");
+}
+
+}  // namespace mlx_lattice
+
+// ---------------------------------------------------- GeometryHash
+
+namespace mlx_lattice {
+
+std::vector<array> make_coord_hash(const array& coords, const array& queries, mx::Stream s) {
+  const int n = coords.shape(0), q = queries.shape(0);
+  int64_t slots = 64;
+  while (slots < 2 * static_cast<int64_t>(n)) slots <<= 1;
+  if (slots > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("coords has too many rows for the coordinate hash.");
+  }
+  auto outs = array::make_arrays(
+      {{n}, {q}, {static_cast<int>(slots)}, {static_cast<int>(slots)}, {n}},
+      {mx::int32, mx::int32, mx::int32, mx::int32, mx::int32},
+      std::make_shared<GeometryHash>(s, slots),
+      {mx::contiguous(mx::astype(coords, mx::int32, s), false, s),
+       mx::contiguous(mx::astype(queries, mx::int32, s), false, s)});
+  return {outs[0], outs[1]};
+}
+
+std::vector<mx::Shape> GeometryHash::output_shapes(const std::vector<array>& inputs) {
+  const int n = inputs[0].shape(0), slots = static_cast<int>(slots_);
+  return {{n}, {inputs[1].shape(0)}, {slots}, {slots}, {n}};
+}
+
+std::vector<array> GeometryHash::vjp(const std::vector<array>&, const std::vector<array>&,
+                                     const std::vector<int>&, const std::vector<array>&) {
+  not_differentiable("GeometryHash (coordinate lookup)");
+}
+
+std::vector<array> GeometryHash::jvp(const std::vector<array>&, const std::vector<array>&,
+                                     const std::vector<int>&) {
+  not_differentiable("GeometryHash (coordinate lookup)");
+}
+
+std::pair<std::vector<array>, std::vector<int>> GeometryHash::vmap(const std::vector<array>&,
+                                                                   const std::vector<int>&) {
+  throw std::invalid_argument(
+      "GeometryHash (coordinate lookup): vmap is not supported; the batch is the first "
+      "coordinate column, pass the stacked (N, 4) rows.");
 }
 
 }  // namespace mlx_lattice

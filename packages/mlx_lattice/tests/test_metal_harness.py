@@ -434,6 +434,122 @@ def test_geometry_morton_codes(rng, harness, n):
         harness(lambda: coords.morton_codes(np.array([[0, 2**20, 0, 0]])))
 
 
+def _distinct_rows(rng, n, batches, lo=-40, hi=40):
+    c = np.concatenate(
+        [rng.integers(0, batches, (3 * n, 1)), rng.integers(lo, hi, (3 * n, 3))], 1
+    ).astype(np.int32)
+    _, first = np.unique(c, axis=0, return_index=True)
+    return c[np.sort(first)][:n]  # distinct, in random order
+
+
+def _equal(cpu, gpu):
+    for a, b in zip(cpu, gpu, strict=True):
+        a, b = np.array(a), np.array(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("n", "batches"), [(0, 1), (1, 1), (600, 3)])
+def test_geometry_hash_lookup_and_contains(rng, harness, n, batches):
+    """geometry_hash.metal (compare-exchange insertion, exact comparisons)
+    behind lookup_coords / contains_coords: identical to the CPU route and
+    to a dictionary reference; queries repeat rows, cross batches and carry
+    negative coordinates."""
+    c = _distinct_rows(rng, n, batches)
+    absent = np.concatenate([rng.integers(0, batches + 1, (50, 1)), rng.integers(-45, 45, (50, 3))], 1)
+    q = np.concatenate([c[rng.integers(0, max(n, 1), 80)] if n else c, absent]).astype(np.int32)
+    q = q[rng.permutation(len(q))]
+    cpu, gpu = harness(lambda: [coords.lookup_coords(c, q), coords.contains_coords(c, q)])
+    _equal(cpu, gpu)
+    index = {tuple(r): i for i, r in enumerate(c.tolist())}
+    assert np.array(gpu[0]).tolist() == [index.get(tuple(r), -1) for r in q.tolist()]
+    assert np.array(gpu[1]).tolist() == [tuple(r) in index for r in q.tolist()]
+
+
+def test_geometry_hash_duplicates_raise_the_same_error(rng, harness):
+    """Duplicate rows in the indexed set: both routes raise CoordinateError
+    naming the same pair of rows (the first repeat and its first row)."""
+    c = _distinct_rows(rng, 300, 2)
+    c[200] = c[17]
+    c[250] = c[3]
+    messages = []
+    for use_harness in (False, True):
+        coords.ext = harness_ext if use_harness else ext
+        try:
+            with pytest.raises(coords.CoordinateError) as err:
+                coords.lookup_coords(c, c[:5])
+            messages.append(str(err.value))
+        finally:
+            coords.ext = ext
+    assert messages[0] == messages[1]
+    assert "at rows 17 and 200" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize(("na", "nb", "batches"), [(0, 40, 1), (1, 1, 1), (400, 300, 3)])
+def test_geometry_union_and_intersection(rng, harness, na, nb, batches):
+    """union_coords / intersection_coords on the GPU route (hash, first
+    occurrences, compaction, lexicographic order from dense ranks) against
+    the CPU merge and a Python-set reference, row order included."""
+    pool = _distinct_rows(rng, na + nb, batches)
+    a = pool[:na]
+    shared = pool[rng.choice(na, min(na, nb // 2), replace=False)] if na else pool[:0]
+    b = np.concatenate([shared, pool[na : na + nb - len(shared)]])[rng.permutation(nb)]
+    cpu, gpu = harness(
+        lambda: [
+            x
+            for j in (coords.union_coords(a, b), coords.intersection_coords(a, b))
+            for x in (j.coords, j.a_rows, j.b_rows)
+        ]
+    )
+    _equal(cpu, gpu)
+    ia = {tuple(r): i for i, r in enumerate(a.tolist())}
+    ib = {tuple(r): i for i, r in enumerate(b.tolist())}
+    union = sorted(set(ia) | set(ib))
+    inter = sorted(set(ia) & set(ib))
+    got = [np.array(x).tolist() for x in gpu]
+    assert [tuple(r) for r in got[0]] == union
+    assert got[1] == [ia.get(r, -1) for r in union] and got[2] == [ib.get(r, -1) for r in union]
+    assert [tuple(r) for r in got[3]] == inter
+    assert got[4] == [ia[r] for r in inter] and got[5] == [ib[r] for r in inter]
+
+
+@pytest.mark.parametrize(("n", "stride"), [(1, 2), (700, 2), (700, (3, 1, 4))])
+def test_geometry_downsample_coords(rng, harness, n, stride):
+    """downsample_coords on the GPU route (many rows share a coarse cell)
+    against the CPU route and np.unique(axis=0, return_inverse=True)."""
+    c = np.concatenate([rng.integers(0, 3, (n, 1)), rng.integers(-30, 30, (n, 3))], 1).astype(
+        np.int32
+    )
+    cpu, gpu = harness(lambda: list(coords.downsample_coords(c, stride)))
+    _equal(cpu, gpu)
+    step = np.broadcast_to(np.asarray(stride), (3,))
+    floored = c.copy()
+    floored[:, 1:] = np.floor_divide(c[:, 1:], step) * step
+    want, inverse = np.unique(floored, axis=0, return_inverse=True)
+    np.testing.assert_array_equal(np.array(gpu[0]), want)
+    np.testing.assert_array_equal(np.array(gpu[1]), inverse.reshape(-1))
+
+
+@pytest.mark.skipif(ON_GPU, reason="calls the harness extension directly")
+def test_geometry_hash_primitive_contract():
+    """GeometryHash directly: evaluates eagerly and under mx.compile to the
+    same rows; vmap is refused with a clear error; bad operand shapes are
+    refused before a node is built."""
+    c = mx.array(np.array([[0, 1, 2, 3], [1, 1, 2, 3], [0, 1, 2, 3]], np.int32))
+
+    def rows_of(x):
+        raw = harness_ext.coords_hash(x, x)
+        return raw["first"], raw["rows"]
+
+    for fn in (rows_of, mx.compile(rows_of)):
+        first, rows = fn(c)
+        assert np.array(first).tolist() == [0, 1, 0] and np.array(rows).tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="vmap is not supported"):
+        mx.vmap(lambda x: rows_of(x)[0])(mx.stack([c, c]))
+    with pytest.raises(ValueError, match=r"\(N, 4\) int32"):
+        harness_ext.coords_hash(mx.zeros((3, 3), mx.int32), c)
+
+
 def test_product_extension_carries_no_harness():
     import mlx_lattice
 

@@ -253,4 +253,46 @@ void encode_morton(KernelEncoder& enc, Buffer coords, Buffer codes, uint32_t n) 
   if (n) enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
 }
 
+void encode_coord_hash(KernelEncoder& enc, Buffer coords, Buffer queries, Buffer first,
+                       Buffer rows, Buffer table, Buffer minrow, Buffer slot_of, uint32_t n,
+                       uint32_t q, uint32_t slots) {
+  if (slots < 2 || (slots & (slots - 1)) != 0 || slots / 2 < n) {
+    throw std::invalid_argument("the coordinate hash needs a power-of-two table of >= 2n slots");
+  }
+  // Laid out as the MSL HashParams.
+  struct {
+    uint32_t n, q, mask;
+  } params{n, q, slots - 1};
+  enc.kernel("mlxl_hash_clear");
+  enc.output(0, table);
+  enc.output(1, minrow);
+  enc.value(2, params);
+  enc.dispatch({ceil_div(slots, 256), 1, 1}, {256, 1, 1});
+  if (n) {
+    enc.kernel("mlxl_hash_insert");
+    enc.input(0, coords);
+    enc.output(1, table);
+    enc.output(2, minrow);
+    enc.output(3, slot_of);
+    enc.value(4, params);
+    enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
+    enc.kernel("mlxl_hash_resolve");
+    enc.input(0, slot_of);
+    enc.input(1, minrow);
+    enc.output(2, first);
+    enc.value(3, params);
+    enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
+  }
+  if (q) {
+    enc.kernel("mlxl_hash_query");
+    enc.input(0, coords);
+    enc.input(1, queries);
+    enc.input(2, table);
+    enc.input(3, minrow);
+    enc.output(4, rows);
+    enc.value(5, params);
+    enc.dispatch({ceil_div(q, 256), 1, 1}, {256, 1, 1});
+  }
+}
+
 }  // namespace mlx_lattice::gpu

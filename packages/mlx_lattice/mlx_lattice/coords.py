@@ -6,8 +6,8 @@ sets come out sorted by ``(batch, x, y, z)`` unless stated otherwise. The
 heavy parts (sorting, hashing, merging, Morton codes) are native.
 
 Where the default stream is a GPU one, :func:`lookup_coords`,
-:func:`contains_coords`, :func:`union_coords`, :func:`intersection_coords`
-and :func:`downsample_coords` run on it: an exact hash of the rows (the
+:func:`contains_coords`, :func:`union_coords`, :func:`intersection_coords`,
+:func:`downsample_coords` and :func:`morton_order` run on it: an exact hash of the rows (the
 ``GeometryHash`` primitive, Metal kernels) gives each row's first
 occurrence and each query's row; sorting and compaction are MLX ops on the
 same stream. Sizes that depend on the data (how many distinct rows, how
@@ -291,6 +291,15 @@ def morton_order(coords: ArrayLike) -> mx.array:
     [2, 1, 0]
     """
     c = _np_coords(coords, "coords")
+    if _on_gpu() and len(c) > 1:
+        # On the stream: codes (a primitive), then one unique key per row,
+        # (dense rank of (batch, code)) * n + row, so the sort is stable
+        # by construction.
+        n = len(c)
+        codes = morton_codes(c)
+        pair = _dense_rank(mx.array(c[:, 0]).astype(mx.int64)) * n + _dense_rank(codes)
+        key = _dense_rank(pair) * n + mx.arange(n, dtype=mx.int64)
+        return mx.argsort(key).astype(mx.int32)
     codes = np.array(morton_codes(c)).astype(np.int64)
     keys = np.stack(
         [c[:, 0], codes >> 42, (codes >> 21) & 0x1FFFFF, codes & 0x1FFFFF], axis=1

@@ -466,7 +466,8 @@ def test_geometry_hash_lookup_and_contains(rng, harness, n, batches):
     assert np.array(gpu[1]).tolist() == [tuple(r) in index for r in q.tolist()]
 
 
-def test_geometry_hash_duplicates_raise_the_same_error(rng, harness):
+@pytest.mark.skipif(ON_GPU, reason="switches the harness extension in directly")
+def test_geometry_hash_duplicates_raise_the_same_error(rng):
     """Duplicate rows in the indexed set: both routes raise CoordinateError
     naming the same pair of rows (the first repeat and its first row)."""
     c = _distinct_rows(rng, 300, 2)
@@ -528,6 +529,71 @@ def test_geometry_downsample_coords(rng, harness, n, stride):
     want, inverse = np.unique(floored, axis=0, return_inverse=True)
     np.testing.assert_array_equal(np.array(gpu[0]), want)
     np.testing.assert_array_equal(np.array(gpu[1]), inverse.reshape(-1))
+
+
+@pytest.mark.parametrize(("n", "batches"), [(2, 1), (500, 3)])
+def test_geometry_morton_order(rng, harness, n, batches):
+    """morton_order on the GPU route (codes, dense ranks, one sort of unique
+    keys) against the CPU route and np.lexsort of (batch, reference code,
+    row): duplicate rows (ties go to the lower row), negatives, batches."""
+    c = np.concatenate(
+        [rng.integers(0, batches, (n, 1)), rng.integers(-(2**20), 2**20, (n, 3))], 1
+    ).astype(np.int32)
+    c[n // 2 :, 1:] = rng.integers(-3, 3, (n - n // 2, 3))  # many equal codes
+    c[-1] = c[0]
+    cpu, gpu = harness(lambda: [coords.morton_order(c), coords.morton_sort_coords(c)[0]])
+    _equal(cpu, gpu)
+    ref = [_morton_reference(*r[1:]) for r in c.tolist()]
+    want = sorted(range(n), key=lambda i: (int(c[i, 0]), ref[i], i))
+    assert np.array(gpu[0]).tolist() == want
+
+
+@pytest.mark.parametrize(("n", "batches", "size"), [(1, 1, 0.5), (900, 3, (0.25, 0.5, 1.0))])
+def test_geometry_quantize_points(rng, harness, n, batches, size):
+    """quantize_points on the GPU route (float32 voxel indices, the hash,
+    dense-rank order, the map from MLX ops) against the CPU route and a
+    NumPy reference: coordinates, point->voxel map, counts, offsets and the
+    points of each voxel in ascending order. Points sit off voxel faces
+    (cell centres plus a bounded jitter), so float32 and float64 agree;
+    negatives, duplicates, batches."""
+    step = np.broadcast_to(np.asarray(size, np.float64), (3,))
+    cell = rng.integers(-20, 20, (n, 3))
+    pts = (cell + 0.5 + rng.uniform(-0.4, 0.4, (n, 3))) * step
+    b = rng.integers(0, batches, n).astype(np.int32)
+
+    def run():
+        v = geometry.quantize_points(pts, size, batch=b)
+        return [v.coords, v.point_to_voxel, v.counts, v.voxel_offsets, v.voxel_points]
+
+    cpu, gpu = harness(run)
+    _equal(cpu, gpu)
+    keys = np.concatenate([b[:, None], cell], 1)
+    want, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
+    got = [np.array(x) for x in gpu]
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(got[1], inverse.reshape(-1))
+    np.testing.assert_array_equal(got[2], counts)
+    np.testing.assert_array_equal(got[3], np.concatenate([[0], np.cumsum(counts)]))
+    np.testing.assert_array_equal(got[4], np.argsort(inverse.reshape(-1), kind="stable"))
+
+
+@pytest.mark.skipif(ON_GPU, reason="switches the harness extension in directly")
+def test_geometry_quantize_points_out_of_int32():
+    """A point whose voxel index leaves int32 raises GeometryError on both
+    routes, naming the same row."""
+    pts = np.array([[0.0, 0.0, 0.0], [1.0, 3e9, 0.0]])
+    messages = []
+    for use_harness in (False, True):
+        geometry.ext = coords.ext = harness_ext if use_harness else ext
+        try:
+            with pytest.raises(geometry.GeometryError, match="int32") as err:
+                geometry.quantize_points(pts, 1.0)
+            messages.append(str(err.value))
+        finally:
+            geometry.ext = coords.ext = ext
+    assert messages[0] == messages[1] == (
+        "points row 1 falls in voxel index 3e+09, outside the int32 coordinate range."
+    )
 
 
 @pytest.mark.skipif(ON_GPU, reason="calls the harness extension directly")

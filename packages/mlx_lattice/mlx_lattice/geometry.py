@@ -516,9 +516,11 @@ def radius_relation(
     Same inputs and ordering as :func:`knn_relation`; with ``max_neighbors``
     only the nearest ``max_neighbors`` are kept and ``n_kernels =
     max_neighbors``, else ``n_kernels`` is the largest neighbour count (>= 1).
-    With ``max_neighbors <= 64`` on a GPU stream the search runs as the kNN
-    Metal kernel bounded by ``r`` (float32 distances); otherwise natively on
-    the CPU.
+    On a GPU stream (float32 distances) it runs as the kNN Metal kernel
+    bounded by ``r`` when ``max_neighbors <= 64``; otherwise as a two-pass
+    radius kernel: neighbour counts and their prefix sum are evaluated and
+    the total read back, then each query's range is filled and sorted by
+    (distance, row). On CPU streams it runs natively in float64.
 
     >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
     >>> rel = radius_relation(np.array([[0.5, 0, 0]]), support, 0.5)

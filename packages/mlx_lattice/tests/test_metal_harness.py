@@ -409,6 +409,36 @@ def test_geometry_radius_with_cap_on_lattice_points(rng, harness, r, cap):
         assert in_rows[out_rows == i].tolist() == expected, i
 
 
+@pytest.mark.parametrize(("r", "cap"), [(1.5, None), (2.5, None), (3.0, 100), (0.25, None)])
+def test_geometry_radius_uncapped_on_lattice_points(rng, harness, r, cap):
+    """radius_relation without a cap (or with one above 64): the two-pass
+    radius kernel (count, prefix sum read back, sorted fill) identical to the
+    CPU kernel and to brute force on lattice points (float32 distances exact
+    there), ties by distance then row; a batch without support, queries far
+    outside the grid, duplicate support points."""
+    s = rng.integers(-5, 6, (240, 3)).astype(np.float64)
+    s[200:] = s[:40]  # duplicates: equal distances, ordered by row
+    q = rng.integers(-7, 8, (90, 3)).astype(np.float64) + rng.choice([0.0, 0.5], (90, 3))
+    q[:2] = [[500.0, 0.0, 0.0], [-3.0, 2.0, -900.0]]
+    sb = rng.integers(0, 2, len(s)).astype(np.int32)
+    qb = rng.integers(0, 3, len(q)).astype(np.int32)  # batch 2 has no support
+
+    def run():
+        rel = geometry.radius_relation(q, s, r, cap, query_batch=qb, support_batch=sb)
+        return [rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.counts]
+
+    cpu, gpu = harness(run)
+    _equal(cpu, gpu)
+    in_rows, out_rows = np.array(gpu[0]), np.array(gpu[1])
+    ref = _knn_reference(q, qb, s, sb, len(s))
+    total = 0
+    for i, row in enumerate(ref):
+        expected = [j for d, j in row if d <= r * r][: cap or len(s)]
+        assert in_rows[out_rows == i].tolist() == expected, i
+        total += len(expected)
+    assert total == len(in_rows) and (total > 0 or r < 1)
+
+
 def _morton_reference(x, y, z):
     code = 0
     for bit in range(21):

@@ -64,5 +64,7 @@ void encode(const GeometryMorton& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
 void encode(const GeometryHash& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const GeometryRadius& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
 
 }  // namespace mlx_lattice::gpu

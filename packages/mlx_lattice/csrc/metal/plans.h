@@ -84,6 +84,13 @@ void encode_knn(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_s
                 Buffer sorted_rows, Buffer sorted_keys, Buffer rows, Buffer dist2,
                 const KnnPlan& plan);
 
+// Radius search without a cap (mlxl_geo_radius): fill = false writes
+// counts (nq); fill = true writes rows / dist2 at offsets (nq + 1), each
+// query's range sorted by (dist2, row). reach: cells scanned per axis.
+void encode_radius(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_support,
+                   Buffer sorted_rows, Buffer sorted_keys, Buffer offsets, Buffer counts,
+                   Buffer rows, Buffer dist2, const KnnPlan& plan, int32_t reach, bool fill);
+
 // codes (n, int64) of coords (n x 4 int32).
 void encode_morton(KernelEncoder& enc, Buffer coords, Buffer codes, uint32_t n);
 

@@ -8,8 +8,8 @@ The kernel bodies are kept as written; only what C++ cannot parse changes:
   and a launcher is generated that binds ``[[buffer(i)]]``,
   ``[[threadgroup(i)]]`` and the builtins from the lane context, plus a
   registration under the kernel's name;
-* ``threadgroup T name[N];`` declared inside a kernel becomes a reference to
-  storage shared by the threadgroup (``threadgroup`` alone means nothing to
+* ``threadgroup T name[N];`` (or a scalar ``threadgroup T name;``) declared
+  inside a kernel becomes a reference to storage shared by the threadgroup (``threadgroup`` alone means nothing to
   C++, and a plain local would be private to each thread).
 """
 
@@ -34,7 +34,7 @@ SCALAR_BUILTINS = {"thread_index_in_threadgroup", "thread_index_in_simdgroup",
                    "simdgroup_index_in_threadgroup", "threads_per_simdgroup"}  # fmt: skip
 
 KERNEL = re.compile(r"\bkernel\s+void\s+(\w+)\s*\(")
-TG_ARRAY = re.compile(r"^(\s*)threadgroup\s+([\w:<>, ]+?)\s+(\w+)\s*((?:\[[^\]]+\])+)\s*;", re.M)
+TG_ARRAY = re.compile(r"^(\s*)threadgroup\s+([\w:<>, ]+?)\s+(\w+)\s*((?:\[[^\]]+\])*)\s*;", re.M)
 
 
 class MslError(ValueError):
@@ -126,8 +126,9 @@ def translate(src: str) -> str:
         indent, ctype, name, dims = m.groups()
         t = f"{ctype.strip()}{dims}"
         site = next(counter)
+        pointer = f"{ctype.strip()} (*){dims}" if dims else f"{ctype.strip()}*"
         return (
-            f"{indent}auto& {name} = *static_cast<{t.replace(dims, '')} (*){dims}>("
+            f"{indent}auto& {name} = *static_cast<{pointer}>("
             f"::msl::detail::threadgroup_var({site}, sizeof({t}), alignof({ctype.strip()})));"
         )
 

@@ -36,4 +36,11 @@ enum class Scope { kThreadgroup, kSimdgroup };
 // Blocks until every lane of the scope arrives at the same site.
 void barrier(Scope scope, const char* file, int line);
 
+// After an atomic operation: with fibers the lane yields to the scheduler
+// (lanes interleave at atomics); with threads nothing happens.
+void atomic_point();
+// With fibers, true on every third compare-exchange of a lane (a spurious
+// failure of the weak form); never with threads.
+bool spurious_failure();
+
 }  // namespace msl::detail

@@ -75,6 +75,7 @@ struct Lane {
   State state = State::kRunnable;
   Site waiting;
   std::exception_ptr error;
+  uint32_t compare_exchanges = 0;
 };
 
 // A threads-mode barrier with a timeout (a hang becomes an error).
@@ -303,6 +304,19 @@ void* threadgroup_var(int site, size_t bytes, size_t align) {
   }
   auto p = reinterpret_cast<uintptr_t>(slot.get());
   return reinterpret_cast<void*>((p + align - 1) / align * align);
+}
+
+void atomic_point() {
+  Lane& l = *current;
+  if (l.group->launch->mode == Mode::kThreads) return;
+  // Still runnable: the scheduler moves on to the next lane of its order.
+  swapcontext(&l.context, &l.group->scheduler);
+}
+
+bool spurious_failure() {
+  Lane& l = *current;
+  if (l.group->launch->mode == Mode::kThreads) return false;
+  return ++l.compare_exchanges % 3 == 0;
 }
 
 unsigned char* exchange_area() { return current->group->exchange[current->info.simd_group].get(); }

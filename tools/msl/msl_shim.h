@@ -3,12 +3,14 @@
 // Included first by every preprocessed kernel file. Covers what this
 // project's kernels use: address-space qualifiers, builtins (passed by the
 // generated launcher), half/bfloat, small vectors, threadgroup memory,
-// threadgroup/simdgroup barriers, simd_* collectives and simdgroup_matrix
-// 8x8 with MLX's fragment layout. Kernel bodies must keep barriers and
+// threadgroup/simdgroup barriers, simd_* collectives, simdgroup_matrix
+// 8x8 with MLX's fragment layout, and 32-bit atomics (atomic_int,
+// atomic_uint with memory_order_relaxed). Kernel bodies must keep barriers and
 // collectives in uniform control flow, as Metal requires.
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -294,6 +296,120 @@ void simdgroup_multiply_accumulate(simdgroup_matrix<T, 8, 8>& d, const simdgroup
     for (int k = 0; k < 8; ++k) acc = std::fma(fa[r][k], fb[k][col + e], acc);
     d.elements[e] = static_cast<T>(acc);
   }
+}
+
+// Atomics: atomic_int / atomic_uint in device or threadgroup memory with
+// MSL's free functions (*_explicit, memory_order_relaxed only, as Metal).
+// In thread-per-lane mode they are real atomics (std::atomic_ref, seen by
+// ThreadSanitizer). With fibers every atomic operation is also a switch
+// point: the lane yields after it, so under the forward and reverse
+// schedules lanes interleave at each atomic and a read-modify-write built
+// from a separate load and store loses updates, as it can on a GPU. Every
+// third compare-exchange of a lane fails spuriously (the weak form may), so
+// kernels must retry.
+enum memory_order { memory_order_relaxed };
+
+template <typename T>
+struct msl_atomic {
+  using value_type = T;
+  T value;
+};
+using atomic_int = msl_atomic<int32_t>;
+using atomic_uint = msl_atomic<uint32_t>;
+static_assert(sizeof(atomic_int) == 4 && alignof(atomic_int) == 4, "atomic_int is one int32");
+static_assert(sizeof(atomic_uint) == 4 && alignof(atomic_uint) == 4, "atomic_uint is one uint32");
+
+namespace msl::detail {
+
+template <typename A>
+using atomic_value_t = typename std::remove_cv_t<A>::value_type;
+
+template <typename A>
+std::atomic_ref<atomic_value_t<A>> atomic_of(A* object) {
+  using Plain = std::remove_cv_t<A>;
+  return std::atomic_ref<atomic_value_t<A>>(const_cast<Plain*>(object)->value);
+}
+
+}  // namespace msl::detail
+
+template <typename A>
+msl::detail::atomic_value_t<A> atomic_load_explicit(A* object, memory_order) {
+  auto v = msl::detail::atomic_of(object).load(std::memory_order_relaxed);
+  msl::detail::atomic_point();
+  return v;
+}
+
+template <typename A, typename C>
+void atomic_store_explicit(A* object, C desired, memory_order) {
+  msl::detail::atomic_of(object).store(static_cast<msl::detail::atomic_value_t<A>>(desired),
+                                      std::memory_order_relaxed);
+  msl::detail::atomic_point();
+}
+
+template <typename A, typename C>
+msl::detail::atomic_value_t<A> atomic_exchange_explicit(A* object, C desired, memory_order) {
+  auto v = msl::detail::atomic_of(object).exchange(
+      static_cast<msl::detail::atomic_value_t<A>>(desired), std::memory_order_relaxed);
+  msl::detail::atomic_point();
+  return v;
+}
+
+template <typename A, typename C>
+msl::detail::atomic_value_t<A> atomic_fetch_add_explicit(A* object, C operand, memory_order) {
+  auto v = msl::detail::atomic_of(object).fetch_add(
+      static_cast<msl::detail::atomic_value_t<A>>(operand), std::memory_order_relaxed);
+  msl::detail::atomic_point();
+  return v;
+}
+
+template <typename A, typename C>
+msl::detail::atomic_value_t<A> atomic_fetch_sub_explicit(A* object, C operand, memory_order) {
+  auto v = msl::detail::atomic_of(object).fetch_sub(
+      static_cast<msl::detail::atomic_value_t<A>>(operand), std::memory_order_relaxed);
+  msl::detail::atomic_point();
+  return v;
+}
+
+template <typename A, typename C>
+msl::detail::atomic_value_t<A> atomic_fetch_min_explicit(A* object, C operand, memory_order) {
+  using T = msl::detail::atomic_value_t<A>;
+  auto ref = msl::detail::atomic_of(object);
+  const T x = static_cast<T>(operand);
+  T old = ref.load(std::memory_order_relaxed);
+  while (x < old && !ref.compare_exchange_weak(old, x, std::memory_order_relaxed)) {
+  }
+  msl::detail::atomic_point();
+  return old;
+}
+
+template <typename A, typename C>
+msl::detail::atomic_value_t<A> atomic_fetch_max_explicit(A* object, C operand, memory_order) {
+  using T = msl::detail::atomic_value_t<A>;
+  auto ref = msl::detail::atomic_of(object);
+  const T x = static_cast<T>(operand);
+  T old = ref.load(std::memory_order_relaxed);
+  while (x > old && !ref.compare_exchange_weak(old, x, std::memory_order_relaxed)) {
+  }
+  msl::detail::atomic_point();
+  return old;
+}
+
+// On failure *expected receives the current value.
+template <typename A, typename C>
+bool atomic_compare_exchange_weak_explicit(A* object, msl::detail::atomic_value_t<A>* expected,
+                                           C desired, memory_order, memory_order) {
+  auto ref = msl::detail::atomic_of(object);
+  bool ok;
+  if (msl::detail::spurious_failure()) {
+    *expected = ref.load(std::memory_order_relaxed);
+    ok = false;
+  } else {
+    ok = ref.compare_exchange_strong(*expected,
+                                     static_cast<msl::detail::atomic_value_t<A>>(desired),
+                                     std::memory_order_relaxed);
+  }
+  msl::detail::atomic_point();
+  return ok;
 }
 
 namespace metal {

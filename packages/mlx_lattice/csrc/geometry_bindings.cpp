@@ -305,6 +305,51 @@ void bind_geometry(nb::module_& m) {
           mx::eval(table);
           return table_dict(table[0], table[1], ns, max_neighbors);
         }
+        if (ml::uses_metal_bodies(s) && r > 0 && std::isfinite(r)) {
+          // Without a cap (or one above the kNN kernel's 64): two passes of
+          // the radius kernel. Stage one evaluates the counts and their
+          // prefix sum (on the stream) and reads the total back; stage two
+          // fills each query's sorted range. A cap keeps each range's head.
+          geo::detail::check_finite(query.data(), nq, "query");
+          geo::detail::check_batch(qbatch.data(), nq, "query_batch");
+          geo::detail::check_finite(support.data(), ns, "support");
+          geo::detail::check_batch(sbatch.data(), ns, "support_batch");
+          const auto grid = knn_grid(support.data(), sbatch.data(), ns, 16);
+          const auto q = points_array(query.data(), nq, true);
+          const auto sp = points_array(support.data(), ns, true);
+          const mx::array qb(qbatch.data(), {static_cast<int>(nq)}, mx::int32);
+          const mx::array sb(sbatch.data(), {static_cast<int>(ns)}, mx::int32);
+          auto counts = ml::make_radius(grid, r, q, qb, sp, sb, std::nullopt, 0, s)[0];
+          auto sums = mx::concatenate(
+              {mx::zeros({1}, mx::int64, s), mx::cumsum(mx::astype(counts, mx::int64, s), 0,
+                                                        false, true, s)},
+              0, s);
+          mx::eval(sums);
+          const int64_t* sum = sums.data<int64_t>();
+          if (sum[nq] > std::numeric_limits<int32_t>::max()) {
+            throw std::invalid_argument("radius search: more than 2^31 - 1 neighbour pairs.");
+          }
+          std::vector<int32_t> offsets(nq + 1, 0), rows;
+          std::vector<float> dist2;
+          int64_t widest = 1;
+          if (sum[nq] > 0) {
+            auto found = ml::make_radius(grid, r, q, qb, sp, sb, mx::astype(sums, mx::int32, s),
+                                         static_cast<int>(sum[nq]), s);
+            mx::eval(found);
+            const int32_t* fr = found[0].data<int32_t>();
+            const float* fd = found[1].data<float>();
+            for (int64_t i = 0; i < nq; ++i) {
+              int64_t n = sum[i + 1] - sum[i];
+              if (max_neighbors > 0) n = std::min(n, max_neighbors);
+              widest = std::max(widest, n);
+              offsets[i + 1] = offsets[i] + static_cast<int32_t>(n);
+              rows.insert(rows.end(), fr + sum[i], fr + sum[i] + n);
+              dist2.insert(dist2.end(), fd + sum[i], fd + sum[i] + n);
+            }
+          }
+          return edges_dict(std::move(offsets), std::move(rows), std::move(dist2), ns,
+                            max_neighbors > 0 ? max_neighbors : widest);
+        }
         auto nbrs = geo::radius_search(query.data(), qbatch.data(), query.shape(0), support.data(),
                                        sbatch.data(), support.shape(0), r, max_neighbors);
         int64_t widest = 1;
@@ -351,6 +396,28 @@ void bind_geometry(nb::module_& m) {
       },
       "a"_a, "b"_a, "intersection"_a, release(),
       "Sorted union (or intersection) of two sets with the row of each in a and b (-1 if absent).");
+
+  m.def(
+      "geometry_uses_metal",
+      [] { return ml::uses_metal_bodies(mx::default_stream(mx::default_device())); },
+      "Whether the geometry ops take their Metal kernels (the default stream is a GPU one, or "
+      "this is the test-only harness extension).");
+
+  m.def(
+      "coords_hash",
+      [](const mx::array& coords, const mx::array& queries) {
+        for (const auto& [a, name] : {std::pair{&coords, "coords"}, std::pair{&queries, "queries"}}) {
+          if (a->ndim() != 2 || a->shape(1) != 4 || a->dtype() != mx::int32) {
+            throw std::invalid_argument(std::string(name) + " must be an (N, 4) int32 array.");
+          }
+        }
+        const auto s = mx::default_stream(mx::default_device());
+        auto out = ml::make_coord_hash(coords, queries, s);
+        return Dict{{"first", out[0]}, {"rows", out[1]}};
+      },
+      "coords"_a, "queries"_a,
+      "GeometryHash on the default stream (lazy): first (smallest row with each row's "
+      "coordinates) and rows (that row for each query, or -1).");
 
   m.def(
       "coords_morton",

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -259,6 +260,60 @@ class GeometryMorton : public mx::Primitive {
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
 };
 
+// ---- Exact coordinate hash (geometry_hash.metal; cpu/geometry_hash.cpp).
+// Inputs: coords (N, 4) and queries (Q, 4) int32. Outputs: first (N,) int32,
+// the smallest row with coords[r]'s coordinates (first[r] == r for the first
+// occurrence); rows (Q,) int32, that smallest row for each query or -1; then
+// scratch of the GPU kernels: table (slots,), minrow (slots,), slot_of (N,)
+// (contents unspecified). slots: a power of two >= max(64, 2N). Results do
+// not depend on the order GPU threads ran in. Not differentiable.
+class GeometryHash : public mx::Primitive {
+ public:
+  GeometryHash(mx::Stream stream, int64_t slots) : mx::Primitive(stream), slots_(slots) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryHash)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return slots_ == static_cast<const GeometryHash&>(other).slots_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  int64_t slots() const { return slots_; }
+
+ private:
+  int64_t slots_;
+};
+// Radius search without a cap, in two passes (geometry_search.metal;
+// cpu/geometry_radius.cpp). Count pass (no offsets): inputs query (Q, 3),
+// query_batch (Q), support (S, 3), support_batch (S) -> counts (Q,) int32.
+// Fill pass: the same plus offsets (Q + 1,) int32 (the prefix sum of the
+// counts) -> rows (T,) int32 and dist2 (T,) float32, each query's range
+// sorted by (distance, row). Where the Metal bodies evaluate, the support's
+// grid follows, as for GeometryKnn. Not differentiable.
+class GeometryRadius : public mx::Primitive {
+ public:
+  GeometryRadius(mx::Stream stream, KnnGrid grid, double radius, bool fill, int total)
+      : mx::Primitive(stream), grid_(grid), radius_(radius), fill_(fill), total_(total) {}
+  void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(GeometryRadius)
+  bool is_equivalent(const mx::Primitive& other) const override;
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  const KnnGrid& grid() const { return grid_; }
+  double radius() const { return radius_; }
+  bool fill() const { return fill_; }
+
+ private:
+  KnnGrid grid_;
+  double radius_;
+  bool fill_;
+  int total_;
+};
+// ---- end of the coordinate hash block.
+
 // Whether primitives on this stream evaluate through the Metal encode bodies
 // (a GPU stream; every stream in the test-only harness extension): their
 // graph builders then add the GPU-only inputs (the kNN grid). Defined by
@@ -280,7 +335,9 @@ bool uses_metal_bodies(const mx::Stream& s);
   X(GeometryVoxelize)                          \
   X(GeometryDevoxelize)                        \
   X(GeometryKnn)                               \
-  X(GeometryMorton)
+  X(GeometryMorton)                            \
+  X(GeometryHash)                              \
+  X(GeometryRadius)
 
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
@@ -311,6 +368,12 @@ std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, cons
                             const array& support, const array& sbatch, mx::Stream s,
                             double radius = 0.0);
 array make_morton(const array& coords, mx::Stream s);
+// {first, rows} of GeometryHash over (N, 4) coords and (Q, 4) queries, int32.
+std::vector<array> make_coord_hash(const array& coords, const array& queries, mx::Stream s);
+// GeometryRadius: {counts} without offsets, {rows, dist2} (total rows) with.
+std::vector<array> make_radius(const KnnGrid& grid, double radius, const array& query,
+                               const array& qbatch, const array& support, const array& sbatch,
+                               const std::optional<array>& offsets, int total, mx::Stream s);
 
 // ---------------------------------------------------------------- batch norm
 // Training-mode batch norm (+ optional ReLU) of (N, C) features, N >= 1:

@@ -3,6 +3,7 @@
 // voxel's points, max/first route the gradient to the picked point;
 // devoxelize's transpose is the same map read the other way.
 #include <algorithm>
+#include <limits>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -271,6 +272,108 @@ std::pair<std::vector<array>, std::vector<int>> GeometryMorton::vmap(const std::
   throw std::invalid_argument(
       "GeometryMorton (morton_codes): vmap is not supported; codes are per row, pass the "
       "stacked (N, 4) rows.");
+}
+
+}  // namespace mlx_lattice
+
+// ---------------------------------------------------- GeometryHash
+
+namespace mlx_lattice {
+
+std::vector<array> make_coord_hash(const array& coords, const array& queries, mx::Stream s) {
+  const int n = coords.shape(0), q = queries.shape(0);
+  int64_t slots = 64;
+  while (slots < 2 * static_cast<int64_t>(n)) slots <<= 1;
+  if (slots > std::numeric_limits<int32_t>::max()) {
+    throw std::invalid_argument("coords has too many rows for the coordinate hash.");
+  }
+  auto outs = array::make_arrays(
+      {{n}, {q}, {static_cast<int>(slots)}, {static_cast<int>(slots)}, {n}},
+      {mx::int32, mx::int32, mx::int32, mx::int32, mx::int32},
+      std::make_shared<GeometryHash>(s, slots),
+      {mx::contiguous(mx::astype(coords, mx::int32, s), false, s),
+       mx::contiguous(mx::astype(queries, mx::int32, s), false, s)});
+  return {outs[0], outs[1]};
+}
+
+std::vector<mx::Shape> GeometryHash::output_shapes(const std::vector<array>& inputs) {
+  const int n = inputs[0].shape(0), slots = static_cast<int>(slots_);
+  return {{n}, {inputs[1].shape(0)}, {slots}, {slots}, {n}};
+}
+
+std::vector<array> GeometryHash::vjp(const std::vector<array>&, const std::vector<array>&,
+                                     const std::vector<int>&, const std::vector<array>&) {
+  not_differentiable("GeometryHash (coordinate lookup)");
+}
+
+std::vector<array> GeometryHash::jvp(const std::vector<array>&, const std::vector<array>&,
+                                     const std::vector<int>&) {
+  not_differentiable("GeometryHash (coordinate lookup)");
+}
+
+std::pair<std::vector<array>, std::vector<int>> GeometryHash::vmap(const std::vector<array>&,
+                                                                   const std::vector<int>&) {
+  throw std::invalid_argument(
+      "GeometryHash (coordinate lookup): vmap is not supported; the batch is the first "
+      "coordinate column, pass the stacked (N, 4) rows.");
+}
+
+}  // namespace mlx_lattice
+
+// ---------------------------------------------------- GeometryRadius
+
+namespace mlx_lattice {
+
+std::vector<array> make_radius(const KnnGrid& grid, double radius, const array& query,
+                               const array& qbatch, const array& support, const array& sbatch,
+                               const std::optional<array>& offsets, int total, mx::Stream s) {
+  const int nq = query.shape(0);
+  std::vector<array> inputs = {query, qbatch, support, sbatch};
+  const bool fill = offsets.has_value();
+  if (fill) inputs.push_back(mx::contiguous(mx::astype(*offsets, mx::int32, s), false, s));
+  if (uses_metal_bodies(s)) {
+    inputs[0] = as_float32(query, s);
+    inputs[2] = as_float32(support, s);
+    auto keys = cell_keys(inputs[2], sbatch, grid, s);
+    auto order = mx::astype(mx::argsort(keys, 0, s), mx::int32, s);
+    inputs.push_back(mx::take(keys, order, 0, s));
+    inputs.push_back(order);
+    inputs.push_back(mx::contiguous(mx::take(inputs[2], order, 0, s), false, s));
+  }
+  auto prim = std::make_shared<GeometryRadius>(s, grid, radius, fill, total);
+  if (!fill) return array::make_arrays({{nq}}, {mx::int32}, prim, inputs);
+  return array::make_arrays({{total}, {total}}, {mx::int32, mx::float32}, prim, inputs);
+}
+
+bool GeometryRadius::is_equivalent(const mx::Primitive& other) const {
+  const auto& o = static_cast<const GeometryRadius&>(other);
+  const auto& a = grid_;
+  const auto& b = o.grid_;
+  return radius_ == o.radius_ && fill_ == o.fill_ && total_ == o.total_ && a.cell == b.cell &&
+         a.n_batches == b.n_batches && std::equal(a.origin, a.origin + 3, b.origin) &&
+         std::equal(a.dims, a.dims + 3, b.dims);
+}
+
+std::vector<mx::Shape> GeometryRadius::output_shapes(const std::vector<array>& inputs) {
+  if (!fill_) return {{inputs[0].shape(0)}};
+  return {{total_}, {total_}};
+}
+
+std::vector<array> GeometryRadius::vjp(const std::vector<array>&, const std::vector<array>&,
+                                       const std::vector<int>&, const std::vector<array>&) {
+  not_differentiable("GeometryRadius (radius search)");
+}
+
+std::vector<array> GeometryRadius::jvp(const std::vector<array>&, const std::vector<array>&,
+                                       const std::vector<int>&) {
+  not_differentiable("GeometryRadius (radius search)");
+}
+
+std::pair<std::vector<array>, std::vector<int>> GeometryRadius::vmap(const std::vector<array>&,
+                                                                     const std::vector<int>&) {
+  throw std::invalid_argument(
+      "GeometryRadius (radius search): vmap is not supported; batch points through "
+      "query_batch / support_batch instead.");
 }
 
 }  // namespace mlx_lattice

@@ -5,6 +5,16 @@ batch-aware (rows of different batches never match) and deterministic:
 sets come out sorted by ``(batch, x, y, z)`` unless stated otherwise. The
 heavy parts (sorting, hashing, merging, Morton codes) are native.
 
+Where the default stream is a GPU one, :func:`lookup_coords`,
+:func:`contains_coords`, :func:`union_coords`, :func:`intersection_coords`,
+:func:`downsample_coords` and :func:`morton_order` run on it: an exact hash of the rows (the
+``GeometryHash`` primitive, Metal kernels) gives each row's first
+occurrence and each query's row; sorting and compaction are MLX ops on the
+same stream. Sizes that depend on the data (how many distinct rows, how
+many shared) are evaluated as a count, read back, and the rows then
+gathered: a two-stage evaluation. Results, row order included, are
+identical to the CPU route.
+
 Morton codes: each of x, y, z is biased by ``2**20`` (so coordinates in
 ``[-2**20, 2**20)`` are accepted, negatives included) and its 21 bits are
 interleaved with bit ``i`` of x at bit ``3i + 2``, of y at ``3i + 1`` and of
@@ -71,6 +81,93 @@ def _call(fn, *args):  # noqa: ANN001
         raise CoordinateError(str(err)) from None
 
 
+def _on_gpu() -> bool:
+    return bool(ext.geometry_uses_metal())
+
+
+_NO_ROWS = np.zeros((0, 4), np.int32)
+
+
+def _hash(coords: mx.array, queries: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """(first occurrence of each row, row of each query or -1), lazily."""
+    q = mx.array(_NO_ROWS) if queries is None else queries
+    raw = ext.coords_hash(coords, q)
+    return raw["first"], raw["rows"]
+
+
+def _check_unique(coords: np.ndarray, first: mx.array, name: str) -> None:
+    """The CPU route's duplicate error: the smallest row repeating an earlier one."""
+    n = len(coords)
+    if n == 0:
+        return
+    rows = mx.arange(n, dtype=mx.int32)
+    dup = int(mx.min(mx.where(first != rows, rows, n)).item())
+    if dup < n:
+        c = ", ".join(str(int(v)) for v in coords[dup])
+        raise CoordinateError(
+            f"{name} has duplicate coordinate ({c}) at rows {int(first[dup].item())} and {dup}."
+        )
+
+
+def _compact(mask: mx.array) -> mx.array:
+    """Ascending int32 indices where ``mask`` holds (the count is read back)."""
+    n = int(mask.shape[0])
+    count = int(mx.sum(mask).item())
+    rows = mx.arange(n, dtype=mx.int64)
+    return mx.argsort(mx.where(mask, rows, rows + n))[:count].astype(mx.int32)
+
+
+def _dense_rank(key: mx.array) -> mx.array:
+    """Rank of each key among the distinct keys (int64); ties share a rank."""
+    order = mx.argsort(key)
+    ranked = key[order]
+    step = (ranked[1:] != ranked[:-1]).astype(mx.int64)
+    rank_sorted = mx.cumsum(mx.concatenate([mx.zeros((1,), mx.int64), step]))
+    return rank_sorted[mx.argsort(order)]
+
+
+def _lex_order(rows: mx.array) -> mx.array:
+    """The permutation sorting distinct ``(batch, x, y, z)`` rows ascending.
+
+    Two dense ranks, of ``(batch, x)`` and of ``(y, z)`` packed into uint64,
+    combine into one key per row; the rows are distinct, so the keys are and
+    the sort needs no stability.
+    """
+    m = int(rows.shape[0])
+    if m < 2:
+        return mx.arange(m, dtype=mx.int32)
+    biased = (rows.astype(mx.int64) + 2**31).astype(mx.uint64)
+    shift = mx.array(2**32, dtype=mx.uint64)
+    hi = _dense_rank(biased[:, 0] * shift + biased[:, 1])
+    lo = _dense_rank(biased[:, 2] * shift + biased[:, 3])
+    return mx.argsort(hi * m + lo).astype(mx.int32)
+
+
+def _distinct_sorted(c: mx.array) -> tuple[mx.array, mx.array]:
+    """(sorted distinct rows, per input row its row in them), on the GPU route."""
+    n = int(c.shape[0])
+    first, _ = _hash(c)
+    is_first = first == mx.arange(n, dtype=mx.int32)
+    distinct = mx.take(c, _compact(is_first), axis=0)
+    order = _lex_order(distinct)
+    rank = mx.argsort(order).astype(mx.int32)  # distinct row -> sorted position
+    ordinal = mx.cumsum(is_first.astype(mx.int32)) - 1  # first-occurrence row -> distinct row
+    return mx.take(distinct, order, axis=0), rank[ordinal[first]]
+
+
+def _merge_gpu(a: np.ndarray, b: np.ndarray, intersection: bool) -> CoordinateJoin:
+    am, bm = mx.array(a), mx.array(b)
+    for arr, m, name in ((a, am, "a"), (b, bm, "b")):
+        _check_unique(arr, _hash(m)[0], name)
+    merged, _ = _distinct_sorted(mx.concatenate([am, bm]))
+    a_rows = _hash(am, merged)[1]
+    b_rows = _hash(bm, merged)[1]
+    if intersection:
+        keep = _compact((a_rows >= 0) & (b_rows >= 0))
+        merged, a_rows, b_rows = (mx.take(x, keep, axis=0) for x in (merged, a_rows, b_rows))
+    return CoordinateJoin(merged, a_rows, b_rows)
+
+
 def union_coords(a: ArrayLike, b: ArrayLike) -> CoordinateJoin:
     """The sorted union of two duplicate-free sets with each row's source rows.
 
@@ -78,7 +175,10 @@ def union_coords(a: ArrayLike, b: ArrayLike) -> CoordinateJoin:
     >>> j.coords[:, 1].tolist(), j.a_rows.tolist(), j.b_rows.tolist()
     ([0, 1, 2], [1, 0, -1], [-1, 1, 0])
     """
-    raw = _call(ext.coords_merge, _np_coords(a, "a"), _np_coords(b, "b"), False)
+    an, bn = _np_coords(a, "a"), _np_coords(b, "b")
+    if _on_gpu() and len(an) + len(bn):
+        return _merge_gpu(an, bn, False)
+    raw = _call(ext.coords_merge, an, bn, False)
     return CoordinateJoin(raw["coords"], raw["a_rows"], raw["b_rows"])
 
 
@@ -89,7 +189,10 @@ def intersection_coords(a: ArrayLike, b: ArrayLike) -> CoordinateJoin:
     >>> j.coords.tolist(), j.a_rows.tolist(), j.b_rows.tolist()
     ([[1, 1, 0, 0]], [1], [0])
     """
-    raw = _call(ext.coords_merge, _np_coords(a, "a"), _np_coords(b, "b"), True)
+    an, bn = _np_coords(a, "a"), _np_coords(b, "b")
+    if _on_gpu() and len(an) + len(bn):
+        return _merge_gpu(an, bn, True)
+    raw = _call(ext.coords_merge, an, bn, True)
     return CoordinateJoin(raw["coords"], raw["a_rows"], raw["b_rows"])
 
 
@@ -99,7 +202,12 @@ def lookup_coords(coords: ArrayLike, queries: ArrayLike) -> mx.array:
     >>> lookup_coords(np.array([[0, 5, 5, 5], [0, 1, 2, 3]]), np.array([[0, 1, 2, 3], [1, 1, 2, 3]])).tolist()
     [1, -1]
     """
-    return _call(ext.coords_lookup, _np_coords(coords, "coords"), _np_coords(queries, "queries"))
+    c, q = _np_coords(coords, "coords"), _np_coords(queries, "queries")
+    if _on_gpu():
+        first, rows = _hash(mx.array(c), mx.array(q))
+        _check_unique(c, first, "coords")
+        return rows
+    return _call(ext.coords_lookup, c, q)
 
 
 def contains_coords(coords: ArrayLike, queries: ArrayLike) -> mx.array:
@@ -158,7 +266,10 @@ def downsample_coords(
     step = st * ts
     floored = c.copy()
     floored[:, 1:] = np.floor_divide(c[:, 1:], step) * step
-    raw = _call(ext.coords_unique, np.ascontiguousarray(floored.astype(np.int32)))
+    floored32 = np.ascontiguousarray(floored.astype(np.int32))
+    if _on_gpu() and len(floored32):
+        return _distinct_sorted(mx.array(floored32))
+    raw = _call(ext.coords_unique, floored32)
     return raw["coords"], raw["inverse"]
 
 
@@ -180,6 +291,15 @@ def morton_order(coords: ArrayLike) -> mx.array:
     [2, 1, 0]
     """
     c = _np_coords(coords, "coords")
+    if _on_gpu() and len(c) > 1:
+        # On the stream: codes (a primitive), then one unique key per row,
+        # (dense rank of (batch, code)) * n + row, so the sort is stable
+        # by construction.
+        n = len(c)
+        codes = morton_codes(c)
+        pair = _dense_rank(mx.array(c[:, 0]).astype(mx.int64)) * n + _dense_rank(codes)
+        key = _dense_rank(pair) * n + mx.arange(n, dtype=mx.int64)
+        return mx.argsort(key).astype(mx.int32)
     codes = np.array(morton_codes(c)).astype(np.int64)
     keys = np.stack(
         [c[:, 0], codes >> 42, (codes >> 21) & 0x1FFFFF, codes & 0x1FFFFF], axis=1

@@ -202,6 +202,13 @@ def quantize_points(
         GeometryError: for non-finite points, sizes <= 0, voxel indices outside
             int32, or a bad shape/dtype.
 
+    On a GPU stream the voxel indices are computed there in float32 (MLX
+    ops), deduplicated by the exact coordinate hash and sorted as in
+    :mod:`mlx_lattice.coords` (a count read back, then a gather); the map is
+    then built with MLX ops. The map is identical to the CPU route for the
+    same voxel indices; a point within float32 rounding of a voxel face may
+    fall in the neighbouring voxel there (the CPU computes in float64).
+
     >>> pts = np.array([[0.25, 0.0, 0.0], [0.05, 0.0, 0.0], [0.27, 0.1, 0.0]])
     >>> vox = quantize_points(pts, 0.2)
     >>> vox.coords.tolist(), vox.point_to_voxel.tolist(), vox.counts.tolist()
@@ -211,10 +218,13 @@ def quantize_points(
     size = _triple(voxel_size, "voxel_size", 1.0, positive=True)
     org = _triple(origin, "origin", 0.0, positive=False)
     b = _batch(batch, len(pts))
-    try:
-        raw = ext.geometry_quantize_points(pts, b, size, org)
-    except ValueError as err:
-        raise GeometryError(str(err)) from None
+    if len(pts) and ext.geometry_uses_metal():
+        raw = _quantize_on_stream(pts, b, size, org)
+    else:
+        try:
+            raw = ext.geometry_quantize_points(pts, b, size, org)
+        except ValueError as err:
+            raise GeometryError(str(err)) from None
     return VoxelizedPoints(
         coords=raw["coords"],
         point_to_voxel=raw["point_to_voxel"],
@@ -224,6 +234,45 @@ def quantize_points(
         voxel_size=size,
         origin=org,
     )
+
+
+def _quantize_on_stream(
+    pts: np.ndarray, b: np.ndarray, size: tuple[float, float, float], org: tuple[float, float, float]
+) -> dict[str, mx.array]:
+    """quantize_points on the default (GPU) stream; points are finite here."""
+    from mlx_lattice import coords as _coords
+
+    n = len(pts)
+    cells = mx.floor(
+        (mx.array(pts.astype(np.float32)) - mx.array(org, dtype=mx.float32))
+        / mx.array(size, dtype=mx.float32)
+    )
+    inside = mx.all((cells >= -(2.0**31)) & (cells < 2.0**31), axis=1)
+    rows = mx.arange(n, dtype=mx.int32)
+    bad = int(mx.min(mx.where(inside, n, rows)).item())
+    if bad < n:
+        # The CPU route's message: the first axis outside int32, in float64.
+        g = np.floor((pts[bad] - np.asarray(org)) / np.asarray(size))
+        outside = (g < -(2.0**31)) | (g > 2.0**31 - 1)
+        value = g[int(np.argmax(outside))] if outside.any() else g[0]
+        raise GeometryError(
+            f"points row {bad} falls in voxel index {value:g}, outside the int32 "
+            "coordinate range."
+        )
+    keys = mx.concatenate([mx.array(b)[:, None], cells.astype(mx.int32)], axis=1)
+    voxel_coords, inverse = _coords._distinct_sorted(keys)
+    m = int(voxel_coords.shape[0])
+    counts = mx.zeros((m,), mx.int32).at[inverse].add(mx.ones((n,), mx.int32))
+    offsets = mx.concatenate([mx.zeros((1,), mx.int32), mx.cumsum(counts)])
+    # Points of each voxel in ascending order: one sort of unique keys.
+    members = mx.argsort(inverse.astype(mx.int64) * n + rows).astype(mx.int32)
+    return {
+        "coords": voxel_coords,
+        "point_to_voxel": inverse,
+        "counts": counts,
+        "voxel_offsets": offsets,
+        "voxel_points": members,
+    }
 
 
 def voxelize(
@@ -467,9 +516,11 @@ def radius_relation(
     Same inputs and ordering as :func:`knn_relation`; with ``max_neighbors``
     only the nearest ``max_neighbors`` are kept and ``n_kernels =
     max_neighbors``, else ``n_kernels`` is the largest neighbour count (>= 1).
-    With ``max_neighbors <= 64`` on a GPU stream the search runs as the kNN
-    Metal kernel bounded by ``r`` (float32 distances); otherwise natively on
-    the CPU.
+    On a GPU stream (float32 distances) it runs as the kNN Metal kernel
+    bounded by ``r`` when ``max_neighbors <= 64``; otherwise as a two-pass
+    radius kernel: neighbour counts and their prefix sum are evaluated and
+    the total read back, then each query's range is filled and sorted by
+    (distance, row). On CPU streams it runs natively in float64.
 
     >>> support = np.array([[0.0, 0, 0], [1.0, 0, 0], [3.0, 0, 0]])
     >>> rel = radius_relation(np.array([[0.5, 0, 0]]), support, 0.5)

@@ -932,3 +932,22 @@ def test_thread_count_never_changes_bits(seeded):
         mlx_lattice.set_num_threads(before)
     for a, b in zip(one, three, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_coordinate_hash_primitive_on_cpu_streams(rng):
+    """GeometryHash evaluated by the product's CPU kernel (the primitive the
+    GPU route of the coordinate ops uses): first occurrences and query rows
+    against a dictionary reference, duplicates and negatives included."""
+    from mlx_lattice._native import ext
+
+    c = rng.integers(-4, 4, (400, 4)).astype(np.int32)
+    c[:, 0] = np.abs(c[:, 0]) % 2
+    q = np.concatenate([c[rng.integers(0, 400, 50)], rng.integers(-6, 6, (50, 4))]).astype(np.int32)
+    raw = ext.coords_hash(mx.array(c), mx.array(q))
+    seen = {}
+    for i, r in enumerate(c.tolist()):
+        seen.setdefault(tuple(r), i)
+    assert np.array(raw["first"]).tolist() == [seen[tuple(r)] for r in c.tolist()]
+    assert np.array(raw["rows"]).tolist() == [seen.get(tuple(r), -1) for r in q.tolist()]
+    empty = ext.coords_hash(mx.zeros((0, 4), mx.int32), mx.array(q))
+    assert np.array(empty["rows"]).tolist() == [-1] * len(q)

@@ -409,6 +409,36 @@ def test_geometry_radius_with_cap_on_lattice_points(rng, harness, r, cap):
         assert in_rows[out_rows == i].tolist() == expected, i
 
 
+@pytest.mark.parametrize(("r", "cap"), [(1.5, None), (2.5, None), (3.0, 100), (0.25, None)])
+def test_geometry_radius_uncapped_on_lattice_points(rng, harness, r, cap):
+    """radius_relation without a cap (or with one above 64): the two-pass
+    radius kernel (count, prefix sum read back, sorted fill) identical to the
+    CPU kernel and to brute force on lattice points (float32 distances exact
+    there), ties by distance then row; a batch without support, queries far
+    outside the grid, duplicate support points."""
+    s = rng.integers(-5, 6, (240, 3)).astype(np.float64)
+    s[200:] = s[:40]  # duplicates: equal distances, ordered by row
+    q = rng.integers(-7, 8, (90, 3)).astype(np.float64) + rng.choice([0.0, 0.5], (90, 3))
+    q[:2] = [[500.0, 0.0, 0.0], [-3.0, 2.0, -900.0]]
+    sb = rng.integers(0, 2, len(s)).astype(np.int32)
+    qb = rng.integers(0, 3, len(q)).astype(np.int32)  # batch 2 has no support
+
+    def run():
+        rel = geometry.radius_relation(q, s, r, cap, query_batch=qb, support_batch=sb)
+        return [rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.counts]
+
+    cpu, gpu = harness(run)
+    _equal(cpu, gpu)
+    in_rows, out_rows = np.array(gpu[0]), np.array(gpu[1])
+    ref = _knn_reference(q, qb, s, sb, len(s))
+    total = 0
+    for i, row in enumerate(ref):
+        expected = [j for d, j in row if d <= r * r][: cap or len(s)]
+        assert in_rows[out_rows == i].tolist() == expected, i
+        total += len(expected)
+    assert total == len(in_rows) and (total > 0 or r < 1)
+
+
 def _morton_reference(x, y, z):
     code = 0
     for bit in range(21):
@@ -432,6 +462,188 @@ def test_geometry_morton_codes(rng, harness, n):
     assert np.array(gpu).tolist() == [_morton_reference(*r[1:]) for r in c.tolist()]
     with pytest.raises(coords.CoordinateError, match="Morton range"):
         harness(lambda: coords.morton_codes(np.array([[0, 2**20, 0, 0]])))
+
+
+def _distinct_rows(rng, n, batches, lo=-40, hi=40):
+    c = np.concatenate(
+        [rng.integers(0, batches, (3 * n, 1)), rng.integers(lo, hi, (3 * n, 3))], 1
+    ).astype(np.int32)
+    _, first = np.unique(c, axis=0, return_index=True)
+    return c[np.sort(first)][:n]  # distinct, in random order
+
+
+def _equal(cpu, gpu):
+    for a, b in zip(cpu, gpu, strict=True):
+        a, b = np.array(a), np.array(b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(("n", "batches"), [(0, 1), (1, 1), (600, 3)])
+def test_geometry_hash_lookup_and_contains(rng, harness, n, batches):
+    """geometry_hash.metal (compare-exchange insertion, exact comparisons)
+    behind lookup_coords / contains_coords: identical to the CPU route and
+    to a dictionary reference; queries repeat rows, cross batches and carry
+    negative coordinates."""
+    c = _distinct_rows(rng, n, batches)
+    absent = np.concatenate([rng.integers(0, batches + 1, (50, 1)), rng.integers(-45, 45, (50, 3))], 1)
+    q = np.concatenate([c[rng.integers(0, max(n, 1), 80)] if n else c, absent]).astype(np.int32)
+    q = q[rng.permutation(len(q))]
+    cpu, gpu = harness(lambda: [coords.lookup_coords(c, q), coords.contains_coords(c, q)])
+    _equal(cpu, gpu)
+    index = {tuple(r): i for i, r in enumerate(c.tolist())}
+    assert np.array(gpu[0]).tolist() == [index.get(tuple(r), -1) for r in q.tolist()]
+    assert np.array(gpu[1]).tolist() == [tuple(r) in index for r in q.tolist()]
+
+
+@pytest.mark.skipif(ON_GPU, reason="switches the harness extension in directly")
+def test_geometry_hash_duplicates_raise_the_same_error(rng):
+    """Duplicate rows in the indexed set: both routes raise CoordinateError
+    naming the same pair of rows (the first repeat and its first row)."""
+    c = _distinct_rows(rng, 300, 2)
+    c[200] = c[17]
+    c[250] = c[3]
+    messages = []
+    for use_harness in (False, True):
+        coords.ext = harness_ext if use_harness else ext
+        try:
+            with pytest.raises(coords.CoordinateError) as err:
+                coords.lookup_coords(c, c[:5])
+            messages.append(str(err.value))
+        finally:
+            coords.ext = ext
+    assert messages[0] == messages[1]
+    assert "at rows 17 and 200" in messages[0], messages[0]
+
+
+@pytest.mark.parametrize(("na", "nb", "batches"), [(0, 40, 1), (1, 1, 1), (400, 300, 3)])
+def test_geometry_union_and_intersection(rng, harness, na, nb, batches):
+    """union_coords / intersection_coords on the GPU route (hash, first
+    occurrences, compaction, lexicographic order from dense ranks) against
+    the CPU merge and a Python-set reference, row order included."""
+    pool = _distinct_rows(rng, na + nb, batches)
+    a = pool[:na]
+    shared = pool[rng.choice(na, min(na, nb // 2), replace=False)] if na else pool[:0]
+    b = np.concatenate([shared, pool[na : na + nb - len(shared)]])[rng.permutation(nb)]
+    cpu, gpu = harness(
+        lambda: [
+            x
+            for j in (coords.union_coords(a, b), coords.intersection_coords(a, b))
+            for x in (j.coords, j.a_rows, j.b_rows)
+        ]
+    )
+    _equal(cpu, gpu)
+    ia = {tuple(r): i for i, r in enumerate(a.tolist())}
+    ib = {tuple(r): i for i, r in enumerate(b.tolist())}
+    union = sorted(set(ia) | set(ib))
+    inter = sorted(set(ia) & set(ib))
+    got = [np.array(x).tolist() for x in gpu]
+    assert [tuple(r) for r in got[0]] == union
+    assert got[1] == [ia.get(r, -1) for r in union] and got[2] == [ib.get(r, -1) for r in union]
+    assert [tuple(r) for r in got[3]] == inter
+    assert got[4] == [ia[r] for r in inter] and got[5] == [ib[r] for r in inter]
+
+
+@pytest.mark.parametrize(("n", "stride"), [(1, 2), (700, 2), (700, (3, 1, 4))])
+def test_geometry_downsample_coords(rng, harness, n, stride):
+    """downsample_coords on the GPU route (many rows share a coarse cell)
+    against the CPU route and np.unique(axis=0, return_inverse=True)."""
+    c = np.concatenate([rng.integers(0, 3, (n, 1)), rng.integers(-30, 30, (n, 3))], 1).astype(
+        np.int32
+    )
+    cpu, gpu = harness(lambda: list(coords.downsample_coords(c, stride)))
+    _equal(cpu, gpu)
+    step = np.broadcast_to(np.asarray(stride), (3,))
+    floored = c.copy()
+    floored[:, 1:] = np.floor_divide(c[:, 1:], step) * step
+    want, inverse = np.unique(floored, axis=0, return_inverse=True)
+    np.testing.assert_array_equal(np.array(gpu[0]), want)
+    np.testing.assert_array_equal(np.array(gpu[1]), inverse.reshape(-1))
+
+
+@pytest.mark.parametrize(("n", "batches"), [(2, 1), (500, 3)])
+def test_geometry_morton_order(rng, harness, n, batches):
+    """morton_order on the GPU route (codes, dense ranks, one sort of unique
+    keys) against the CPU route and np.lexsort of (batch, reference code,
+    row): duplicate rows (ties go to the lower row), negatives, batches."""
+    c = np.concatenate(
+        [rng.integers(0, batches, (n, 1)), rng.integers(-(2**20), 2**20, (n, 3))], 1
+    ).astype(np.int32)
+    c[n // 2 :, 1:] = rng.integers(-3, 3, (n - n // 2, 3))  # many equal codes
+    c[-1] = c[0]
+    cpu, gpu = harness(lambda: [coords.morton_order(c), coords.morton_sort_coords(c)[0]])
+    _equal(cpu, gpu)
+    ref = [_morton_reference(*r[1:]) for r in c.tolist()]
+    want = sorted(range(n), key=lambda i: (int(c[i, 0]), ref[i], i))
+    assert np.array(gpu[0]).tolist() == want
+
+
+@pytest.mark.parametrize(("n", "batches", "size"), [(1, 1, 0.5), (900, 3, (0.25, 0.5, 1.0))])
+def test_geometry_quantize_points(rng, harness, n, batches, size):
+    """quantize_points on the GPU route (float32 voxel indices, the hash,
+    dense-rank order, the map from MLX ops) against the CPU route and a
+    NumPy reference: coordinates, point->voxel map, counts, offsets and the
+    points of each voxel in ascending order. Points sit off voxel faces
+    (cell centres plus a bounded jitter), so float32 and float64 agree;
+    negatives, duplicates, batches."""
+    step = np.broadcast_to(np.asarray(size, np.float64), (3,))
+    cell = rng.integers(-20, 20, (n, 3))
+    pts = (cell + 0.5 + rng.uniform(-0.4, 0.4, (n, 3))) * step
+    b = rng.integers(0, batches, n).astype(np.int32)
+
+    def run():
+        v = geometry.quantize_points(pts, size, batch=b)
+        return [v.coords, v.point_to_voxel, v.counts, v.voxel_offsets, v.voxel_points]
+
+    cpu, gpu = harness(run)
+    _equal(cpu, gpu)
+    keys = np.concatenate([b[:, None], cell], 1)
+    want, inverse, counts = np.unique(keys, axis=0, return_inverse=True, return_counts=True)
+    got = [np.array(x) for x in gpu]
+    np.testing.assert_array_equal(got[0], want)
+    np.testing.assert_array_equal(got[1], inverse.reshape(-1))
+    np.testing.assert_array_equal(got[2], counts)
+    np.testing.assert_array_equal(got[3], np.concatenate([[0], np.cumsum(counts)]))
+    np.testing.assert_array_equal(got[4], np.argsort(inverse.reshape(-1), kind="stable"))
+
+
+@pytest.mark.skipif(ON_GPU, reason="switches the harness extension in directly")
+def test_geometry_quantize_points_out_of_int32():
+    """A point whose voxel index leaves int32 raises GeometryError on both
+    routes, naming the same row."""
+    pts = np.array([[0.0, 0.0, 0.0], [1.0, 3e9, 0.0]])
+    messages = []
+    for use_harness in (False, True):
+        geometry.ext = coords.ext = harness_ext if use_harness else ext
+        try:
+            with pytest.raises(geometry.GeometryError, match="int32") as err:
+                geometry.quantize_points(pts, 1.0)
+            messages.append(str(err.value))
+        finally:
+            geometry.ext = coords.ext = ext
+    assert messages[0] == messages[1] == (
+        "points row 1 falls in voxel index 3e+09, outside the int32 coordinate range."
+    )
+
+
+@pytest.mark.skipif(ON_GPU, reason="calls the harness extension directly")
+def test_geometry_hash_primitive_contract():
+    """GeometryHash directly: evaluates eagerly and under mx.compile to the
+    same rows; vmap is refused with a clear error; bad operand shapes are
+    refused before a node is built."""
+    c = mx.array(np.array([[0, 1, 2, 3], [1, 1, 2, 3], [0, 1, 2, 3]], np.int32))
+
+    def rows_of(x):
+        raw = harness_ext.coords_hash(x, x)
+        return raw["first"], raw["rows"]
+
+    for fn in (rows_of, mx.compile(rows_of)):
+        first, rows = fn(c)
+        assert np.array(first).tolist() == [0, 1, 0] and np.array(rows).tolist() == [0, 1, 0]
+    with pytest.raises(ValueError, match="vmap is not supported"):
+        mx.vmap(lambda x: rows_of(x)[0])(mx.stack([c, c]))
+    with pytest.raises(ValueError, match=r"\(N, 4\) int32"):
+        harness_ext.coords_hash(mx.zeros((3, 3), mx.int32), c)
 
 
 def test_product_extension_carries_no_harness():

@@ -159,6 +159,84 @@ void test_bad_launches() {
         message.c_str());
 }
 
+// Atomic counters, min/max/exchange and a threadgroup atomic, under every
+// schedule (threads mode: real atomics, under TSan in the tsan target).
+void test_atomic_counter(msl::Mode mode) {
+  const uint32_t groups = 3, size = 96, n = groups * size;
+  for (auto s : kSchedules) {
+    if (mode == msl::Mode::kThreads && s != msl::Schedule::kForward) continue;
+    std::vector<uint32_t> counters = {0, 0, 0xffffffffu, 12345};
+    std::vector<uint32_t> order(n, 0xffffffffu), group_counts(groups, 0);
+    msl::Launch launch;
+    launch.groups = {groups, 1, 1};
+    launch.group_size = {size, 1, 1};
+    launch.buffers = {counters.data(), order.data(), group_counts.data()};
+    launch.schedule = s;
+    launch.mode = mode;
+    msl::dispatch("atomic_counter", launch);
+    std::vector<uint32_t> sorted = order;
+    std::sort(sorted.begin(), sorted.end());
+    bool permutation = true;
+    for (uint32_t i = 0; i < n; ++i) permutation &= sorted[i] == i;
+    CHECK(counters[0] == n && permutation, "atomic_fetch_add: count %u of %u, old values %s",
+          counters[0], n, permutation ? "a permutation" : "not a permutation");
+    CHECK(counters[1] == n - 1 && counters[2] == 0 && counters[3] < n,
+          "atomic max/min/exchange: %u %u %u", counters[1], counters[2], counters[3]);
+    CHECK(std::all_of(group_counts.begin(), group_counts.end(), [&](uint32_t c) { return c == size; }),
+          "threadgroup atomic counts wrong (schedule %d)", static_cast<int>(s));
+  }
+}
+
+// Compare-exchange insertion into an open-addressing table, duplicates
+// resolved to their first row with atomic_fetch_min.
+void test_atomic_hash(msl::Mode mode) {
+  const uint32_t n = 200, slots = 97, size = 64;
+  std::mt19937 gen(11);
+  std::uniform_int_distribution<int> d(-30, 30);  // many duplicates
+  std::vector<int> keys(n);
+  for (auto& k : keys) k = d(gen);
+  for (auto s : kSchedules) {
+    if (mode == msl::Mode::kThreads && s != msl::Schedule::kForward) continue;
+    std::vector<int> table(slots, -1), first(slots, 0x7fffffff), slot_of(n, -2);
+    uint32_t count = n, table_slots = slots;
+    msl::Launch launch;
+    launch.groups = {(n + size - 1) / size, 1, 1};
+    launch.group_size = {size, 1, 1};
+    launch.buffers = {keys.data(), table.data(), first.data(), slot_of.data(), &count, &table_slots};
+    launch.schedule = s;
+    launch.mode = mode;
+    msl::dispatch("atomic_hash_insert", launch);
+    int wrong = 0;
+    for (uint32_t i = 0; i < n; ++i) {
+      const int want = static_cast<int>(std::find(keys.begin(), keys.end(), keys[i]) - keys.begin());
+      wrong += slot_of[i] < 0 || first[slot_of[i]] != want || keys[table[slot_of[i]]] != keys[i];
+    }
+    std::vector<int> distinct = keys;
+    std::sort(distinct.begin(), distinct.end());
+    const auto used = std::count_if(table.begin(), table.end(), [](int r) { return r >= 0; });
+    const auto want_used = std::unique(distinct.begin(), distinct.end()) - distinct.begin();
+    CHECK(wrong == 0 && used == want_used,
+          "CAS hash: %d rows with a wrong first occurrence, %ld slots used for %ld keys (schedule %d)",
+          wrong, static_cast<long>(used), static_cast<long>(want_used), static_cast<int>(s));
+  }
+}
+
+// A load-then-store increment must lose updates in the harness (lanes
+// interleave at atomics), so a kernel relying on it fails its test.
+void test_lost_update_is_caught() {
+  int caught = 0;
+  for (auto s : kSchedules) {
+    uint32_t counter = 0;
+    msl::Launch launch;
+    launch.group_size = {64, 1, 1};
+    launch.buffers = {&counter};
+    launch.schedule = s;
+    msl::dispatch("atomic_lost_update", launch);
+    caught += counter != 64;
+  }
+  CHECK(caught > 0, "a non-atomic increment gave the right count in every schedule");
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -170,6 +248,16 @@ int main(int argc, char** argv) {
                   msl::Mode::kThreads);
     return 0;
   }
+  if (argc > 1 && std::strcmp(argv[1], "--race-counter") == 0) {
+    // For the TSan target: a plain increment from every lane must be reported.
+    uint32_t counter = 0;
+    msl::Launch launch;
+    launch.group_size = {32, 1, 1};
+    launch.buffers = {&counter};
+    launch.mode = msl::Mode::kThreads;
+    msl::dispatch("plain_counter", launch);
+    return 0;
+  }
   int tests = 0;
   auto run = [&](auto&& test) {
     const int before = failures;
@@ -178,6 +266,8 @@ int main(int argc, char** argv) {
     return failures == before;
   };
   int passed = run([] { test_group_sum_all_schedules(msl::Mode::kThreads); });
+  passed += run([] { test_atomic_counter(msl::Mode::kThreads); });
+  passed += run([] { test_atomic_hash(msl::Mode::kThreads); });
   if (!threads_only) {
     passed += run([] { test_group_sum_all_schedules(msl::Mode::kFibers); });
     passed += run(test_missing_barrier_is_caught);
@@ -186,6 +276,9 @@ int main(int argc, char** argv) {
     passed += run([] { test_simd_collectives(48); });
     passed += run(test_mma8);
     passed += run(test_bad_launches);
+    passed += run([] { test_atomic_counter(msl::Mode::kFibers); });
+    passed += run([] { test_atomic_hash(msl::Mode::kFibers); });
+    passed += run(test_lost_update_is_caught);
   }
   std::printf("%d passed, %d failed\n", passed, tests - passed);
   return passed == tests ? 0 : 1;

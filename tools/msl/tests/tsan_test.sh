@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # ThreadSanitizer run of the MSL harness (thread-per-lane mode):
 # 1. the correct kernels run race-free;
-# 2. the planted missing barrier is reported as a data race.
+# 2. the planted missing barrier is reported as a data race;
+# 3. a planted plain (non-atomic) counter increment is reported too.
 # Where TSan cannot run, this fails loudly: skip it explicitly with
 # --test_tag_filters=-tsan, never silently.
 set -uo pipefail
@@ -21,4 +22,10 @@ if ! echo "$race" | grep -q "ThreadSanitizer: data race"; then
   exit 1
 fi
 echo "$race" | grep -m1 "SUMMARY: ThreadSanitizer"
-echo "2 passed, 0 failed (race-free kernels clean under TSan; planted race reported)"
+counter=$("$bin" --race-counter 2>&1)
+if ! echo "$counter" | grep -q "ThreadSanitizer: data race"; then
+  echo "FAIL: ThreadSanitizer did not report the planted non-atomic increment" >&2
+  echo "$counter" | tail -n 20 >&2
+  exit 1
+fi
+echo "3 passed, 0 failed (race-free kernels, atomics included, clean under TSan; planted races reported)"

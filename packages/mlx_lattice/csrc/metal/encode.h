@@ -62,5 +62,9 @@ void encode(const GeometryKnn& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
 void encode(const GeometryMorton& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const GeometryHash& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const GeometryRadius& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
 
 }  // namespace mlx_lattice::gpu

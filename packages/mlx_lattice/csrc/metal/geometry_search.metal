@@ -152,3 +152,90 @@ kernel void mlxl_geo_morton(
   }
   codes[r] = long(code);
 }
+
+struct RadiusParams {
+  uint nq;
+  uint ns;
+  uint n_batches;
+  int nx;
+  int ny;
+  int nz;
+  float ox;
+  float oy;
+  float oz;
+  float inv;
+  float cell;
+  float max_d2;  // r^2
+  int reach;     // cells scanned around the query's cell per axis
+  uint fill;     // 0: count the neighbours; 1: write them at offsets[q]
+};
+
+// Radius search without a cap, in two passes over the same cells: one
+// thread per query counts the support points within r (fill = 0); after a
+// prefix sum of the counts (offsets), the second pass (fill = 1) writes them
+// into [offsets[q], offsets[q + 1]) and sorts that range by (squared
+// distance, row) with an insertion sort. Distances are float32, as in kNN.
+kernel void mlxl_geo_radius(
+    device const float* query [[buffer(0)]],
+    device const int* qbatch [[buffer(1)]],
+    device const float* support [[buffer(2)]],
+    device const int* sorted_rows [[buffer(3)]],
+    device const int* sorted_keys [[buffer(4)]],
+    device const int* offsets [[buffer(5)]],
+    device int* counts [[buffer(6)]],
+    device int* out_rows [[buffer(7)]],
+    device float* out_d2 [[buffer(8)]],
+    constant RadiusParams& p [[buffer(9)]],
+    uint q [[thread_position_in_grid]]) {
+  if (q >= p.nq) return;
+  const uint base = p.fill ? uint(offsets[q]) : 0u;
+  uint n = 0;
+  const int b = qbatch[q];
+  if (b >= 0 && uint(b) < p.n_batches && p.ns > 0) {
+    const float qx = query[3 * q], qy = query[3 * q + 1], qz = query[3 * q + 2];
+    const int hx = mlxl_cell(qx, p.ox, p.inv);
+    const int hy = mlxl_cell(qy, p.oy, p.inv);
+    const int hz = mlxl_cell(qz, p.oz, p.inv);
+    const int lx = max(hx - p.reach, 0), ux = min(hx + p.reach, p.nx - 1);
+    const int ly = max(hy - p.reach, 0), uy = min(hy + p.reach, p.ny - 1);
+    const int lz = max(hz - p.reach, 0), uz = min(hz + p.reach, p.nz - 1);
+    for (int x = lx; x <= ux; ++x) {
+      for (int y = ly; y <= uy; ++y) {
+        const int key0 = ((b * p.nx + x) * p.ny + y) * p.nz;
+        if (lz > uz) continue;
+        // The cells z = lz..uz of this (x, y) are consecutive keys.
+        const uint lo = mlxl_lower_bound(sorted_keys, 0, p.ns, key0 + lz);
+        const uint hi = mlxl_lower_bound(sorted_keys, lo, p.ns, key0 + uz + 1);
+        for (uint j = lo; j < hi; ++j) {
+          const float dx = qx - support[3 * j];
+          const float dy = qy - support[3 * j + 1];
+          const float dz = qz - support[3 * j + 2];
+          const float d = dx * dx + dy * dy + dz * dz;
+          if (d > p.max_d2) continue;
+          if (p.fill) {
+            out_rows[base + n] = sorted_rows[j];
+            out_d2[base + n] = d;
+          }
+          ++n;
+        }
+      }
+    }
+  }
+  if (!p.fill) {
+    counts[q] = int(n);
+    return;
+  }
+  for (uint i = 1; i < n; ++i) {
+    const float d = out_d2[base + i];
+    const int row = out_rows[base + i];
+    uint pos = i;
+    while (pos > 0 && (d < out_d2[base + pos - 1] ||
+                       (d == out_d2[base + pos - 1] && row < out_rows[base + pos - 1]))) {
+      out_d2[base + pos] = out_d2[base + pos - 1];
+      out_rows[base + pos] = out_rows[base + pos - 1];
+      --pos;
+    }
+    out_d2[base + pos] = d;
+    out_rows[base + pos] = row;
+  }
+}

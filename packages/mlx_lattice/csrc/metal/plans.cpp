@@ -253,4 +253,82 @@ void encode_morton(KernelEncoder& enc, Buffer coords, Buffer codes, uint32_t n) 
   if (n) enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
 }
 
+void encode_coord_hash(KernelEncoder& enc, Buffer coords, Buffer queries, Buffer first,
+                       Buffer rows, Buffer table, Buffer minrow, Buffer slot_of, uint32_t n,
+                       uint32_t q, uint32_t slots) {
+  if (slots < 2 || (slots & (slots - 1)) != 0 || slots / 2 < n) {
+    throw std::invalid_argument("the coordinate hash needs a power-of-two table of >= 2n slots");
+  }
+  // Laid out as the MSL HashParams.
+  struct {
+    uint32_t n, q, mask;
+  } params{n, q, slots - 1};
+  enc.kernel("mlxl_hash_clear");
+  enc.output(0, table);
+  enc.output(1, minrow);
+  enc.value(2, params);
+  enc.dispatch({ceil_div(slots, 256), 1, 1}, {256, 1, 1});
+  if (n) {
+    enc.kernel("mlxl_hash_insert");
+    enc.input(0, coords);
+    enc.output(1, table);
+    enc.output(2, minrow);
+    enc.output(3, slot_of);
+    enc.value(4, params);
+    enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
+    enc.kernel("mlxl_hash_resolve");
+    enc.input(0, slot_of);
+    enc.input(1, minrow);
+    enc.output(2, first);
+    enc.value(3, params);
+    enc.dispatch({ceil_div(n, 256), 1, 1}, {256, 1, 1});
+  }
+  if (q) {
+    enc.kernel("mlxl_hash_query");
+    enc.input(0, coords);
+    enc.input(1, queries);
+    enc.input(2, table);
+    enc.input(3, minrow);
+    enc.output(4, rows);
+    enc.value(5, params);
+    enc.dispatch({ceil_div(q, 256), 1, 1}, {256, 1, 1});
+  }
+}
+
+void encode_radius(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_support,
+                   Buffer sorted_rows, Buffer sorted_keys, Buffer offsets, Buffer counts,
+                   Buffer rows, Buffer dist2, const KnnPlan& plan, int32_t reach, bool fill) {
+  // Laid out as the MSL RadiusParams.
+  struct {
+    uint32_t nq, ns, n_batches;
+    int32_t nx, ny, nz;
+    float ox, oy, oz, inv, cell, max_d2;
+    int32_t reach;
+    uint32_t fill;
+  } params{plan.nq,        plan.ns,        plan.n_batches, plan.dims[0], plan.dims[1],
+           plan.dims[2],   plan.origin[0], plan.origin[1], plan.origin[2], plan.inv,
+           plan.cell,      plan.max_d2,    reach,          fill ? 1u : 0u};
+  static_assert(sizeof(params) == 56);
+  enc.kernel("mlxl_geo_radius");
+  enc.input(0, query);
+  enc.input(1, qbatch);
+  enc.input(2, sorted_support);
+  enc.input(3, sorted_rows);
+  enc.input(4, sorted_keys);
+  // The buffers of the other pass are bound as empty inputs, never touched.
+  if (fill) {
+    enc.input(5, offsets);
+    enc.input(6, Buffer{});
+    enc.output(7, rows);
+    enc.output(8, dist2);
+  } else {
+    enc.input(5, Buffer{});
+    enc.output(6, counts);
+    enc.input(7, Buffer{});
+    enc.input(8, Buffer{});
+  }
+  enc.value(9, params);
+  if (plan.nq) enc.dispatch({ceil_div(plan.nq, 64), 1, 1}, {64, 1, 1});
+}
+
 }  // namespace mlx_lattice::gpu

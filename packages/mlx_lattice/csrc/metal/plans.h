@@ -84,7 +84,22 @@ void encode_knn(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_s
                 Buffer sorted_rows, Buffer sorted_keys, Buffer rows, Buffer dist2,
                 const KnnPlan& plan);
 
+// Radius search without a cap (mlxl_geo_radius): fill = false writes
+// counts (nq); fill = true writes rows / dist2 at offsets (nq + 1), each
+// query's range sorted by (dist2, row). reach: cells scanned per axis.
+void encode_radius(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_support,
+                   Buffer sorted_rows, Buffer sorted_keys, Buffer offsets, Buffer counts,
+                   Buffer rows, Buffer dist2, const KnnPlan& plan, int32_t reach, bool fill);
+
 // codes (n, int64) of coords (n x 4 int32).
 void encode_morton(KernelEncoder& enc, Buffer coords, Buffer codes, uint32_t n);
+
+// Exact coordinate hash (geometry_hash.metal): coords (n x 4) and queries
+// (q x 4) int32; first (n) = smallest row with equal coordinates, rows (q) =
+// that row for each query or -1; table / minrow (slots, a power of two
+// >= 2n) and slot_of (n) are scratch.
+void encode_coord_hash(KernelEncoder& enc, Buffer coords, Buffer queries, Buffer first,
+                       Buffer rows, Buffer table, Buffer minrow, Buffer slot_of, uint32_t n,
+                       uint32_t q, uint32_t slots);
 
 }  // namespace mlx_lattice::gpu

@@ -8,6 +8,12 @@ MLX's dense ``mx.conv_general`` on a scattered grid.
 from __future__ import annotations
 
 import itertools
+import os
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
 from types import SimpleNamespace
 
 import mlx.core as mx
@@ -131,3 +137,60 @@ def ref() -> SimpleNamespace:
         dense_conv=dense_conv,
         brute_force_pool=brute_force_pool,
     )
+
+
+# The child of ``conv_per_isa``: one forward convolution of the saved case in
+# the given dtype, its output as 16-bit patterns, and the paths that ran it.
+_CONV_CHILD = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+data = np.load(sys.argv[1])
+dtype = getattr(mx, sys.argv[3])
+rel = build_kernel_relation(data["coords"], kernel_size=3)
+f = mx.array(data["f"]).astype(dtype)
+w = mx.array(data["w"]).astype(dtype)
+out = ops.sparse_conv_features_from_relation(f, w, rel).view(mx.uint16)
+np.savez(
+    sys.argv[2], out=np.array(out), bf16=ext.bf16_isa(), fp16=ext.fp16_isa(), gemm=ext.gemm_isa()
+)
+"""
+
+
+@pytest.fixture
+def conv_per_isa(tmp_path: Path) -> Callable[..., dict[str, dict[str, object]]]:
+    """Runs one half-precision forward convolution once per ISA ceiling.
+
+    The micro-kernels are picked once per process, so each ceiling
+    (``MLX_LATTICE_GEMM_ISA``) runs in a child Python (under
+    ``MLX_LATTICE_TEST_LAUNCHER`` when set, e.g. qemu for tools/arm64).
+    ``run(coords, f, w, dtype, isas)`` returns, per ISA name, ``out`` (the
+    output's uint16 bit patterns) and the paths the child used: ``bf16``,
+    ``fp16`` (``ext.bf16_isa()``, ``ext.fp16_isa()``) and ``gemm``.
+    """
+
+    def run(
+        coords: np.ndarray, f: np.ndarray, w: np.ndarray, dtype: str, isas: Iterable[str]
+    ) -> dict[str, dict[str, object]]:
+        case = tmp_path / "case.npz"
+        np.savez(case, coords=coords, f=f, w=w)
+        launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+        results = {}
+        for isa in isas:
+            out = tmp_path / f"{isa}.npz"
+            subprocess.run(
+                [*launcher, sys.executable, "-c", _CONV_CHILD, str(case), str(out), dtype],
+                env=dict(os.environ, MLX_LATTICE_GEMM_ISA=isa),
+                check=True,
+            )
+            with np.load(out) as data:
+                results[isa] = {
+                    "out": data["out"],
+                    **{key: str(data[key]) for key in ("bf16", "fp16", "gemm")},
+                }
+        return results
+
+    return run

@@ -139,12 +139,14 @@ void bind_ops(nb::module_& m) {
         "Set the number of threads of the CPU kernels (>= 1).");
   m.def("get_num_threads", &get_num_threads,
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
-  m.def("bf16_isa", &kernels::bf16_isa,
-        "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps), 'neon-bf16' "
-        "(BFMLALB/T) or 'float32' (converted to float32).");
-  m.def("fp16_isa", &kernels::fp16_isa,
-        "The float16 forward convolution's kernel: 'neon-fhm' (FMLAL/FMLAL2) or 'float32' "
-        "(converted to float32).");
+  m.def(
+      "bf16_isa", [] { return kernels::half_isa(kernels::FloatFormat::kBF16); },
+      "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps), 'neon-bf16' "
+      "(BFMLALB/T) or 'float32' (converted to float32).");
+  m.def(
+      "fp16_isa", [] { return kernels::half_isa(kernels::FloatFormat::kF16); },
+      "The float16 forward convolution's kernel: 'neon-fhm' (FMLAL/FMLAL2) or 'float32' "
+      "(converted to float32).");
   m.def("int8_isa", &kernels::int8_isa,
         "The int8 micro-kernel in use: 'avx512-vnni', 'avx-vnni' or 'scalar'.");
   m.def("gemm_isa", &gemm_isa,

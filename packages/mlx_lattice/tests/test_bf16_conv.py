@@ -5,11 +5,7 @@ rounding; the same bits for any thread count."""
 
 from __future__ import annotations
 
-import os
 import platform
-import shlex
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -120,23 +116,7 @@ def test_same_bits_for_any_thread_count(rng):
         np.testing.assert_array_equal(r.view(np.uint32), results[0].view(np.uint32))
 
 
-_FALLBACK_SCRIPT = """
-import sys
-import mlx.core as mx
-import numpy as np
-from mlx_lattice._native import ext
-from mlx_lattice.core import build_kernel_relation, ops
-
-data = np.load(sys.argv[1])
-rel = build_kernel_relation(data["coords"], kernel_size=3)
-f = mx.array(data["f"]).astype(mx.bfloat16)
-w = mx.array(data["w"]).astype(mx.bfloat16)
-out = ops.sparse_conv_features_from_relation(f, w, rel).astype(mx.float32)
-np.savez(sys.argv[2], out=np.array(out), isa=ext.bf16_isa())
-"""
-
-
-def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
+def test_float32_fallback_agrees_within_one_bf16_rounding(rng, conv_per_isa):
     """With the ISA capped below the bf16 block (MLX_LATTICE_GEMM_ISA) bf16
     runs through float32; both paths agree within one bf16 step of the
     result plus the float32 accumulation bound (they add in different
@@ -146,24 +126,13 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
     coords = coords.astype(np.int32)
     f = bf16_values(bf16_bits(rng.standard_normal((len(coords), 48)).astype(np.float32)))
     w = bf16_values(bf16_bits(rng.standard_normal((27, 48, 40)).astype(np.float32) * 0.2))
-    np.savez(tmp_path / "in.npz", coords=coords, f=f, w=w)
-    results = {}
     # The bf16 block of this architecture and a level below it.
     aarch64 = platform.machine() in ("aarch64", "arm64")
     fast, capped = ("neon-bf16", "neon-i8mm") if aarch64 else ("avx512-bf16", "avx512f")
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))  # tools/arm64
-    for isa in (fast, capped):
-        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
-        out = tmp_path / f"{isa}.npz"
-        subprocess.run(
-            [*launcher, sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "in.npz"), str(out)],
-            env=env,
-            check=True,
-        )
-        results[isa] = np.load(out)
-    assert str(results[capped]["isa"]) == "float32"
-    a = results[fast]["out"].astype(np.float64)
-    b = results[capped]["out"].astype(np.float64)
+    results = conv_per_isa(coords, f, w, "bfloat16", (fast, capped))
+    assert results[capped]["bf16"] == "float32"
+    a = bf16_values(results[fast]["out"]).astype(np.float64)
+    b = bf16_values(results[capped]["out"]).astype(np.float64)
     rel = build_kernel_relation(coords, kernel_size=3)
     mag = np.zeros(a.shape)
     k_ids = np.array(rel.edges.kernel_ids)
@@ -176,4 +145,4 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, tmp_path):
     # Which path each process ran is checked by name, not by a != b: the two
     # orders differ in float32's last bits, which seldom cross a bf16
     # rounding boundary, so for some seeds (1330351057) every output agrees.
-    assert str(results[fast]["isa"]) in (fast, "float32")
+    assert results[fast]["bf16"] in (fast, "float32")

@@ -7,11 +7,6 @@ inputs, not float16 arithmetic."""
 
 from __future__ import annotations
 
-import os
-import shlex
-import subprocess
-import sys
-
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -106,39 +101,13 @@ def test_same_bits_for_any_thread_count(rng):
         np.testing.assert_array_equal(r, results[0])
 
 
-_FALLBACK_SCRIPT = """
-import sys
-import mlx.core as mx
-import numpy as np
-from mlx_lattice._native import ext
-from mlx_lattice.core import build_kernel_relation, ops
-
-data = np.load(sys.argv[1])
-rel = build_kernel_relation(data["coords"], kernel_size=3)
-f = mx.array(data["f"]).astype(mx.float16)
-w = mx.array(data["w"]).astype(mx.float16)
-out = ops.sparse_conv_features_from_relation(f, w, rel).view(mx.uint16)
-np.savez(sys.argv[2], out=np.array(out), isa=ext.fp16_isa(), gemm=ext.gemm_isa())
-"""
-
-
 @needs_fhm
-def test_float32_fallback_gives_the_same_bits(rng, tmp_path):
+def test_float32_fallback_gives_the_same_bits(rng, conv_per_isa):
     """Capped below neon-fhm (MLX_LATTICE_GEMM_ISA=neon-dotprod), float16
     runs through the float32 NEON path: the same chain, the same bits."""
     coords, _, f, w = make_case(rng, 48, 40)
-    np.savez(tmp_path / "in.npz", coords=coords, f=f, w=w)
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
-    results = {}
-    for isa in ("neon-fhm", "neon-dotprod"):
-        out = tmp_path / f"{isa}.npz"
-        subprocess.run(
-            [*launcher, sys.executable, "-c", _FALLBACK_SCRIPT, str(tmp_path / "in.npz"), str(out)],
-            env=dict(os.environ, MLX_LATTICE_GEMM_ISA=isa),
-            check=True,
-        )
-        results[isa] = np.load(out)
-    assert str(results["neon-fhm"]["isa"]) == "neon-fhm"
-    assert str(results["neon-dotprod"]["isa"]) == "float32"
-    assert str(results["neon-dotprod"]["gemm"]) == "neon-fma"
+    results = conv_per_isa(coords, f, w, "float16", ("neon-fhm", "neon-dotprod"))
+    assert results["neon-fhm"]["fp16"] == "neon-fhm"
+    assert results["neon-dotprod"]["fp16"] == "float32"
+    assert results["neon-dotprod"]["gemm"] == "neon-fma"
     np.testing.assert_array_equal(results["neon-fhm"]["out"], results["neon-dotprod"]["out"])

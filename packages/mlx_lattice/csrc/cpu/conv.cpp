@@ -21,16 +21,16 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              const auto& a = in[0];
              const auto& b = in[1];
              const Relation& r = *rel;
-             const bool half = a.dtype() == b.dtype() && o.dtype() == a.dtype();
-             const bool bf16 = half && a.dtype() == mx::bfloat16 && kernels::bf16_conv_available();
-             const bool fp16 = half && a.dtype() == mx::float16 && kernels::fp16_conv_available();
-             if (mode == Mode::kForward && (bf16 || fp16)) {
+             const auto format = cpu::format_of(a.dtype());
+             const bool half = a.dtype() == b.dtype() && o.dtype() == a.dtype() &&
+                               kernels::half_conv_available(format);
+             if (mode == Mode::kForward && half) {
                // Half x half -> float32 tiles (cpu/gemm_bf16.h).
                kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
-               (bf16 ? kernels::bf16_conv : kernels::fp16_conv)(
-                   a.data<uint16_t>(), a.shape(0), a.shape(1), b.data<uint16_t>(), r.n_kernels,
-                   b.shape(2), csr, idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids),
-                   o.data<uint16_t>());
+               kernels::half_conv(format, a.data<uint16_t>(), a.shape(0), a.shape(1),
+                                  b.data<uint16_t>(), r.n_kernels, b.shape(2), csr,
+                                  idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids),
+                                  o.data<uint16_t>());
                return;
              }
              if (mode == Mode::kForward && a.dtype() == o.dtype() && a.dtype() != mx::float32) {

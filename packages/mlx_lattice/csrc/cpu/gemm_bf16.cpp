@@ -161,14 +161,11 @@ constexpr HalfEntry kFp16Table[] = {
 #endif
     {isa::Isa::kScalar, nullptr, nullptr}};
 
-const HalfEntry& bf16_entry() {
-  static const HalfEntry& entry = isa::pick(kBf16Table);
-  return entry;
-}
-
-const HalfEntry& fp16_entry() {
-  static const HalfEntry& entry = isa::pick(kFp16Table);
-  return entry;
+// The entry picked for a storage format (kBF16 or kF16) at first use.
+const HalfEntry& entry_for(FloatFormat format) {
+  static const HalfEntry& bf16 = isa::pick(kBf16Table);
+  static const HalfEntry& fp16 = isa::pick(kFp16Table);
+  return format == FloatFormat::kBF16 ? bf16 : fp16;
 }
 
 struct Scratch {
@@ -189,7 +186,7 @@ struct Buffers {
 
 // The tile driver shared by every half-precision block (one entry's block and
 // rounding): weight packing, per-tile edge sort by offset, float32 tile.
-void half_conv(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int64_t cin,
+void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int64_t cin,
                const uint16_t* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                uint16_t* out) {
@@ -253,32 +250,21 @@ void half_conv(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int6
 
 }  // namespace
 
-bool bf16_conv_available() { return bf16_entry().block != nullptr; }
-
-const char* bf16_isa() {
-  return bf16_conv_available() ? isa::isa_name(bf16_entry().isa) : "float32";
+bool half_conv_available(FloatFormat format) {
+  return format != FloatFormat::kF32 && entry_for(format).block != nullptr;
 }
 
-void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
-               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
-  if (!bf16_conv_available()) return;
-  half_conv(bf16_entry(), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
-            kernel_ids, out);
+const char* half_isa(FloatFormat format) {
+  return half_conv_available(format) ? isa::isa_name(entry_for(format).isa) : "float32";
 }
 
-bool fp16_conv_available() { return fp16_entry().block != nullptr; }
-
-const char* fp16_isa() {
-  return fp16_conv_available() ? isa::isa_name(fp16_entry().isa) : "float32";
-}
-
-void fp16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
-               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
-  if (!fp16_conv_available()) return;
-  half_conv(fp16_entry(), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
-            kernel_ids, out);
+void half_conv(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t cin,
+               const uint16_t* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
+               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
+               uint16_t* out) {
+  if (!half_conv_available(format)) return;
+  conv_tiles(entry_for(format), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
+             kernel_ids, out);
 }
 
 }  // namespace mlx_lattice::kernels

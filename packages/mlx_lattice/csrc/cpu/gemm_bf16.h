@@ -25,26 +25,23 @@
 
 namespace mlx_lattice::kernels {
 
-// Whether bf16_conv runs here (a bf16 block present and allowed by
-// MLX_LATTICE_GEMM_ISA); otherwise callers use the float32 path.
-bool bf16_conv_available();
+// Whether half_conv runs `format` (kBF16 or kF16) here: a block for it
+// present and allowed by MLX_LATTICE_GEMM_ISA; otherwise callers use the
+// float32 path. Always false for kF32.
+bool half_conv_available(FloatFormat format);
 
-// The bf16 block's ISA name ("avx512-bf16", "neon-bf16"), or "float32".
-const char* bf16_isa();
+// The block's ISA name for `format` ("avx512-bf16", "neon-bf16" for bf16;
+// "neon-fhm" for fp16), or "float32".
+const char* half_isa(FloatFormat format);
 
-// out (n_out, cout) bfloat16, overwritten: out[o] = sum over edges e of o of
-// F[a_index[e]] @ W[kernel_ids[e]], F bf16 (n_in, cin), W bf16 (K, cin, cout),
-// accumulated in a float32 tile and rounded to bf16 (nearest even) once per
-// tile. c_index must be the output CSR's own rows (a forward convolution).
-void bf16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
-               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out);
-
-// The same for float16 (FEAT_FHM's FMLAL/FMLAL2; "neon-fhm" or "float32").
-bool fp16_conv_available();
-const char* fp16_isa();
-void fp16_conv(const uint16_t* feats, int64_t n_in, int64_t cin, const uint16_t* weight,
-               int64_t n_kernels, int64_t cout, const Csr& csr, const int32_t* a_index,
-               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out);
+// out (n_out, cout) in `format`, overwritten: out[o] = sum over edges e of o
+// of F[a_index[e]] @ W[kernel_ids[e]], F (n_in, cin) and W (K, cin, cout)
+// stored in `format`, accumulated in a float32 tile and rounded (nearest
+// even) once per tile. c_index must be the output CSR's own rows (a forward
+// convolution). Does nothing where half_conv_available(format) is false.
+void half_conv(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t cin,
+               const uint16_t* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
+               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
+               uint16_t* out);
 
 }  // namespace mlx_lattice::kernels

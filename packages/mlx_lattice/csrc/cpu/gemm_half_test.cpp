@@ -117,9 +117,9 @@ void check_conv(std::mt19937& gen, bool bf16, int64_t cin, int64_t cout, int64_t
   for (size_t i = 0; i < f.size(); ++i) fb[i] = f[i].bits;
   for (size_t i = 0; i < w.size(); ++i) wb[i] = w[i].bits;
   const k::Csr csr{offsets.data(), nullptr, n_out};
-  (bf16 ? k::bf16_conv : k::fp16_conv)(fb.data(), n_in, cin, wb.data(), n_kernels, cout, csr,
-                                       a_index.data(), c_index.data(), kernel_ids.data(),
-                                       out.data());
+  k::half_conv(bf16 ? k::FloatFormat::kBF16 : k::FloatFormat::kF16, fb.data(), n_in, cin,
+               wb.data(), n_kernels, cout, csr, a_index.data(), c_index.data(), kernel_ids.data(),
+               out.data());
   for (int64_t o = 0; o < n_out; ++o) {
     for (int64_t x = 0; x < cout; ++x) {
       float acc = 0.0f;
@@ -151,11 +151,13 @@ void check_conv(std::mt19937& gen, bool bf16, int64_t cin, int64_t cout, int64_t
 
 int run(const char* ceiling, const char* want_bf16, const char* want_fp16) {
   if (ceiling) setenv("MLX_LATTICE_GEMM_ISA", ceiling, 1);
-  if (!want_bf16) want_bf16 = k::bf16_isa();
-  if (!want_fp16) want_fp16 = k::fp16_isa();
-  if (std::strcmp(k::bf16_isa(), want_bf16) != 0 || std::strcmp(k::fp16_isa(), want_fp16) != 0) {
+  const char* bf16_path = k::half_isa(k::FloatFormat::kBF16);
+  const char* fp16_path = k::half_isa(k::FloatFormat::kF16);
+  if (!want_bf16) want_bf16 = bf16_path;
+  if (!want_fp16) want_fp16 = fp16_path;
+  if (std::strcmp(bf16_path, want_bf16) != 0 || std::strcmp(fp16_path, want_fp16) != 0) {
     std::fprintf(stderr, "FAIL ceiling %s: paths bf16 %s fp16 %s, expected %s %s\n", ceiling,
-                 k::bf16_isa(), k::fp16_isa(), want_bf16, want_fp16);
+                 bf16_path, fp16_path, want_bf16, want_fp16);
     return 1;
   }
   const unsigned seed = 20261202u;
@@ -165,7 +167,8 @@ int run(const char* ceiling, const char* want_bf16, const char* want_fp16) {
   const int64_t shapes[][2] = {{1, 1}, {2, 3}, {7, 33}, {19, 70}, {32, 16}, {64, 64}, {3, 8}};
   int cases = 0;
   for (bool bf16 : {true, false}) {
-    if (!(bf16 ? k::bf16_conv_available() : k::fp16_conv_available())) continue;
+    const auto format = bf16 ? k::FloatFormat::kBF16 : k::FloatFormat::kF16;
+    if (!k::half_conv_available(format)) continue;
     for (const auto& s : shapes) {
       check_conv(gen, bf16, s[0], s[1], 150, 300, 27);
       ++cases;

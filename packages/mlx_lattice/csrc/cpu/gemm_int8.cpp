@@ -313,19 +313,14 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
   w.codes.assign(n_kernels * w.quads * w.cout_pad * 4, 0);
   w.scales.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
   w.biases.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
-  const uint32_t value_mask = (1u << bits) - 1u;
   parallel_for(n_kernels, [&](int64_t k) {
     for (int64_t o = 0; o < cout; ++o) {
       const int64_t row = k * cout + o;
       const uint8_t* p = packed + row * row_bytes;
       // Channels past cin stay 0 (their activations are 0 too).
       for (int64_t c = 0; c < cin; ++c) {
-        const int64_t bit = c * bits;
-        const int64_t byte = bit >> 3;
-        uint32_t v = p[byte];
-        if (byte + 1 < row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
         w.codes[((k * w.quads + c / 4) * w.cout_pad + o) * 4 + c % 4] =
-            static_cast<uint8_t>((v >> (bit & 7)) & value_mask);
+            static_cast<uint8_t>(unpack_code(p, row_bytes, c, bits));
       }
       for (int64_t g = 0; g < w.groups; ++g) {
         w.scales[(k * w.groups + g) * w.cout_pad + o] = scales[row * w.groups + g];

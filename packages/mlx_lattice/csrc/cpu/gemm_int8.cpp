@@ -413,10 +413,13 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     s.c_ptrs.resize(n_tile);
     int32_t* rows = s.rows.data();
     float** c_ptrs = s.c_ptrs.data();
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-      rows[slot] = a_index[e];
-      c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
-    });
+    // Captured by value: with references every store below would reload
+    // the pointers (the library builds with -fno-strict-aliasing).
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges,
+                    [rows, c_ptrs, a_index, c_index, out, cout](int32_t slot, int32_t e) {
+                      rows[slot] = a_index[e];
+                      c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+                    });
     const auto& counts = s.edges.counts;
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;

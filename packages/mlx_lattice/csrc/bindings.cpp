@@ -246,14 +246,14 @@ Row ``r`` of the view is output row ``view.reorder_rows[r]``; with
   m.def(
       "sparse_quantized_conv_features",
       [](const mx::array& feats, nb::handle weight, nb::handle relation, int act_bits,
-         mx::StreamOrDevice s) {
+         float act_scale, mx::StreamOrDevice s) {
         auto q = quantized_from(weight);
         auto rel = relation_from(relation);
         nb::gil_scoped_release unlocked;
-        return sparse_quantized_conv_features(feats, q, rel, act_bits, s);
+        return sparse_quantized_conv_features(feats, q, rel, act_bits, act_scale, s);
       },
       "feats"_a, "weight"_a, "relation"_a, nb::kw_only(), "act_bits"_a = 0,
-      "stream"_a = nb::none(),
+      "act_scale"_a = 0.0f, "stream"_a = nb::none(),
       R"pbdoc(
 Sparse convolution with a group-affine ``QuantizedWeight``.
 
@@ -263,7 +263,9 @@ in ``mx.quantize``'s layout with ``scales``/``biases`` of shape
 inside the kernel; differentiable in ``feats``. ``act_bits=8`` quantizes the
 features per row (symmetric, dynamic scale max|row| / 127) and runs an
 int8 x uint8 -> int32 GEMM with a float32 epilogue (CPU only); its gradient
-is the float-activation one (straight-through).
+is the float-activation one (straight-through). ``act_scale > 0`` replaces the
+dynamic per-row scales by one static scale for every row (values beyond
+``127 * act_scale`` saturate).
 )pbdoc");
 
   m.def(

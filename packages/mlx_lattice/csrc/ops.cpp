@@ -2,6 +2,7 @@
 #include "ops.h"
 
 #include <algorithm>
+#include <cmath>
 #include <memory>
 #include <sstream>
 #include <string>
@@ -170,7 +171,7 @@ mx::array sparse_conv_features_sorted_implicit_gemm(const mx::array& feats,
 
 mx::array sparse_quantized_conv_features(const mx::array& feats, const QuantizedArrays& q,
                                          const RelationArrays& relation, int act_bits,
-                                         mx::StreamOrDevice s) {
+                                         float act_scale, mx::StreamOrDevice s) {
   const std::string op = "sparse_quantized_conv_features";
   auto stream = mx::to_stream(s);
   auto rel = validated_relation(op, relation);
@@ -215,8 +216,19 @@ mx::array sparse_quantized_conv_features(const mx::array& feats, const Quantized
   if (act_bits == 8 && stream.device == mx::Device::gpu) {
     fail(op, "act_bits=8 runs on the CPU stream only.");
   }
+  if (!std::isfinite(act_scale) || act_scale < 0.0f) {
+    fail(op, "act_scale must be a finite positive static activation scale (or 0: dynamic "
+             "per-row scales), got " + [&] {
+           std::ostringstream os;
+           os << act_scale;
+           return os.str();
+         }() + ".");
+  }
+  if (act_scale != 0.0f && act_bits != 8) {
+    fail(op, "act_scale (a static activation scale) needs act_bits=8.");
+  }
   QuantSpec spec{q.in_channels, q.out_channels, q.storage_in_channels, q.group_size, bits,
-                 act_bits};
+                 act_bits, act_scale};
   return mx::astype(make_quantized(feats, {q.packed, q.scales, q.biases}, rel, spec, stream),
                     feats.dtype(), stream);
 }

@@ -32,11 +32,12 @@ mx::array sparse_conv_features_sorted_implicit_gemm(const mx::array& feats,
                                                     const SortedArrays& view, bool store_sorted,
                                                     mx::StreamOrDevice s = {});
 
-// act_bits: 0 keeps float activations; 8 quantizes them per row (symmetric,
-// dynamic) and runs the integer GEMM (CPU only).
+// act_bits: 0 keeps float activations; 8 quantizes them to int8 (symmetric)
+// and runs the integer GEMM (CPU only): per row with a dynamic scale when
+// act_scale is 0, otherwise with the one static scale act_scale (> 0, finite).
 mx::array sparse_quantized_conv_features(const mx::array& feats, const QuantizedArrays& weight,
                                          const RelationArrays& relation, int act_bits = 0,
-                                         mx::StreamOrDevice s = {});
+                                         float act_scale = 0.0f, mx::StreamOrDevice s = {});
 
 mx::array sparse_conv_normalization_denominator(const mx::array& weight,
                                                 const RelationArrays& relation,

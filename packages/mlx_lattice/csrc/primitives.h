@@ -91,6 +91,9 @@ struct QuantSpec {
   // 0: float activations (weights dequantized); 8: activations quantized to
   // int8 per row and an integer GEMM (cpu/gemm_int8.h; CPU only).
   int act_bits = 0;
+  // With act_bits 8: 0 quantizes each row with its own dynamic scale; a
+  // positive value is one static scale for every row (validated in ops.cpp).
+  float act_scale = 0.0f;
   bool operator==(const QuantSpec&) const = default;
 };
 

@@ -272,6 +272,7 @@ std::vector<array> SparseQuantizedConv::jvp(const std::vector<array>& primals,
   // (straight-through, as the vjp).
   QuantSpec linear = spec_;
   linear.act_bits = 0;
+  linear.act_scale = 0.0f;
   auto out = make_quantized(tf ? *tf : primals[0], quant, rel_, linear, stream());
   return {tf ? out : mx::zeros_like(out, stream())};
 }

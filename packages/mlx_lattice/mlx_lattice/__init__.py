@@ -14,7 +14,7 @@
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
 from mlx_lattice.nn import to_quantized
-from mlx_lattice.quantize import QuantizationReport, quantize
+from mlx_lattice.quantize import QuantizationReport, calibrate_activation_scales, quantize
 from mlx_lattice.tensor import CoordinateManager, SparseTensor, SparseTensorError, sparse_collate
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "SparseTensor",
     "SparseTensorError",
     "__version__",
+    "calibrate_activation_scales",
     "get_num_threads",
     "quantize",
     "set_num_threads",

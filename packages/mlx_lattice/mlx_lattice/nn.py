@@ -8,7 +8,8 @@ any MLX model. Convolution weights are ``(Cout, kx, ky, kz, Cin)``.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -17,7 +18,12 @@ import numpy as np
 
 from mlx_lattice import fused, ops
 from mlx_lattice.core import ops as core_ops
-from mlx_lattice.core.quantized import SUPPORTED_BITS, SUPPORTED_GROUP_SIZES, QuantizedWeight
+from mlx_lattice.core.quantized import (
+    SUPPORTED_BITS,
+    SUPPORTED_GROUP_SIZES,
+    QuantizedWeight,
+    check_act_scale,
+)
 from mlx_lattice.core.relations import normalize_triple
 from mlx_lattice.tensor import SparseTensor
 
@@ -85,12 +91,15 @@ class QuantSettings:
 
     ``act_bits``: inputs are fake-quantized to signed ``act_bits`` integers
     per row (symmetric, dynamic) before the product; ``None`` keeps them float.
+    ``act_static``: one calibrated static activation scale for every row
+    instead (:class:`QuantizedConv` only).
     """
 
     group_size: int
     bits: int
     storage_in_channels: int
     act_bits: int | None = None
+    act_static: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,19 +149,26 @@ def _config(
     )
 
 
-def fake_quantize_rows(x: mx.array, bits: int) -> mx.array:
+def fake_quantize_rows(x: mx.array, bits: int, *, scale: float | None = None) -> mx.array:
     """Symmetric dynamic quantize-dequantize of each row of ``x`` to signed ``bits``.
 
     ``scale = max|row| / (2**(bits-1) - 1)``, ``round(x / scale) * scale``;
     an all-zero row stays zero. This models an integer activation path; the
     arithmetic stays in float (the integer kernel is a separate issue). The
     gradient passes straight through (the identity), so layers before a
-    fake-quantized one still train.
+    fake-quantized one still train. A given ``scale`` (finite, > 0) is one
+    static scale for every row; values beyond ``qmax * scale`` saturate.
 
     >>> fake_quantize_rows(mx.array([[1.0, -0.5, 0.26]]), 2).tolist()
     [[1.0, -0.0, 0.0]]
+    >>> fake_quantize_rows(mx.array([[1.0, -0.5, 0.26]]), 2, scale=0.25).tolist()
+    [[0.25, -0.25, 0.25]]
     """
     qmax = float(2 ** (bits - 1) - 1)
+    if scale is not None:
+        static = mx.array(check_act_scale(scale, "scale"), dtype=x.dtype)
+        quantized = mx.clip(mx.round(x / static), -qmax, qmax) * static
+        return x + mx.stop_gradient(quantized - x)
     scale = mx.max(mx.abs(x), axis=-1, keepdims=True) / qmax
     safe = mx.where(scale > 0, scale, mx.ones_like(scale))
     quantized = mx.clip(mx.round(x / safe), -qmax, qmax) * safe
@@ -402,6 +418,13 @@ class QuantizedConv(_SparseConv):
     integer kernel (int8 activations x weight codes -> int32, a float
     epilogue), otherwise the features are fake-quantized
     (:func:`fake_quantize_rows`) before a float-activation convolution.
+
+    ``act_static=True`` (with ``act_bits``): one static activation scale for
+    every row, the array ``act_scale`` of the module (saved and loaded with
+    the model; 0 until :func:`mlx_lattice.calibrate_activation_scales` sets
+    it from the inputs of a few batches). The integer kernel then applies the
+    scale once per output row instead of once per edge and skips the per-row
+    maximum. Calling an uncalibrated layer raises ``ValueError``.
     """
 
     def __init__(
@@ -410,18 +433,24 @@ class QuantizedConv(_SparseConv):
         weight: QuantizedWeight,
         bias: mx.array | None,
         act_bits: int | None = None,
+        act_static: bool = False,
     ) -> None:
         mlx_nn.Module.__init__(self)
         if config.eps is not None:
             raise ValueError("weight-normalized convolutions are not quantized (eps is set).")
         _check_act_bits(act_bits)
+        if act_static and act_bits is None:
+            raise ValueError("act_static (a static activation scale) needs act_bits.")
         self.config = config
         self.weight = weight.weight
         self.scales = weight.scales
         self.biases = weight.biases
         self.quantization = QuantSettings(
-            weight.group_size, weight.bits, weight.storage_in_channels, act_bits
+            weight.group_size, weight.bits, weight.storage_in_channels, act_bits, bool(act_static)
         )
+        if act_static:
+            # 0: not calibrated yet (a calibrated scale is > 0).
+            self.act_scale = mx.array(0.0, dtype=mx.float32)
         if bias is not None:
             self.bias = bias
         self.freeze()
@@ -434,20 +463,21 @@ class QuantizedConv(_SparseConv):
         bits: int = 4,
         group_size: int = 64,
         act_bits: int | None = None,
+        act_static: bool = False,
     ) -> QuantizedConv:
         """Quantize a float convolution layer's weight (``Cin`` zero-padded to a
         multiple of ``group_size`` in storage)."""
         if isinstance(conv, QuantizedConv):
             raise ValueError("conv is already quantized.")
         qw = QuantizedWeight.from_float(conv.weight, bits=bits, group_size=group_size)
-        return cls(conv.config, qw, conv.get("bias"), act_bits)
+        return cls(conv.config, qw, conv.get("bias"), act_bits, act_static)
 
     def _integer_kernel(self) -> bool:
         # int8 activations run the native int8 x weight-code kernel on the CPU;
         # other widths, and other devices, fake-quantize in MLX ops.
         return self.quantization.act_bits == 8 and mx.default_device() == mx.cpu
 
-    def _weight(self) -> QuantizedWeight:
+    def _weight(self, *, for_call: bool = True) -> QuantizedWeight:
         q = self.quantization
         group_size, bits, storage = q.group_size, q.bits, q.storage_in_channels
         return QuantizedWeight(
@@ -460,18 +490,55 @@ class QuantizedConv(_SparseConv):
             group_size,
             bits,
             act_bits=8 if self._integer_kernel() else None,
+            act_scale=self._static_scale() if for_call and self._integer_kernel() else None,
         )
+
+    def _static_scale(self) -> float | None:
+        """The calibrated static activation scale (None: dynamic scales, or
+        calibration in progress)."""
+        if not self.quantization.act_static or id(self) in _calibration_maxima:
+            return None
+        value = float(self.act_scale.item())
+        if value == 0.0:
+            raise ValueError(
+                "this QuantizedConv has a static activation scale that is not calibrated: run "
+                "mlx_lattice.calibrate_activation_scales(model, batches) first (or load "
+                "calibrated weights)."
+            )
+        return check_act_scale(value, "act_scale")
 
     def _input(self, x: SparseTensor) -> SparseTensor:
         bits = self.quantization.act_bits
+        if bits is not None and id(self) in _calibration_maxima:
+            peak = float(mx.max(mx.abs(x.feats)).item()) if x.feats.size else 0.0
+            if not math.isfinite(peak):
+                raise ValueError("calibration input has non-finite features.")
+            _calibration_maxima[id(self)] = max(_calibration_maxima[id(self)], peak)
         if bits is None or self._integer_kernel():
             return x
-        return x.replace(fake_quantize_rows(x.feats, bits))
+        return x.replace(fake_quantize_rows(x.feats, bits, scale=self._static_scale()))
 
     @property
     def nbytes(self) -> int:
         """Bytes of the packed weight, scales and biases."""
-        return self._weight().nbytes
+        return self._weight(for_call=False).nbytes
+
+
+# id(layer) -> max|input| seen, for the QuantizedConv layers being calibrated
+# (calibrating_activations); they run with dynamic scales meanwhile.
+_calibration_maxima: dict[int, float] = {}
+
+
+@contextmanager
+def calibrating_activations(layers: Sequence[QuantizedConv]) -> Iterator[dict[int, float]]:
+    """Record max|input| of ``layers`` (by ``id``) while inside the block."""
+    for layer in layers:
+        _calibration_maxima[id(layer)] = 0.0
+    try:
+        yield _calibration_maxima
+    finally:
+        for layer in layers:
+            _calibration_maxima.pop(id(layer), None)
 
 
 def _check_act_bits(act_bits: int | None) -> None:

@@ -7,15 +7,24 @@ Convolution layers resolve for op ``sparse_conv``, linear layers
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import mlx.core as mx
 import mlx.nn as mlx_nn
 
 import quantrules as qr
-from mlx_lattice.nn import QuantizedConv, QuantizedLinear, is_sparse_conv
+from mlx_lattice.nn import QuantizedConv, QuantizedLinear, calibrating_activations, is_sparse_conv
 
-__all__ = ["LINEAR_OP", "SPARSE_CONV_OP", "LayerQuantization", "QuantizationReport", "quantize"]
+__all__ = [
+    "LINEAR_OP",
+    "SPARSE_CONV_OP",
+    "LayerQuantization",
+    "QuantizationReport",
+    "calibrate_activation_scales",
+    "quantize",
+]
 
 #: The quantrules op name of every sparse convolution layer.
 SPARSE_CONV_OP = "sparse_conv"
@@ -41,6 +50,7 @@ class LayerQuantization:
     op: str = SPARSE_CONV_OP
     act_bits: int | None = None
     reason: str = ""
+    act_static: bool = False  # one calibrated activation scale (act_static_scale)
 
 
 @dataclass
@@ -126,10 +136,14 @@ def quantize(model: mlx_nn.Module, quant: Any, *, allow_growth: bool = False) ->
     rule's ``tile_size`` as group size (MLX's default group size without one).
 
     Activations: a rule that also sets ``act_qtype`` (a signed integer qtype)
-    makes the layer fake-quantize its input per row (symmetric, dynamic
-    scale; :func:`mlx_lattice.nn.fake_quantize_rows`) before the quantized
-    product; the report's ``act_bits`` and ``activations_quantized`` say so.
-    The arithmetic stays in float. An act-only rule (no ``weight_qtype``)
+    makes the layer quantize its input per row (symmetric, dynamic scale)
+    before the quantized product: int8 on the CPU runs the integer kernel,
+    other widths and devices fake-quantize
+    (:func:`mlx_lattice.nn.fake_quantize_rows`); the report's ``act_bits``
+    and ``activations_quantized`` say so. With ``act_static_scale=True`` a
+    convolution uses one static activation scale instead, which
+    :func:`calibrate_activation_scales` records before use (the scale is an
+    array of the layer, saved with the model). An act-only rule (no ``weight_qtype``)
     leaves the layer float, and the report gives that reason (as Qwix, which
     treats act-only rules as no-ops).
 
@@ -142,8 +156,8 @@ def quantize(model: mlx_nn.Module, quant: Any, *, allow_growth: bool = False) ->
         quantrules.UnsupportedQTypeError: a selected qtype MLX cannot
             represent (float8, nf4), a non-affine format, or an unsupported
             ``act_qtype``.
-        quantrules.RuleError: a selected rule sets ``act_static_scale`` or
-            stochastic rounding (they need stored statistics or a key).
+        quantrules.RuleError: a selected rule sets stochastic rounding (it
+            needs a key), or ``act_static_scale`` on a linear layer.
     """
     report = QuantizationReport()
     replacements = []
@@ -181,7 +195,10 @@ def quantize(model: mlx_nn.Module, quant: Any, *, allow_growth: bool = False) ->
             report.layers.append(kept)
             continue
         rule = res.rule
+        act_static = bool(rule.act_static_scale) and op == SPARSE_CONV_OP
         for unsupported in rule.unsupported_stateless_fields():
+            if unsupported == "act_static_scale" and act_static:
+                continue  # a calibrated scale stored in the layer
             raise qr.RuleError(
                 f"{path}: rule #{res.index} sets {unsupported}, which mlx_lattice.quantize does "
                 "not support (it needs stored calibration statistics or a random key)."
@@ -203,7 +220,11 @@ def quantize(model: mlx_nn.Module, quant: Any, *, allow_growth: bool = False) ->
             )
         if op == SPARSE_CONV_OP:
             layer = QuantizedConv.from_conv(
-                module, bits=args["bits"], group_size=args["group_size"], act_bits=act_bits
+                module,
+                bits=args["bits"],
+                group_size=args["group_size"],
+                act_bits=act_bits,
+                act_static=act_static,
             )
         else:
             layer = QuantizedLinear.from_linear(
@@ -230,6 +251,7 @@ def quantize(model: mlx_nn.Module, quant: Any, *, allow_growth: bool = False) ->
                 layer.nbytes,
                 op,
                 act_bits,
+                act_static=act_static,
             )
         )
     for name, layer in replacements:
@@ -249,3 +271,60 @@ def _replace(model: mlx_nn.Module, name: str, layer: mlx_nn.Module) -> None:
         setattr(node, last, layer)
     else:  # a plain dict of layers
         node[last] = layer
+
+
+def calibrate_activation_scales(
+    model: mlx_nn.Module,
+    batches: Iterable[Any],
+    forward: Callable[[mlx_nn.Module, Any], Any] | None = None,
+) -> dict[str, float]:
+    """Set the static activation scale of every ``act_static`` layer of ``model``.
+
+    Runs ``forward(model, batch)`` (default ``model(batch)``) for each batch,
+    records the largest ``|x|`` each such :class:`~mlx_lattice.nn.QuantizedConv`
+    sees at its input (the layers use dynamic scales meanwhile) and sets its
+    ``act_scale`` to ``max|x| / (2**(act_bits-1) - 1)``. Returns the scales by
+    module path.
+
+    Raises:
+        ValueError: no layer has a static scale, a layer saw no (or only
+            zero) input, or an input was not finite.
+
+    >>> import mlx_lattice.nn as nn
+    >>> from mlx_lattice.tensor import SparseTensor
+    >>> model = nn.Sequential(nn.SubMConv3d(32, 8))
+    >>> rule = qr.Rule(weight_qtype="int8", act_qtype="int8", act_static_scale=True, tile_size=32)
+    >>> _ = quantize(model, rule)
+    >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
+    >>> x = SparseTensor(coords, mx.full((2, 32), 2.54))
+    >>> calibrate_activation_scales(model, [x])
+    {'layers/0': 0.019999999552965164}
+    """
+    layers = {
+        _module_path(name): module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedConv) and module.quantization.act_static
+    }
+    if not layers:
+        raise ValueError(
+            "model has no layer with a static activation scale (quantize it with a rule that "
+            "sets act_qtype and act_static_scale=True)."
+        )
+    with calibrating_activations(list(layers.values())) as maxima:
+        seen = False
+        for batch in batches:
+            seen = True
+            mx.eval(forward(model, batch) if forward is not None else model(batch))
+        if not seen:
+            raise ValueError("batches is empty: calibration needs at least one batch.")
+        peaks = {path: maxima[id(layer)] for path, layer in layers.items()}
+    scales = {}
+    for path, layer in layers.items():
+        if peaks[path] <= 0.0:
+            raise ValueError(
+                f"{path}: saw no non-zero input during calibration; its static scale is unset."
+            )
+        qmax = 2 ** (layer.quantization.act_bits - 1) - 1
+        layer.act_scale = mx.array(peaks[path] / qmax, dtype=mx.float32)
+        scales[path] = float(layer.act_scale.item())
+    return scales

@@ -41,15 +41,34 @@ def quantize_rows_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return q, scale
 
 
-def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel) -> np.ndarray:
+def quantize_static_ref(x: np.ndarray, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """One static scale S: q = rint(clip(x / S, -127, 127)) (float32
+    division); the per-row factor is 1 (NaN for a non-finite row)."""
+    x = x.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = np.rint(np.clip(x / np.float32(scale), -127, 127))
+    finite = np.isfinite(x).all(axis=1)
+    q[~finite] = 0
+    return q.astype(np.int64), np.where(finite, np.float32(1), np.float32(np.nan))
+
+
+def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel, static=None) -> np.ndarray:
     """The documented math (cpu/gemm_int8.h) in NumPy: exact int64 dot
     products, then the float32 epilogue one rounding per operation, offsets
-    ascending and groups ascending inside each offset."""
-    q, sa = quantize_rows_ref(feats)
+    ascending and groups ascending inside each offset. ``static``: the
+    static activation scale S, folded into the weight's scales and biases
+    (float32 products) instead of multiplying every edge."""
+    if static is None:
+        q, sa = quantize_rows_ref(feats)
+    else:
+        q, sa = quantize_static_ref(feats, static)
     cin, gs = qw.in_channels, qw.group_size
     codes = codes_ref(qw)[:, :, :cin]
     scales = np.array(qw.scales.astype(mx.float32))
     biases = np.array(qw.biases.astype(mx.float32))
+    if static is not None:
+        scales = (scales * np.float32(static)).astype(np.float32)
+        biases = (biases * np.float32(static)).astype(np.float32)
     in_rows = np.array(rel.edges.in_rows)
     out_rows = np.array(rel.edges.out_rows)
     kernel_ids = np.array(rel.edges.kernel_ids)
@@ -66,6 +85,7 @@ def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel) -> np.ndarray:
             t = acc.astype(np.float32) * scales[k, :, g]
             u = asum.astype(np.float32)[:, None] * biases[k, :, g]
             t = t + u
+            # Static: sa is 1 (exact, as the kernel leaving it out) or NaN.
             out[o] = out[o] + t * sa[i][:, None]
     return out
 
@@ -183,6 +203,10 @@ for bits, cout in ((8, 70), (4, 64)):
         mlx_lattice.set_num_threads(threads)
         out = ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8)
         results[f"w{bits}_t{threads}"] = np.array(out)
+        out = ops.sparse_quantized_conv_features_from_relation(
+            f, qw, rel, act_bits=8, act_scale=0.02
+        )
+        results[f"w{bits}_static_t{threads}"] = np.array(out)
 np.savez(sys.argv[1], **results)
 """
 
@@ -199,7 +223,8 @@ _INT8_PATHS = {
 
 def test_every_isa_path_and_thread_count_gives_the_same_bits(tmp_path, seed):
     """Each int8 micro-kernel of this architecture (forced by
-    MLX_LATTICE_GEMM_ISA) and 1, 2 or 3 threads give identical bits."""
+    MLX_LATTICE_GEMM_ISA) and 1, 2 or 3 threads give identical bits, with
+    dynamic and with static activation scales."""
     if not _INT8_PATHS:
         pytest.skip(f"no int8 micro-kernel for {platform.machine()}; scalar only")
     # Under user-mode emulation (tools/arm64) a child interpreter needs the
@@ -225,6 +250,117 @@ def test_every_isa_path_and_thread_count_gives_the_same_bits(tmp_path, seed):
         for key in base.files:
             if key != "isa":
                 np.testing.assert_array_equal(r[key], base[key], err_msg=f"{r['isa']} {key}")
+
+
+@pytest.mark.parametrize("saturate", [1.0, 0.4])
+@pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES)
+def test_static_scale_matches_int64_reference_bit_for_bit(rng, cin, cout, bits, group, saturate):
+    """One static activation scale S (calibrated max|F| / 127, or smaller so
+    that the largest rows saturate at +-127): the same bits as the NumPy
+    reference that applies S once per output row."""
+    rel, feats, qw = make_case(rng, 700, cin, cout, bits, group)
+    scale = np.float32(np.abs(feats).max() / 127 * saturate)
+    f = mx.array(feats)
+    out = ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8, act_scale=scale)
+    want = int8_conv_ref(feats, qw, rel, static=scale)
+    np.testing.assert_array_equal(np.array(out), want)
+    # The scale can also come with the weight (as a QuantizedConv passes it).
+    qs = QuantizedWeight(**{**qw.__dict__, "act_bits": 8, "act_scale": float(scale)})
+    np.testing.assert_array_equal(
+        np.array(ops.sparse_quantized_conv_features_from_relation(f, qs, rel)), want
+    )
+
+
+@pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES[:3])
+def test_static_scale_error_against_float(rng, cin, cout, bits, group):
+    """With S = max|F| / 127 nothing saturates: |int8 - float| is at most
+    sum over edges of (S / 2) * sum_c |w[k, c, x]| plus float32 rounding; a
+    static scale is coarser than per-row ones for the small rows, so the
+    error is larger than the dynamic path's but within that bound."""
+    rel, feats, qw = make_case(rng, 700, cin, cout, bits, group)
+    scale = np.float32(np.abs(feats).max() / 127)
+    f = mx.array(feats)
+    got = np.array(
+        ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8, act_scale=scale)
+    )
+    want = np.array(ops.sparse_quantized_conv_features_from_relation(f, qw, rel))
+    w_abs = np.abs(np.array(qw.dequantize().astype(mx.float32)))
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    k_ids = np.array(rel.edges.kernel_ids)
+    bound = np.zeros_like(want, dtype=np.float64)
+    mag = np.zeros_like(want, dtype=np.float64)
+    for k in range(qw.n_kernels):
+        sel = k_ids == k
+        i, o = in_rows[sel], out_rows[sel]
+        bound[o] += 0.5 * float(scale) * w_abs[k].sum(axis=0)
+        mag[o] += np.abs(feats[i]).astype(np.float64) @ w_abs[k] + 127 * float(scale) * w_abs[k].sum(axis=0)
+    # float32 rounding of both paths (n * eps * sum|terms|, n = K * Cin + the
+    # epilogue's operations), as in the dynamic test; |terms| <= 127 S |w|.
+    slack = 2 * (qw.n_kernels * cin + 8) * np.finfo(np.float32).eps * mag
+    err = np.abs(got.astype(np.float64) - want)
+    assert np.all(err <= bound + slack), float((err - bound - slack).max())
+    assert err.max() > 0
+    assert err.max() < 0.05 * np.abs(want).max()
+
+
+def test_static_scale_bad_values_raise(rng):
+    rel, feats, qw = make_case(rng, 200, 32, 8, 8, 32)
+    f = mx.array(feats)
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 1e-60):
+        with pytest.raises(ValueError, match="act_scale"):
+            ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8, act_scale=bad)
+    with pytest.raises(ValueError, match="shape"):
+        ops.sparse_quantized_conv_features_from_relation(
+            f, qw, rel, act_bits=8, act_scale=mx.array([0.1, 0.2])
+        )
+    with pytest.raises(TypeError, match="act_scale"):
+        ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_bits=8, act_scale="0.1")
+    with pytest.raises(ValueError, match="act_bits=8"):
+        ops.sparse_quantized_conv_features_from_relation(f, qw, rel, act_scale=0.1)
+    with pytest.raises(ValueError, match="act_scale"):
+        QuantizedWeight(**{**qw.__dict__, "act_bits": 8, "act_scale": -2.0})
+    # The native op validates on its own too.
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="act_scale"):
+            ext.sparse_quantized_conv_features(f, qw, rel, act_bits=8, act_scale=bad)
+    with pytest.raises(ValueError, match="act_bits=8"):
+        ext.sparse_quantized_conv_features(f, qw, rel, act_bits=0, act_scale=0.5)
+    # A one-element array is a valid scale.
+    one = ops.sparse_quantized_conv_features_from_relation(
+        f, qw, rel, act_bits=8, act_scale=mx.array([0.05])
+    )
+    np.testing.assert_array_equal(np.array(one), int8_conv_ref(feats, qw, rel, np.float32(0.05)))
+
+
+def test_static_scale_non_finite_rows_compile_vmap_and_threads(rng):
+    rel, feats, qw = make_case(rng, 300, 32, 8, 8, 32)
+    feats[7, 3] = np.nan
+    scale = np.float32(0.05)
+
+    def run(x):
+        return ops.sparse_quantized_conv_features_from_relation(
+            x, qw, rel, act_bits=8, act_scale=scale
+        )
+
+    f = mx.array(feats)
+    out = np.array(run(f))
+    in_rows = np.array(rel.edges.in_rows)
+    touched = np.unique(np.array(rel.edges.out_rows)[in_rows == 7])
+    assert np.isnan(out[touched]).all()
+    rest = np.setdiff1d(np.arange(rel.n_out_capacity), touched)
+    np.testing.assert_array_equal(out[rest], int8_conv_ref(feats, qw, rel, scale)[rest])
+    np.testing.assert_array_equal(np.array(mx.compile(run)(f)), out)
+    clean = mx.array(np.nan_to_num(feats))
+    batched = np.array(mx.vmap(run)(mx.stack([clean, 2 * clean])))
+    np.testing.assert_array_equal(batched[1], np.array(run(2 * clean)))
+    before = mlx_lattice.get_num_threads()
+    try:
+        for threads in (1, 3):
+            mlx_lattice.set_num_threads(threads)
+            np.testing.assert_array_equal(np.array(run(clean)), batched[0])
+    finally:
+        mlx_lattice.set_num_threads(before)
 
 
 def test_gradients_compile_and_vmap(rng):

@@ -231,9 +231,11 @@ def test_bad_rules_raise(seeded, ref):
         mlx_lattice.quantize(Net(), qr.Rule(weight_qtype="int8", act_qtype="uint8"))
     with pytest.raises(qr.UnsupportedQTypeError):
         mlx_lattice.quantize(Net(), qr.Rule(weight_qtype="nf4"))
+    # Static activation scales are calibrated for convolutions only.
     with pytest.raises(qr.RuleError, match="act_static_scale"):
         mlx_lattice.quantize(
-            Net(), qr.Rule(weight_qtype="int8", act_qtype="int8", act_static_scale=True)
+            Net(),
+            qr.Rule(weight_qtype="int8", act_qtype="int8", act_static_scale=True, tile_size=32),
         )
     with pytest.raises(TypeError, match="sparse convolution or a linear layer"):
         mlx_lattice.to_quantized(nn.ReLU())
@@ -276,3 +278,81 @@ def test_quantized_layers_keep_padding_and_dilation(seeded, ref, kind):
     assert got.coordinate_key == expected.coordinate_key
     np.testing.assert_allclose(np.array(got.feats), np.array(expected.feats), rtol=1e-4, atol=1e-4)
     assert rel_err(got.feats, layer(inp).feats) < 0.02  # int8 group 32
+
+
+class ConvPair(mnn.Module):
+    """Two submanifold convolutions (every layer can take a static scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.SubMConv3d(32, 64)
+        self.b = nn.SubMConv3d(64, 32)
+
+    def __call__(self, x):
+        return self.b(self.a(x))
+
+
+STATIC_RULE = qr.Rule(weight_qtype="int8", act_qtype="int8", act_static_scale=True, tile_size=32)
+
+
+def test_static_activation_scales_calibrate_save_and_load(seeded, ref, tmp_path):
+    """act_static_scale: uncalibrated layers refuse to run; calibration sets
+    S = max|input| / 127 (NumPy max over the batches); the model then runs
+    the static-scale kernel, close to the float model; save/load keeps S."""
+    x1, _ = tensor(seeded, ref, channels=32)
+    x2, _ = tensor(seeded, ref, channels=32)
+    x2 = x2.replace(x2.feats * 3)
+    mx.random.seed(5)
+    model = ConvPair()
+    float_out = np.array(model(x1).feats)
+    report = mlx_lattice.quantize(model, STATIC_RULE)
+    assert all(layer.act_static and layer.act_bits == 8 for layer in report.layers)
+    assert isinstance(model.a, nn.QuantizedConv) and model.a.quantization.act_static
+    with pytest.raises(ValueError, match="not calibrated"):
+        model(x1)
+    scales = mlx_lattice.calibrate_activation_scales(model, [x1, x2])
+    peak = max(np.abs(np.array(x1.feats)).max(), np.abs(np.array(x2.feats)).max())
+    assert scales["a"] == float(np.float32(peak / 127))
+    assert float(model.a.act_scale.item()) == scales["a"]
+    assert scales["b"] > 0
+    out = np.array(model(x1).feats)
+    # The static path is really taken: it differs from dynamic per-row scales.
+    mx.random.seed(5)
+    dynamic = ConvPair()  # the same float weights, so the same quantized ones
+    mlx_lattice.quantize(dynamic, STATIC_RULE.replace(act_static_scale=None))
+    assert not np.array_equal(np.array(dynamic(x1).feats), out)
+    err = rel_err(out, float_out)
+    assert 1e-5 < err < 0.05, err
+    path = tmp_path / "static.safetensors"
+    model.save_weights(str(path))
+    again = ConvPair()
+    mlx_lattice.quantize(again, STATIC_RULE)
+    again.load_weights(str(path))
+    assert float(again.b.act_scale.item()) == scales["b"]
+    np.testing.assert_array_equal(np.array(again(x1).feats), out)
+
+
+def test_static_activation_scale_calibration_errors(seeded, ref):
+    x, _ = tensor(seeded, ref, channels=32)
+    with pytest.raises(ValueError, match="no layer with a static activation scale"):
+        mlx_lattice.calibrate_activation_scales(ConvPair(), [x])
+    model = ConvPair()
+    mlx_lattice.quantize(model, STATIC_RULE)
+    with pytest.raises(ValueError, match="empty"):
+        mlx_lattice.calibrate_activation_scales(model, [])
+    with pytest.raises(ValueError, match="no non-zero input"):
+        mlx_lattice.calibrate_activation_scales(model, [x.replace(mx.zeros_like(x.feats))])
+    with pytest.raises(ValueError, match="act_static"):
+        nn.QuantizedConv.from_conv(nn.SubMConv3d(32, 8), group_size=32, act_static=True)
+
+
+def test_static_fake_quantization_matches_numpy(seeded):
+    """Other widths (and other devices) fake-quantize with the static scale."""
+    x = seeded.standard_normal((50, 16)).astype(np.float32) * 3
+    scale = np.float32(0.2)
+    got = np.array(nn.fake_quantize_rows(mx.array(x), 4, scale=float(scale)))
+    want = np.clip(np.round(x / scale), -7, 7) * scale
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+    assert (np.abs(np.round(got / scale)) == 7).any()  # some values saturated
+    with pytest.raises(ValueError, match="scale"):
+        nn.fake_quantize_rows(mx.array(x), 4, scale=-1.0)

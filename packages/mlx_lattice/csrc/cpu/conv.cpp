@@ -101,8 +101,8 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
                          packed.size() ? packed.data<uint8_t>() : nullptr,
                          static_cast<int64_t>(packed.shape(2)) * 4, in[2].data<float>(),
                          in[3].data<float>(), r.n_kernels, q.out_channels,
-                         q.storage_in_channels, q.group_size, q.bits, csr, idx(r.in_rows),
-                         idx(r.out_rows), idx(r.kernel_ids), out32.get());
+                         q.storage_in_channels, q.group_size, q.bits, q.act_scale, csr,
+                         idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids), out32.get());
       out32.finish();
       return;
     }

@@ -128,17 +128,13 @@ void unpack_codes(const QuantizedWeightView& w, int64_t n_kernels, int64_t cin, 
   out.q.resize(n_kernels * cin * cout);
   out.s.resize(n_kernels * groups * cout);
   out.b.resize(n_kernels * groups * cout);
-  const uint32_t value_mask = (1u << w.bits) - 1u;
   parallel_for(n_kernels, [&](int64_t k) {
     for (int64_t o = 0; o < cout; ++o) {
       const int64_t row = k * cout + o;
       const uint8_t* p = w.packed + row * w.row_bytes;
       for (int64_t c = 0; c < cin; ++c) {
-        const int64_t bit = c * w.bits;
-        const int64_t byte = bit >> 3;
-        uint32_t v = p[byte];
-        if (byte + 1 < w.row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
-        out.q[(k * cin + c) * cout + o] = static_cast<uint8_t>((v >> (bit & 7)) & value_mask);
+        out.q[(k * cin + c) * cout + o] =
+            static_cast<uint8_t>(unpack_code(p, w.row_bytes, c, w.bits));
       }
       for (int64_t g = 0; g < groups; ++g) {
         out.s[(k * groups + g) * cout + o] = w.scales[row * groups + g];

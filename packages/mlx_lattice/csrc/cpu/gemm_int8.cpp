@@ -62,6 +62,7 @@ struct PackedWeight {
 // sa[r], gsum[r] (groups). c[r] (cout floats) accumulates.
 struct Block {
   int rows = kRows;  // real rows; the others are padding (zero rows, a sink)
+  bool unit = false;  // every sa[r] is exactly 1 (a static activation scale)
   const int8_t* a[kRows];
   float sa[kRows];
   const int32_t* gsum[kRows];
@@ -121,7 +122,8 @@ __attribute__((target("avx2,avxvnni"))) inline void dpbusd256(__m256i& acc, __m2
 
 // AVX-512 VNNI: R <= 6 rows x (16 * V) columns, V <= 4; up to 24 int32
 // accumulators.
-template <int V, int R>
+// Unit: every row's sa is exactly 1, so "* sa" (exact) is left out.
+template <int V, int R, bool Unit>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void strip512(
     const Block& blk, const PackedWeight& w, int64_t k, int64_t cout, int64_t n0) {
   __mmask16 mk[4];
@@ -172,7 +174,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void stri
     MLX_LATTICE_ROUNDED(t);                                                           \
     MLX_LATTICE_ROUNDED(u);                                                           \
     t = _mm512_add_ps(t, u);                                                          \
-    t = _mm512_mul_ps(t, _mm512_set1_ps(blk.sa[r]));                                  \
+    if constexpr (!Unit) t = _mm512_mul_ps(t, _mm512_set1_ps(blk.sa[r]));             \
     MLX_LATTICE_ROUNDED(t);                                                           \
     float* cp = blk.c[r] + n0 + 16 * v;                                               \
     _mm512_mask_storeu_ps(cp, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], cp), t)); \
@@ -184,18 +186,31 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void stri
   }
 }
 
-template <int R>
+template <int R, bool Unit>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void rows_avx512_vnni(
     const Block& blk, const PackedWeight& w, int64_t k, int64_t cout) {
   int64_t n0 = 0;
-  for (; n0 + 64 <= w.cout_pad; n0 += 64) strip512<4, R>(blk, w, k, cout, n0);
+  for (; n0 + 64 <= w.cout_pad; n0 += 64) strip512<4, R, Unit>(blk, w, k, cout, n0);
   const int64_t rest = w.cout_pad - n0;  // a multiple of 16
   if (rest == 48) {
-    strip512<3, R>(blk, w, k, cout, n0);
+    strip512<3, R, Unit>(blk, w, k, cout, n0);
   } else if (rest == 32) {
-    strip512<2, R>(blk, w, k, cout, n0);
+    strip512<2, R, Unit>(blk, w, k, cout, n0);
   } else if (rest == 16) {
-    strip512<1, R>(blk, w, k, cout, n0);
+    strip512<1, R, Unit>(blk, w, k, cout, n0);
+  }
+}
+
+template <bool Unit>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_rows_avx512_vnni(
+    const Block& blk, const PackedWeight& w, int64_t k, int64_t cout) {
+  switch (blk.rows) {
+    case 1: rows_avx512_vnni<1, Unit>(blk, w, k, cout); break;
+    case 2: rows_avx512_vnni<2, Unit>(blk, w, k, cout); break;
+    case 3: rows_avx512_vnni<3, Unit>(blk, w, k, cout); break;
+    case 4: rows_avx512_vnni<4, Unit>(blk, w, k, cout); break;
+    case 5: rows_avx512_vnni<5, Unit>(blk, w, k, cout); break;
+    default: rows_avx512_vnni<6, Unit>(blk, w, k, cout); break;
   }
 }
 
@@ -203,13 +218,10 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void rows_avx512
 // offset is about 7% of the work at 28 rows per offset and tile).
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512_vnni(
     const Block& blk, const PackedWeight& w, int64_t k, int64_t cout) {
-  switch (blk.rows) {
-    case 1: rows_avx512_vnni<1>(blk, w, k, cout); break;
-    case 2: rows_avx512_vnni<2>(blk, w, k, cout); break;
-    case 3: rows_avx512_vnni<3>(blk, w, k, cout); break;
-    case 4: rows_avx512_vnni<4>(blk, w, k, cout); break;
-    case 5: rows_avx512_vnni<5>(blk, w, k, cout); break;
-    default: rows_avx512_vnni<6>(blk, w, k, cout); break;
+  if (blk.unit) {
+    block_rows_avx512_vnni<true>(blk, w, k, cout);
+  } else {
+    block_rows_avx512_vnni<false>(blk, w, k, cout);
   }
 }
 
@@ -304,32 +316,35 @@ const Int8Entry& selected() {
 }
 
 // Unpacks the codes of the affine layout into the micro-kernel layout.
+// act_scale > 0 (static): the scales and biases are premultiplied by it.
 void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
                  const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
-                 int64_t storage_in, int64_t group, int bits, PackedWeight& w) {
+                 int64_t storage_in, int64_t group, int bits, float act_scale,
+                 PackedWeight& w) {
   w.quads = storage_in / 4;
   w.groups = storage_in / group;
   w.cout_pad = ceil_div(cout, 16) * 16;
   w.codes.assign(n_kernels * w.quads * w.cout_pad * 4, 0);
   w.scales.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
   w.biases.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
-  const uint32_t value_mask = (1u << bits) - 1u;
   parallel_for(n_kernels, [&](int64_t k) {
     for (int64_t o = 0; o < cout; ++o) {
       const int64_t row = k * cout + o;
       const uint8_t* p = packed + row * row_bytes;
       // Channels past cin stay 0 (their activations are 0 too).
       for (int64_t c = 0; c < cin; ++c) {
-        const int64_t bit = c * bits;
-        const int64_t byte = bit >> 3;
-        uint32_t v = p[byte];
-        if (byte + 1 < row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
         w.codes[((k * w.quads + c / 4) * w.cout_pad + o) * 4 + c % 4] =
-            static_cast<uint8_t>((v >> (bit & 7)) & value_mask);
+            static_cast<uint8_t>(unpack_code(p, row_bytes, c, bits));
       }
       for (int64_t g = 0; g < w.groups; ++g) {
-        w.scales[(k * w.groups + g) * w.cout_pad + o] = scales[row * w.groups + g];
-        w.biases[(k * w.groups + g) * w.cout_pad + o] = biases[row * w.groups + g];
+        float s = scales[row * w.groups + g];
+        float b = biases[row * w.groups + g];
+        if (act_scale > 0.0f) {
+          s = s * act_scale;
+          b = b * act_scale;
+        }
+        w.scales[(k * w.groups + g) * w.cout_pad + o] = s;
+        w.biases[(k * w.groups + g) * w.cout_pad + o] = b;
       }
     }
   });
@@ -357,9 +372,9 @@ struct Buffers {
 
 void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
                int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
-               int64_t cout, int64_t storage_in, int64_t group, int bits, const Csr& csr,
-               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
-               float* out) {
+               int64_t cout, int64_t storage_in, int64_t group, int bits, float act_scale,
+               const Csr& csr, const int32_t* a_index, const int32_t* c_index,
+               const int32_t* kernel_ids, float* out) {
   // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
   // more in page faults than the quantization itself).
   // (A reference: the worker threads below must see this thread's buffers,
@@ -370,10 +385,13 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   buf.q.resize(n_in * storage_in);
   buf.scale.resize(n_in);
   buf.gsum.resize(n_in * groups);
+  // Static scale: every finite row's scale is 1 here (the kernels' "* sa" is
+  // then exact and left out), S is folded into the weight's scales and biases.
+  const bool static_scale = act_scale > 0.0f;
   quantize_rows_int8(feats, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
-                     buf.gsum.data());
+                     buf.gsum.data(), act_scale);
   pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
-              buf.weight);
+              act_scale, buf.weight);
   const PackedWeight& w = buf.weight;
   const BlockFn block = selected().block;
   const int8_t* q = buf.q.data();
@@ -395,10 +413,13 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     s.c_ptrs.resize(n_tile);
     int32_t* rows = s.rows.data();
     float** c_ptrs = s.c_ptrs.data();
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-      rows[slot] = a_index[e];
-      c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
-    });
+    // Captured by value: with references every store below would reload
+    // the pointers (the library builds with -fno-strict-aliasing).
+    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges,
+                    [rows, c_ptrs, a_index, c_index, out, cout](int32_t slot, int32_t e) {
+                      rows[slot] = a_index[e];
+                      c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
+                    });
     const auto& counts = s.edges.counts;
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
     Block blk;
@@ -413,6 +434,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
           for (int64_t x = 0; x < storage_in; x += 64) __builtin_prefetch(next + x);
         }
         blk.rows = static_cast<int>(std::min<int64_t>(kRows, end - r));
+        blk.unit = static_scale;
         for (int i = 0; i < kRows; ++i) {
           if (r + i < end) {
             const int64_t row = rows[r + i];
@@ -420,6 +442,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
             blk.sa[i] = scale[row];
             blk.gsum[i] = gsum + row * groups;
             blk.c[i] = c_ptrs[r + i];
+            blk.unit = blk.unit && blk.sa[i] == 1.0f;
           } else {
             blk.a[i] = zero_row.data();
             blk.sa[i] = 0.0f;
@@ -430,6 +453,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
         block(blk, w, k, cout);
       }
     }
+
   });
 }
 

@@ -12,7 +12,16 @@
 //   t        = t + float(asum) * b[k, x, g]
 //   out[o,x] = out[o, x] + t * sa[i]
 // in float32 with one rounding per operation (no fused multiply-add), groups
-// ascending inside offsets ascending (the output CSR sorted by offset). Since
+// ascending inside offsets ascending (the output CSR sorted by offset).
+//
+// With a static activation scale S (act_scale > 0) every row is quantized
+// with S (a[i, c] = rint(clamp(F[i, c] / S, -127, 127))) and S is folded into
+// the weight's scales and biases once per call, so no edge multiplies by an
+// activation scale:
+//   s' = s[k, x, g] * S,  b' = b[k, x, g] * S                 (float32)
+//   t  = float(acc) * s' + float(asum) * b'
+//   out[o,x] = out[o, x] + t
+// A row with a non-finite value adds t * NaN instead. Since
 // w = s * q + b, t * sa is the edge's contribution with the weight's exact
 // dequantized values; the weight codes are the unsigned vpdpbusd operand, so
 // no offset correction is needed and the bias term uses the exact row sums.
@@ -29,18 +38,22 @@ namespace mlx_lattice::kernels {
 // Quantizes rows of x (n, c) to int8 with one symmetric scale per row:
 // q (n, stride) with zeros in [c, stride), scale (n), gsum (n, stride / group)
 // the per-group sums of q. A row with a non-finite value gets scale NaN and
-// q = 0 (its contributions become NaN, as in float arithmetic).
+// q = 0 (its contributions become NaN, as in float arithmetic). With
+// static_scale > 0 every row uses that scale (values beyond 127 steps
+// saturate) and scale[i] is 1 (NaN for a non-finite row).
 void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                        int8_t* q, float* scale, int32_t* gsum);
+                        int8_t* q, float* scale, int32_t* gsum, float static_scale = 0.0f);
 
 // The integer convolution over the output CSR `csr` of the edges (a_index:
 // input rows, c_index: output rows, kernel_ids: offsets), with the weight in
 // mx.quantize's affine layout (packed codes (K, cout, storage_in * bits / 8
 // bytes), scales and biases (K, cout, storage_in / group)). out (n_out, cout)
-// is overwritten. group % 4 == 0; bits in 1..8.
+// is overwritten. group % 4 == 0; bits in 1..8. act_scale: 0 for dynamic
+// per-row scales, else the static activation scale (finite, > 0).
 void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
                int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
-               int64_t cout, int64_t storage_in, int64_t group, int bits, const Csr& csr,
+               int64_t cout, int64_t storage_in, int64_t group, int bits, float act_scale,
+               const Csr& csr,
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                float* out);
 

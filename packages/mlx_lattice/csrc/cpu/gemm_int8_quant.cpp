@@ -21,8 +21,9 @@ namespace {
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // One row of quantize_rows_int8; the scalar definition of the math.
+// fixed > 0: the static scale (the row's reported scale is then 1).
 void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr,
-                         float* scale, int32_t* gr) {
+                         float* scale, int32_t* gr, float fixed) {
   float amax = 0.0f;
   bool finite = true;
   for (int64_t i = 0; i < c; ++i) {
@@ -35,12 +36,13 @@ void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t gro
     *scale = std::numeric_limits<float>::quiet_NaN();
     return;
   }
-  const float s = amax / 127.0f;
-  *scale = s;
+  const float s = fixed > 0.0f ? fixed : amax / 127.0f;
+  *scale = fixed > 0.0f ? 1.0f : s;
   if (s == 0.0f) return;  // all zero (or a scale below the float range): q = 0
   for (int64_t i = 0; i < c; ++i) {
-    // |x / s| <= 127 up to rounding: clamp before converting.
-    const float v = std::clamp(std::nearbyint(xr[i] / s), -127.0f, 127.0f);
+    // Clamped before converting (|x / s| may exceed 127: rounding, or a
+    // static scale); rint and clamping to integers commute.
+    const float v = std::nearbyint(std::clamp(xr[i] / s, -127.0f, 127.0f));
     qr[i] = static_cast<int8_t>(v);
     gr[i / group] += qr[i];
   }
@@ -54,7 +56,7 @@ void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t gro
 // order.
 __attribute__((target("avx512f"))) void quantize_row_avx512(
     const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr, float* scale,
-    int32_t* gr) {
+    int32_t* gr, float fixed) {
   const __m512 zero = _mm512_setzero_ps();
   __m512 vmax = zero;
   __mmask16 bad = 0;
@@ -69,23 +71,25 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(
   }
   if (stride > c) std::memset(qr + c, 0, stride - c);
   std::fill(gr, gr + stride / group, 0);
-  const float s = _mm512_reduce_max_ps(vmax) / 127.0f;
+  const float s = fixed > 0.0f ? fixed : _mm512_reduce_max_ps(vmax) / 127.0f;
   if (bad || s == 0.0f) {
     std::memset(qr, 0, c);
     *scale = bad ? std::numeric_limits<float>::quiet_NaN() : s;
     return;
   }
-  *scale = s;
+  *scale = fixed > 0.0f ? 1.0f : s;
   const __m512 vs = _mm512_set1_ps(s);
-  const __m512i lo = _mm512_set1_epi32(-127);
-  const __m512i hi = _mm512_set1_epi32(127);
+  const __m512 lo = _mm512_set1_ps(-127.0f);
+  const __m512 hi = _mm512_set1_ps(127.0f);
   for (int64_t g0 = 0; g0 < c; g0 += group) {
     __m512i sum = _mm512_setzero_si512();
     for (int64_t i = g0; i < std::min(c, g0 + group); i += 16) {
       const __mmask16 m = mask(i);
       const __m512 x = _mm512_maskz_loadu_ps(m, xr + i);
-      __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(x, vs));
-      q = _mm512_maskz_mov_epi32(m, _mm512_min_epi32(_mm512_max_epi32(q, lo), hi));
+      // Clamped in float first: a quotient beyond the int32 range would
+      // convert to INT_MIN.
+      const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, vs), lo), hi);
+      const __m512i q = _mm512_maskz_mov_epi32(m, _mm512_cvtps_epi32(v));
       sum = _mm512_add_epi32(sum, q);
       _mm512_mask_cvtepi32_storeu_epi8(qr + i, m, q);
     }
@@ -97,7 +101,7 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(
 }  // namespace
 
 void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                        int8_t* q, float* scale, int32_t* gsum) {
+                        int8_t* q, float* scale, int32_t* gsum, float static_scale) {
   constexpr int64_t kChunk = 1024;
   const int64_t groups = stride / group;
   auto row = quantize_row_scalar;
@@ -119,7 +123,8 @@ void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, in
     for (int64_t r = r0; r < r0 + kAhead; ++r) prefetch_row(r);
     for (int64_t r = r0; r < r1; ++r) {
       prefetch_row(r + kAhead);
-      row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups);
+      row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups,
+          static_scale);
     }
   });
 }

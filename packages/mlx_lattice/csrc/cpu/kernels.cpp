@@ -317,16 +317,11 @@ MLX_LATTICE_NO_CONTRACT void dequantize_offset(const uint8_t* packed, int64_t ro
                                                int64_t groups, int64_t group_size, int bits,
                                                float* out) {
   MLX_LATTICE_NO_CONTRACT_BODY
-  const uint32_t value_mask = (1u << bits) - 1u;
   for (int64_t o = 0; o < cout; ++o) {
     const int64_t row = k * cout + o;
     const uint8_t* p = packed + row * row_bytes;
     for (int64_t c = 0; c < cin; ++c) {
-      const int64_t bit = c * bits;
-      const int64_t byte = bit >> 3;
-      uint32_t v = p[byte];
-      if (byte + 1 < row_bytes) v |= static_cast<uint32_t>(p[byte + 1]) << 8;
-      const float q = static_cast<float>((v >> (bit & 7)) & value_mask);
+      const float q = static_cast<float>(unpack_code(p, row_bytes, c, bits));
       const int64_t g = row * groups + c / group_size;
       out[(k * cin + c) * cout + o] = scales[g] * q + biases[g];
     }

@@ -80,6 +80,18 @@ struct QuantizedWeightView {
   int bits = 8;
 };
 
+// Code `c` of one packed row of mx.quantize's layout (`bits` per value,
+// little-endian, `row_bytes` bytes): the value's bits start at bit c * bits
+// and span at most two bytes (bits <= 8); the second byte is read only when
+// it lies inside the row.
+inline uint32_t unpack_code(const uint8_t* row, int64_t row_bytes, int64_t c, int bits) {
+  const int64_t bit = c * bits;
+  const int64_t byte = bit >> 3;
+  uint32_t v = row[byte];
+  if (byte + 1 < row_bytes) v |= static_cast<uint32_t>(row[byte + 1]) << 8;
+  return (v >> (bit & 7)) & ((1u << bits) - 1u);
+}
+
 // forward_conv with a quantized weight (K, cin, cout) and no float copy of
 // it: per call its codes are re-laid out as bytes (K * cin * cout), and each
 // tile dequantizes the (cin, cout) panel of every offset it uses into a

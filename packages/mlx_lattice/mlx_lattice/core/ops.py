@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from mlx_lattice._native import ext
 from mlx_lattice.core.dataflow import DataflowError, get_dataflow, note
-from mlx_lattice.core.quantized import QuantizedWeight
+from mlx_lattice.core.quantized import QuantizedWeight, check_act_scale
 from mlx_lattice.core.relations import SORTED_TILE_ROWS, KernelRelation
 from mlx_lattice.core.weights import _CacheEntry, cached_per_value, mapped_conv_weight
 
@@ -237,6 +237,7 @@ def sparse_quantized_conv_features_from_relation(
     relation: KernelRelation,
     *,
     act_bits: int | None = None,
+    act_scale: float | mx.array | None = None,
 ) -> mx.array:
     """Execute quantized sparse convolution over a prebuilt relation.
 
@@ -253,6 +254,13 @@ def sparse_quantized_conv_features_from_relation(
     float-activation convolution (straight-through). ``act_bits=None`` takes
     the weight's own ``act_bits``.
 
+    ``act_scale`` (with ``act_bits=8``): one static activation scale ``S``
+    for every row instead of the dynamic per-row ones (a finite value > 0,
+    e.g. ``max|F| / 127`` from calibration:
+    :func:`mlx_lattice.calibrate_activation_scales`); values beyond
+    ``127 * S`` saturate. ``S`` then multiplies each output row once rather
+    than every edge. ``None`` takes the weight's own ``act_scale``.
+
     >>> from mlx_lattice.core.relations import build_kernel_relation
     >>> coords = mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32)
     >>> rel = build_kernel_relation(coords)
@@ -267,12 +275,21 @@ def sparse_quantized_conv_features_from_relation(
         act_bits = weight.act_bits
     if act_bits not in (None, 8):
         raise ValueError(f"act_bits must be None or 8, got {act_bits!r}.")
+    if act_scale is None:
+        act_scale = weight.act_scale if act_bits == 8 else None
+    elif act_bits != 8:
+        raise ValueError("act_scale (a static activation scale) needs act_bits=8.")
+    scale = 0.0 if act_scale is None else check_act_scale(act_scale)
     _require_static(relation)
     if relation.n_kernels != weight.n_kernels:
         raise ValueError("quantized weight kernel rows must match the relation.")
     note("sparse_quantized_conv_features", "quantized" if act_bits is None else "int8")
     out = ext.sparse_quantized_conv_features(
-        feats.astype(weight.scales.dtype), weight, relation, act_bits=act_bits or 0
+        feats.astype(weight.scales.dtype),
+        weight,
+        relation,
+        act_bits=act_bits or 0,
+        act_scale=scale,
     )
     return out.astype(feats.dtype)
 

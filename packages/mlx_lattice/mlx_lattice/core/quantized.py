@@ -2,16 +2,52 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 import mlx.core as mx
 
 from mlx_lattice.core.weights import mapped_conv_weight
 
-__all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight"]
+__all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight", "check_act_scale"]
 
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
+
+
+def check_act_scale(scale: Any, name: str = "act_scale") -> float:
+    """A static activation scale as a Python float: one finite value > 0
+    (a Python or NumPy number, or an MLX/NumPy array of one element).
+
+    >>> check_act_scale(mx.array([0.25]))
+    0.25
+    >>> check_act_scale(0.0)
+    Traceback (most recent call last):
+    ...
+    ValueError: act_scale must be one finite value > 0 (a static activation scale), got 0.0.
+    """
+    if isinstance(scale, bool | str | bytes):
+        raise TypeError(f"{name} must be a number or a one-element array, got {scale!r}.")
+    if hasattr(scale, "shape") and hasattr(scale, "tolist"):  # mx.array / np.ndarray
+        size = math.prod(int(d) for d in scale.shape)
+        if size != 1:
+            raise ValueError(
+                f"{name} must be one value (per-tensor static scale), got shape "
+                f"{tuple(int(d) for d in scale.shape)}."
+            )
+        scale = scale.reshape(-1).tolist()[0]
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number or a one-element array, got {scale!r}.") from None
+    # The kernel works in float32: the value must stay finite and > 0 there.
+    value32 = float(mx.array(value, dtype=mx.float32).item()) if math.isfinite(value) else value
+    if not (math.isfinite(value32) and value32 > 0):
+        raise ValueError(
+            f"{name} must be one finite value > 0 (a static activation scale), got {value!r}."
+        )
+    return value32
 
 
 @dataclass(frozen=True, eq=False)
@@ -43,10 +79,17 @@ class QuantizedWeight:
     #: ``8``: convolutions with this weight quantize their input rows to int8
     #: and run the integer kernel (see ``sparse_quantized_conv_features_from_relation``).
     act_bits: int | None = None
+    #: With ``act_bits=8``: one static activation scale for every input row
+    #: (``None``: a dynamic scale per row). See :func:`check_act_scale`.
+    act_scale: float | None = None
 
     def __post_init__(self) -> None:
         if self.act_bits not in (None, 8):
             raise ValueError(f"act_bits must be None or 8, got {self.act_bits!r}.")
+        if self.act_scale is not None:
+            if self.act_bits != 8:
+                raise ValueError("act_scale (a static activation scale) needs act_bits=8.")
+            object.__setattr__(self, "act_scale", check_act_scale(self.act_scale))
         if self.bits not in SUPPORTED_BITS:
             raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}.")
         if self.group_size not in SUPPORTED_GROUP_SIZES:

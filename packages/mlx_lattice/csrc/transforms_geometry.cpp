@@ -198,6 +198,22 @@ array cell_keys(const array& pts, const array& batch, const KnnGrid& g, mx::Stre
                               "neighbours' points or features and differentiate those.");
 }
 
+// vjp/jvp/vmap of a primitive with index-valued outputs: no derivatives, and
+// vmap refused with a hint on how to batch instead.
+#define INDEX_VALUED_TRANSFORMS(P, what, vmap_hint)                                         \
+  std::vector<array> P::vjp(const std::vector<array>&, const std::vector<array>&,           \
+                            const std::vector<int>&, const std::vector<array>&) {           \
+    not_differentiable(what);                                                               \
+  }                                                                                         \
+  std::vector<array> P::jvp(const std::vector<array>&, const std::vector<array>&,           \
+                            const std::vector<int>&) {                                      \
+    not_differentiable(what);                                                               \
+  }                                                                                         \
+  std::pair<std::vector<array>, std::vector<int>> P::vmap(const std::vector<array>&,        \
+                                                          const std::vector<int>&) {        \
+    throw std::invalid_argument(std::string(what) + ": vmap is not supported; " vmap_hint); \
+  }
+
 }  // namespace
 
 std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,
@@ -231,22 +247,8 @@ std::vector<mx::Shape> GeometryKnn::output_shapes(const std::vector<array>& inpu
   return {{inputs[0].shape(0), k_}, {inputs[0].shape(0), k_}};
 }
 
-std::vector<array> GeometryKnn::vjp(const std::vector<array>&, const std::vector<array>&,
-                                    const std::vector<int>&, const std::vector<array>&) {
-  not_differentiable("GeometryKnn (knn)");
-}
-
-std::vector<array> GeometryKnn::jvp(const std::vector<array>&, const std::vector<array>&,
-                                    const std::vector<int>&) {
-  not_differentiable("GeometryKnn (knn)");
-}
-
-std::pair<std::vector<array>, std::vector<int>> GeometryKnn::vmap(const std::vector<array>&,
-                                                                  const std::vector<int>&) {
-  throw std::invalid_argument(
-      "GeometryKnn (knn): vmap is not supported; batch points through query_batch / "
-      "support_batch instead.");
-}
+INDEX_VALUED_TRANSFORMS(GeometryKnn, "GeometryKnn (knn)",
+                        "batch points through query_batch / support_batch instead.")
 
 array make_morton(const array& coords, mx::Stream s) {
   return array({coords.shape(0)}, mx::int64, std::make_shared<GeometryMorton>(s),
@@ -257,22 +259,8 @@ std::vector<mx::Shape> GeometryMorton::output_shapes(const std::vector<array>& i
   return {{inputs[0].shape(0)}};
 }
 
-std::vector<array> GeometryMorton::vjp(const std::vector<array>&, const std::vector<array>&,
-                                       const std::vector<int>&, const std::vector<array>&) {
-  not_differentiable("GeometryMorton (morton_codes)");
-}
-
-std::vector<array> GeometryMorton::jvp(const std::vector<array>&, const std::vector<array>&,
-                                       const std::vector<int>&) {
-  not_differentiable("GeometryMorton (morton_codes)");
-}
-
-std::pair<std::vector<array>, std::vector<int>> GeometryMorton::vmap(const std::vector<array>&,
-                                                                     const std::vector<int>&) {
-  throw std::invalid_argument(
-      "GeometryMorton (morton_codes): vmap is not supported; codes are per row, pass the "
-      "stacked (N, 4) rows.");
-}
+INDEX_VALUED_TRANSFORMS(GeometryMorton, "GeometryMorton (morton_codes)",
+                        "codes are per row, pass the stacked (N, 4) rows.")
 
 }  // namespace mlx_lattice
 
@@ -301,22 +289,8 @@ std::vector<mx::Shape> GeometryHash::output_shapes(const std::vector<array>& inp
   return {{n}, {inputs[1].shape(0)}, {slots}, {slots}, {n}};
 }
 
-std::vector<array> GeometryHash::vjp(const std::vector<array>&, const std::vector<array>&,
-                                     const std::vector<int>&, const std::vector<array>&) {
-  not_differentiable("GeometryHash (coordinate lookup)");
-}
-
-std::vector<array> GeometryHash::jvp(const std::vector<array>&, const std::vector<array>&,
-                                     const std::vector<int>&) {
-  not_differentiable("GeometryHash (coordinate lookup)");
-}
-
-std::pair<std::vector<array>, std::vector<int>> GeometryHash::vmap(const std::vector<array>&,
-                                                                   const std::vector<int>&) {
-  throw std::invalid_argument(
-      "GeometryHash (coordinate lookup): vmap is not supported; the batch is the first "
-      "coordinate column, pass the stacked (N, 4) rows.");
-}
+INDEX_VALUED_TRANSFORMS(GeometryHash, "GeometryHash (coordinate lookup)",
+                        "the batch is the first coordinate column, pass the stacked (N, 4) rows.")
 
 }  // namespace mlx_lattice
 
@@ -359,21 +333,7 @@ std::vector<mx::Shape> GeometryRadius::output_shapes(const std::vector<array>& i
   return {{total_}, {total_}};
 }
 
-std::vector<array> GeometryRadius::vjp(const std::vector<array>&, const std::vector<array>&,
-                                       const std::vector<int>&, const std::vector<array>&) {
-  not_differentiable("GeometryRadius (radius search)");
-}
-
-std::vector<array> GeometryRadius::jvp(const std::vector<array>&, const std::vector<array>&,
-                                       const std::vector<int>&) {
-  not_differentiable("GeometryRadius (radius search)");
-}
-
-std::pair<std::vector<array>, std::vector<int>> GeometryRadius::vmap(const std::vector<array>&,
-                                                                     const std::vector<int>&) {
-  throw std::invalid_argument(
-      "GeometryRadius (radius search): vmap is not supported; batch points through "
-      "query_batch / support_batch instead.");
-}
+INDEX_VALUED_TRANSFORMS(GeometryRadius, "GeometryRadius (radius search)",
+                        "batch points through query_batch / support_batch instead.")
 
 }  // namespace mlx_lattice

@@ -20,6 +20,18 @@ using detail::pick_cell;
 
 namespace {
 
+// Offer candidate c to a max-heap holding the k nearest so far.
+void keep_nearest(std::vector<Cand>& heap, const Cand& c, int64_t k) {
+  if (static_cast<int64_t>(heap.size()) < k) {
+    heap.push_back(c);
+    std::push_heap(heap.begin(), heap.end());
+  } else if (c < heap.front()) {
+    std::pop_heap(heap.begin(), heap.end());
+    heap.back() = c;
+    std::push_heap(heap.begin(), heap.end());
+  }
+}
+
 // Half-width in cells of the block of cells a query group shares.
 constexpr int kBlock = 1;
 
@@ -83,14 +95,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
     }
     const auto consider = [&](int32_t row) {
       const Cand c{dist2(qp, support + 3 * static_cast<int64_t>(row)), row};
-      if (static_cast<int64_t>(heap.size()) < k) {
-        heap.push_back(c);
-        std::push_heap(heap.begin(), heap.end());
-      } else if (c < heap.front()) {
-        std::pop_heap(heap.begin(), heap.end());
-        heap.back() = c;
-        std::push_heap(heap.begin(), heap.end());
-      }
+      keep_nearest(heap, c, k);
     };
     for (int64_t ring = first_ring;; ++ring) {
       bool covered = true;  // the ring box contains every occupied cell of this batch
@@ -136,14 +141,7 @@ void knn(const double* query, const int32_t* qbatch, int64_t nq, const double* s
     for (int64_t s = 0; s < ns; ++s) {
       if (sbatch[s] != qbatch[q]) continue;
       const Cand c{dist2(qp, support + 3 * s), static_cast<int32_t>(s)};
-      if (static_cast<int64_t>(heap.size()) < k) {
-        heap.push_back(c);
-        std::push_heap(heap.begin(), heap.end());
-      } else if (c < heap.front()) {
-        std::pop_heap(heap.begin(), heap.end());
-        heap.back() = c;
-        std::push_heap(heap.begin(), heap.end());
-      }
+      keep_nearest(heap, c, k);
     }
     std::sort_heap(heap.begin(), heap.end());
   };

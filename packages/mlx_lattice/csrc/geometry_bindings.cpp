@@ -226,11 +226,11 @@ void bind_geometry(nb::module_& m) {
         auto pvm = geo::point_voxel_map(points.data(), batch.data(), points.shape(0),
                                         coords.data(), coords.shape(0), size.data(), origin.data());
         const int p = static_cast<int>(points.shape(0));
-        return Dict{{"rows", to_mx(pvm.rows, {p, 8}, mx::int32)},
-                    {"weights", to_mx(pvm.weights, {p, 8}, mx::float32)},
-                    {"nearest", ints(pvm.nearest)},
-                    {"voxel_offsets", ints(pvm.offsets)},
-                    {"voxel_entries", ints(pvm.entries)}};
+        return Dict{{"rows", owned(std::move(pvm.rows), {p, 8}, mx::int32)},
+                    {"weights", owned(std::move(pvm.weights), {p, 8}, mx::float32)},
+                    {"nearest", owned_ints(std::move(pvm.nearest))},
+                    {"voxel_offsets", owned_ints(std::move(pvm.offsets))},
+                    {"voxel_entries", owned_ints(std::move(pvm.entries))}};
       },
       "points"_a, "batch"_a, "coords"_a, "voxel_size"_a, "origin"_a, release(),
       "The 8 voxels around each point (rows, -1 = missing) and renormalised trilinear weights.");

@@ -58,40 +58,54 @@ PointVoxel point_voxel_map(const double* points, const int32_t* batch, int64_t n
   check_finite(points, n, "points");
   check_batch(batch, n, "batch");
   if (n > std::numeric_limits<int32_t>::max() / 8) fail("points has too many rows.");
-  CoordIndex index(coords, n_voxels, "coords");
+  const CoordIndex index(coords, n_voxels, "coords");
   PointVoxel m;
-  m.rows.assign(8 * n, -1);
-  m.weights.assign(8 * n, 0.0f);
-  m.nearest.assign(n, -1);
-  // Voxel index bounds are checked up front so the parallel part cannot throw.
-  for (int64_t p = 0; p < n; ++p) {
-    for (int a = 0; a < 3; ++a) {
-      const double u = (points[3 * p + a] - origin[a]) / size[a] - 0.5;
-      const double f = std::floor(u);
-      if (!fits_int32(f) || !fits_int32(f + 1)) {
-        std::ostringstream msg;
-        msg << "points row " << p << " is outside the int32 voxel coordinate range.";
-        fail(msg.str());
-      }
-    }
-  }
-  parallel_for((n + 2047) / 2048, [&](int64_t t) {
-    const int64_t end = std::min(n, (t + 1) * 2048);
-    for (int64_t p = t * 2048; p < end; ++p) {
-      int32_t base[3];
+  m.rows.resize(8 * n);
+  m.weights.resize(8 * n);
+  m.nearest.resize(n);
+  constexpr int64_t kChunk = 2048;  // points per task
+  const int64_t n_tasks = (n + kChunk - 1) / kChunk;
+  // A point whose voxel indices leave int32 is skipped and reported after the
+  // parallel part (the lowest such row), so the tasks never throw.
+  std::vector<int64_t> bad(n_tasks, -1);
+  parallel_for(n_tasks, [&](int64_t t) {
+    const int64_t end = std::min(n, (t + 1) * kChunk);
+    // The corner rows of the previous point's cell: consecutive points often
+    // share a cell, and the rows are a function of the cell alone.
+    int64_t last[4] = {-1, 0, 0, 0};
+    int32_t rows[8];
+    for (int64_t p = t * kChunk; p < end; ++p) {
+      int64_t base[3];
       double frac[3];
+      bool ok = true;
       for (int a = 0; a < 3; ++a) {
         const double u = (points[3 * p + a] - origin[a]) / size[a] - 0.5;
         const double f = std::floor(u);
-        base[a] = static_cast<int32_t>(f);
+        if (!fits_int32(f) || !fits_int32(f + 1)) {
+          ok = false;
+          break;
+        }
+        base[a] = static_cast<int64_t>(f);
         frac[a] = u - f;
       }
+      if (!ok) {
+        if (bad[t] < 0) bad[t] = p;
+        continue;
+      }
+      const int64_t b = batch[p];
+      if (!(b == last[0] && base[0] == last[1] && base[1] == last[2] && base[2] == last[3])) {
+        last[0] = b, last[1] = base[0], last[2] = base[1], last[3] = base[2];
+        for (int c = 0; c < 8; ++c) {
+          const int32_t key[4] = {static_cast<int32_t>(b),
+                                  static_cast<int32_t>(base[0] + ((c >> 2) & 1)),
+                                  static_cast<int32_t>(base[1] + ((c >> 1) & 1)),
+                                  static_cast<int32_t>(base[2] + (c & 1))};
+          rows[c] = index.find(key);
+        }
+      }
       double w[8], total = 0.0;
-      int32_t rows[8];
       for (int c = 0; c < 8; ++c) {
         const int d[3] = {(c >> 2) & 1, (c >> 1) & 1, c & 1};
-        const int32_t key[4] = {batch[p], base[0] + d[0], base[1] + d[1], base[2] + d[2]};
-        rows[c] = index.find(key);
         double wc = 1.0;
         for (int a = 0; a < 3; ++a) wc *= d[a] ? frac[a] : 1.0 - frac[a];
         w[c] = rows[c] >= 0 ? wc : 0.0;
@@ -100,19 +114,26 @@ PointVoxel point_voxel_map(const double* points, const int32_t* batch, int64_t n
       int best = -1;
       for (int c = 0; c < 8; ++c) {
         m.rows[8 * p + c] = rows[c];
-        if (total > 0) m.weights[8 * p + c] = static_cast<float>(w[c] / total);
+        m.weights[8 * p + c] = total > 0 ? static_cast<float>(w[c] / total) : 0.0f;
         if (rows[c] >= 0 && (best < 0 || w[c] > w[best])) best = c;
       }
       m.nearest[p] = best < 0 ? -1 : rows[best];
     }
   });
+  for (int64_t t = 0; t < n_tasks; ++t) {
+    if (bad[t] >= 0) {
+      std::ostringstream msg;
+      msg << "points row " << bad[t] << " is outside the int32 voxel coordinate range.";
+      fail(msg.str());
+    }
+  }
   // Entries grouped by voxel, ascending (counting sort).
   m.offsets.assign(n_voxels + 1, 0);
   for (int64_t e = 0; e < 8 * n; ++e) {
     if (m.rows[e] >= 0) ++m.offsets[m.rows[e] + 1];
   }
   for (int64_t v = 0; v < n_voxels; ++v) m.offsets[v + 1] += m.offsets[v];
-  m.entries.assign(m.offsets[n_voxels], 0);
+  m.entries.resize(m.offsets[n_voxels]);
   std::vector<int32_t> cursor(m.offsets.begin(), m.offsets.end() - 1);
   for (int64_t e = 0; e < 8 * n; ++e) {
     if (m.rows[e] >= 0) m.entries[cursor[m.rows[e]]++] = static_cast<int32_t>(e);

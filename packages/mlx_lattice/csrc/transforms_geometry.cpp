@@ -214,6 +214,19 @@ array cell_keys(const array& pts, const array& batch, const KnnGrid& g, mx::Stre
     throw std::invalid_argument(std::string(what) + ": vmap is not supported; " vmap_hint); \
   }
 
+// The Metal search kernels' inputs: query and support in float32, then the
+// support's cell keys sorted, the sort order and the support in that order.
+// Order inside a cell is left to the sort: the kernels break ties by row.
+void append_metal_support(std::vector<array>& inputs, const KnnGrid& grid, mx::Stream s) {
+  inputs[0] = as_float32(inputs[0], s);
+  inputs[2] = as_float32(inputs[2], s);
+  auto keys = cell_keys(inputs[2], inputs[3], grid, s);
+  auto order = mx::astype(mx::argsort(keys, 0, s), mx::int32, s);
+  inputs.push_back(mx::take(keys, order, 0, s));
+  inputs.push_back(order);
+  inputs.push_back(mx::contiguous(mx::take(inputs[2], order, 0, s), false, s));
+}
+
 }  // namespace
 
 std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,
@@ -222,14 +235,7 @@ std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, cons
   const int nq = query.shape(0);
   std::vector<array> inputs = {query, qbatch, support, sbatch};
   if (uses_metal_bodies(s)) {
-    inputs[0] = as_float32(query, s);
-    inputs[2] = as_float32(support, s);
-    auto keys = cell_keys(inputs[2], sbatch, grid, s);
-    // Order inside a cell is left to the sort: the kernel breaks ties by row.
-    auto order = mx::astype(mx::argsort(keys, 0, s), mx::int32, s);
-    inputs.push_back(mx::take(keys, order, 0, s));
-    inputs.push_back(order);
-    inputs.push_back(mx::contiguous(mx::take(inputs[2], order, 0, s), false, s));
+    append_metal_support(inputs, grid, s);
   }
   return array::make_arrays({{nq, k}, {nq, k}}, {mx::int32, mx::float32},
                             std::make_shared<GeometryKnn>(s, k, grid, radius), inputs);
@@ -306,13 +312,7 @@ std::vector<array> make_radius(const KnnGrid& grid, double radius, const array& 
   const bool fill = offsets.has_value();
   if (fill) inputs.push_back(mx::contiguous(mx::astype(*offsets, mx::int32, s), false, s));
   if (uses_metal_bodies(s)) {
-    inputs[0] = as_float32(query, s);
-    inputs[2] = as_float32(support, s);
-    auto keys = cell_keys(inputs[2], sbatch, grid, s);
-    auto order = mx::astype(mx::argsort(keys, 0, s), mx::int32, s);
-    inputs.push_back(mx::take(keys, order, 0, s));
-    inputs.push_back(order);
-    inputs.push_back(mx::contiguous(mx::take(inputs[2], order, 0, s), false, s));
+    append_metal_support(inputs, grid, s);
   }
   auto prim = std::make_shared<GeometryRadius>(s, grid, radius, fill, total);
   if (!fill) return array::make_arrays({{nq}}, {mx::int32}, prim, inputs);

@@ -13,12 +13,21 @@ changes a bit. Random inputs come from the repository's seeded generator
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import numpy as np
 import pytest
 
 import mlx_lattice
 from mlx_lattice.data import synthetic_lidar_scan
 from mlx_lattice.geometry import knn_relation
+
+_spec = importlib.util.spec_from_file_location(
+    "relation_refs", Path(__file__).with_name("relation_refs.py")
+)
+relation_refs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(relation_refs)
 
 
 def brute_knn(q, qb, s, sb, k):
@@ -33,24 +42,11 @@ def brute_knn(q, qb, s, sb, k):
     return out
 
 
-def neighbour_lists(rel):
-    out = [[] for _ in range(int(rel.n_out_capacity))]
-    for i, o, k in zip(
-        np.array(rel.edges.in_rows),
-        np.array(rel.edges.out_rows),
-        np.array(rel.edges.kernel_ids),
-        strict=True,
-    ):
-        assert k == len(out[o])  # kernel id = rank
-        out[o].append(int(i))
-    return out
-
-
 def check(q, s, k, qb=None, sb=None):
     qb = np.zeros(len(q), np.int64) if qb is None else qb
     sb = np.zeros(len(s), np.int64) if sb is None else sb
     rel = knn_relation(q, s, k, query_batch=qb, support_batch=sb)
-    assert neighbour_lists(rel) == brute_knn(q, qb, s, sb, k)
+    assert relation_refs.relation_lists(rel) == brute_knn(q, qb, s, sb, k)
     return rel
 
 
@@ -127,5 +123,5 @@ def test_thread_count_never_changes_a_bit(rng):
             np.testing.assert_array_equal(a, b)
     # and the single-thread answer is the brute-force one on a sample
     sample = rng.choice(len(q), 60, replace=False)
-    got = neighbour_lists(knn_relation(q[sample], s, 16))
+    got = relation_refs.relation_lists(knn_relation(q[sample], s, 16))
     assert got == brute_knn(q[sample], np.zeros(60), s, np.zeros(len(s)), 16)

@@ -412,6 +412,15 @@ bool atomic_compare_exchange_weak_explicit(A* object, msl::detail::atomic_value_
   return ok;
 }
 
+// Reinterprets the bits of a value of the same size (MSL's as_type).
+template <typename To, typename From>
+To as_type(From v) {
+  static_assert(sizeof(To) == sizeof(From), "as_type needs types of equal size");
+  To out;
+  std::memcpy(&out, &v, sizeof(To));
+  return out;
+}
+
 namespace metal {
 using std::abs;
 using std::exp;

@@ -320,7 +320,8 @@ float32. Statistics are two-pass in double over fixed row blocks (bitwise
 the same for any thread count); the affine map runs in float32 and is
 rounded once to ``x``'s dtype. Differentiable (closed-form backward, its own
 primitive) in ``x``, ``weight`` and ``bias``; ``mean`` and ``var`` carry no
-gradient. CPU streams only.
+gradient. On GPU streams (Apple GPUs) the Metal kernels sum the same row
+blocks in compensated float32.
 )pbdoc");
 }
 

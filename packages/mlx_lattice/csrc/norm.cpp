@@ -1,17 +1,16 @@
-// Training-mode batch norm (+ ReLU): graph builder with validation, CPU
-// evaluation (kernels in cpu/norm.cpp) and transforms of BatchNormTrain and
-// BatchNormTrainGrad. The backward pass is its own primitive, so mx.grad of a
-// network runs two reductions and one fused map per norm instead of MLX's
-// elementwise chain; the statistics are float32 whatever the features'
-// dtype. Compiled into every extension (the Metal harness runs it on the CPU).
+// Training-mode batch norm (+ ReLU): graph builder with validation and the
+// transforms of BatchNormTrain and BatchNormTrainGrad (eval_cpu in
+// cpu/norm_eval.cpp over the kernels of cpu/norm.cpp; eval_gpu by the build
+// choice of every primitive, metal/norm.cpp on Apple GPUs). The backward pass
+// is its own primitive, so mx.grad of a network runs two reductions and one
+// fused map per norm instead of MLX's elementwise chain; the statistics are
+// float32 whatever the features' dtype.
 #include <cmath>
 #include <memory>
 #include <stdexcept>
 #include <string>
 #include <utility>
 
-#include "cpu/eval.h"
-#include "cpu/norm.h"
 #include "primitives.h"
 
 namespace mlx_lattice {
@@ -32,20 +31,11 @@ array as_rows(const array& a, mx::Dtype dtype, mx::Stream s) {
   return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
 }
 
-[[noreturn]] void cpu_only(const char* name) {
-  throw std::runtime_error(std::string(name) +
-                           ": the native batch norm runs on the CPU stream only "
-                           "(mlx_lattice.fused.batch_norm_train uses MLX ops on other devices).");
-}
-
 }  // namespace
 
 std::vector<array> batch_norm_train(const array& x, const array& weight, const array& bias,
                                     float eps, bool relu, mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
-  if (s.device != mx::Device::cpu) {
-    throw std::invalid_argument("batch_norm_train: stream must be a CPU stream.");
-  }
   if (x.ndim() != 2 || x.shape(0) < 1) {
     throw std::invalid_argument("batch_norm_train: x must be (N, C) with N >= 1, got shape " +
                                 shape_str(x) + ".");
@@ -81,21 +71,6 @@ std::vector<array> batch_norm_train(const array& x, const array& weight, const a
 std::vector<mx::Shape> BatchNormTrain::output_shapes(const std::vector<array>& inputs) {
   const int c = inputs[0].shape(1);
   return {inputs[0].shape(), {c}, {c}};
-}
-
-void BatchNormTrain::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
-  cpu::dispatch(stream(), inputs, outputs,
-                [eps = eps_, relu = relu_](std::vector<array>& in, std::vector<array>& out) {
-                  const auto& x = in[0];
-                  kernels::batch_norm_forward(x.data<void>(), cpu::format_of(x.dtype()),
-                                              x.shape(0), x.shape(1), in[1].data<float>(),
-                                              in[2].data<float>(), eps, relu, out[0].data<void>(),
-                                              out[1].data<float>(), out[2].data<float>());
-                });
-}
-
-void BatchNormTrain::eval_gpu(const std::vector<array>&, std::vector<array>&) {
-  cpu_only("BatchNormTrain");
 }
 
 std::vector<array> BatchNormTrain::vjp(const std::vector<array>& primals,
@@ -135,22 +110,6 @@ std::pair<std::vector<array>, std::vector<int>> BatchNormTrain::vmap(const std::
 std::vector<mx::Shape> BatchNormTrainGrad::output_shapes(const std::vector<array>& inputs) {
   const int c = inputs[1].shape(1);
   return {inputs[1].shape(), {c}, {c}};
-}
-
-void BatchNormTrainGrad::eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) {
-  cpu::dispatch(stream(), inputs, outputs,
-                [eps = eps_, relu = relu_](std::vector<array>& in, std::vector<array>& out) {
-                  const auto& x = in[1];
-                  kernels::batch_norm_backward(
-                      in[0].data<void>(), x.data<void>(), in[2].data<void>(),
-                      cpu::format_of(x.dtype()), x.shape(0), x.shape(1), in[3].data<float>(),
-                      in[4].data<float>(), in[5].data<float>(), eps, relu, out[0].data<void>(),
-                      out[1].data<float>(), out[2].data<float>());
-                });
-}
-
-void BatchNormTrainGrad::eval_gpu(const std::vector<array>&, std::vector<array>&) {
-  cpu_only("BatchNormTrainGrad");
 }
 
 std::vector<array> BatchNormTrainGrad::vjp(const std::vector<array>&, const std::vector<array>&,

@@ -340,7 +340,9 @@ bool uses_metal_bodies(const mx::Stream& s);
   X(GeometryKnn)                               \
   X(GeometryMorton)                            \
   X(GeometryHash)                              \
-  X(GeometryRadius)
+  X(GeometryRadius)                            \
+  X(BatchNormTrain)                            \
+  X(BatchNormTrainGrad)
 
 // Graph builders (transforms.cpp; callers have validated). Floating operands
 // are cast to the first operand's dtype (float32 on the GPU stream) and made
@@ -380,9 +382,8 @@ std::vector<array> make_radius(const KnnGrid& grid, double radius, const array& 
 
 // ---------------------------------------------------------------- batch norm
 // Training-mode batch norm (+ optional ReLU) of (N, C) features, N >= 1:
-// graph code, CPU evaluation and transforms in norm.cpp, kernels in
-// cpu/norm.h. CPU only: eval_gpu raises (mlx_lattice.fused keeps the MLX
-// composition for other devices).
+// graph code and transforms in norm.cpp, CPU evaluation in cpu/norm_eval.cpp
+// (kernels in cpu/norm.h), Metal kernels in metal/norm.metal.
 // BatchNormTrain: (x, weight, bias) -> (y in x's dtype, mean, var float32);
 // weight and bias float32. The mean / var outputs carry no gradient (their
 // cotangents are ignored; the Python API stops them).
@@ -425,6 +426,8 @@ class BatchNormTrainGrad : public mx::Primitive {
     return eps_ == o.eps_ && relu_ == o.relu_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
+  float eps() const { return eps_; }
+  bool relu() const { return relu_; }
 
  private:
   float eps_;
@@ -432,8 +435,8 @@ class BatchNormTrainGrad : public mx::Primitive {
 };
 
 // Validates and builds BatchNormTrain (norm.cpp): {y, mean, var}. Raises
-// std::invalid_argument naming the argument for a bad rank, shape, dtype,
-// eps or a non-CPU stream.
+// std::invalid_argument naming the argument for a bad rank, shape, dtype
+// or eps.
 std::vector<array> batch_norm_train(const array& x, const array& weight, const array& bias,
                                     float eps, bool relu, mx::StreamOrDevice s = {});
 

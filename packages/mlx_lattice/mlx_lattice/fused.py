@@ -6,11 +6,12 @@ elementwise passes over the ``(N, C)`` features (the mean and variance are
 computed three times in training mode, and the backward pass differentiates
 each step). :func:`batch_norm_train` computes the statistics once, in
 float32 whatever the features' dtype, and its backward pass is the closed
-form (two reductions and one fused affine map). On the CPU both passes are
-native primitives (``ext.batch_norm_train``: float32, float16 and bfloat16
-features read and written in their own dtype, so a half-precision network
-pays no casts and no half-precision elementwise ops for its norms); on other
-devices the same closed form runs as MLX ops on float32 copies.
+form (two reductions and one fused affine map). On the CPU and on Apple GPUs
+(Metal) both passes are native primitives (``ext.batch_norm_train``:
+float32, float16 and bfloat16 features read and written in their own dtype,
+so a half-precision network pays no casts and no half-precision elementwise
+ops for its norms); on other devices the same closed form runs as MLX ops on
+float32 copies.
 ``//benchmarks:sparse_unet`` measures the training step it serves.
 
 :func:`dense_linear` runs ``x @ W.T + b`` on a plain ``(N, Cin)`` array as a
@@ -106,7 +107,8 @@ def batch_norm_train(
 
     Statistics and the affine map run in float32 (on the CPU: two-pass
     statistics accumulated in double over fixed row blocks, bitwise the same
-    for any thread count); ``y`` comes back in ``x``'s dtype, rounded once
+    for any thread count; on Metal the same blocks with compensated float32
+    sums, independent of the grid); ``y`` comes back in ``x``'s dtype, rounded once
     from the float32 result. Returns ``(y, mean, var)`` with the biased
     float32 batch statistics (for running averages; they carry no
     gradient). Gradients flow to ``x``, ``weight`` and ``bias`` through the
@@ -132,7 +134,7 @@ def batch_norm_train(
             raise ValueError(f"{name} must be float32, float16 or bfloat16, got {p.dtype}.")
     if not (isinstance(eps, int | float) and 0 <= eps < float("inf")):
         raise ValueError(f"eps must be a finite number >= 0, got {eps!r}.")
-    if mx.default_device() == mx.cpu:
+    if mx.default_device() == mx.cpu or mx.metal.is_available():
         y, mean, var = ext.batch_norm_train(x, weight, bias, eps=float(eps), relu=bool(relu))
         return y, mx.stop_gradient(mean), mx.stop_gradient(var)
     key = (float(eps), bool(relu))

@@ -8,7 +8,8 @@ instead.
 
 Tolerances: float32 paths 1e-5 relative; half inputs 1e-2 (inputs rounded to
 half; sums in float32 in another order); the sorted implicit GEMM stages
-inputs as half (1e-2).
+inputs as half (1e-2). The training batch norm has its own bounds (see
+_BN_TOL).
 """
 
 import importlib.util
@@ -19,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from mlx_lattice import coords, geometry
+from mlx_lattice import coords, fused, geometry
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
@@ -54,16 +55,16 @@ def harness():
         return cpu, gpu
 
     def both(fn, expect_groups=True):
-        assert ops.ext is ext and geometry.ext is ext and coords.ext is ext
+        assert ops.ext is ext and geometry.ext is ext and coords.ext is ext and fused.ext is ext
         cpu = fn()
         mx.eval(cpu)
         before = harness_ext.harness_groups_run()
-        ops.ext = geometry.ext = coords.ext = harness_ext
+        ops.ext = geometry.ext = coords.ext = fused.ext = harness_ext
         try:
             gpu = fn()
             mx.eval(gpu)
         finally:
-            ops.ext = geometry.ext = coords.ext = ext
+            ops.ext = geometry.ext = coords.ext = fused.ext = ext
         assert (harness_ext.harness_groups_run() > before) == expect_groups  # Metal kernels ran
         return cpu, gpu
 
@@ -664,3 +665,151 @@ def test_builds_without_metal_kernels_say_so():
         "SparseConv: mlx_lattice was built without Metal kernels; run it on the CPU stream "
         "(mx.cpu)."
     )
+
+
+# ------------------------------------------------------------ training batch norm
+#
+# The Metal kernels sum fixed 256-row blocks in compensated float32 where the
+# CPU sums them in double; both round the same float32 expressions for the
+# affine maps. Bounds, relative to the largest magnitude of each result: the
+# statistics and float32 outputs to 1e-6 (a few float32 ulps: the scale and
+# the backward coefficients are rounded from float32 instead of double
+# arithmetic), half-precision outputs to one ulp of their format (a float32
+# value a few ulps away can round to the neighbouring half).
+_BN_TOL = {mx.float32: 1e-6, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+
+
+def _bn_inputs(rng, n, c, dtype, constant_channels=()):
+    # A large common offset per channel: the statistics must not cancel.
+    x = rng.standard_normal((n, c)) * rng.uniform(0.5, 3.0, c) + rng.uniform(-40, 40, c)
+    for j in constant_channels:
+        x[:, j] = x[0, j]  # zero variance
+    w = rng.uniform(0.5, 1.5, c) * rng.choice([-1.0, 1.0], c)
+    b = rng.standard_normal(c)
+    g = rng.standard_normal((n, c))
+    return (
+        mx.array(x.astype(np.float32)).astype(dtype),
+        mx.array(w.astype(np.float32)),
+        mx.array(b.astype(np.float32)),
+        mx.array(g.astype(np.float32)).astype(dtype),
+    )
+
+
+def _bn_reference(x, w, b, g, y_native, eps, relu):
+    """float64 NumPy: (y, mean, var, dx, dweight, dbias); the ReLU's mask is
+    the primitive's documented one (y > 0 of the y it returned)."""
+    x, w, b, g = (np.array(a.astype(mx.float32)).astype(np.float64) for a in (x, w, b, g))
+    n = x.shape[0]
+    mean = x.mean(axis=0)
+    xc = x - mean
+    var = (xc * xc).mean(axis=0)
+    rstd = 1.0 / np.sqrt(var + eps)
+    y = xc * rstd * w + b
+    if relu:
+        y = np.maximum(y, 0.0)
+        g = np.where(np.array(y_native.astype(mx.float32)) > 0, g, 0.0)
+    # The backward pass reads the float32 statistics the forward returned
+    # (its contract): at offsets ~40 the float32 mean's rounding (~2e-6)
+    # times sum(g) would otherwise dominate dweight's difference.
+    xc = x - mean.astype(np.float32).astype(np.float64)
+    rstd = 1.0 / np.sqrt(var.astype(np.float32).astype(np.float64) + eps)
+    dbias = g.sum(axis=0)
+    dweight = (g * xc).sum(axis=0) * rstd
+    dx = w * rstd * (g - dbias / n - xc * rstd * dweight / n)
+    return y, mean, var, dx, dweight, dbias
+
+
+def _bn_run(x, w, b, g, eps, relu):
+    def y_of(x, w, b):
+        return fused.batch_norm_train(x, w, b, eps=eps, relu=relu)[0]
+
+    y, mean, var = fused.batch_norm_train(x, w, b, eps=eps, relu=relu)
+    _, (dx, dw, db) = mx.vjp(lambda x, w, b: [y_of(x, w, b)], [x, w, b], [g])
+    return [y, mean, var, dx, dw, db]
+
+
+_BN_NAMES = ("y", "mean", "var", "dx", "dweight", "dbias")
+
+
+def _bn_assert_close(got, want, tol, what, seed, names=_BN_NAMES):
+    for name, a, r in zip(names, got, want, strict=True):
+        a, r = (
+            np.array(v.astype(mx.float32)).astype(np.float64)
+            if isinstance(v, mx.array)
+            else np.asarray(v, np.float64)
+            for v in (a, r)
+        )
+        assert a.shape == r.shape, (name, a.shape, r.shape)
+        bound = tol * max(1.0, float(np.abs(r).max(initial=0)))
+        err = float(np.abs(a - r).max(initial=0))
+        assert err <= bound, f"{what}: {name} off by {err:.3g} > {bound:.3g} (seed {seed})"
+
+
+@pytest.mark.parametrize(
+    ("n", "c"),
+    [(1, 1), (1, 5), (7, 130), (256, 3), (257, 33), (600, 64), (300, 2)],
+)
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_train_forward_and_backward(rng, seed, harness, n, c, dtype, relu):
+    """The forward (block sums, statistics, map) and backward (two reductions,
+    coefficients, map) kernels against the CPU primitive and float64 NumPy:
+    one row, rows that are not a multiple of the 256-row block (one and
+    several blocks), 1 to 130 channels, and zero-variance channels."""
+    constant = [j for j in (0, c // 2) if c > 1 and n > 1]
+    x, w, b, g = _bn_inputs(rng, n, c, dtype, constant)
+    eps = 1e-5
+    cpu, gpu = harness(lambda: _bn_run(x, w, b, g, eps, relu))
+    tol = _BN_TOL[dtype]
+    # Statistics and parameter gradients are float32 whatever the dtype.
+    stats_tol = _BN_TOL[mx.float32]
+    float32_outputs = [1, 2, 4, 5]
+    _bn_assert_close(
+        [gpu[i] for i in float32_outputs],
+        [cpu[i] for i in float32_outputs],
+        stats_tol,
+        "metal vs cpu",
+        seed,
+        names=[_BN_NAMES[i] for i in float32_outputs],
+    )
+    _bn_assert_close(gpu, cpu, tol, "metal vs cpu", seed)
+    if dtype != mx.float32:
+        # Both round the same float32 expressions to half: differences in the
+        # float32 statistics (a few ulps) rarely move a value across a half
+        # rounding boundary (measured: at least 99.85% of elements identical).
+        for i in (0, 3):
+            same = np.mean(
+                np.array(gpu[i].astype(mx.float32)) == np.array(cpu[i].astype(mx.float32))
+            )
+            assert same >= 0.99, f"{_BN_NAMES[i]}: {same:.4f} identical (seed {seed})"
+    ref = _bn_reference(x, w, b, g, cpu[0], eps, relu)
+    for what, got in (("cpu vs float64", cpu), ("metal vs float64", gpu)):
+        # Half outputs: one ulp of the format for the rounding, plus the
+        # float32 error of the inputs' large offsets (mean ~40: 1e-6).
+        _bn_assert_close(got, ref, max(tol, 1e-5), what, seed)
+    for j in constant:
+        assert float(gpu[2][j]) <= 1e-10 * float(gpu[1][j]) ** 2, (j, seed)
+        np.testing.assert_array_equal(
+            np.array(gpu[0][:, j].astype(mx.float32)),
+            np.array(cpu[0][:, j].astype(mx.float32)),
+            err_msg=f"zero-variance channel {j} (seed {seed})",
+        )
+
+
+def test_batch_norm_train_under_compile(rng, seed, harness):
+    """mx.compile of the forward and backward gives the eager bits on the
+    Metal kernels (the compiled function is traced afresh on each route)."""
+    x, w, b, g = _bn_inputs(rng, 300, 9, mx.float16, constant_channels=[4])
+
+    def run():
+        step = mx.compile(lambda x, w, b, g: _bn_run(x, w, b, g, 1e-3, True))
+        return step(x, w, b, g) + _bn_run(x, w, b, g, 1e-3, True)
+
+    cpu, gpu = harness(run)
+    for name, compiled, eager in zip(_BN_NAMES, gpu[:6], gpu[6:], strict=True):
+        np.testing.assert_array_equal(
+            np.array(compiled.astype(mx.float32)),
+            np.array(eager.astype(mx.float32)),
+            err_msg=f"{name} (seed {seed})",
+        )
+    _bn_assert_close(gpu[:6], cpu[:6], _BN_TOL[mx.float16], "metal vs cpu", seed)

@@ -1,6 +1,7 @@
 // The harness encoder (test-only): binds host pointers and runs the preprocessed MSL
 // kernels with tools/msl's runtime (fiber schedule, forward order).
 #include <cstring>
+#include <list>
 #include <vector>
 
 #include "../metal/encoder.h"
@@ -36,6 +37,10 @@ class HarnessEncoder final : public KernelEncoder {
     launch_.group_size = {group_size.x, group_size.y, group_size.z};
     if (groups.x && groups.y && groups.z) msl::dispatch(name_, launch_);
   }
+  Buffer scratch(size_t bytes) override {
+    auto& b = scratch_.emplace_back((bytes + sizeof(float) - 1) / sizeof(float));
+    return {nullptr, b.data(), bytes};
+  }
 
  private:
   void bind(int index, void* p) {
@@ -45,6 +50,7 @@ class HarnessEncoder final : public KernelEncoder {
   std::string name_;
   msl::Launch launch_;
   std::vector<std::vector<unsigned char>> owned_;
+  std::list<std::vector<float>> scratch_;  // list: stable addresses
 };
 
 }  // namespace

@@ -67,4 +67,10 @@ void encode(const GeometryHash& p, KernelEncoder& enc, Operands& ops,
 void encode(const GeometryRadius& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
 
+// Training batch norm (norm.cpp): several outputs.
+void encode(const BatchNormTrain& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const BatchNormTrainGrad& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, std::vector<mx::array>& out);
+
 }  // namespace mlx_lattice::gpu

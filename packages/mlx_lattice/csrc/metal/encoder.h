@@ -41,6 +41,9 @@ class KernelEncoder {
   virtual void bytes(int index, const void* data, size_t size) = 0;
   virtual void threadgroup_memory(int index, size_t size) = 0;
   virtual void dispatch(Size3 groups, Size3 group_size) = 0;
+  // A device buffer of `bytes` for intermediate results between dispatches,
+  // alive until the encoded work has run (contents undefined until written).
+  virtual Buffer scratch(size_t bytes) = 0;
 
   template <typename T>
   void value(int index, const T& v) {

@@ -55,6 +55,14 @@ class MetalEncoder final : public KernelEncoder {
     encoder_.dispatch_threadgroups(MTL::Size(groups.x, groups.y, groups.z),
                                    MTL::Size(group_size.x, group_size.y, group_size.z));
   }
+  Buffer scratch(size_t bytes) override {
+    const int n = static_cast<int>(std::max<size_t>((bytes + 3) / 4, 1));
+    uploads_.emplace_back(mx::Shape{n}, mx::float32, nullptr, std::vector<mx::array>{});
+    auto& a = uploads_.back();
+    a.set_data(mx::allocator::malloc(a.nbytes()));
+    encoder_.add_temporary(a);  // freed once the command buffer has completed
+    return {&a, nullptr, a.nbytes()};
+  }
 
  private:
   // Host-made index data (rebuilt groupings) goes up as a temporary array.
@@ -71,7 +79,7 @@ class MetalEncoder final : public KernelEncoder {
 
   metal::Device& device_;
   metal::CommandEncoder& encoder_;
-  std::list<mx::array> uploads_;  // stable addresses
+  std::list<mx::array> uploads_;  // uploads and scratch; stable addresses
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 #include "plans.h"
 
 #include <stdexcept>
+#include <string>
 
 namespace mlx_lattice::gpu {
 
@@ -329,6 +330,104 @@ void encode_radius(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorte
   }
   enc.value(9, params);
   if (plan.nq) enc.dispatch({ceil_div(plan.nq, 64), 1, 1}, {64, 1, 1});
+}
+
+namespace {
+
+// Laid out as NormDims in norm.metal.
+struct NormDims {
+  uint32_t n, c, blocks, relu, stage;
+  float eps;
+};
+static_assert(sizeof(NormDims) == 24);
+
+const char* norm_suffix(NormFormat format) {
+  return format == NormFormat::kF32 ? "_f32" : format == NormFormat::kF16 ? "_f16" : "_bf16";
+}
+
+// One thread per (channel, block) or per (channel, row): 32 channels x 4.
+void dispatch_channels_rows(KernelEncoder& enc, uint32_t c, uint32_t rows) {
+  enc.dispatch({ceil_div(c, kGroupX), ceil_div(rows, kGroupY), 1}, {kGroupX, kGroupY, 1});
+}
+
+// One thread per channel.
+void dispatch_channels(KernelEncoder& enc, uint32_t c) {
+  enc.dispatch({ceil_div(c, 64), 1, 1}, {64, 1, 1});
+}
+
+}  // namespace
+
+void encode_batch_norm(KernelEncoder& enc, NormFormat format, Buffer x, Buffer weight,
+                       Buffer bias, Buffer y, Buffer mean, Buffer var, uint32_t n, uint32_t c,
+                       float eps, bool relu) {
+  if (n == 0 || c == 0) return;
+  const std::string suffix = norm_suffix(format);
+  NormDims dims{n, c, ceil_div(n, kNormBlockRows), relu ? 1u : 0u, 0, eps};
+  // Per (block, channel) a compensated pair; stats = {mean hi, mean lo, scale}.
+  const Buffer partial = enc.scratch(size_t{dims.blocks} * c * 2 * sizeof(float));
+  const Buffer stats = enc.scratch(size_t{c} * 3 * sizeof(float));
+  for (uint32_t stage = 0; stage < 2; ++stage) {
+    dims.stage = stage;
+    enc.kernel("mlxl_norm_sums" + suffix);
+    enc.input(0, x);
+    enc.input(1, stats);
+    enc.output(2, partial);
+    enc.value(3, dims);
+    dispatch_channels_rows(enc, c, dims.blocks);
+    enc.kernel("mlxl_norm_stats");
+    enc.input(0, partial);
+    enc.input(1, weight);
+    enc.output(2, stats);
+    enc.output(3, mean);
+    enc.output(4, var);
+    enc.value(5, dims);
+    dispatch_channels(enc, c);
+  }
+  enc.kernel("mlxl_norm_forward" + suffix);
+  enc.input(0, x);
+  enc.input(1, stats);
+  enc.input(2, mean);
+  enc.input(3, bias);
+  enc.output(4, y);
+  enc.value(5, dims);
+  dispatch_channels_rows(enc, c, n);
+}
+
+void encode_batch_norm_grad(KernelEncoder& enc, NormFormat format, Buffer g, Buffer x, Buffer y,
+                            Buffer weight, Buffer mean, Buffer var, Buffer dx, Buffer dweight,
+                            Buffer dbias, uint32_t n, uint32_t c, float eps, bool relu) {
+  if (n == 0 || c == 0) return;
+  const std::string suffix = norm_suffix(format);
+  const NormDims dims{n, c, ceil_div(n, kNormBlockRows), relu ? 1u : 0u, 0, eps};
+  // Per (block, channel) two compensated pairs; coef = {a, k, mean(g)}.
+  const Buffer partial = enc.scratch(size_t{dims.blocks} * c * 4 * sizeof(float));
+  const Buffer coef = enc.scratch(size_t{c} * 3 * sizeof(float));
+  enc.kernel("mlxl_norm_grad_sums" + suffix);
+  enc.input(0, g);
+  enc.input(1, x);
+  enc.input(2, y);
+  enc.input(3, mean);
+  enc.output(4, partial);
+  enc.value(5, dims);
+  dispatch_channels_rows(enc, c, dims.blocks);
+  enc.kernel("mlxl_norm_grad_coefs");
+  enc.input(0, partial);
+  enc.input(1, weight);
+  enc.input(2, var);
+  enc.output(3, coef);
+  enc.output(4, dweight);
+  enc.output(5, dbias);
+  enc.value(6, dims);
+  dispatch_channels(enc, c);
+  enc.kernel("mlxl_norm_grad" + suffix);
+  enc.input(0, g);
+  enc.input(1, x);
+  enc.input(2, y);
+  enc.input(3, mean);
+  enc.input(4, coef);
+  enc.output(5, dx);
+  enc.value(6, dims);
+  dispatch_channels_rows(enc, c, n);
 }
 
 }  // namespace mlx_lattice::gpu

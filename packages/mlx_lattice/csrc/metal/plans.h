@@ -102,4 +102,21 @@ void encode_coord_hash(KernelEncoder& enc, Buffer coords, Buffer queries, Buffer
                        Buffer rows, Buffer table, Buffer minrow, Buffer slot_of, uint32_t n,
                        uint32_t q, uint32_t slots);
 
+// Training batch norm (norm.metal). Features (n x c) in `format`'s storage
+// (x, y, g, dx); weight, bias, mean, var, dweight, dbias (c) float32. Row
+// blocks of kNormBlockRows, as the CPU kernels reduce them.
+enum class NormFormat { kF32, kF16, kBF16 };
+constexpr uint32_t kNormBlockRows = 256;  // MLXL_NORM_BLOCK_ROWS of the kernels
+
+// y, mean, var (biased) from x, weight, bias.
+void encode_batch_norm(KernelEncoder& enc, NormFormat format, Buffer x, Buffer weight,
+                       Buffer bias, Buffer y, Buffer mean, Buffer var, uint32_t n, uint32_t c,
+                       float eps, bool relu);
+
+// dx, dweight, dbias from the cotangent g of y and the forward's x, y, mean,
+// var (y only read with relu).
+void encode_batch_norm_grad(KernelEncoder& enc, NormFormat format, Buffer g, Buffer x, Buffer y,
+                            Buffer weight, Buffer mean, Buffer var, Buffer dx, Buffer dweight,
+                            Buffer dbias, uint32_t n, uint32_t c, float eps, bool relu);
+
 }  // namespace mlx_lattice::gpu

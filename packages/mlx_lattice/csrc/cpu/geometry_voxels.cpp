@@ -128,17 +128,38 @@ PointVoxel point_voxel_map(const double* points, const int32_t* batch, int64_t n
       fail(msg.str());
     }
   }
-  // Entries grouped by voxel, ascending (counting sort).
+  // Entries grouped by voxel, ascending: a counting sort per range of
+  // voxels, each task scanning every entry for its own range (the ranges
+  // change speed, never the arrays).
   m.offsets.assign(n_voxels + 1, 0);
-  for (int64_t e = 0; e < 8 * n; ++e) {
-    if (m.rows[e] >= 0) ++m.offsets[m.rows[e] + 1];
-  }
+  const int64_t n_entries = 8 * n;
+  const int64_t n_ranges = std::max<int64_t>(
+      1, std::min<int64_t>(n_voxels, 2 * static_cast<int64_t>(std::max(1, get_num_threads()))));
+  const int32_t* rows = m.rows.data();
+  auto range_of = [&](int64_t t) {
+    return std::make_pair(n_voxels * t / n_ranges, n_voxels * (t + 1) / n_ranges);
+  };
+  parallel_for(n_ranges, [&](int64_t t) {
+    const auto [lo, hi] = range_of(t);
+    const uint32_t span = static_cast<uint32_t>(hi - lo);
+    int32_t* counts = m.offsets.data() + lo + 1;
+    for (int64_t e = 0; e < n_entries; ++e) {
+      const uint32_t v = static_cast<uint32_t>(rows[e] - lo);  // -1 wraps: skipped
+      if (v < span) ++counts[v];
+    }
+  });
   for (int64_t v = 0; v < n_voxels; ++v) m.offsets[v + 1] += m.offsets[v];
   m.entries.resize(m.offsets[n_voxels]);
-  std::vector<int32_t> cursor(m.offsets.begin(), m.offsets.end() - 1);
-  for (int64_t e = 0; e < 8 * n; ++e) {
-    if (m.rows[e] >= 0) m.entries[cursor[m.rows[e]]++] = static_cast<int32_t>(e);
-  }
+  parallel_for(n_ranges, [&](int64_t t) {
+    const auto [lo, hi] = range_of(t);
+    const uint32_t span = static_cast<uint32_t>(hi - lo);
+    std::vector<int32_t> cursor(m.offsets.begin() + lo, m.offsets.begin() + hi);
+    int32_t* entries = m.entries.data();
+    for (int64_t e = 0; e < n_entries; ++e) {
+      const uint32_t v = static_cast<uint32_t>(rows[e] - lo);
+      if (v < span) entries[cursor[v]++] = static_cast<int32_t>(e);
+    }
+  });
   return m;
 }
 
@@ -242,7 +263,9 @@ __attribute__((always_inline)) inline void voxel_sum_rows(const float* feats, in
   const float inv = 1.0f / static_cast<float>(e - b);
   for (; k + 8 <= channels; k += 8) {
     V8 a = {};
-    for (int32_t i = b; i < e; ++i) a = a + load8(feats + static_cast<int64_t>(members[i]) * channels + k);
+    for (int32_t i = b; i < e; ++i) {
+      a = a + load8(feats + static_cast<int64_t>(members[i]) * channels + k);
+    }
     store8(o + k, mean ? a * inv : a);
   }
   for (; k < channels; ++k) {

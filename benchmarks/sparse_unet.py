@@ -11,7 +11,9 @@ One run, one machine, ~100k voxels:
 * the share of a cold step spent outside the convolutions (norms,
   activations, concatenation, loss, update and relation building): one minus
   the summed time of every convolution layer's forward and backward run alone
-  on its recorded input;
+  on its recorded input; and a second share that also counts the point-wise
+  linear layers (SPVCNN's per-point MLPs and the heads: GEMMs like a 1x1x1
+  convolution), timed the same way;
 * the same steps through the previous, unfused layer paths (``mlx.nn``
   BatchNorm then ReLU, ``mx.matmul`` point layers, a scatter-add gradient for
   SPVCNN's voxel rows), timed in the same rounds;
@@ -122,6 +124,44 @@ def _conv_call(layer: mlx_nn.Module, x: SparseTensor) -> object:
     return lambda: mx.eval(grad(x.feats, params))
 
 
+def _linear_inputs(model: mlx_nn.Module, x: object) -> list:
+    """(layer, input) for every point-wise linear layer (``nn.Linear``, on
+    sparse features or plain per-point arrays) of one forward pass."""
+    log: list = []
+    swapped = []
+    for name, module in model.named_modules():
+        if name and isinstance(module, nn.Linear):
+            *parent, last = name.split(".")
+            node = model
+            for part in parent:
+                node = node[part]
+            swapped.append((node, last, module))
+    for node, last, module in swapped:
+        setattr(node, last, _Recorder(module, log))
+    try:
+        out = model(x)
+        mx.eval(out.feats if isinstance(out, SparseTensor) else out)
+    finally:
+        for node, last, module in swapped:
+            setattr(node, last, module)
+    return log
+
+
+def _linear_call(layer: mlx_nn.Module, x: object) -> object:
+    """Forward and backward (input and weight gradients) of one linear layer
+    on its recorded input (features or a plain array), as a call to time."""
+    if isinstance(x, SparseTensor):
+        return _conv_call(layer, x)
+    params = layer.trainable_parameters()
+
+    def loss(feats: mx.array, p: dict) -> mx.array:
+        layer.update(p)
+        return layer(feats).sum()
+
+    grad = mx.value_and_grad(loss, argnums=(0, 1))
+    return lambda: mx.eval(grad(x, params))
+
+
 def _train_step(model: MinkUNet, optimizer: optim.Optimizer, x: object, labels: mx.array) -> None:
     def loss(m: MinkUNet) -> mx.array:
         out = m(x)
@@ -214,21 +254,29 @@ def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target:
         convs = [] if unfused else [
             _conv_call(layer, x) for layer, x in _conv_inputs(model, warm_x)
         ]
-        setups[kind] = (step, cold, convs)
+        # The point-wise linear layers (GEMMs like a 1x1x1 convolution), timed
+        # the same way for the second share column.
+        linears = [] if unfused else [
+            _linear_call(layer, x) for layer, x in _linear_inputs(model, warm_x)
+        ]
+        setups[kind] = (step, cold, convs + linears, len(convs))
     best = {k: [float("inf")] * (2 + len(v[2])) for k, v in setups.items()}
     for r in range(rounds + 1):
-        for kind, (step, cold, convs) in setups.items():
-            times = [_seconds(step), _seconds(cold)] + [_seconds(c) for c in convs]
+        for kind, (step, cold, calls, _) in setups.items():
+            times = [_seconds(step), _seconds(cold)] + [_seconds(c) for c in calls]
             if r:  # round 0 warms up
                 best[kind] = [min(a, b) for a, b in zip(best[kind], times, strict=True)]
     base_cold = best["float32"][1]
     for kind in kinds:
         warm, cold = best[kind][:2]
         conv_kind = kind.replace(" unfused", "")
-        convs = sum(best[conv_kind][2:])
+        n_convs = setups[conv_kind][3]
+        convs = sum(best[conv_kind][2 : 2 + n_convs])
+        linears = sum(best[conv_kind][2 + n_convs :])
         print(
             f"{name + ' ' + kind:<25}{warm * 1e3:>9.1f}{cold * 1e3:>9.1f}{convs * 1e3:>10.1f}"
-            f"{1 - convs / cold:>15.0%}{cold / base_cold:>12.2f}",
+            f"{1 - convs / cold:>15.0%}{linears * 1e3:>12.1f}"
+            f"{1 - (convs + linears) / cold:>15.0%}{cold / base_cold:>12.2f}",
             flush=True,
         )
 
@@ -268,7 +316,7 @@ def main() -> None:
     print(f"\ntraining step (forward + backward + Adam update; best of {args.rounds} interleaved rounds)")
     print(
         f"{'model':<25}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>15}"
-        f"{'vs float32':>12}"
+        f"{'linears ms':>12}{'outside both':>15}{'vs float32':>12}"
     )
     cases = (
         ("MinkUNet", MinkUNet, fresh, labels),
@@ -279,7 +327,9 @@ def main() -> None:
     print(
         "cold: relations (and SPVCNN's point-voxel maps) built inside the step, as for a new "
         "scan each step;\noutside convs: 1 - convs / cold, convs = every conv layer's forward + "
-        "backward timed alone on its input;\n'unfused': the previous path, timed in the same "
+        "backward timed alone on its input;\nlinears: the same for every point-wise nn.Linear "
+        "(SPVCNN's point MLPs, both heads); outside both: 1 - (convs + linears) / cold;\n"
+        "'unfused': the previous path, timed in the same "
         "rounds (mlx.nn BatchNorm + ReLU, mx.matmul point layers, a scatter-add voxel-row "
         "gradient; convs as the fused row)"
     )

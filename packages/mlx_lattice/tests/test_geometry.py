@@ -7,7 +7,9 @@ Every random input comes from `seeded`: the repository's seeded generator
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -40,6 +42,20 @@ from mlx_lattice.geometry import (
     voxelize,
 )
 from mlx_lattice.tensor import SparseTensor, SparseTensorError
+
+
+def _load_refs(name: str):
+    """A shared reference module (tests/<name>.py), loaded by path."""
+    path = Path(__file__).with_name(f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+refs = _load_refs("geometry_refs")
+pvm_ref = refs.pvm_ref
+relation_lists = _load_refs("relation_refs").relation_lists
 
 
 @pytest.fixture
@@ -75,34 +91,6 @@ def voxelize_ref(feats, p2v, n, reduce):
             "first": rows[0],
         }[reduce]
     return out
-
-
-def pvm_ref(points, coords, size, origin, batch):
-    size = np.broadcast_to(np.asarray(size, np.float64), (3,))
-    origin = np.zeros(3) if origin is None else np.asarray(origin, np.float64)
-    batch = np.zeros(len(points), np.int64) if batch is None else batch
-    table = {tuple(int(v) for v in c): i for i, c in enumerate(coords)}
-    rows = np.full((len(points), 8), -1)
-    weights = np.zeros((len(points), 8))
-    nearest = np.full(len(points), -1)
-    for p, (pt, b) in enumerate(zip(points.astype(np.float64), batch, strict=True)):
-        u = [(pt[a] - origin[a]) / size[a] - 0.5 for a in range(3)]
-        base = [math.floor(x) for x in u]
-        t = [u[a] - base[a] for a in range(3)]
-        w = np.zeros(8)
-        for c in range(8):
-            d = ((c >> 2) & 1, (c >> 1) & 1, c & 1)
-            r = table.get((int(b), base[0] + d[0], base[1] + d[1], base[2] + d[2]), -1)
-            rows[p, c] = r
-            wc = 1.0
-            for a in range(3):
-                wc *= t[a] if d[a] else 1.0 - t[a]
-            w[c] = wc if r >= 0 else 0.0
-        if w.sum() > 0:
-            weights[p] = w / w.sum()
-            present = np.flatnonzero(rows[p] >= 0)
-            nearest[p] = rows[p, present[np.argmax(w[present])]]
-    return rows, weights, nearest
 
 
 def devoxelize_ref(vf, rows, weights, nearest, mode):
@@ -460,20 +448,6 @@ def radius_ref(q, qb, s, sb, r, max_neighbors=None):
         order = np.lexsort((cand[keep], d2[keep]))
         rows = cand[keep][order].tolist()
         out.append(rows[:max_neighbors] if max_neighbors else rows)
-    return out
-
-
-def relation_lists(rel):
-    n_out = int(rel.n_out_capacity)
-    out = [[] for _ in range(n_out)]
-    for i, o, k in zip(
-        np.array(rel.edges.in_rows),
-        np.array(rel.edges.out_rows),
-        np.array(rel.edges.kernel_ids),
-        strict=True,
-    ):
-        assert k == len(out[o])  # kernel id = rank
-        out[o].append(int(i))
     return out
 
 

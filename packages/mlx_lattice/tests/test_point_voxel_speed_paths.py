@@ -1,7 +1,10 @@
 """The point-voxel map's paths (points that share the previous point's cell
 reuse its corner rows; the out-of-range check inside the parallel loop; any
 thread count) against a NumPy loop reference and against each other, bit for
-bit.
+bit; and the vectorized channel loops of devoxelize, its point-major
+transpose and voxelize's sum/mean, bit for bit against float32 emulations of
+their documented summation order (every block width and tail, fine and
+coarse maps, any thread count) and against float64.
 
 Every random input comes from `seeded` (the repository's seeded generator,
 printed on failure, replayed with ``TEST_SEED=<seed>``).
@@ -9,7 +12,8 @@ printed on failure, replayed with ``TEST_SEED=<seed>``).
 
 from __future__ import annotations
 
-import math
+import importlib.util
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -17,38 +21,31 @@ import pytest
 
 import mlx_lattice
 from mlx_lattice._native import ext
-from mlx_lattice.geometry import GeometryError, devoxelize, point_voxel_map
+from mlx_lattice.geometry import (
+    GeometryError,
+    devoxelize,
+    point_voxel_map,
+    quantize_points,
+    voxelize,
+)
+
+
+def _load_refs():
+    """The shared references (tests/geometry_refs.py), loaded by path."""
+    path = Path(__file__).with_name("geometry_refs.py")
+    spec = importlib.util.spec_from_file_location("geometry_refs", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+refs = _load_refs()
+pvm_ref = refs.pvm_ref
 
 
 @pytest.fixture
 def seeded(rng: np.random.Generator) -> np.random.Generator:
     return rng
-
-
-def pvm_ref(points, coords, size, origin, batch):
-    """Rows, weights and nearest voxel per point, from the documented formulas."""
-    table = {tuple(int(v) for v in c): i for i, c in enumerate(coords)}
-    rows = np.full((len(points), 8), -1)
-    weights = np.zeros((len(points), 8))
-    nearest = np.full(len(points), -1)
-    for p, (pt, b) in enumerate(zip(points.astype(np.float64), batch, strict=True)):
-        u = [(pt[a] - origin[a]) / size[a] - 0.5 for a in range(3)]
-        base = [math.floor(x) for x in u]
-        t = [u[a] - base[a] for a in range(3)]
-        w = np.zeros(8)
-        for c in range(8):
-            d = ((c >> 2) & 1, (c >> 1) & 1, c & 1)
-            r = table.get((int(b), base[0] + d[0], base[1] + d[1], base[2] + d[2]), -1)
-            rows[p, c] = r
-            wc = 1.0
-            for a in range(3):
-                wc *= t[a] if d[a] else 1.0 - t[a]
-            w[c] = wc if r >= 0 else 0.0
-        if w.sum() > 0:
-            weights[p] = w / w.sum()
-            present = np.flatnonzero(rows[p] >= 0)
-            nearest[p] = rows[p, present[np.argmax(w[present])]]
-    return rows, weights, nearest
 
 
 def _scene(rng, n_points, batches, sorted_points):
@@ -168,3 +165,110 @@ def test_same_bits_for_any_thread_count(seeded, sorted_points):
     rows, weights = np.array(results[0]["rows"]), np.array(results[0]["weights"])
     ref = (np.array(vf)[np.maximum(rows, 0)] * (weights * (rows >= 0))[..., None]).sum(1)
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
+
+
+# -- the vectorized channel loops of devoxelize, its transpose and voxelize ------------------
+
+
+def _coarse_or_fine(rng, coarse):
+    """A scene and its map: fine (about one point per voxel) or coarse (tens
+    of points per voxel, as at a U-Net's coarsest level)."""
+    pts, batch, size, origin, coords = _scene(rng, 3000, 2, False)
+    if coarse:
+        size = size * 4
+        cells = np.floor((pts - origin) / size).astype(np.int64)
+        coords = np.unique(np.concatenate([batch[:, None], cells], axis=1), axis=0)
+        coords = coords[rng.permutation(len(coords))].astype(np.int32)
+    pvm = point_voxel_map(pts, coords, size, origin=origin, batch=batch)
+    return pts, batch, size, origin, coords, pvm
+
+
+def _per_thread_count(fn):
+    before = mlx_lattice.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 8):
+            mlx_lattice.set_num_threads(threads)
+            results.append(fn())
+    finally:
+        mlx_lattice.set_num_threads(before)
+    return results
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+@pytest.mark.parametrize("channels", [3, 8, 37, 128])
+def test_devoxelize_and_transpose_bits_in_documented_order(seeded, coarse, channels):
+    # 37 channels: two 16-wide blocks, no 8-wide block, a scalar tail of 5.
+    pts, batch, size, origin, coords, pvm = _coarse_or_fine(seeded, coarse)
+    vf = seeded.standard_normal((len(coords), channels)).astype(np.float32)
+    g = seeded.standard_normal((len(pts), channels)).astype(np.float32)
+    rows, weights = np.array(pvm.rows), np.array(pvm.weights)
+
+    def run():
+        out, vjp = mx.vjp(lambda v: devoxelize(v, pvm), [mx.array(vf)], [mx.array(g)])
+        return np.array(out[0]), np.array(vjp[0])
+
+    results = _per_thread_count(run)
+    for out, grad in results:
+        # Bit for bit: the float32 order the kernels document, at any thread count.
+        np.testing.assert_array_equal(out, refs.devoxelize_f32_ref(vf, rows, weights))
+        np.testing.assert_array_equal(
+            grad, refs.devoxelize_transpose_f32_ref(g, rows, weights, len(coords))
+        )
+    # And the math against float64 from the loop reference's map.
+    rows64, weights64, _ = pvm_ref(pts, coords, size, origin, batch)
+    present = (rows64 >= 0)[..., None]
+    dense = vf.astype(np.float64)[np.maximum(rows64, 0)]
+    np.testing.assert_allclose(
+        results[0][0], (dense * weights64[..., None] * present).sum(1), rtol=1e-5, atol=1e-5
+    )
+    grad64 = np.zeros((len(coords), channels))
+    np.add.at(
+        grad64,
+        np.maximum(rows64, 0).reshape(-1),
+        (weights64 * (rows64 >= 0)).reshape(-1, 1) * np.repeat(g.astype(np.float64), 8, axis=0),
+    )
+    np.testing.assert_allclose(results[0][1], grad64, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("coarse", [False, True])
+def test_nearest_transpose_bits(seeded, coarse):
+    pts, _, _, _, coords, pvm = _coarse_or_fine(seeded, coarse)
+    g = seeded.standard_normal((len(pts), 37)).astype(np.float32)
+    nearest = np.array(pvm.nearest)
+
+    def run():
+        _, vjp = mx.vjp(
+            lambda v: devoxelize(v, pvm, "nearest"),
+            [mx.zeros((len(coords), 37))],
+            [mx.array(g)],
+        )
+        return np.array(vjp[0])
+
+    expected = np.zeros((len(coords), 37), np.float32)
+    np.add.at(expected, nearest[nearest >= 0], g[nearest >= 0])  # ascending points
+    for grad in _per_thread_count(run):
+        np.testing.assert_array_equal(grad, expected)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean"])
+@pytest.mark.parametrize("channels", [5, 37, 128])
+def test_voxelize_sum_mean_bits_in_point_order(seeded, reduce, channels):
+    pts = seeded.uniform(0.0, 2.0, (4000, 3))
+    vox = quantize_points(pts, 0.3)  # about 15 points per voxel
+    feats = seeded.standard_normal((len(pts), channels)).astype(np.float32)
+    p2v, counts = np.array(vox.point_to_voxel), np.array(vox.counts)
+    expected = np.zeros((vox.num_voxels, channels), np.float32)
+    np.add.at(expected, p2v, feats)  # ascending points per voxel, float32
+    if reduce == "mean":
+        expected = (expected * (np.float32(1) / counts.astype(np.float32))[:, None]).astype(
+            np.float32
+        )
+    results = _per_thread_count(lambda: np.array(voxelize(mx.array(feats), vox, reduce)))
+    for out in results:
+        np.testing.assert_array_equal(out, expected)
+    mean64 = np.zeros((vox.num_voxels, channels))
+    np.add.at(mean64, p2v, feats.astype(np.float64))
+    if reduce == "mean":
+        mean64 /= counts[:, None]
+    np.testing.assert_allclose(results[0], mean64, rtol=1e-5, atol=1e-5)

@@ -96,10 +96,11 @@ void devoxelize(const float* vf, int64_t channels, const int32_t* rows, const fl
                 const int32_t* nearest, int64_t n_points, bool nearest_mode, float* out);
 
 // The transpose: out[v] = sum over entries (p, c) of v of w[p, c] * g[p] (or g[p]
-// where nearest[p] == v), in ascending entry order.
+// where nearest[p] == v), in ascending entry order. offsets (n_voxels + 1)
+// count each voxel's entries (they balance the work); entries are not read.
 void devoxelize_transpose(const float* g, int64_t channels, const int32_t* rows, const float* weights,
                           const int32_t* nearest, const int32_t* offsets, const int32_t* entries,
-                          int64_t n_voxels, bool nearest_mode, float* out);
+                          int64_t n_voxels, int64_t n_points, bool nearest_mode, float* out);
 
 // ---- neighbours ---------------------------------------------------------------------------
 

@@ -2,6 +2,7 @@
 // point-voxel map, voxel reductions, devoxelization and its transpose.
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <sstream>
 
@@ -127,22 +128,192 @@ PointVoxel point_voxel_map(const double* points, const int32_t* batch, int64_t n
       fail(msg.str());
     }
   }
-  // Entries grouped by voxel, ascending (counting sort).
+  // Entries grouped by voxel, ascending: a counting sort per range of
+  // voxels, each task scanning every entry for its own range (the ranges
+  // change speed, never the arrays).
   m.offsets.assign(n_voxels + 1, 0);
-  for (int64_t e = 0; e < 8 * n; ++e) {
-    if (m.rows[e] >= 0) ++m.offsets[m.rows[e] + 1];
-  }
+  const int64_t n_entries = 8 * n;
+  const int64_t n_ranges = std::max<int64_t>(
+      1, std::min<int64_t>(n_voxels, 2 * static_cast<int64_t>(std::max(1, get_num_threads()))));
+  const int32_t* rows = m.rows.data();
+  auto range_of = [&](int64_t t) {
+    return std::make_pair(n_voxels * t / n_ranges, n_voxels * (t + 1) / n_ranges);
+  };
+  parallel_for(n_ranges, [&](int64_t t) {
+    const auto [lo, hi] = range_of(t);
+    const uint32_t span = static_cast<uint32_t>(hi - lo);
+    int32_t* counts = m.offsets.data() + lo + 1;
+    for (int64_t e = 0; e < n_entries; ++e) {
+      const uint32_t v = static_cast<uint32_t>(rows[e] - lo);  // -1 wraps: skipped
+      if (v < span) ++counts[v];
+    }
+  });
   for (int64_t v = 0; v < n_voxels; ++v) m.offsets[v + 1] += m.offsets[v];
   m.entries.resize(m.offsets[n_voxels]);
-  std::vector<int32_t> cursor(m.offsets.begin(), m.offsets.end() - 1);
-  for (int64_t e = 0; e < 8 * n; ++e) {
-    if (m.rows[e] >= 0) m.entries[cursor[m.rows[e]]++] = static_cast<int32_t>(e);
-  }
+  parallel_for(n_ranges, [&](int64_t t) {
+    const auto [lo, hi] = range_of(t);
+    const uint32_t span = static_cast<uint32_t>(hi - lo);
+    std::vector<int32_t> cursor(m.offsets.begin() + lo, m.offsets.begin() + hi);
+    int32_t* entries = m.entries.data();
+    for (int64_t e = 0; e < n_entries; ++e) {
+      const uint32_t v = static_cast<uint32_t>(rows[e] - lo);
+      if (v < span) entries[cursor[v]++] = static_cast<int32_t>(e);
+    }
+  });
   return m;
 }
 
+namespace {
+
+// The channel loops below run on 8-float vectors (GCC/Clang vector
+// extensions: two SSE registers by default, one AVX register in the avx2
+// builds). Each output element is still the scalar loop's chain of separate
+// multiplies and adds in the same order (no FMA contraction), so every ISA
+// gives the same bits.
+using V8 = float __attribute__((vector_size(32)));
+// The same vector at any float's address (unaligned, may alias floats).
+using V8u = float __attribute__((vector_size(32), aligned(4), may_alias));
+
+#define load8(p) (*reinterpret_cast<const V8u*>(p))
+#define store8(p, v) (*reinterpret_cast<V8u*>(p) = (v))
+
+// o[k] += w * f[k] for k < n.
+__attribute__((always_inline)) inline void add_scaled(float* __restrict o, float w,
+                                                      const float* __restrict f, int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) store8(o + k, load8(o + k) + w * load8(f + k));
+  for (; k < n; ++k) o[k] += w * f[k];
+}
+
+// o[k] += f[k] for k < n.
+__attribute__((always_inline)) inline void add_row(float* __restrict o, const float* __restrict f,
+                                                   int64_t n) {
+  int64_t k = 0;
+  for (; k + 8 <= n; k += 8) store8(o + k, load8(o + k) + load8(f + k));
+  for (; k < n; ++k) o[k] += f[k];
+}
+
+// Linear devoxelization of points [p0, p1): the 8 corners summed in a
+// register per 8 channels (0 + w0 f0 + w1 f1 + ..., corners in order).
+__attribute__((always_inline)) inline void devoxelize_linear_rows(
+    const float* vf, int64_t channels, const int32_t* rows, const float* weights, int64_t p0,
+    int64_t p1, float* out) {
+  for (int64_t p = p0; p < p1; ++p) {
+    float* o = out + p * channels;
+    const int32_t* r = rows + 8 * p;
+    const float* w = weights + 8 * p;
+    int64_t k = 0;
+    for (; k + 16 <= channels; k += 16) {
+      V8 a = {}, b = {};
+      for (int c = 0; c < 8; ++c) {
+        if (r[c] < 0) continue;
+        const float* f = vf + static_cast<int64_t>(r[c]) * channels + k;
+        a = a + w[c] * load8(f);
+        b = b + w[c] * load8(f + 8);
+      }
+      store8(o + k, a);
+      store8(o + k + 8, b);
+    }
+    for (; k + 8 <= channels; k += 8) {
+      V8 a = {};
+      for (int c = 0; c < 8; ++c) {
+        if (r[c] >= 0) a = a + w[c] * load8(vf + static_cast<int64_t>(r[c]) * channels + k);
+      }
+      store8(o + k, a);
+    }
+    for (; k < channels; ++k) {
+      float a = 0.0f;
+      for (int c = 0; c < 8; ++c) {
+        if (r[c] >= 0) a += w[c] * vf[static_cast<int64_t>(r[c]) * channels + k];
+      }
+      o[k] = a;
+    }
+  }
+}
+
+// The transpose for voxels [v0, v1), point-major: the points in ascending
+// order add into the rows of their corners inside the range, so each voxel
+// still sums its entries in ascending (point, corner) order, while every
+// point's gradient row is read once (not once per corner, at random).
+__attribute__((always_inline)) inline void devoxelize_transpose_range(
+    const float* g, int64_t channels, const int32_t* rows, const float* weights,
+    const int32_t* nearest, int64_t n_points, bool nearest_mode, int64_t v0, int64_t v1,
+    float* out) {
+  std::fill(out + v0 * channels, out + v1 * channels, 0.0f);
+  const uint32_t span = static_cast<uint32_t>(v1 - v0);
+  for (int64_t p = 0; p < n_points; ++p) {
+    const float* gp = g + p * channels;
+    if (nearest_mode) {
+      const uint32_t v = static_cast<uint32_t>(nearest[p] - v0);  // -1 wraps: skipped
+      if (v < span) add_row(out + (v0 + v) * channels, gp, channels);
+      continue;
+    }
+    for (int c = 0; c < 8; ++c) {
+      const uint32_t v = static_cast<uint32_t>(rows[8 * p + c] - v0);
+      if (v < span) add_scaled(out + (v0 + v) * channels, weights[8 * p + c], gp, channels);
+    }
+  }
+}
+
+// Sum of a voxel's member rows (ascending), times inv when mean.
+__attribute__((always_inline)) inline void voxel_sum_rows(const float* feats, int64_t channels,
+                                                          const int32_t* members, int32_t b,
+                                                          int32_t e, bool mean, float* o) {
+  int64_t k = 0;
+  const float inv = 1.0f / static_cast<float>(e - b);
+  for (; k + 8 <= channels; k += 8) {
+    V8 a = {};
+    for (int32_t i = b; i < e; ++i) {
+      a = a + load8(feats + static_cast<int64_t>(members[i]) * channels + k);
+    }
+    store8(o + k, mean ? a * inv : a);
+  }
+  for (; k < channels; ++k) {
+    float a = 0.0f;
+    for (int32_t i = b; i < e; ++i) a += feats[static_cast<int64_t>(members[i]) * channels + k];
+    o[k] = mean ? a * inv : a;
+  }
+}
+
+// Each kernel body twice on x86-64: the default target and AVX2, picked at
+// run time; once elsewhere.
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+#define MLX_LATTICE_TWO_ISAS(name, params, args) \
+  void name##_base params { name##_body args; } \
+  __attribute__((target("avx2"))) void name##_avx2 params { name##_body args; }
+#define MLX_LATTICE_PICK(name) (has_avx2() ? name##_avx2 : name##_base)
+#else
+#define MLX_LATTICE_TWO_ISAS(name, params, args) \
+  void name##_base params { name##_body args; }
+#define MLX_LATTICE_PICK(name) name##_base
+#endif
+
+#define devoxelize_rows_body devoxelize_linear_rows
+MLX_LATTICE_TWO_ISAS(devoxelize_rows,
+                     (const float* vf, int64_t ch, const int32_t* rows, const float* w, int64_t p0,
+                      int64_t p1, float* out),
+                     (vf, ch, rows, w, p0, p1, out))
+#define transpose_range_body devoxelize_transpose_range
+MLX_LATTICE_TWO_ISAS(transpose_range,
+                     (const float* g, int64_t ch, const int32_t* rows, const float* w,
+                      const int32_t* nearest, int64_t n, bool nm, int64_t v0, int64_t v1,
+                      float* out),
+                     (g, ch, rows, w, nearest, n, nm, v0, v1, out))
+#define sum_rows_body voxel_sum_rows
+MLX_LATTICE_TWO_ISAS(sum_rows,
+                     (const float* f, int64_t ch, const int32_t* m, int32_t b, int32_t e, bool mean,
+                      float* o),
+                     (f, ch, m, b, e, mean, o))
+
+}  // namespace
+
 void voxel_reduce(const float* feats, int64_t channels, const int32_t* offsets,
                   const int32_t* members, int64_t n_voxels, Reduce mode, float* out, int32_t* arg) {
+  const auto sum_rows = MLX_LATTICE_PICK(sum_rows);
   parallel_for((n_voxels + 511) / 512, [&](int64_t t) {
     const int64_t end = std::min(n_voxels, (t + 1) * 512);
     for (int64_t v = t * 512; v < end; ++v) {
@@ -171,41 +342,27 @@ void voxel_reduce(const float* feats, int64_t channels, const int32_t* offsets,
         }
         continue;
       }
-      std::fill(o, o + channels, 0.0f);
-      for (int32_t i = b; i < e; ++i) {
-        const float* f = feats + static_cast<int64_t>(members[i]) * channels;
-        for (int64_t c = 0; c < channels; ++c) o[c] += f[c];
-      }
-      if (mode == Reduce::kMean) {
-        const float inv = 1.0f / static_cast<float>(e - b);
-        for (int64_t c = 0; c < channels; ++c) o[c] *= inv;
-      }
+      sum_rows(feats, channels, members, b, e, mode == Reduce::kMean, o);
     }
   });
 }
 
 void devoxelize(const float* vf, int64_t channels, const int32_t* rows, const float* weights,
                 const int32_t* nearest, int64_t n_points, bool nearest_mode, float* out) {
+  const auto linear_rows = MLX_LATTICE_PICK(devoxelize_rows);
   parallel_for((n_points + 1023) / 1024, [&](int64_t t) {
-    const int64_t end = std::min(n_points, (t + 1) * 1024);
-    for (int64_t p = t * 1024; p < end; ++p) {
+    const int64_t begin = t * 1024, end = std::min(n_points, (t + 1) * 1024);
+    if (!nearest_mode) {
+      linear_rows(vf, channels, rows, weights, begin, end, out);
+      return;
+    }
+    for (int64_t p = begin; p < end; ++p) {
       float* o = out + p * channels;
-      if (nearest_mode) {
-        const int32_t r = nearest[p];
-        if (r < 0) {
-          std::fill(o, o + channels, 0.0f);
-        } else {
-          std::copy(vf + r * channels, vf + (r + 1) * channels, o);
-        }
-        continue;
-      }
-      std::fill(o, o + channels, 0.0f);
-      for (int c = 0; c < 8; ++c) {
-        const int32_t r = rows[8 * p + c];
-        if (r < 0) continue;
-        const float w = weights[8 * p + c];
-        const float* f = vf + static_cast<int64_t>(r) * channels;
-        for (int64_t k = 0; k < channels; ++k) o[k] += w * f[k];
+      const int32_t r = nearest[p];
+      if (r < 0) {
+        std::fill(o, o + channels, 0.0f);
+      } else {
+        std::copy(vf + r * channels, vf + (r + 1) * channels, o);
       }
     }
   });
@@ -213,28 +370,33 @@ void devoxelize(const float* vf, int64_t channels, const int32_t* rows, const fl
 
 void devoxelize_transpose(const float* g, int64_t channels, const int32_t* rows,
                           const float* weights, const int32_t* nearest, const int32_t* offsets,
-                          const int32_t* entries, int64_t n_voxels, bool nearest_mode, float* out) {
-  parallel_for((n_voxels + 1023) / 1024, [&](int64_t t) {
-    const int64_t end = std::min(n_voxels, (t + 1) * 1024);
-    for (int64_t v = t * 1024; v < end; ++v) {
-      float* o = out + v * channels;
-      std::fill(o, o + channels, 0.0f);
-      for (int32_t i = offsets[v]; i < offsets[v + 1]; ++i) {
-        const int64_t e = entries[i];
-        const int64_t p = e / 8;
-        float w;
-        if (nearest_mode) {
-          if (nearest[p] != v) continue;
-          w = 1.0f;
-        } else {
-          w = weights[e];
-        }
-        (void)rows;
-        const float* gp = g + p * channels;
-        for (int64_t k = 0; k < channels; ++k) o[k] += w * gp[k];
-      }
+                          const int32_t* /*entries*/, int64_t n_voxels, int64_t n_points,
+                          bool nearest_mode, float* out) {
+  // Voxel ranges of about equal entry counts, a few per thread; each task
+  // scans every point's corners (cheap next to the channel work) and owns
+  // its range's output rows. The range bounds change speed, never bits.
+  const int64_t total = offsets[n_voxels];
+  const int64_t n_tasks = std::max<int64_t>(
+      1, std::min<int64_t>({n_voxels, 4 * static_cast<int64_t>(std::max(1, get_num_threads())),
+                            total / 4096 + 1}));
+  std::vector<int64_t> bounds(n_tasks + 1, n_voxels);
+  bounds[0] = 0;
+  for (int64_t t = 1; t < n_tasks; ++t) {
+    const int64_t want = total * t / n_tasks;
+    bounds[t] = std::max<int64_t>(
+        bounds[t - 1], std::lower_bound(offsets, offsets + n_voxels + 1, want) - offsets);
+    bounds[t] = std::min(bounds[t], n_voxels);
+  }
+  const auto range = MLX_LATTICE_PICK(transpose_range);
+  parallel_for(n_tasks, [&](int64_t t) {
+    if (bounds[t] < bounds[t + 1]) {
+      range(g, channels, rows, weights, nearest, n_points, nearest_mode, bounds[t], bounds[t + 1],
+            out);
     }
   });
 }
+
+#undef load8
+#undef store8
 
 }  // namespace mlx_lattice::geometry

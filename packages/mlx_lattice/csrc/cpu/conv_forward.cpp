@@ -27,7 +27,11 @@ struct Scratch {
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<int32_t> in_rows;
-  std::vector<float> rows;  // a tile's converted input rows
+  // A tile's distinct input rows (in order of first use) and, per input
+  // row, its slot among them or -1: every entry is -1 between tiles.
+  std::vector<int32_t> distinct;
+  std::vector<int32_t> row_slot;
+  std::vector<float> rows;  // a tile's converted input rows, one per distinct row
   std::vector<float> tile;  // a tile's float32 output rows
   std::vector<float> panel;  // one offset's dequantized weight
 };
@@ -87,22 +91,44 @@ void forward_tiles(const void* feats, FloatFormat format, int64_t cin, Panel&& p
           s.a_ptrs[slot] = a + static_cast<int64_t>(s.in_rows[slot]) * cin;
         }
       } else {
+        // A row feeds up to K edges of a tile: each distinct row is
+        // converted once and its edges point at that copy (the values, so
+        // the results, are the same as converting it per edge).
         if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);
-        // Rows kAhead slots ahead are requested while this one converts
+        s.distinct.resize(n_tile);
+        int32_t* distinct = s.distinct.data();
+        int32_t* row_slot = s.row_slot.data();
+        int64_t n_rows = 0;
+        const float** a_ptrs = s.a_ptrs.data();
+        float* rows = s.rows.data();
+        for (int64_t slot = 0; slot < n_tile; ++slot) {
+          const int32_t r = in_rows[slot];  // in [0, n_in): checked by the relation
+          if (r >= static_cast<int64_t>(s.row_slot.size())) {
+            s.row_slot.resize(std::max<size_t>(r + 1, 2 * s.row_slot.size()), -1);
+            row_slot = s.row_slot.data();
+          }
+          int32_t m = row_slot[r];
+          if (m < 0) {
+            m = static_cast<int32_t>(n_rows);
+            row_slot[r] = m;
+            distinct[n_rows++] = r;
+          }
+          a_ptrs[slot] = rows + static_cast<int64_t>(m) * cin;
+        }
+        // Rows kAhead rows ahead are requested while this one converts
         // (the gathered rows are otherwise fetched one latency at a time).
         constexpr int64_t kAhead = 8;
-        auto prefetch = [&](int64_t slot) {
-          if (slot >= n_tile) return;
-          const char* p =
-              reinterpret_cast<const char*>(f + static_cast<int64_t>(s.in_rows[slot]) * cin);
+        auto prefetch = [&](int64_t i) {
+          if (i >= n_rows) return;
+          const char* p = reinterpret_cast<const char*>(f + static_cast<int64_t>(distinct[i]) * cin);
           for (int64_t b = 0; b < cin * 2; b += 64) __builtin_prefetch(p + b);
         };
-        for (int64_t slot = 0; slot < kAhead; ++slot) prefetch(slot);
-        for (int64_t slot = 0; slot < n_tile; ++slot) {
-          prefetch(slot + kAhead);
-          float* row = s.rows.data() + slot * cin;
-          convert_to_float32(f + static_cast<int64_t>(s.in_rows[slot]) * cin, format, cin, row);
-          s.a_ptrs[slot] = row;
+        for (int64_t i = 0; i < kAhead; ++i) prefetch(i);
+        for (int64_t i = 0; i < n_rows; ++i) {
+          prefetch(i + kAhead);
+          convert_to_float32(f + static_cast<int64_t>(distinct[i]) * cin, format, cin,
+                             rows + i * cin);
+          row_slot[distinct[i]] = -1;
         }
       }
       tile_gemm(s, panel, n_kernels, cin, cout);

@@ -38,6 +38,15 @@ struct Scratch {
 
 thread_local Scratch scratch;
 
+// Output rows per tile for rows `width` values wide: kTileRows from 64 up;
+// narrower rows take more (up to 4 x kTileRows at 32 and below), so an
+// offset gets more rows per tile: fewer partial register blocks and less
+// per-tile work per edge where each edge's arithmetic is smallest.
+int64_t tile_rows_for(int64_t width) {
+  if (width >= 64) return kTileRows;
+  return std::min<int64_t>(4 * kTileRows, kTileRows * 128 / std::max<int64_t>(width, 1));
+}
+
 // gemm_rows over every offset of a tile whose pointer lists are filled;
 // panel(k) gives offset k's (a_width x c_width) matrix.
 template <typename Panel>
@@ -213,10 +222,11 @@ __attribute__((target("avx512f"))) void dequantize_panel_avx512(const uint8_t* q
 void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
                      float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
                      const int32_t* c_index, const int32_t* kernel_ids) {
-  const int64_t tiles = ceil_div(csr.groups, kTileRows);
+  const int64_t tile_rows = tile_rows_for(c_width);
+  const int64_t tiles = ceil_div(csr.groups, tile_rows);
   parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
+    const int64_t g0 = tile * tile_rows;
+    const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
     std::memset(c + g0 * c_width, 0, sizeof(float) * (g1 - g0) * c_width);
     if (csr.offsets[g1] == csr.offsets[g0]) return;
     auto& s = scratch;
@@ -244,7 +254,7 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
   }
   const int64_t stride = cin * cout;
   forward_tiles(feats, format, cin, [&](int64_t k) { return weight + k * stride; }, n_kernels,
-                cout, csr, a_index, c_index, kernel_ids, out, kTileRows);
+                cout, csr, a_index, c_index, kernel_ids, out, tile_rows_for(cout));
 }
 
 void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,

@@ -230,3 +230,40 @@ def test_compile_and_repeated_calls_are_bitwise_stable(rng, ref):
     again = step(f, w)
     for a, b in zip(eager, again, strict=True):
         np.testing.assert_array_equal(np.array(a), np.array(b))
+
+
+@pytest.mark.parametrize(("cin", "cout"), [(32, 32), (16, 16), (40, 3), (32, 64)])
+def test_narrow_rows_across_tiles_match_float64(rng, seed, ref, cin, cout):
+    """Outputs narrower than 64 values run in larger tiles (up to 512 rows)
+    and C <= 32 blocks use embedded-broadcast FMAs: on ~5000 rows (several
+    tiles) the result is within float32 accumulation error of a float64
+    reference and bitwise the same for 1, 2 and 3 threads."""
+    import mlx_lattice
+
+    coords = ref.random_coords(rng, 6000, 20, batches=2)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    f = rng.standard_normal((len(coords), cin)).astype(np.float32)
+    w = rng.standard_normal((27, cin, cout)).astype(np.float32) / np.sqrt(27 * cin)
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    k_ids = np.array(rel.edges.kernel_ids)
+    exact = np.zeros((len(coords), cout))
+    mag = np.zeros((len(coords), cout))
+    for k in range(27):
+        sel = k_ids == k
+        np.add.at(exact, out_rows[sel], f[in_rows[sel]].astype(np.float64) @ w[k])
+        np.add.at(mag, out_rows[sel], np.abs(f[in_rows[sel]]).astype(np.float64) @ np.abs(w[k]))
+    before = mlx_lattice.get_num_threads()
+    results = []
+    try:
+        for threads in (1, 2, 3):
+            mlx_lattice.set_num_threads(threads)
+            out = ops.sparse_conv_features_from_relation(mx.array(f), mx.array(w), rel)
+            results.append(np.array(out))
+    finally:
+        mlx_lattice.set_num_threads(before)
+    # float32 sums of at most 27 * cin products: |error| <= n * eps * sum|terms|.
+    bound = 1.01 * 27 * cin * 2.0**-24 * mag + 1e-30
+    assert np.all(np.abs(results[0] - exact) <= bound), f"seed {seed}"
+    for threads, r in zip((2, 3), results[1:], strict=True):
+        np.testing.assert_array_equal(r, results[0], err_msg=f"seed {seed}, {threads} threads")

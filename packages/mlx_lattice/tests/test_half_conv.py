@@ -13,7 +13,7 @@ import pytest
 
 import mlx_lattice
 from mlx_lattice._native import ext
-from mlx_lattice.core import build_kernel_relation, ops
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 
 def fp16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
@@ -111,3 +111,62 @@ def test_float32_fallback_gives_the_same_bits(rng, conv_per_isa):
     assert results["neon-dotprod"]["fp16"] == "float32"
     assert results["neon-dotprod"]["gemm"] == "neon-fma"
     np.testing.assert_array_equal(results["neon-fhm"]["out"], results["neon-dotprod"]["out"])
+
+
+def dense_cube_case(rng, side: int, cin: int, cout: int):
+    """Every voxel of a side^3 cube in two batch entries: an interior row is
+    gathered by all 27 offsets, so a tile's edges reuse each input row up to
+    27 times (the forward converts each distinct row of a tile once)."""
+    axes = np.meshgrid(*[np.arange(side)] * 3, indexing="ij")
+    cube = np.stack(axes, -1).reshape(-1, 3)
+    coords = np.concatenate(
+        [np.concatenate([np.full((len(cube), 1), b), cube], 1) for b in (0, 1)]
+    ).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    f = rng.standard_normal((len(coords), cin)).astype(np.float16).astype(np.float32)
+    w = (rng.standard_normal((27, cin, cout)) * 0.2).astype(np.float16).astype(np.float32)
+    return rel, f, w
+
+
+def for_threads(fn):
+    before = mlx_lattice.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3):
+            mlx_lattice.set_num_threads(threads)
+            results.append(fn())
+    finally:
+        mlx_lattice.set_num_threads(before)
+    return results
+
+
+@fused
+@pytest.mark.parametrize(("cin", "cout"), [(64, 64), (32, 32), (19, 5)])
+def test_heavy_row_reuse_matches_emulation_for_any_thread_count(rng, seed, cin, cout):
+    """A 12^3 cube (3456 rows, several tiles; ~24 edges per row): the bits of
+    the per-edge emulation (every edge widens its own row) for 1, 2 and 3
+    threads."""
+    rel, f, w = dense_cube_case(rng, 12, cin, cout)
+    assert rel.n_edges > 20 * rel.n_in
+    want = fp16_conv_ref(f, w, rel).view(np.uint16)
+    for threads, got in zip((1, 2, 3), for_threads(lambda: run_fp16(f, w, rel)), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, {threads} threads")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_heavy_row_reuse_is_the_float32_result_rounded(rng, seed, bits):
+    """Weight-only int8/int4 with float16 features (rows widened once per
+    tile) gives the float32-feature result of the same codes rounded to
+    float16, bit for bit, for 1, 2 and 3 threads."""
+    rel, f, w = dense_cube_case(rng, 12, 64, 48)
+    q = QuantizedWeight.from_float(mx.array(w), bits=bits, group_size=32)
+    f16 = mx.array(f).astype(mx.float16)
+
+    def run():
+        half = ops.sparse_quantized_conv_features_from_relation(f16, q, rel)
+        wide = ops.sparse_quantized_conv_features_from_relation(f16.astype(mx.float32), q, rel)
+        assert half.dtype == mx.float16 and wide.dtype == mx.float32
+        return np.array(half.view(mx.uint16)), np.array(wide.astype(mx.float16).view(mx.uint16))
+
+    for threads, (half, wide) in zip((1, 2, 3), for_threads(run), strict=True):
+        np.testing.assert_array_equal(half, wide, err_msg=f"seed {seed}, {threads} threads")

@@ -27,12 +27,25 @@ struct Scratch {
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<int32_t> in_rows;
-  std::vector<float> rows;  // a tile's converted input rows
+  // A tile's distinct input rows (in order of first use) and, per input
+  // row, its slot among them or -1: every entry is -1 between tiles.
+  std::vector<int32_t> distinct;
+  std::vector<int32_t> row_slot;
+  std::vector<float> rows;  // a tile's converted input rows, one per distinct row
   std::vector<float> tile;  // a tile's float32 output rows
   std::vector<float> panel;  // one offset's dequantized weight
 };
 
 thread_local Scratch scratch;
+
+// Output rows per tile for rows `width` values wide: kTileRows from 64 up;
+// narrower rows take more (up to 4 x kTileRows at 32 and below), so an
+// offset gets more rows per tile: fewer partial register blocks and less
+// per-tile work per edge where each edge's arithmetic is smallest.
+int64_t tile_rows_for(int64_t width) {
+  if (width >= 64) return kTileRows;
+  return std::min<int64_t>(4 * kTileRows, kTileRows * 128 / std::max<int64_t>(width, 1));
+}
 
 // gemm_rows over every offset of a tile whose pointer lists are filled;
 // panel(k) gives offset k's (a_width x c_width) matrix.
@@ -87,22 +100,44 @@ void forward_tiles(const void* feats, FloatFormat format, int64_t cin, Panel&& p
           s.a_ptrs[slot] = a + static_cast<int64_t>(s.in_rows[slot]) * cin;
         }
       } else {
+        // A row feeds up to K edges of a tile: each distinct row is
+        // converted once and its edges point at that copy (the values, so
+        // the results, are the same as converting it per edge).
         if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);
-        // Rows kAhead slots ahead are requested while this one converts
+        s.distinct.resize(n_tile);
+        int32_t* distinct = s.distinct.data();
+        int32_t* row_slot = s.row_slot.data();
+        int64_t n_rows = 0;
+        const float** a_ptrs = s.a_ptrs.data();
+        float* rows = s.rows.data();
+        for (int64_t slot = 0; slot < n_tile; ++slot) {
+          const int32_t r = in_rows[slot];  // in [0, n_in): checked by the relation
+          if (r >= static_cast<int64_t>(s.row_slot.size())) {
+            s.row_slot.resize(std::max<size_t>(r + 1, 2 * s.row_slot.size()), -1);
+            row_slot = s.row_slot.data();
+          }
+          int32_t m = row_slot[r];
+          if (m < 0) {
+            m = static_cast<int32_t>(n_rows);
+            row_slot[r] = m;
+            distinct[n_rows++] = r;
+          }
+          a_ptrs[slot] = rows + static_cast<int64_t>(m) * cin;
+        }
+        // Rows kAhead rows ahead are requested while this one converts
         // (the gathered rows are otherwise fetched one latency at a time).
         constexpr int64_t kAhead = 8;
-        auto prefetch = [&](int64_t slot) {
-          if (slot >= n_tile) return;
-          const char* p =
-              reinterpret_cast<const char*>(f + static_cast<int64_t>(s.in_rows[slot]) * cin);
+        auto prefetch = [&](int64_t i) {
+          if (i >= n_rows) return;
+          const char* p = reinterpret_cast<const char*>(f + static_cast<int64_t>(distinct[i]) * cin);
           for (int64_t b = 0; b < cin * 2; b += 64) __builtin_prefetch(p + b);
         };
-        for (int64_t slot = 0; slot < kAhead; ++slot) prefetch(slot);
-        for (int64_t slot = 0; slot < n_tile; ++slot) {
-          prefetch(slot + kAhead);
-          float* row = s.rows.data() + slot * cin;
-          convert_to_float32(f + static_cast<int64_t>(s.in_rows[slot]) * cin, format, cin, row);
-          s.a_ptrs[slot] = row;
+        for (int64_t i = 0; i < kAhead; ++i) prefetch(i);
+        for (int64_t i = 0; i < n_rows; ++i) {
+          prefetch(i + kAhead);
+          convert_to_float32(f + static_cast<int64_t>(distinct[i]) * cin, format, cin,
+                             rows + i * cin);
+          row_slot[distinct[i]] = -1;
         }
       }
       tile_gemm(s, panel, n_kernels, cin, cout);
@@ -187,10 +222,11 @@ __attribute__((target("avx512f"))) void dequantize_panel_avx512(const uint8_t* q
 void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
                      float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
                      const int32_t* c_index, const int32_t* kernel_ids) {
-  const int64_t tiles = ceil_div(csr.groups, kTileRows);
+  const int64_t tile_rows = tile_rows_for(c_width);
+  const int64_t tiles = ceil_div(csr.groups, tile_rows);
   parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
+    const int64_t g0 = tile * tile_rows;
+    const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
     std::memset(c + g0 * c_width, 0, sizeof(float) * (g1 - g0) * c_width);
     if (csr.offsets[g1] == csr.offsets[g0]) return;
     auto& s = scratch;
@@ -218,7 +254,7 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
   }
   const int64_t stride = cin * cout;
   forward_tiles(feats, format, cin, [&](int64_t k) { return weight + k * stride; }, n_kernels,
-                cout, csr, a_index, c_index, kernel_ids, out, kTileRows);
+                cout, csr, a_index, c_index, kernel_ids, out, tile_rows_for(cout));
 }
 
 void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,

@@ -236,6 +236,14 @@ __attribute__((target("avx2,fma"))) void outer_avx2(int64_t m, const float* cons
   }
 }
 
+// acc += *ptr (broadcast) * bv as one FMA with an embedded-broadcast memory
+// operand: no separate broadcast instruction. Used where a block has one or
+// two vectors per row (C <= 32), whose broadcasts otherwise take a third of
+// the loop's vector instructions; the product and sum are the same FMA, so
+// the bits are too.
+#define EMB_FMA(acc, bv, ptr) \
+  asm("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(bv), "m"(*(ptr)))
+
 // AVX-512: one R x (16*V) block (V <= 4, so a 64-wide row in one pass) with
 // masked tails. OUTER selects the addressing: rows (forward: a[r][j] times
 // b[j]) or outer products (weight gradient: a[j][r0 + r] times g[j]). Per
@@ -271,7 +279,10 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
     if constexpr (V > 2) b2 = _mm512_maskz_loadu_ps(mk[2], bj + 32);
     if constexpr (V > 3) b3 = _mm512_maskz_loadu_ps(mk[3], bj + 48);
 #define ROW(r)                                                        \
-  if constexpr (R > r) {                                              \
+  if constexpr (R > r && !OUTER && V <= 2) {                          \
+    EMB_FMA(x##r##0, b0, a[r] + j);                                   \
+    if constexpr (V > 1) EMB_FMA(x##r##1, b1, a[r] + j);              \
+  } else if constexpr (R > r) {                                       \
     const __m512 s = _mm512_set1_ps(OUTER ? fj[r] : a[r][j]);         \
     x##r##0 = _mm512_fmadd_ps(s, b0, x##r##0);                        \
     if constexpr (V > 1) x##r##1 = _mm512_fmadd_ps(s, b1, x##r##1);   \

@@ -147,7 +147,7 @@ int run_one(const char* isa) {
   std::mt19937 gen(seed);
   const int64_t ms[] = {1, 2, 5, 6, 7, 12, 13, 37};
   const int64_t ks[] = {1, 3, 17, 64};
-  const int64_t ns[] = {1, 3, 4, 5, 8, 11, 12, 15, 16, 17, 31, 33, 64, 70};
+  const int64_t ns[] = {1, 3, 4, 5, 8, 11, 12, 15, 16, 17, 31, 32, 33, 64, 70};
   int cases = 0;
   for (int64_t m : ms) {
     for (int64_t k : ks) {

@@ -6,12 +6,17 @@ to be split into several slabs of partial sums, kernel groupings not in
 output order; and the same bits for any thread count."""
 
 import dataclasses
+import os
+import shlex
+import subprocess
+import sys
 
 import mlx.core as mx
 import numpy as np
 import pytest
 
 import mlx_lattice
+from mlx_lattice._native import ext
 from mlx_lattice.core import build_kernel_relation, ops, use_dataflow
 from mlx_lattice.core.relations import RelationCSR
 
@@ -214,3 +219,46 @@ def test_matches_dense_convolution_vjp(rng, seed, ref):
     assert np.all(err <= 256 * EPS32 * mag5 + 1e-30), (
         f"seed {seed}: max error {err.max():.3g}, scale {mag5.max():.3g}"
     )
+
+
+_ISA_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops, use_dataflow
+
+data = np.load(sys.argv[1])
+rel = build_kernel_relation(mx.array(data["coords"]), kernel_size=3)
+f, g, w = (mx.array(data[k]) for k in ("f", "g", "w"))
+with use_dataflow("generic"):
+    _, (dw,) = mx.vjp(lambda w: ops.sparse_conv_features_from_relation(f, w, rel), [w], [g])
+np.savez(sys.argv[2], dw=np.array(dw), isa=ext.gemm_isa())
+"""
+
+
+def test_every_micro_kernel_path(rng, seed, ref, tmp_path):
+    """Each micro-kernel (forced by MLX_LATTICE_GEMM_ISA) on a relation of
+    several slabs, with channel counts that leave masked tails and a partial
+    row block: within the float64 bound, and the FMA paths bit for bit."""
+    coords, rel = large_relation(rng, ref)
+    f, g, w = inputs(rng, rel.n_in, rel.n_in, 19, 70, 27)
+    inputs_path = tmp_path / "inputs.npz"
+    np.savez(inputs_path, coords=coords, f=np.array(f), g=np.array(g), w=np.array(w))
+    dw, mag = reference_per_offset(f, g, rel, 27)
+    # Under user-mode emulation (tools/arm64) a child interpreter needs the
+    # emulator in front of it: MLX_LATTICE_TEST_LAUNCHER names it.
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+    results = {}
+    for isa in ext.gemm_isas():
+        path = tmp_path / f"{isa}.npz"
+        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
+        cmd = [*launcher, sys.executable, "-c", _ISA_SCRIPT, str(inputs_path), str(path)]
+        subprocess.run(cmd, env=env, check=True)
+        result = np.load(path)
+        assert str(result["isa"]) == isa, f"seed {seed}: asked {isa}, ran {result['isa']}"
+        results[isa] = result["dw"]
+        assert_close(results[isa], dw, mag, seed)
+    fma = [isa for isa in results if isa != "scalar"]
+    for isa in fma[1:]:
+        np.testing.assert_array_equal(results[isa], results[fma[0]], err_msg=f"seed {seed}: {isa}")

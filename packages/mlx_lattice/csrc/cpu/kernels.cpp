@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
+#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -199,40 +201,103 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<
 void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,
                      const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
                      float* dweight) {
-  constexpr int64_t kChunk = 128;  // edges whose rows stay in L1/L2 across strips
-  // Edges per band: a task walks its offsets band by band (band b of every
-  // offset, then band b + 1), so with edges in output order the feature and
-  // gradient rows of a band (a few hundred KB) serve all its offsets from
-  // cache instead of every offset streaming both whole arrays again. Each
-  // dW value still accumulates its offset's edges in kernel-CSR order, one
-  // fused multiply-add after the other, so neither the bands, the grouping
-  // of offsets nor the thread count change the bits.
+  constexpr int64_t kChunk = 128;  // edges gathered and prefetched per micro-kernel call
+  // A task walks its offsets band by band: band b is the edges whose output
+  // row lies in rows [b * band_rows, (b + 1) * band_rows), about kBandEdges
+  // edges, so with each offset's edges in output order (as the relation
+  // builder stores them) a band's gradient rows and their neighbours' feature
+  // rows (a few hundred KB) serve every offset from L2 instead of being
+  // fetched again per offset. (Bands cut at the same fraction of every
+  // offset's edge list drift apart by thousands of rows on a real scan, as
+  // the offsets' edge densities differ along the rows: 1.4x the forward time
+  // against 1.1x.) A band's slice of an offset's list is found by binary
+  // search, which cuts any edge order into consecutive slices, so an
+  // unsorted grouping is still summed exactly, only with less cache reuse.
   constexpr int64_t kBandEdges = 8192;
+  // Consecutive bands form slabs; a task computes one slab's partial dW of
+  // its offsets (each value accumulates the slab's edges of its offset in
+  // kernel-CSR order, one fused multiply-add after the other, from zero)
+  // and dW is the sum of the partials in slab order. The slabs depend only
+  // on the relation and the sizes, never on the thread count, so neither do
+  // the bits.
+  constexpr int64_t kSlabEdges = int64_t{1} << 16;
+  constexpr int64_t kMaxSlabs = 16;
+  constexpr int64_t kPartialBytes = int64_t{64} << 20;  // partial buffers, at most
+  constexpr int64_t kKeptBytes = int64_t{16} << 20;     // kept for the next call
   const int64_t n_kernels = kernel_csr.groups;
-  if (n_kernels == 0) return;
+  if (n_kernels == 0 || cin == 0 || cout == 0) return;
+  const int64_t panel = cin * cout;
+  const int64_t size = n_kernels * panel;
   const int64_t n_edges = kernel_csr.offsets[n_kernels] - kernel_csr.offsets[0];
   const int64_t bands = std::max<int64_t>(1, ceil_div(n_edges, kBandEdges));
-  // Offsets in contiguous groups of about equal edge counts, two per thread
-  // (tasks are claimed dynamically); with few offsets, the rows of dW are
-  // split too so every thread has work.
-  const int64_t n_groups =
-      std::min<int64_t>(n_kernels, 2 * static_cast<int64_t>(std::max(1, get_num_threads())));
-  std::vector<int64_t> first(n_groups + 1, n_kernels);
-  first[0] = 0;
-  for (int64_t k = 0, g = 1; k < n_kernels && g < n_groups; ++k) {
-    const int64_t done = kernel_csr.offsets[k + 1] - kernel_csr.offsets[0];
-    if (done * n_groups >= g * n_edges && n_kernels - (k + 1) >= n_groups - g) first[g++] = k + 1;
+  const int64_t slabs = std::max<int64_t>(
+      1, std::min({ceil_div(n_edges, kSlabEdges), kMaxSlabs, bands,
+                   kPartialBytes / static_cast<int64_t>(sizeof(float) * size) + 1}));
+  auto row_of = [&](int64_t p) -> int64_t {
+    return out_rows[kernel_csr.edge_ids ? kernel_csr.edge_ids[p] : p];
+  };
+  int64_t rows_bound = 1;  // the largest last output row of an offset, plus one
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    if (kernel_csr.offsets[k + 1] > kernel_csr.offsets[k]) {
+      rows_bound = std::max(rows_bound, row_of(kernel_csr.offsets[k + 1] - 1) + 1);
+    }
   }
-  for (int64_t g = n_groups - 1; g > 0; --g) first[g] = std::min(first[g], first[g + 1]);
-  const int64_t row_block = n_kernels >= 8 ? cin : 24;
-  const int64_t row_blocks = ceil_div(cin, row_block);
-  parallel_for(n_groups * row_blocks, [&](int64_t task) {
-    const int64_t k0 = first[task / row_blocks];
-    const int64_t k1 = first[task / row_blocks + 1];
-    const int64_t r0 = (task % row_blocks) * row_block;
+  const int64_t band_rows = ceil_div(rows_bound, bands);
+  // First edge of band `band` in offset k's list: the lower bound of its
+  // first row (monotone in the row even where the list is unsorted), the
+  // list's ends for the first and past-the-last band.
+  auto bound = [&](int64_t k, int64_t band) -> int64_t {
+    int64_t lo = kernel_csr.offsets[k];
+    const int64_t end = kernel_csr.offsets[k + 1];
+    if (band <= 0) return lo;
+    if (band >= bands) return end;
+    const int64_t row = band * band_rows;
+    for (int64_t n = end - lo; n > 0;) {
+      const int64_t half = n / 2;
+      if (row_of(lo + half) < row) {
+        lo += half + 1;
+        n -= half + 1;
+      } else {
+        n = half;
+      }
+    }
+    return lo;
+  };
+  // Slab 0 accumulates into dW itself, the others into their own buffers
+  // (a calling thread keeps them for its next call up to kKeptBytes).
+  thread_local std::vector<float> kept;
+  std::unique_ptr<float[]> owned;
+  float* partials = nullptr;
+  const int64_t partial_floats = (slabs - 1) * size;
+  if (partial_floats * static_cast<int64_t>(sizeof(float)) <= kKeptBytes) {
+    if (static_cast<int64_t>(kept.size()) < partial_floats) kept.resize(partial_floats);
+    partials = kept.data();
+  } else {
+    owned.reset(new float[partial_floats]);
+    partials = owned.get();
+  }
+  auto target = [&](int64_t slab) { return slab == 0 ? dweight : partials + (slab - 1) * size; };
+  // With fewer slabs than twice the threads, a slab's offsets are split into
+  // groups, and with few offsets (a pointwise layer) the rows of dW too:
+  // each task still owns whole values of one partial, so the bits stay.
+  const int64_t threads = std::max(1, get_num_threads());
+  const int64_t n_groups =
+      std::min<int64_t>(n_kernels, std::max<int64_t>(1, ceil_div(2 * threads, slabs)));
+  const int64_t row_blocks = std::min<int64_t>(
+      ceil_div(cin, 6), std::max<int64_t>(1, ceil_div(2 * threads, slabs * n_groups)));
+  const int64_t row_block = ceil_div(ceil_div(cin, row_blocks), 6) * 6;
+  const int64_t per_slab = n_groups * row_blocks;
+  parallel_for(slabs * per_slab, [&](int64_t task) {
+    const int64_t slab = task / per_slab;
+    const int64_t group = task % per_slab / row_blocks;
+    const int64_t r0 = std::min(cin, task % row_blocks * row_block);
     const int64_t r1 = std::min(cin, r0 + row_block);
+    if (r0 >= r1) return;
+    const int64_t k0 = n_kernels * group / n_groups;
+    const int64_t k1 = n_kernels * (group + 1) / n_groups;
+    float* out = target(slab);
     for (int64_t k = k0; k < k1; ++k) {
-      std::memset(dweight + (k * cin + r0) * cout, 0, sizeof(float) * (r1 - r0) * cout);
+      std::memset(out + k * panel + r0 * cout, 0, sizeof(float) * (r1 - r0) * cout);
     }
     auto& s = scratch;
     // Two pointer buffers: the next chunk's rows are gathered and prefetched
@@ -252,14 +317,13 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
       }
       return m;
     };
-    for (int64_t band = 0; band < bands; ++band) {
+    const int64_t band_end = bands * (slab + 1) / slabs;
+    for (int64_t band = bands * slab / slabs; band < band_end; ++band) {
       for (int64_t k = k0; k < k1; ++k) {
-        const int64_t begin = kernel_csr.offsets[k];
-        const int64_t len = kernel_csr.offsets[k + 1] - begin;
-        const int64_t j_begin = begin + len * band / bands;
-        const int64_t j_end = begin + len * (band + 1) / bands;
+        const int64_t j_begin = bound(k, band);
+        const int64_t j_end = bound(k, band + 1);
         if (j_begin >= j_end) continue;
-        float* dw = dweight + k * cin * cout;
+        float* dw = out + k * panel;
         int slot = 0;
         int64_t m = gather(j_begin, j_end, slot);
         for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
@@ -270,6 +334,17 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
           m = next;
         }
       }
+    }
+  });
+  if (slabs == 1) return;
+  // dW += partial 1, += partial 2, ... for every value, in blocks of values.
+  constexpr int64_t kSumBlock = 4096;
+  parallel_for(ceil_div(size, kSumBlock), [&](int64_t block) {
+    const int64_t i0 = block * kSumBlock;
+    const int64_t i1 = std::min(size, i0 + kSumBlock);
+    for (int64_t slab = 1; slab < slabs; ++slab) {
+      const float* p = target(slab);
+      for (int64_t i = i0; i < i1; ++i) dweight[i] += p[i];
     }
   });
 }

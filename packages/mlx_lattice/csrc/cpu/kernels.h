@@ -102,8 +102,11 @@ void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
                             const Csr& csr, const int32_t* a_index, const int32_t* c_index,
                             const int32_t* kernel_ids, void* out);
 
-// dW[k] = sum over edges e of offset k of F[in_rows[e]]^T G[out_rows[e]],
-// edges in kernel-CSR order. dW is (K, cin, cout), overwritten.
+// dW[k] = sum over edges e of offset k of F[in_rows[e]]^T G[out_rows[e]].
+// dW is (K, cin, cout), overwritten. The edges are cut into slabs by output
+// row (how many and where depends on the relation and the sizes, never on
+// the thread count); a slab's partial sums its edges of each offset in
+// kernel-CSR order and the partials are added in slab order.
 void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,
                      const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
                      float* dweight);

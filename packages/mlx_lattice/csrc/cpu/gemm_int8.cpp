@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -16,7 +17,6 @@
 
 #include "isa.h"
 #include "parallel.h"
-#include "tiles.h"
 
 // GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
 // "maybe uninitialized"; it is not read.
@@ -166,22 +166,33 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) inline void stri
     }
     const float* sc = w.scales.data() + (k * w.groups + g) * w.cout_pad + n0;
     const float* bi = w.biases.data() + (k * w.groups + g) * w.cout_pad + n0;
+    // Per row: its scalars read once and its four column vectors loaded
+    // before any is stored (a store through c may alias the loads, which
+    // would otherwise be repeated per vector).
 #define EPI(r, v)                                                                     \
-  if constexpr (V > v && R > r) {                                                     \
+  if constexpr (V > v) {                                                              \
     __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(x##r##v), _mm512_loadu_ps(sc + 16 * v)); \
-    __m512 u = _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(blk.gsum[r][g])),       \
-                             _mm512_loadu_ps(bi + 16 * v));                           \
+    __m512 u = _mm512_mul_ps(asum, _mm512_loadu_ps(bi + 16 * v));                    \
     MLX_LATTICE_ROUNDED(t);                                                           \
     MLX_LATTICE_ROUNDED(u);                                                           \
     t = _mm512_add_ps(t, u);                                                          \
-    if constexpr (!Unit) t = _mm512_mul_ps(t, _mm512_set1_ps(blk.sa[r]));             \
+    if constexpr (!Unit) t = _mm512_mul_ps(t, sa);                                    \
     MLX_LATTICE_ROUNDED(t);                                                           \
-    float* cp = blk.c[r] + n0 + 16 * v;                                               \
-    _mm512_mask_storeu_ps(cp, mk[v], _mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], cp), t)); \
+    x##r##v = _mm512_castps_si512(_mm512_add_ps(_mm512_maskz_loadu_ps(mk[v], cp + 16 * v), t)); \
   }
-#define EPIROW(r) EPI(r, 0) EPI(r, 1) EPI(r, 2) EPI(r, 3)
+#define STORE(r, v) \
+  if constexpr (V > v) _mm512_mask_storeu_ps(cp + 16 * v, mk[v], _mm512_castsi512_ps(x##r##v));
+#define EPIROW(r)                                                                     \
+  if constexpr (R > r) {                                                              \
+    const __m512 asum = _mm512_set1_ps(static_cast<float>(blk.gsum[r][g]));           \
+    [[maybe_unused]] const __m512 sa = _mm512_set1_ps(blk.sa[r]);                     \
+    float* cp = blk.c[r] + n0;                                                        \
+    EPI(r, 0) EPI(r, 1) EPI(r, 2) EPI(r, 3)                                           \
+    STORE(r, 0) STORE(r, 1) STORE(r, 2) STORE(r, 3)                                   \
+  }
     EPIROW(0) EPIROW(1) EPIROW(2) EPIROW(3) EPIROW(4) EPIROW(5)
 #undef EPIROW
+#undef STORE
 #undef EPI
   }
 }
@@ -350,13 +361,54 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
   });
 }
 
-// Per-thread scratch of the tile loop, reused across calls.
+// Output rows per tile of the integer driver (about 56 edges per offset
+// and tile on the built-in scan: fewer partial 6-row blocks than
+// kTileRows' 28, and a tile's outputs, 64 KB at C64, still stay in L2).
+constexpr int64_t kInt8TileRows = 256;
+
+// Per-thread scratch of the tile loop, reused across calls. A tile's edges
+// grouped by offset into fixed buckets of `cap` slots (slot k * cap + i):
+// an output row has at most one edge per offset, so offset k has at most
+// one edge per row of the tile.
 struct Scratch {
-  TileEdges edges;
-  std::vector<int32_t> rows;  // input row of each slot
-  std::vector<float*> c_ptrs;
+  std::vector<int32_t> rows;   // input row of each slot
+  std::vector<int32_t> outs;   // tile-local output row of each slot
+  std::vector<int32_t> count;  // edges per offset
   std::vector<float> sink;
 };
+
+// Buckets the edges of CSR groups [g0, g1) by offset, in CSR order inside an
+// offset (one pass: no counting pass as in tiles.h's sort, and no read of
+// the edges' output rows, which are the CSR groups).
+void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
+                       const int32_t* a_index, int64_t n_kernels, Scratch& s) {
+  const int32_t cap = static_cast<int32_t>(g1 - g0);
+  s.count.assign(n_kernels, 0);
+  if (static_cast<int64_t>(s.rows.size()) < n_kernels * cap) {
+    s.rows.resize(n_kernels * cap);
+    s.outs.resize(n_kernels * cap);
+  }
+  // Raw pointers in locals (the library builds with -fno-strict-aliasing).
+  int32_t* count = s.count.data();
+  int32_t* rows = s.rows.data();
+  int32_t* outs = s.outs.data();
+  const int32_t* edge_ids = csr.edge_ids;
+  for (int32_t local = 0; local < cap; ++local) {
+    const int64_t g = g0 + local;
+    for (int64_t j = csr.offsets[g]; j < csr.offsets[g + 1]; ++j) {
+      const int64_t e = edge_ids ? edge_ids[j] : j;
+      const int32_t k = kernel_ids[e];
+      const int32_t n = count[k];
+      if (n == cap) {
+        throw std::invalid_argument(
+            "relation: an output row has two edges with the same kernel offset");
+      }
+      count[k] = n + 1;
+      rows[k * cap + n] = a_index[e];
+      outs[k * cap + n] = local;
+    }
+  }
+}
 
 thread_local Scratch scratch;
 
@@ -401,31 +453,28 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   const std::vector<int8_t> zero_row(storage_in, 0);
   const std::vector<int32_t> zero_sums(groups, 0);
 
-  const int64_t tiles = ceil_div(csr.groups, kTileRows);
+  // An edge's output row is its CSR group (c_index repeats it; unread).
+  static_cast<void>(c_index);
+  const int64_t tiles = ceil_div(csr.groups, kInt8TileRows);
   parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
-    std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
-    if (csr.offsets[g1] == csr.offsets[g0]) return;
+    const int64_t g0 = tile * kInt8TileRows;
+    const int64_t g1 = std::min(csr.groups, g0 + kInt8TileRows);
     auto& s = scratch;
-    const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
-    s.rows.resize(n_tile);
-    s.c_ptrs.resize(n_tile);
-    int32_t* rows = s.rows.data();
-    float** c_ptrs = s.c_ptrs.data();
-    // Captured by value: with references every store below would reload
-    // the pointers (the library builds with -fno-strict-aliasing).
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges,
-                    [rows, c_ptrs, a_index, c_index, out, cout](int32_t slot, int32_t e) {
-                      rows[slot] = a_index[e];
-                      c_ptrs[slot] = out + static_cast<int64_t>(c_index[e]) * cout;
-                    });
-    const auto& counts = s.edges.counts;
+    bucket_tile_edges(csr, g0, g1, kernel_ids, a_index, n_kernels, s);
+    const int64_t cap = g1 - g0;
+    const int32_t* rows = s.rows.data();
+    const int32_t* outs = s.outs.data();
+    // Zeroed here rather than skipped on each row's first contribution:
+    // writing the tile at once is cheaper than the kernels' scattered
+    // first stores missing the cache.
+    std::memset(out + g0 * cout, 0, sizeof(float) * cap * cout);
     if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
+    float* const tile_out = out + g0 * cout;
     Block blk;
     for (int64_t k = 0; k < n_kernels; ++k) {
-      const int64_t end = counts[k + 1];
-      for (int64_t r = counts[k]; r < end; r += kRows) {
+      const int64_t begin = k * cap;
+      const int64_t end = begin + s.count[k];
+      for (int64_t r = begin; r < end; r += kRows) {
         // The next block's activation rows are gathered from anywhere in
         // the quantized features: their loads go out now, behind this
         // block's arithmetic.
@@ -438,10 +487,11 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
         for (int i = 0; i < kRows; ++i) {
           if (r + i < end) {
             const int64_t row = rows[r + i];
+            const int32_t local = outs[r + i];
             blk.a[i] = q + row * storage_in;
             blk.sa[i] = scale[row];
             blk.gsum[i] = gsum + row * groups;
-            blk.c[i] = c_ptrs[r + i];
+            blk.c[i] = tile_out + static_cast<int64_t>(local) * cout;
             blk.unit = blk.unit && blk.sa[i] == 1.0f;
           } else {
             blk.a[i] = zero_row.data();
@@ -453,7 +503,6 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
         block(blk, w, k, cout);
       }
     }
-
   });
 }
 

@@ -45,7 +45,9 @@ void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, in
                         int8_t* q, float* scale, int32_t* gsum, float static_scale = 0.0f);
 
 // The integer convolution over the output CSR `csr` of the edges (a_index:
-// input rows, c_index: output rows, kernel_ids: offsets), with the weight in
+// input rows, kernel_ids: offsets; c_index: output rows, the CSR groups
+// themselves, so not read; an output row has at most one edge per offset,
+// std::invalid_argument otherwise), with the weight in
 // mx.quantize's affine layout (packed codes (K, cout, storage_in * bits / 8
 // bytes), scales and biases (K, cout, storage_in / group)). out (n_out, cout)
 // is overwritten. group % 4 == 0; bits in 1..8. act_scale: 0 for dynamic

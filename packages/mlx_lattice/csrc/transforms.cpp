@@ -89,7 +89,18 @@ std::pair<std::vector<array>, std::vector<int>> vmap_by_slices(const std::vector
 
 // ------------------------------------------------------------ graph builders
 
-array make_conv(Conv mode, const array& a, const array& b, const RelationPtr& rel, mx::Stream s) {
+namespace {
+
+// Mixed precision: a float32 weight beside half-precision features stays
+// float32 (no MLX cast; the CPU kernels round it to the features' dtype as
+// they read it), and the weight gradient comes out in the weight's dtype.
+// Every other operand takes the dtype of the first.
+mx::Dtype weight_operand_dtype(const array& feats, const array& weight) {
+  return weight.dtype() == mx::float32 ? mx::float32 : feats.dtype();
+}
+
+array build_conv(Conv mode, const array& a, const array& b, const RelationPtr& rel,
+                 mx::Dtype out_dtype, mx::Stream s) {
   mx::Shape shape;
   switch (mode) {
     case Conv::kForward:
@@ -102,8 +113,21 @@ array make_conv(Conv mode, const array& a, const array& b, const RelationPtr& re
       shape = {rows(rel->n_kernels), a.shape(1), b.shape(1)};
       break;
   }
-  return array(shape, compute_dtype(a.dtype(), s), std::make_shared<SparseConv>(s, rel, mode),
-               {as_dtype(a, a.dtype(), s), as_dtype(b, a.dtype(), s)});
+  const auto b_dtype = mode == Conv::kWeightGrad ? a.dtype() : weight_operand_dtype(a, b);
+  return array(shape, compute_dtype(out_dtype, s), std::make_shared<SparseConv>(s, rel, mode),
+               {as_dtype(a, a.dtype(), s), as_dtype(b, b_dtype, s)});
+}
+
+// The weight gradient (F, G) -> dW in the weight's dtype.
+array weight_grad(const array& f, const array& g, const array& weight, const RelationPtr& rel,
+                  mx::Stream s) {
+  return build_conv(Conv::kWeightGrad, f, g, rel, weight.dtype(), s);
+}
+
+}  // namespace
+
+array make_conv(Conv mode, const array& a, const array& b, const RelationPtr& rel, mx::Stream s) {
+  return build_conv(mode, a, b, rel, a.dtype(), s);
 }
 
 array make_sorted(const array& f, const array& w, const RelationPtr& rel, const SortedPtr& view,
@@ -153,11 +177,11 @@ std::vector<array> SparseConv::vjp(const std::vector<array>& primals,
     switch (mode_) {
       case Conv::kForward:  // (F, W)
         grads.push_back(arg == 0 ? make_conv(Conv::kInputGrad, ct, b, rel_, s)
-                                 : make_conv(Conv::kWeightGrad, a, ct, rel_, s));
+                                 : weight_grad(a, ct, b, rel_, s));
         break;
       case Conv::kInputGrad:  // (G, W)
         grads.push_back(arg == 0 ? make_conv(Conv::kForward, ct, b, rel_, s)
-                                 : make_conv(Conv::kWeightGrad, ct, a, rel_, s));
+                                 : weight_grad(ct, a, b, rel_, s));
         break;
       case Conv::kWeightGrad:  // (F, G)
         grads.push_back(arg == 0 ? make_conv(Conv::kInputGrad, b, ct, rel_, s)
@@ -203,7 +227,7 @@ std::vector<array> SparseConvSorted::vjp(const std::vector<array>& primals,
   std::vector<array> grads;
   for (int arg : argnums) {
     grads.push_back(arg == 0 ? make_conv(Conv::kInputGrad, ct, primals[1], rel_, s)
-                             : make_conv(Conv::kWeightGrad, primals[0], ct, rel_, s));
+                             : weight_grad(primals[0], ct, primals[1], rel_, s));
   }
   return grads;
 }

@@ -1,5 +1,6 @@
 // CPU evaluation of the convolution primitives: SparseConv (three faces),
 // SparseConvSorted and SparseQuantizedConv.
+#include <optional>
 #include <vector>
 
 #include "../primitives.h"
@@ -15,6 +16,25 @@ using cpu::FloatIn;
 using cpu::FloatOut;
 using cpu::idx;
 
+namespace {
+
+// Mixed precision: a float32 weight beside half-precision features (the
+// forward and input-gradient faces) is rounded to the features' format, as
+// MLX's cast would round it, so the result equals the convolution with the
+// cast weight. `bits` holds the rounded weight, `values` it widened back.
+struct RoundedWeight {
+  RoundedWeight(const array& w, kernels::FloatFormat format)
+      : bits(w.size()), values(w.size()) {
+    if (w.size() == 0) return;
+    kernels::from_float32(w.data<float>(), w.size(), format, bits.data());
+    kernels::to_float32(bits.data(), format, w.size(), values.data());
+  }
+  std::vector<uint16_t> bits;
+  std::vector<float> values;
+};
+
+}  // namespace
+
 void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
   dispatch(stream(), inputs, out,
            [mode = mode_, rel = rel_](std::vector<array>& in, array& o) {
@@ -22,15 +42,19 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              const auto& b = in[1];
              const Relation& r = *rel;
              const auto format = cpu::format_of(a.dtype());
-             const bool half = a.dtype() == b.dtype() && o.dtype() == a.dtype() &&
+             const bool mixed = mode != Mode::kWeightGrad && a.dtype() != mx::float32 &&
+                                b.dtype() == mx::float32;
+             std::optional<RoundedWeight> rounded;
+             if (mixed) rounded.emplace(b, format);
+             const bool half = (a.dtype() == b.dtype() || mixed) && o.dtype() == a.dtype() &&
                                kernels::half_conv_available(format);
              if (mode == Mode::kForward && half) {
                // Half x half -> float32 tiles (cpu/gemm_bf16.h).
                kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
                kernels::half_conv(format, a.data<uint16_t>(), a.shape(0), a.shape(1),
-                                  b.data<uint16_t>(), r.n_kernels, b.shape(2), csr,
-                                  idx(r.in_rows), idx(r.out_rows), idx(r.kernel_ids),
-                                  o.data<uint16_t>());
+                                  mixed ? rounded->bits.data() : b.data<uint16_t>(),
+                                  r.n_kernels, b.shape(2), csr, idx(r.in_rows), idx(r.out_rows),
+                                  idx(r.kernel_ids), o.data<uint16_t>());
                return;
              }
              if (mode == Mode::kForward && a.dtype() == o.dtype() && a.dtype() != mx::float32) {
@@ -38,24 +62,25 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                FloatIn b32(b, 1);
                kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
                kernels::forward_conv(a.size() ? a.data<void>() : nullptr,
-                                     cpu::format_of(a.dtype()), a.shape(1), b32.get(),
-                                     r.n_kernels, b.shape(2), csr, idx(r.in_rows),
-                                     idx(r.out_rows), idx(r.kernel_ids),
-                                     o.size() ? o.data<void>() : nullptr);
+                                     cpu::format_of(a.dtype()), a.shape(1),
+                                     mixed ? rounded->values.data() : b32.get(), r.n_kernels,
+                                     b.shape(2), csr, idx(r.in_rows), idx(r.out_rows),
+                                     idx(r.kernel_ids), o.size() ? o.data<void>() : nullptr);
                return;
              }
              FloatIn a32(a, 0), b32(b, 1);
              FloatOut out32(o);
              if (mode == Mode::kForward) {
                kernels::Csr csr{idx(r.out_offsets), nullptr, r.n_out};
-               kernels::stationary_conv(a32.get(), a.shape(1), b32.get(), r.n_kernels,
+               kernels::stationary_conv(a32.get(), a.shape(1),
+                                        mixed ? rounded->values.data() : b32.get(), r.n_kernels,
                                         out32.get(), b.shape(2), csr, idx(r.in_rows),
                                         idx(r.out_rows), idx(r.kernel_ids));
              } else if (mode == Mode::kInputGrad) {
                const int64_t cin = b.shape(1);
                const int64_t cout = b.shape(2);
                std::vector<float> wt(r.n_kernels * cin * cout);
-               const float* w = b32.get();
+               const float* w = mixed ? rounded->values.data() : b32.get();
                for (int64_t k = 0; k < r.n_kernels; ++k) {
                  for (int64_t i = 0; i < cin; ++i) {
                    for (int64_t x = 0; x < cout; ++x) {

@@ -72,7 +72,11 @@ def train_step(
 ) -> float:
     """One forward, backward and ``optimizer.update`` on a batch; returns the loss.
 
-    The model must be in ``train()`` mode for batch statistics.
+    The model must be in ``train()`` mode for batch statistics. For float16
+    training pass float16 features and keep the parameters float32 (mixed
+    precision): the convolutions read their weights rounded to float16 and
+    return float32 weight gradients, so the optimizer's state and update
+    stay float32 (MLX's CPU float16 elementwise ops are several times slower).
     """
     if labels.shape != (x.num_points,):
         raise SparseTensorError(

@@ -32,6 +32,7 @@ import argparse
 import os
 import platform
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
@@ -93,10 +94,15 @@ class _Recorder(mlx_nn.Module):
 
 def _conv_inputs(model: mlx_nn.Module, x: object) -> list:
     """(layer, input) for every convolution of one forward pass."""
+    return _layer_inputs(model, x, is_sparse_conv)
+
+
+def _layer_inputs(model: mlx_nn.Module, x: object, select: Callable[[object], bool]) -> list:
+    """(layer, input) for every layer ``select`` picks, in one forward pass."""
     log: list = []
     swapped = []
     for name, module in model.named_modules():
-        if name and is_sparse_conv(module):
+        if name and select(module):
             *parent, last = name.split(".")
             node = model
             for part in parent:
@@ -133,24 +139,7 @@ def _conv_call(layer: mlx_nn.Module, x: SparseTensor) -> object:
 def _linear_inputs(model: mlx_nn.Module, x: object) -> list:
     """(layer, input) for every point-wise linear layer (``nn.Linear``, on
     sparse features or plain per-point arrays) of one forward pass."""
-    log: list = []
-    swapped = []
-    for name, module in model.named_modules():
-        if name and isinstance(module, nn.Linear):
-            *parent, last = name.split(".")
-            node = model
-            for part in parent:
-                node = node[part]
-            swapped.append((node, last, module))
-    for node, last, module in swapped:
-        setattr(node, last, _Recorder(module, log))
-    try:
-        out = model(x)
-        mx.eval(out.feats if isinstance(out, SparseTensor) else out)
-    finally:
-        for node, last, module in swapped:
-            setattr(node, last, module)
-    return log
+    return _layer_inputs(model, x, lambda m: isinstance(m, nn.Linear))
 
 
 def _linear_call(layer: mlx_nn.Module, x: object) -> object:

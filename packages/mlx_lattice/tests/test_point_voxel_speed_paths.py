@@ -13,6 +13,10 @@ printed on failure, replayed with ``TEST_SEED=<seed>``).
 from __future__ import annotations
 
 import importlib.util
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -229,6 +233,43 @@ def test_devoxelize_and_transpose_bits_in_documented_order(seeded, coarse, chann
         (weights64 * (rows64 >= 0)).reshape(-1, 1) * np.repeat(g.astype(np.float64), 8, axis=0),
     )
     np.testing.assert_allclose(results[0][1], grad64, rtol=1e-4, atol=1e-4)
+
+
+_SCALAR_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice.geometry import devoxelize, point_voxel_map
+d = np.load(sys.argv[1])
+pvm = point_voxel_map(d["pts"], d["coords"], d["size"], origin=d["origin"], batch=d["batch"])
+out, vjp = mx.vjp(lambda v: devoxelize(v, pvm), [mx.array(d["vf"])], [mx.array(d["g"])])
+np.savez(sys.argv[2], out=np.array(out[0]), grad=np.array(vjp[0]), rows=np.array(pvm.rows),
+         weights=np.array(pvm.weights))
+"""
+
+
+def test_devoxelize_scalar_path_bits(seeded, seed, tmp_path):
+    """MLX_LATTICE_GEMM_ISA=scalar forces the default-target channel loops
+    (the only ones on CPUs without AVX2): the same documented order."""
+    pts, batch, size, origin, coords, _ = _coarse_or_fine(seeded, True)
+    vf = seeded.standard_normal((len(coords), 37)).astype(np.float32)
+    g = seeded.standard_normal((len(pts), 37)).astype(np.float32)
+    np.savez(tmp_path / "case.npz", pts=pts, batch=batch, size=size, origin=origin,
+             coords=coords, vf=vf, g=g)
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+    env = dict(os.environ, MLX_LATTICE_GEMM_ISA="scalar")
+    cmd = [*launcher, sys.executable, "-c", _SCALAR_SCRIPT]
+    subprocess.run([*cmd, str(tmp_path / "case.npz"), str(tmp_path / "out.npz")], env=env,
+                   check=True)
+    got = np.load(tmp_path / "out.npz")
+    rows, weights = got["rows"], got["weights"]
+    np.testing.assert_array_equal(
+        got["out"], refs.devoxelize_f32_ref(vf, rows, weights), err_msg=f"seed={seed}"
+    )
+    np.testing.assert_array_equal(
+        got["grad"], refs.devoxelize_transpose_f32_ref(g, rows, weights, len(coords)),
+        err_msg=f"seed={seed}",
+    )
 
 
 @pytest.mark.parametrize("coarse", [False, True])

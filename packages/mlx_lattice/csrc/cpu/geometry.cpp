@@ -37,8 +37,7 @@ void GeometryDevoxelize::eval_cpu(const std::vector<array>& inputs, std::vector<
                   } else {
                     geometry::devoxelize_transpose(
                         in[0].data<float>(), channels, cpu::idx(in[1]), weights, cpu::idx(in[3]),
-                        cpu::idx(in[4]), cpu::idx(in[5]), n_voxels, n_points, nearest,
-                        out.data<float>());
+                        cpu::idx(in[4]), n_voxels, n_points, nearest, out.data<float>());
                   }
                 });
 }

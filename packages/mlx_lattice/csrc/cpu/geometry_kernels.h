@@ -97,10 +97,10 @@ void devoxelize(const float* vf, int64_t channels, const int32_t* rows, const fl
 
 // The transpose: out[v] = sum over entries (p, c) of v of w[p, c] * g[p] (or g[p]
 // where nearest[p] == v), in ascending entry order. offsets (n_voxels + 1)
-// count each voxel's entries (they balance the work); entries are not read.
+// count each voxel's entries (they balance the work).
 void devoxelize_transpose(const float* g, int64_t channels, const int32_t* rows, const float* weights,
-                          const int32_t* nearest, const int32_t* offsets, const int32_t* entries,
-                          int64_t n_voxels, int64_t n_points, bool nearest_mode, float* out);
+                          const int32_t* nearest, const int32_t* offsets, int64_t n_voxels,
+                          int64_t n_points, bool nearest_mode, float* out);
 
 // ---- neighbours ---------------------------------------------------------------------------
 

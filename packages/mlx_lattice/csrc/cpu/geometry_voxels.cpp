@@ -8,6 +8,7 @@
 
 #include "geometry_detail.h"
 #include "geometry_kernels.h"
+#include "isa.h"
 #include "parallel.h"
 
 namespace mlx_lattice::geometry {
@@ -278,14 +279,12 @@ __attribute__((always_inline)) inline void voxel_sum_rows(const float* feats, in
 // Each kernel body twice on x86-64: the default target and AVX2, picked at
 // run time; once elsewhere.
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
-  return yes;
-}
 #define MLX_LATTICE_TWO_ISAS(name, params, args) \
   void name##_base params { name##_body args; } \
   __attribute__((target("avx2"))) void name##_avx2 params { name##_body args; }
-#define MLX_LATTICE_PICK(name) (has_avx2() ? name##_avx2 : name##_base)
+// The AVX2 body where cpu/isa.h allows it (MLX_LATTICE_GEMM_ISA caps it).
+#define MLX_LATTICE_PICK(name) \
+  (isa::isa_usable(isa::Isa::kAvx2) ? name##_avx2 : name##_base)
 #else
 #define MLX_LATTICE_TWO_ISAS(name, params, args) \
   void name##_base params { name##_body args; }
@@ -370,8 +369,7 @@ void devoxelize(const float* vf, int64_t channels, const int32_t* rows, const fl
 
 void devoxelize_transpose(const float* g, int64_t channels, const int32_t* rows,
                           const float* weights, const int32_t* nearest, const int32_t* offsets,
-                          const int32_t* /*entries*/, int64_t n_voxels, int64_t n_points,
-                          bool nearest_mode, float* out) {
+                          int64_t n_voxels, int64_t n_points, bool nearest_mode, float* out) {
   // Voxel ranges of about equal entry counts, a few per thread; each task
   // scans every point's corners (cheap next to the channel work) and owns
   // its range's output rows. The range bounds change speed, never bits.

@@ -138,6 +138,10 @@ CASES = [
     (19, 70, 4, 32),
     (128, 48, 8, 64),
     (33, 17, 3, 32),
+    # Whole 16-channel vectors short of the padded width (the second group
+    # partial, or a whole group of padding).
+    (48, 24, 8, 32),
+    (80, 16, 4, 64),
 ]
 
 
@@ -146,6 +150,32 @@ def test_matches_int64_reference_bit_for_bit(rng, cin, cout, bits, group):
     rel, feats, qw = make_case(rng, 700, cin, cout, bits, group)
     out = ops.sparse_quantized_conv_features_from_relation(mx.array(feats), qw, rel, act_bits=8)
     np.testing.assert_array_equal(np.array(out), int8_conv_ref(feats, qw, rel))
+
+
+@pytest.mark.parametrize("cin", [64, 48, 40])
+@pytest.mark.parametrize("static", [None, np.float32(2.0)])
+def test_rounding_ties_and_saturation_bit_for_bit(rng, seed, cin, static):
+    """Activations exactly halfway between two codes round to even (as
+    np.rint), and values past 127 steps saturate, on whole 16-channel
+    vectors (cin 64, 48) and masked tails (cin 40). Dynamic scales: values
+    are multiples of 1/2 and each row's maximum is 127 (scale exactly 1).
+    Static scale 2: multiples of 1/2 up to 508 (quarter steps up to 254)."""
+    rel, _, qw = make_case(rng, 600, cin, 24, 8, 32)
+    top = 254 if static is None else 1016
+    x = rng.integers(-top, top + 1, (rel.n_in, cin)).astype(np.float32) / np.float32(2)
+    x[1] = np.arange(cin, dtype=np.float32) - np.float32(cin // 2) + np.float32(0.5)
+    if static is None:
+        x[:, 0] = np.float32(127.0)
+    want = int8_conv_ref(x, qw, rel, static=static)
+    out = ops.sparse_quantized_conv_features_from_relation(
+        mx.array(x), qw, rel, act_bits=8, act_scale=None if static is None else float(static)
+    )
+    np.testing.assert_array_equal(np.array(out), want, err_msg=f"seed {seed}, cin {cin}")
+    # Ties did occur (rint differs from rounding half away from zero), and
+    # with the static scale so did saturation.
+    steps = x / (np.float32(1) if static is None else static)
+    assert np.any(np.rint(steps) != np.trunc(steps + np.copysign(0.5, steps))), f"seed {seed}"
+    assert static is None or np.abs(steps).max() > 127, f"seed {seed}"
 
 
 @pytest.mark.parametrize(("bits", "static"), [(8, False), (4, True)])

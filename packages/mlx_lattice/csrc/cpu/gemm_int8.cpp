@@ -62,14 +62,79 @@ struct PackedWeight {
 // sa[r], gsum[r] (groups). c[r] (cout floats) accumulates.
 struct Block {
   int rows = kRows;  // real rows; the others are padding (zero rows, a sink)
-  bool unit = false;  // every sa[r] is exactly 1 (a static activation scale)
   const int8_t* a[kRows];
   float sa[kRows];
   const int32_t* gsum[kRows];
   float* c[kRows];
 };
 
-using BlockFn = void (*)(const Block& blk, const PackedWeight& w, int64_t k, int64_t cout);
+// The edges of one offset k inside one tile: edge i reads quantized input
+// row rows[i] and accumulates into tile-local output row outs[i].
+struct OffsetJob {
+  const int32_t* rows;
+  const int32_t* outs;
+  int64_t count;
+  const int8_t* q;  // quantized rows (stride int8 each)
+  const float* scale;
+  const int32_t* gsum;  // per-row group sums (groups each)
+  int64_t stride;
+  int64_t groups;
+  float* tile_out;  // the tile's first output row (cout floats each)
+  bool static_scale;  // rows' scales are 1 (or NaN): "* sa" may be left out
+};
+
+// One call per tile and offset: every ISA path runs its 6-row blocks inside
+// (no call through a pointer per block).
+using OffsetFn = void (*)(const OffsetJob& job, const PackedWeight& w, int64_t k, int64_t cout);
+
+// Row i of the job into slot r of a block.
+inline void fill_row(Block& blk, int r, const OffsetJob& job, int64_t i, int64_t cout) {
+  const int64_t row = job.rows[i];
+  blk.a[r] = job.q + row * job.stride;
+  blk.sa[r] = job.scale[row];
+  blk.gsum[r] = job.gsum + row * job.groups;
+  blk.c[r] = job.tile_out + static_cast<int64_t>(job.outs[i]) * cout;
+}
+
+// Requests the quantized rows of the block after the one at `i` (gathered
+// from anywhere in the quantized features) behind this block's arithmetic.
+inline void prefetch_next(const OffsetJob& job, int64_t i) {
+  const int64_t end = std::min<int64_t>(job.count, i + 2 * kRows);
+  for (int64_t n = i + kRows; n < end; ++n) {
+    const int64_t row = job.rows[n];
+    const int8_t* next = job.q + row * job.stride;
+    for (int64_t x = 0; x < job.stride; x += 64) __builtin_prefetch(next + x);
+  }
+}
+
+// The blocks of one job for a micro-kernel that always computes kRows rows:
+// a last partial block is padded with a zero row (sa 0, sums 0) adding
+// into a sink.
+template <void (*Kernel)(const Block&, const PackedWeight&, int64_t, int64_t)>
+void padded_blocks(const OffsetJob& job, const PackedWeight& w, int64_t k, int64_t cout) {
+  thread_local std::vector<int8_t> zero_row;
+  thread_local std::vector<int32_t> zero_sums;
+  thread_local std::vector<float> sink;
+  if (static_cast<int64_t>(zero_row.size()) < job.stride) zero_row.assign(job.stride, 0);
+  if (static_cast<int64_t>(zero_sums.size()) < job.groups) zero_sums.assign(job.groups, 0);
+  if (static_cast<int64_t>(sink.size()) < cout) sink.assign(cout, 0.0f);
+  Block blk{};
+  for (int64_t i = 0; i < job.count; i += kRows) {
+    prefetch_next(job, i);
+    blk.rows = static_cast<int>(std::min<int64_t>(kRows, job.count - i));
+    for (int r = 0; r < kRows; ++r) {
+      if (r < blk.rows) {
+        fill_row(blk, r, job, i + r, cout);
+      } else {
+        blk.a[r] = zero_row.data();
+        blk.sa[r] = 0.0f;
+        blk.gsum[r] = zero_sums.data();
+        blk.c[r] = sink.data();
+      }
+    }
+    Kernel(blk, w, k, cout);
+  }
+}
 
 int32_t load_quad(const int8_t* p) {
   int32_t v;
@@ -225,14 +290,30 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_rows_
   }
 }
 
-// Only the block's real rows are computed (a last partial block of an
-// offset is about 7% of the work at 28 rows per offset and tile).
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void block_avx512_vnni(
-    const Block& blk, const PackedWeight& w, int64_t k, int64_t cout) {
-  if (blk.unit) {
-    block_rows_avx512_vnni<true>(blk, w, k, cout);
-  } else {
-    block_rows_avx512_vnni<false>(blk, w, k, cout);
+// Full blocks inline; only a last partial block's real rows are computed
+// (it is about 7% of the work at 28 rows per offset and tile).
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void offset_avx512_vnni(
+    const OffsetJob& job, const PackedWeight& w, int64_t k, int64_t cout) {
+  Block blk{};
+  for (int64_t i = 0; i < job.count; i += kRows) {
+    prefetch_next(job, i);
+    blk.rows = static_cast<int>(std::min<int64_t>(kRows, job.count - i));
+    bool unit = job.static_scale;
+    for (int r = 0; r < blk.rows; ++r) {
+      fill_row(blk, r, job, i + r, cout);
+      unit = unit && blk.sa[r] == 1.0f;
+    }
+    if (blk.rows == kRows) {
+      if (unit) {
+        rows_avx512_vnni<kRows, true>(blk, w, k, cout);
+      } else {
+        rows_avx512_vnni<kRows, false>(blk, w, k, cout);
+      }
+    } else if (unit) {
+      block_rows_avx512_vnni<true>(blk, w, k, cout);
+    } else {
+      block_rows_avx512_vnni<false>(blk, w, k, cout);
+    }
   }
 }
 
@@ -306,19 +387,19 @@ __attribute__((target("avx2,fma,avxvnni"))) void block_avx_vnni(const Block& blk
 // The int8 micro-kernels, best first (cpu/isa.h); the last is scalar.
 struct Int8Entry {
   isa::Isa isa;
-  BlockFn block;
+  OffsetFn offset;
 };
 
 constexpr Int8Entry kInt8Table[] = {
 #ifdef MLX_LATTICE_X86
-    {isa::Isa::kAvx512Vnni, block_avx512_vnni},
-    {isa::Isa::kAvxVnni, block_avx_vnni},
+    {isa::Isa::kAvx512Vnni, offset_avx512_vnni},
+    {isa::Isa::kAvxVnni, padded_blocks<block_avx_vnni>},
 #endif
 #if defined(__aarch64__)
-    {isa::Isa::kNeonI8mm, block_neon_int8<true>},
-    {isa::Isa::kNeonDot, block_neon_int8<false>},
+    {isa::Isa::kNeonI8mm, padded_blocks<block_neon_int8<true>>},
+    {isa::Isa::kNeonDot, padded_blocks<block_neon_int8<false>>},
 #endif
-    {isa::Isa::kScalar, block_scalar},
+    {isa::Isa::kScalar, padded_blocks<block_scalar>},
 };
 
 const Int8Entry& selected() {
@@ -374,7 +455,6 @@ struct Scratch {
   std::vector<int32_t> rows;   // input row of each slot
   std::vector<int32_t> outs;   // tile-local output row of each slot
   std::vector<int32_t> count;  // edges per offset
-  std::vector<float> sink;
 };
 
 // Buckets the edges of CSR groups [g0, g1) by offset, in CSR order inside an
@@ -445,13 +525,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
               act_scale, buf.weight);
   const PackedWeight& w = buf.weight;
-  const BlockFn block = selected().block;
-  const int8_t* q = buf.q.data();
-  const float* scale = buf.scale.data();
-  const int32_t* gsum = buf.gsum.data();
-  // A zero row for padding partial blocks.
-  const std::vector<int8_t> zero_row(storage_in, 0);
-  const std::vector<int32_t> zero_sums(groups, 0);
+  const OffsetFn run_offset = selected().offset;
 
   // An edge's output row is its CSR group (c_index repeats it; unread).
   static_cast<void>(c_index);
@@ -462,46 +536,17 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     auto& s = scratch;
     bucket_tile_edges(csr, g0, g1, kernel_ids, a_index, n_kernels, s);
     const int64_t cap = g1 - g0;
-    const int32_t* rows = s.rows.data();
-    const int32_t* outs = s.outs.data();
     // Zeroed here rather than skipped on each row's first contribution:
     // writing the tile at once is cheaper than the kernels' scattered
     // first stores missing the cache.
     std::memset(out + g0 * cout, 0, sizeof(float) * cap * cout);
-    if (static_cast<int64_t>(s.sink.size()) < cout) s.sink.assign(cout, 0.0f);
-    float* const tile_out = out + g0 * cout;
-    Block blk;
+    OffsetJob job{nullptr,          nullptr, 0,      buf.q.data(), buf.scale.data(),
+                  buf.gsum.data(),  storage_in, groups, out + g0 * cout, static_scale};
     for (int64_t k = 0; k < n_kernels; ++k) {
-      const int64_t begin = k * cap;
-      const int64_t end = begin + s.count[k];
-      for (int64_t r = begin; r < end; r += kRows) {
-        // The next block's activation rows are gathered from anywhere in
-        // the quantized features: their loads go out now, behind this
-        // block's arithmetic.
-        for (int64_t i = r + kRows; i < std::min<int64_t>(end, r + 2 * kRows); ++i) {
-          const int8_t* next = q + static_cast<int64_t>(rows[i]) * storage_in;
-          for (int64_t x = 0; x < storage_in; x += 64) __builtin_prefetch(next + x);
-        }
-        blk.rows = static_cast<int>(std::min<int64_t>(kRows, end - r));
-        blk.unit = static_scale;
-        for (int i = 0; i < kRows; ++i) {
-          if (r + i < end) {
-            const int64_t row = rows[r + i];
-            const int32_t local = outs[r + i];
-            blk.a[i] = q + row * storage_in;
-            blk.sa[i] = scale[row];
-            blk.gsum[i] = gsum + row * groups;
-            blk.c[i] = tile_out + static_cast<int64_t>(local) * cout;
-            blk.unit = blk.unit && blk.sa[i] == 1.0f;
-          } else {
-            blk.a[i] = zero_row.data();
-            blk.sa[i] = 0.0f;
-            blk.gsum[i] = zero_sums.data();
-            blk.c[i] = s.sink.data();
-          }
-        }
-        block(blk, w, k, cout);
-      }
+      job.rows = s.rows.data() + k * cap;
+      job.outs = s.outs.data() + k * cap;
+      job.count = s.count[k];
+      if (job.count > 0) run_offset(job, w, k, cout);
     }
   });
 }

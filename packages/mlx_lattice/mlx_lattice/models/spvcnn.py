@@ -7,7 +7,10 @@ interpolated at the points (:func:`mlx_lattice.geometry.devoxelize`,
 trilinear between voxel centres) and added to a per-point MLP of the point
 features; the sum is averaged back onto the voxels
 (:func:`mlx_lattice.geometry.voxelize`) for the next voxel stage. The head
-scores every point, so predictions keep the points' full resolution.
+scores every point, so predictions keep the points' full resolution. The
+point branch runs in float32 whatever the voxels' dtype (half-precision
+voxel features are interpolated as float32; the voxel means are rounded
+back to the voxels' dtype once).
 
 Module paths: those of :class:`MinkUNet` (``stem/conv``,
 ``encoder/block1/down``, ..., ``decoder/block3/conv``) plus

@@ -294,6 +294,10 @@ def main() -> None:
         "arrays larger than the cache are fresh allocations each time)",
     )
     args = parser.parse_args()
+    chosen = {m.strip().lower() for m in args.models.split(",")}
+    unknown = chosen - {"minkunet", "spvcnn"}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; choose from MinkUNet, SPVCNN")
     if args.cache_limit_mb is not None:
         mx.set_cache_limit(args.cache_limit_mb << 20)
     widths = (8, 16, 16) if args.quick else WIDTHS
@@ -334,10 +338,6 @@ def main() -> None:
         ("MinkUNet", MinkUNet, fresh, labels),
         ("SPVCNN", SPVCNN, fresh_points, point_labels),
     )
-    chosen = {m.strip().lower() for m in args.models.split(",")}
-    unknown = chosen - {name.lower() for name, *_ in cases}
-    if unknown:
-        parser.error(f"--models: unknown {sorted(unknown)}; choose from MinkUNet, SPVCNN")
     for name, cls, make_input, target in cases:
         if name.lower() not in chosen:
             continue

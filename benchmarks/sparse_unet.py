@@ -283,7 +283,23 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a small scan and model (smoke run)")
     parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
     parser.add_argument("--no-forward", action="store_true", help="training steps only")
+    parser.add_argument(
+        "--models", default="MinkUNet,SPVCNN", help="comma-separated training rows to run"
+    )
+    parser.add_argument(
+        "--cache-limit-mb",
+        type=int,
+        default=None,
+        help="mx.set_cache_limit for the run (default: MLX's own, printed at the start; "
+        "arrays larger than the cache are fresh allocations each time)",
+    )
     args = parser.parse_args()
+    chosen = {m.strip().lower() for m in args.models.split(",")}
+    unknown = chosen - {"minkunet", "spvcnn"}
+    if unknown:
+        parser.error(f"--models: unknown {sorted(unknown)}; choose from MinkUNet, SPVCNN")
+    if args.cache_limit_mb is not None:
+        mx.set_cache_limit(args.cache_limit_mb << 20)
     widths = (8, 16, 16) if args.quick else WIDTHS
     config = SceneConfig(beams=16, azimuth_steps=512) if args.quick else None
     scan = labelled_scans(1, 0, seed=0, config=config).train[0]
@@ -305,6 +321,9 @@ def main() -> None:
         f"machine: {platform.machine()}, {os.cpu_count()} cores; mlx_lattice threads "
         f"{mlx_lattice.get_num_threads()}, micro-kernel {ext.gemm_isa()}"
     )
+    limit = mx.set_cache_limit(0)
+    mx.set_cache_limit(limit)
+    print(f"MLX buffer cache limit {limit >> 20} MB; load average {os.getloadavg()[0]:.1f}")
     print(
         f"scan: {n} voxels ({len(scan.points)} points); widths {widths}, 2 input channels, "
         f"{CLASSES} classes"
@@ -320,6 +339,8 @@ def main() -> None:
         ("SPVCNN", SPVCNN, fresh_points, point_labels),
     )
     for name, cls, make_input, target in cases:
+        if name.lower() not in chosen:
+            continue
         _train_rows(name, cls, widths, make_input, target, args.rounds)
     print(
         "cold: relations (and SPVCNN's point-voxel maps) built inside the step, as for a new "

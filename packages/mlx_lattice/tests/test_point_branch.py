@@ -1,7 +1,10 @@
 """SPVCNN's point branch (Linear, batch norm, ReLU) against float64 NumPy:
 the closed-form forward and backward pass of Linear -> BatchNorm (batch
 statistics) -> ReLU, the running statistics against their float64 updates,
-and eval mode against the running-statistics formula. Inputs come from the
+and eval mode against the running-statistics formula; the point <-> voxel
+steps of a half-precision SPVCNN (interpolation to float32 points, averaging
+back to half-precision voxels) against float64 trilinear and mean
+references, and its point branch running in float32. Inputs come from the
 repository's seeded generator (``rng``; printed on failure, replayed with
 ``TEST_SEED=<seed>``).
 """
@@ -9,10 +12,13 @@ repository's seeded generator (``rng``; printed on failure, replayed with
 from __future__ import annotations
 
 import mlx.core as mx
+import mlx.nn as mlx_nn
 import numpy as np
 import pytest
 
-from mlx_lattice.models import PointBranch
+from mlx_lattice import ops
+from mlx_lattice.models import SPVCNN, PointBranch, point_cloud_input
+from mlx_lattice.models import spvcnn as spvcnn_module
 
 
 def _reference(z, w, b, gamma, beta, eps, g):
@@ -124,3 +130,81 @@ def test_eval_mode_uses_running_statistics(rng, seed):
     np.testing.assert_allclose(
         np.array(branch(z)), expected, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}"
     )
+
+
+def _half_cloud(rng, dtype, n=3000, channels=6):
+    pts = rng.uniform(0.0, 2.0, (n, 3)).astype(np.float32)
+    feats = rng.normal(0.0, 1.0, (n, channels)).astype(np.float32)
+    return point_cloud_input(pts, mx.array(feats).astype(dtype), 0.25), pts
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_voxels_interpolate_to_float32_points(rng, seed, dtype):
+    inp, pts = _half_cloud(rng, dtype)
+    x = inp.tensor
+    # A stride-2 level (rows in the convolution's order, not the points' voxels').
+    coarse = ops.conv3d(x, mx.array(rng.normal(0, 0.3, (6, 2, 2, 2, 6)).astype(np.float32)), stride=2)
+    for level in (x, coarse):
+        msg = f"seed {seed}, {dtype}, stride {level.tensor_stride}"
+        _, _, pvm = inp.level(level)
+        rows, weights = np.array(pvm.rows), np.array(pvm.weights).astype(np.float64)
+        vf = np.array(level.feats.astype(mx.float32)).astype(np.float64)
+        # The map itself is held by the geometry tests; here its float64 use.
+        corners = np.where(rows[..., None] >= 0, vf[rows], 0.0)
+        expected = np.einsum("pc,pck->pk", weights, corners)
+        z = inp.to_points(level, mx.float32)
+        assert z.dtype == mx.float32, msg
+        np.testing.assert_allclose(np.array(z), expected, rtol=1e-5, atol=1e-5, err_msg=msg)
+        # Without a dtype: the voxels' own, the float32 result rounded once.
+        default = inp.to_points(level)
+        assert default.dtype == dtype, msg
+        rounded = np.array(z.astype(dtype).astype(mx.float32))
+        assert np.array_equal(np.array(default.astype(mx.float32)), rounded), msg
+        # Float32 point features averaged back: x's dtype, x's rows.
+        back = inp.to_voxels(level, z)
+        assert back.dtype == dtype and back.coords is level.coords, msg
+        s = level.tensor_stride[0]
+        cells = np.floor(pts / (0.25 * s)).astype(np.int64)
+        vox = {tuple(c): i for i, c in enumerate(np.array(level.coords)[:, 1:] // s)}
+        owner = np.array([vox[tuple(c)] for c in cells])
+        zz = np.array(z).astype(np.float64)
+        mean = np.zeros((len(vox), zz.shape[1]))
+        np.add.at(mean, owner, zz)
+        mean /= np.bincount(owner, minlength=len(vox))[:, None]
+        # One rounding to the half type: within one of its ulps (2^-10 / 2^-7 relative).
+        tol = 2.0**-10 if dtype == mx.float16 else 2.0**-7
+        got = np.array(back.feats.astype(mx.float32)).astype(np.float64)
+        np.testing.assert_allclose(got, mean, rtol=tol, atol=1e-6, err_msg=msg)
+
+
+def test_half_spvcnn_runs_its_point_branch_in_float32(rng, seed, monkeypatch):
+    inp, _ = _half_cloud(rng, mx.float16, n=5000, channels=2)
+    seen = []
+    call = PointBranch.__call__
+
+    def spy(self, z):
+        seen.append(z.dtype)
+        out = call(self, z)
+        seen.append(out.dtype)
+        return out
+
+    monkeypatch.setattr(spvcnn_module.PointBranch, "__call__", spy)
+    model = SPVCNN(2, 5, widths=(8, 16, 16))
+    model.train()
+    labels = mx.array(rng.integers(0, 5, inp.num_points).astype(np.int32))
+
+    def loss(m):
+        scores = m(inp)
+        picked = mx.take_along_axis(scores, labels[:, None], 1)[:, 0]
+        return mx.mean(mx.logsumexp(scores, axis=1) - picked)
+
+    value, grads = mlx_nn.value_and_grad(model, loss)(model)
+    mx.eval(value, grads)
+    msg = f"seed {seed}"
+    assert seen == [mx.float32] * 4, msg
+    assert np.isfinite(value.item()), msg
+    for path in ("mlp1", "mlp2"):
+        g = grads["point"][path]["linear"]["weight"]
+        assert g.dtype == mx.float32 and float(mx.abs(g).max()) > 0, f"{path}: {msg}"
+    # The voxel network stays in half precision: the stem sees float16 features.
+    assert inp.tensor.feats.dtype == mx.float16, msg

@@ -7,7 +7,10 @@ interpolated at the points (:func:`mlx_lattice.geometry.devoxelize`,
 trilinear between voxel centres) and added to a per-point MLP of the point
 features; the sum is averaged back onto the voxels
 (:func:`mlx_lattice.geometry.voxelize`) for the next voxel stage. The head
-scores every point, so predictions keep the points' full resolution.
+scores every point, so predictions keep the points' full resolution. The
+point branch runs in float32 whatever the voxels' dtype (half-precision
+voxel features are interpolated as float32; the voxel means are rounded
+back to the voxels' dtype once).
 
 Module paths: those of :class:`MinkUNet` (``stem/conv``,
 ``encoder/block1/down``, ..., ``decoder/block3/conv``) plus
@@ -117,16 +120,21 @@ class PointCloudInput:
         self._levels[s] = entry
         return entry[:3]
 
-    def to_points(self, x: SparseTensor) -> mx.array:
-        """``x``'s features interpolated at the points (trilinear), ``(P, C)``."""
+    def to_points(self, x: SparseTensor, dtype: mx.Dtype | None = None) -> mx.array:
+        """``x``'s features interpolated at the points (trilinear), ``(P, C)``,
+        in ``dtype`` (default ``x``'s; the interpolation runs in float32)."""
         _, _, pvm = self.level(x)
-        return geometry.devoxelize(x.feats, pvm, "linear")
+        if dtype is None:
+            return geometry.devoxelize(x.feats, pvm, "linear")
+        out = geometry.devoxelize(x.feats.astype(mx.float32), pvm, "linear")
+        return out.astype(dtype)
 
     def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
-        """Point features averaged onto ``x``'s voxels (same rows as ``x``)."""
+        """Point features averaged onto ``x``'s voxels (same rows as ``x``, in
+        ``x``'s dtype)."""
         vox, inverse, _ = self.level(x)
         order = self._levels[x.tensor_stride[0]][4]
-        feats = geometry.voxelize(point_feats, vox, "mean")
+        feats = geometry.voxelize(point_feats, vox, "mean").astype(x.dtype)
         if order is None:  # x's rows are the voxels' rows
             return x.replace(feats)
         # A permutation: its gradient is the inverse gather, not a scatter-add.
@@ -207,17 +215,21 @@ class SPVCNN(MinkUNet):
             raise SparseTensorError(
                 f"SPVCNN takes a PointCloudInput (see point_cloud_input), got {type(inp).__name__}."
             )
+        # The point branch runs in float32 whatever the voxels' dtype: on the
+        # CPU MLX's half-precision elementwise ops and casts over the (P, C)
+        # point arrays cost more than the float32 GEMMs and norms they feed.
+        f32 = mx.float32
         x = self.stem(inp.tensor, trace, "stem/")
-        z0 = inp.to_points(x)
+        z0 = inp.to_points(x, f32)
         x = inp.to_voxels(x, z0)
         skips = [x]
         for i, stage in enumerate(self.encoder.stages()):
             x = stage(x, trace, f"encoder/block{i + 1}/")
             skips.append(x)
         skips.pop()
-        z1 = inp.to_points(x) + self.point.mlp1(z0)
+        z1 = inp.to_points(x, f32) + self.point.mlp1(z0)
         x = inp.to_voxels(x, z1)
         for i, stage in enumerate(self.decoder.stages()):
             x = stage(x, skips.pop(), trace, f"decoder/block{i + 1}/")
-        z2 = inp.to_points(x) + self.point.mlp2(z1)
+        z2 = inp.to_points(x, f32) + self.point.mlp2(z1)
         return _run(self.head, z2, trace, "head")

@@ -1,9 +1,15 @@
 """Sparse convolution against MLX's dense convolution, and its gradients."""
 
+import os
+import shlex
+import subprocess
+import sys
+
 import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lattice._native import ext
 from mlx_lattice.core import build_kernel_relation, ops
 
 GRID = 8
@@ -267,3 +273,101 @@ def test_narrow_rows_across_tiles_match_float64(rng, seed, ref, cin, cout):
     assert np.all(np.abs(results[0] - exact) <= bound), f"seed {seed}"
     for threads, r in zip((2, 3), results[1:], strict=True):
         np.testing.assert_array_equal(r, results[0], err_msg=f"seed {seed}, {threads} threads")
+
+
+WIDTHS = (1, 17, 31, 32, 33, 64)
+
+# One child per forced micro-kernel (MLX_LATTICE_GEMM_ISA): the forward and
+# the feature gradient (the stationary tiles over inputs, through edge ids)
+# at every width of WIDTHS, for 1, 2 and 3 threads. The outputs are sparse
+# points on a 40^3 grid (many tiles hold offsets without edges) followed by
+# 600 rows far from every input (whole tiles without edges).
+_BUCKET_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+path, seed = sys.argv[1], int(sys.argv[2])
+rng = np.random.default_rng(seed)
+pts = np.concatenate([rng.integers(0, 2, (2600, 1)), rng.integers(0, 40, (2600, 3))], 1)
+coords = np.unique(pts, axis=0).astype(np.int32)
+coords = coords[rng.permutation(len(coords))]
+far = np.stack([np.zeros(600), np.arange(600) * 3 + 500, np.full(600, 500), np.full(600, 500)], 1)
+out_coords = np.concatenate([coords, far.astype(np.int32)])
+rel = build_kernel_relation(coords, out_coords, kind="forward")
+saved = dict(
+    isa=ext.gemm_isa(),
+    in_rows=np.array(rel.edges.in_rows),
+    out_rows=np.array(rel.edges.out_rows),
+    kernel_ids=np.array(rel.edges.kernel_ids),
+)
+for c in (1, 17, 31, 32, 33, 64):
+    f = rng.standard_normal((len(coords), c)).astype(np.float32)
+    w = (rng.standard_normal((27, c, c)) / np.sqrt(27 * c)).astype(np.float32)
+    cot = rng.standard_normal((len(out_coords), c)).astype(np.float32)
+    saved.update({f"f{c}": f, f"w{c}": w, f"cot{c}": cot})
+    conv = lambda a: ops.sparse_conv_features_from_relation(a, mx.array(w), rel)
+    for threads in (1, 2, 3):
+        mlx_lattice.set_num_threads(threads)
+        out, vjp = mx.vjp(conv, [mx.array(f)], [mx.array(cot)])
+        saved[f"out{c}_{threads}"] = np.array(out[0])
+        saved[f"gf{c}_{threads}"] = np.array(vjp[0])
+np.savez(path, **saved)
+"""
+
+
+def test_bucketed_tiles_every_width_isa_and_thread_count(tmp_path, seed):
+    """The one-pass per-offset buckets of the float32 tiles (forward over
+    outputs, feature gradient over inputs through edge ids) at C in
+    {1, 17, 31, 32, 33, 64}, with offsets and whole tiles without edges:
+    every forced micro-kernel is within float32 accumulation error of a
+    float64 reference, the FMA kernels give the same bits as each other,
+    and 1, 2 and 3 threads give the same bits; rows without edges are 0."""
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+    results = {}
+    for isa in ext.gemm_isas():
+        path = tmp_path / f"{isa}.npz"
+        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
+        cmd = [*launcher, sys.executable, "-c", _BUCKET_SCRIPT, str(path), str(seed)]
+        subprocess.run(cmd, env=env, check=True)
+        results[isa] = np.load(path)
+        assert str(results[isa]["isa"]) == isa, f"seed {seed}"
+    first = results[ext.gemm_isas()[0]]
+    in_rows, out_rows, k_ids = first["in_rows"], first["out_rows"], first["kernel_ids"]
+    n_in, n_out = len(first["f1"]), len(first["cot1"])
+    lonely = np.setdiff1d(np.arange(n_out), out_rows)
+    assert len(lonely) >= 600, f"seed {seed}"
+    # Offsets missing from some 128-row tile of outputs (the widest tiles').
+    tiles = out_rows // 128
+    assert len(np.unique(tiles * 27 + k_ids)) < 27 * len(np.unique(tiles)), f"seed {seed}"
+    for c in WIDTHS:
+        f, w, cot = first[f"f{c}"], first[f"w{c}"], first[f"cot{c}"]
+        exact = np.zeros((n_out, c))
+        mag = np.zeros((n_out, c))
+        g_exact = np.zeros((n_in, c))
+        g_mag = np.zeros((n_in, c))
+        for k in range(27):
+            sel = k_ids == k
+            fi, co = f[in_rows[sel]].astype(np.float64), cot[out_rows[sel]].astype(np.float64)
+            np.add.at(exact, out_rows[sel], fi @ w[k])
+            np.add.at(mag, out_rows[sel], np.abs(fi) @ np.abs(w[k]))
+            np.add.at(g_exact, in_rows[sel], co @ w[k].T)
+            np.add.at(g_mag, in_rows[sel], np.abs(co) @ np.abs(w[k]).T)
+        # float32 sums of at most 27 * c products: |error| <= n * eps * sum|terms|.
+        bound = 1.01 * 27 * c * 2.0**-24 * mag + 1e-30
+        g_bound = 1.01 * 27 * c * 2.0**-24 * g_mag + 1e-30
+        for isa, r in results.items():
+            msg = f"seed {seed}, C{c}, {isa}"
+            out, gf = r[f"out{c}_1"], r[f"gf{c}_1"]
+            assert np.all(np.abs(out - exact) <= bound), msg
+            assert np.all(np.abs(gf - g_exact) <= g_bound), msg
+            np.testing.assert_array_equal(out[lonely], 0.0, err_msg=msg)
+            for threads in (2, 3):
+                np.testing.assert_array_equal(r[f"out{c}_{threads}"], out, err_msg=msg)
+                np.testing.assert_array_equal(r[f"gf{c}_{threads}"], gf, err_msg=msg)
+            if isa != "scalar":
+                np.testing.assert_array_equal(out, first[f"out{c}_1"], err_msg=msg)
+                np.testing.assert_array_equal(gf, first[f"gf{c}_1"], err_msg=msg)

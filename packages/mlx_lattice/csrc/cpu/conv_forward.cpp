@@ -217,30 +217,57 @@ __attribute__((target("avx512f"))) void dequantize_panel_avx512(const uint8_t* q
 }
 #endif
 
+// Per-thread buckets of stationary_conv's tiles: offset k's rows are
+// a_ptrs / c_ptrs[k * cap, k * cap + count[k]) for tiles of cap rows.
+struct Buckets {
+  std::vector<const float*> a_ptrs;
+  std::vector<float*> c_ptrs;
+  std::vector<int32_t> count;
+};
+
+thread_local Buckets buckets;
+
 }  // namespace
 
 void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
                      float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
-                     const int32_t* c_index, const int32_t* kernel_ids) {
+                     const int32_t* /*c_index: each group's own row*/, const int32_t* kernel_ids) {
   const int64_t tile_rows = tile_rows_for(c_width);
   const int64_t tiles = ceil_div(csr.groups, tile_rows);
+  const int64_t b_stride = a_width * c_width;
   parallel_for(tiles, [&](int64_t tile) {
     const int64_t g0 = tile * tile_rows;
     const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
-    std::memset(c + g0 * c_width, 0, sizeof(float) * (g1 - g0) * c_width);
+    float* const c_tile = c + g0 * c_width;
+    std::memset(c_tile, 0, sizeof(float) * (g1 - g0) * c_width);
     if (csr.offsets[g1] == csr.offsets[g0]) return;
-    auto& s = scratch;
-    const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];
-    s.a_ptrs.resize(n_tile);
-    s.c_ptrs.resize(n_tile);
+    // One bucket of g1 - g0 pointer pairs per offset (an offset has at most
+    // one edge per output row), filled in one pass over the tile's edges:
+    // no counting pass and no slot indirection (bucket_tile_edges).
+    auto& s = buckets;
+    const int64_t cap = g1 - g0;
+    if (static_cast<int64_t>(s.a_ptrs.size()) < n_kernels * cap) {
+      s.a_ptrs.resize(n_kernels * cap);
+      s.c_ptrs.resize(n_kernels * cap);
+    }
+    s.count.resize(n_kernels);
     const float** a_ptrs = s.a_ptrs.data();
     float** c_ptrs = s.c_ptrs.data();
-    sort_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.edges, [&](int32_t slot, int32_t e) {
-      a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
-      c_ptrs[slot] = c + static_cast<int64_t>(c_index[e]) * c_width;
-    });
-    const int64_t b_stride = a_width * c_width;
-    tile_gemm(s, [&](int64_t k) { return b + k * b_stride; }, n_kernels, a_width, c_width);
+    int32_t* count = s.count.data();
+    // Captured by value: the library builds with -fno-strict-aliasing, so
+    // through references every pointer store would reload them.
+    bucket_tile_edges(csr, g0, g1, kernel_ids, n_kernels, count,
+                      [=](int32_t k, int32_t n, int32_t local, int32_t e) {
+                        const int64_t slot = k * cap + n;
+                        a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
+                        c_ptrs[slot] = c_tile + static_cast<int64_t>(local) * c_width;
+                      });
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      if (count[k] > 0) {
+        gemm_rows(count[k], a_ptrs + k * cap, b + k * b_stride, a_width, c_width,
+                  c_ptrs + k * cap);
+      }
+    }
   });
 }
 

@@ -50,6 +50,8 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<
 // Forward conv: groups = outputs, A = features, C = output.
 // Input gradient: groups = inputs, A = output gradient, C = feature gradient,
 // B = transposed weights.
+// c_index[e] must be e's group (the CSR groups C's rows); the tiles address
+// C by group and do not read it.
 void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_kernels,
                      float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
                      const int32_t* c_index, const int32_t* kernel_ids);

@@ -3,7 +3,9 @@
 // grouped by kernel offset.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <stdexcept>
 #include <vector>
 
 #include "kernels.h"
@@ -53,6 +55,38 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
     const int32_t slot = cursor[kernel_ids[e]]++;
     edges[slot] = e;
     fill(slot, e);
+  }
+}
+
+// One pass over the edges of groups [g0, g1) of `csr` that buckets them by
+// kernel offset without a counting pass: calls place(k, n, local, e) for
+// edge e, the n-th edge of offset k in CSR order, which belongs to group
+// g0 + local, and leaves each offset's edge count in count[0, n_kernels).
+// A relation holds at most one edge per (group, offset) (the primitives
+// validate it), so n < g1 - g0 and a driver's buckets of g1 - g0 slots per
+// offset cannot overflow; a tile that would overflow one raises
+// std::invalid_argument before anything is placed out of bounds. Inside an
+// offset the order is sort_tile_edges's (CSR order).
+template <typename Place>
+void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
+                       int64_t n_kernels, int32_t* count, Place&& place) {
+  const int32_t cap = static_cast<int32_t>(g1 - g0);
+  std::fill(count, count + n_kernels, 0);
+  const int32_t* offsets = csr.offsets;
+  const int32_t* edge_ids = csr.edge_ids;
+  for (int32_t local = 0; local < cap; ++local) {
+    const int64_t end = offsets[g0 + local + 1];
+    for (int64_t j = offsets[g0 + local]; j < end; ++j) {
+      const int32_t e = edge_ids ? edge_ids[j] : static_cast<int32_t>(j);
+      const int32_t k = kernel_ids[e];
+      const int32_t n = count[k];
+      if (n == cap) {
+        throw std::invalid_argument(
+            "relation: a row has two edges with the same kernel offset");
+      }
+      count[k] = n + 1;
+      place(k, n, local, e);
+    }
   }
 }
 

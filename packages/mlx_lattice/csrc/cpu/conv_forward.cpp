@@ -112,7 +112,10 @@ __attribute__((target("avx512f"))) void dequantize_panel_avx512(const uint8_t* q
     int64_t x = 0;
     for (; x + 16 <= cout; x += 16) {
       const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qc + x));
-      const __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes));
+      // (Zero-masked forms, all lanes: GCC 12 reports the plain forms'
+      // undefined pass-through operand as "may be used uninitialized".)
+      const __m512 codes =
+          _mm512_maskz_cvtepi32_ps(0xffff, _mm512_maskz_cvtepu8_epi32(0xffff, bytes));
       __m512 v = _mm512_mul_ps(_mm512_loadu_ps(sg + x), codes);
       asm("" : "+v"(v));  // no fused multiply-add: the product rounds on its own
       _mm512_storeu_ps(pc + x, _mm512_add_ps(v, _mm512_loadu_ps(bg + x)));

@@ -45,6 +45,11 @@ void widen_any(FloatFormat format, const uint16_t* src, int64_t n, float* dst) {
 }
 
 #ifdef MLX_LATTICE_X86
+// All 16 lanes. The zero-masked forms of the conversions give the same
+// values as the plain ones, whose undefined pass-through operand GCC 12
+// reports as "may be used uninitialized".
+constexpr __mmask16 kAll = 0xffff;
+
 // float16 -> float32, 16 values per vcvtph2ps (exact); the tail through a
 // zero-padded copy and a masked store.
 __attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, int64_t n,
@@ -52,12 +57,13 @@ __attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, in
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
     const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(h));
+    _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(kAll, h));
   }
   if (i < n) {
     alignas(32) uint16_t rest[16] = {};
     std::memcpy(rest, src + i, sizeof(uint16_t) * (n - i));
-    const __m512 v = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(rest)));
+    const __m512 v =
+        _mm512_maskz_cvtph_ps(kAll, _mm256_load_si256(reinterpret_cast<const __m256i*>(rest)));
     _mm512_mask_storeu_ps(dst + i, static_cast<__mmask16>((1u << (n - i)) - 1u), v);
   }
 }
@@ -68,7 +74,8 @@ __attribute__((target("avx512f"))) void round_f16_avx512(const float* src, int64
                                                          uint16_t* dst) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    const __m256i h =
+        _mm512_maskz_cvtps_ph(kAll, _mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), h);
   }
   if (i < n) convert_from_float32(src + i, n - i, FloatFormat::kF16, dst + i);

@@ -170,3 +170,105 @@ def test_quantized_heavy_row_reuse_is_the_float32_result_rounded(rng, seed, bits
 
     for threads, (half, wide) in zip((1, 2, 3), for_threads(run), strict=True):
         np.testing.assert_array_equal(half, wide, err_msg=f"seed {seed}, {threads} threads")
+
+
+@fused
+@pytest.mark.parametrize("width", [1, 3, 17, 33, 64, 130])
+def test_odd_widths_match_emulation_for_any_thread_count(rng, seed, width):
+    """Channel counts off the 16-lane vectors (widening tails of 1-15 values,
+    masked column strips): the bits of the per-edge emulation, 1-3 threads."""
+    _, rel, f, w = make_case(rng, width, width)
+    want = fp16_conv_ref(f, w, rel).view(np.uint16)
+    for threads, got in zip((1, 2, 3), for_threads(lambda: run_fp16(f, w, rel)), strict=True):
+        np.testing.assert_array_equal(
+            got, want, err_msg=f"seed {seed}, C{width}, {threads} threads"
+        )
+
+
+def far_outputs(first: int, count: int) -> np.ndarray:
+    """`count` output coordinates far from every input of make_case (whose
+    coordinates lie in [0, 9)): outputs without a single edge."""
+    xs = first + 2 * np.arange(count)
+    return np.stack([np.zeros(count), xs, np.full(count, 40), np.full(count, 40)], 1)
+
+
+@fused
+@pytest.mark.parametrize(("cin", "cout"), [(17, 5), (64, 64)])
+def test_empty_tiles_are_zero_and_match_emulation(rng, seed, cin, cout):
+    """A target relation whose first 1100 and last 600 outputs have no edges
+    (whole tiles without an edge, at every tile size the driver picks) and a
+    tile that ends inside them: those rows are +0.0 and the rest the bits of
+    the emulation, for 1-3 threads."""
+    coords, _, f, w = make_case(rng, cin, cout)
+    out_coords = np.concatenate(
+        [far_outputs(40, 1100), coords, far_outputs(4000, 600)]
+    ).astype(np.int32)
+    rel = build_kernel_relation(coords, out_coords, kernel_size=3, kind="target")
+    assert rel.n_out_capacity == len(out_coords) and rel.n_edges > 0
+    out_rows = np.array(rel.edges.out_rows)
+    assert out_rows.min() == 1100 and out_rows.max() < 1100 + len(coords)
+    want = fp16_conv_ref(f, w, rel).view(np.uint16)
+    edgeless = np.ones(len(out_coords), bool)
+    edgeless[out_rows] = False
+    for threads, got in zip((1, 2, 3), for_threads(lambda: run_fp16(f, w, rel)), strict=True):
+        msg = f"seed {seed}, {threads} threads"
+        np.testing.assert_array_equal(got[edgeless], 0, err_msg=msg)
+        np.testing.assert_array_equal(got, want, err_msg=msg)
+
+
+@pytest.mark.skipif(
+    not {"avx512f", "avx2-fma"} <= set(ext.gemm_isas()),
+    reason="needs both x86 fp32 levels (AVX-512 and AVX2 widening/rounding)",
+)
+@pytest.mark.parametrize(("cin", "cout"), [(33, 130), (64, 64), (3, 17)])
+def test_avx512_and_avx2_widening_give_the_same_bits(rng, seed, conv_per_isa, cin, cout):
+    """float16 rows widen and the tiles round with AVX-512 conversions under
+    the avx512f ceiling and with 8-lane F16C ones under avx2-fma (and the
+    GEMM changes kernel): both exact conversions around the same fused
+    chain, so the same bits, equal to the emulation."""
+    coords, rel, f, w = make_case(rng, cin, cout)
+    results = conv_per_isa(coords, f, w, "float16", ("avx512f", "avx2-fma"))
+    assert results["avx512f"]["gemm"] == "avx512f"
+    assert results["avx2-fma"]["gemm"] == "avx2-fma"
+    want = fp16_conv_ref(f, w, rel).view(np.uint16)
+    for isa in ("avx512f", "avx2-fma"):
+        np.testing.assert_array_equal(results[isa]["out"], want, err_msg=f"seed {seed}, {isa}")
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
+@pytest.mark.parametrize(("width", "bits"), [(1, 8), (3, 4), (17, 8), (33, 4), (64, 8), (130, 4)])
+def test_weight_only_odd_widths_are_the_float_conv_of_the_dequantized_weight(
+    rng, seed, width, bits, dtype
+):
+    """Weight-only int8/int4 (dequantized once per call, then the float
+    forward) against the float convolution of a NumPy dequantization of the
+    codes (s * q + b, both roundings), bit for bit, 1-3 threads."""
+    _, rel, f, w = make_case(rng, width, width)
+    group = 32
+    q = QuantizedWeight.from_float(mx.array(w), bits=bits, group_size=group)
+    # Codes: value c is bits [c * bits, (c + 1) * bits) of a row's
+    # little-endian bit stream.
+    words = np.array(q.weight).astype("<u4")
+    k, cout, _ = words.shape
+    storage = q.storage_in_channels
+    stream = np.unpackbits(words.view(np.uint8).reshape(k, cout, -1), axis=2, bitorder="little")
+    stream = stream.reshape(k, cout, storage, bits).astype(np.int64)
+    codes = (stream * (1 << np.arange(bits))).sum(axis=3).astype(np.float32)
+    g = np.arange(storage) // group
+    scales = np.array(q.scales.astype(mx.float32))[:, :, g]
+    biases = np.array(q.biases.astype(mx.float32))[:, :, g]
+    product = (scales * codes).astype(np.float32)
+    dense = (product + biases).astype(np.float32)[:, :, :width].transpose(0, 2, 1)
+    feats = mx.array(f).astype(dtype)
+    want = ops.sparse_conv_features_from_relation(
+        feats.astype(mx.float32), mx.array(np.ascontiguousarray(dense)), rel
+    )
+    want = np.array(want.astype(dtype).astype(mx.float32))
+
+    def run():
+        got = ops.sparse_quantized_conv_features_from_relation(feats, q, rel)
+        assert got.dtype == dtype
+        return np.array(got.astype(mx.float32))
+
+    for threads, got in zip((1, 2, 3), for_threads(run), strict=True):
+        np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, C{width}, {threads} threads")

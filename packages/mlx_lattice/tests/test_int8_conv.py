@@ -214,8 +214,8 @@ def test_dense_block_full_offset_buckets_bit_for_bit(rng, seed, bits, static):
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])
 @pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES)
 def test_weight_only_is_the_float_conv_of_the_dequantized_weight(rng, cin, cout, bits, group, dtype):
-    """Without act_bits each tile dequantizes the panels it uses (no float
-    copy of the weight per call) to the values s * q + b of a NumPy
+    """Without act_bits the weight is dequantized once per call (into a
+    reused per-thread buffer) to the values s * q + b of a NumPy
     dequantization: the result is the float convolution with that weight,
     bit for bit, for float32 and float16 features and 1 or 2 threads."""
     rel, feats, _ = make_case(rng, 500, cin, cout, bits, group)

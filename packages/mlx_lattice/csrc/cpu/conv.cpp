@@ -135,8 +135,8 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
     const uint8_t* codes = packed.size() ? packed.data<uint8_t>() : nullptr;
     const int64_t row_bytes = static_cast<int64_t>(packed.shape(2)) * 4;
     if (in[0].dtype() == o.dtype()) {
-      // Dequantized per tile and offset (cpu/conv_forward.cpp): no float
-      // copy of the weight.
+      // Dequantized once per call into a reused per-thread buffer, then the
+      // float forward (cpu/conv_forward.cpp).
       kernels::QuantizedWeightView view{codes,
                                         row_bytes,
                                         in[2].data<float>(),

@@ -94,11 +94,11 @@ inline uint32_t unpack_code(const uint8_t* row, int64_t row_bytes, int64_t c, in
   return (v >> (bit & 7)) & ((1u << bits) - 1u);
 }
 
-// forward_conv with a quantized weight (K, cin, cout) and no float copy of
-// it: per call its codes are re-laid out as bytes (K * cin * cout), and each
-// tile dequantizes the (cin, cout) panel of every offset it uses into a
-// per-thread buffer, with dequantize_weight's values (so the result is the
-// float path's with the dequantized weight, bit for bit).
+// forward_conv with a quantized weight (K, cin, cout): dequantized once per
+// call (offsets in parallel) into a float32 buffer of the calling thread,
+// kept for its next call (K * cin * cout * 4 bytes), with dequantize_weight's
+// values, then forward_conv: the float path's result with the dequantized
+// weight, bit for bit.
 void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
                             const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
                             const Csr& csr, const int32_t* a_index, const int32_t* c_index,

@@ -1,0 +1,25 @@
+// The half-precision forward tile driver (cpu/conv_forward_half.cpp):
+// float16 / bfloat16 feature rows widened once per tile, float32 GEMM,
+// the tile's outputs rounded once.
+#pragma once
+
+#include <cstdint>
+
+#include "kernels.h"
+
+namespace mlx_lattice::kernels {
+
+// out (n_out, cout) in `format` (kF16 or kBF16), overwritten: per tile of
+// `tile_rows` outputs, every distinct input row the tile gathers is widened
+// to float32 once (exact), the tile accumulates in a float32 buffer with
+// gemm_rows (stationary_conv's arithmetic: offsets ascending, channels
+// ascending), and the buffer is rounded to `format` once (nearest even). So
+// the result is stationary_conv's float32 result on the widened features,
+// rounded; the same bits for any thread count. weight is (K, cin, cout)
+// float32; c_index must be the output CSR's own rows.
+void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
+                       const float* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
+                       const int32_t* a_index, const int32_t* c_index,
+                       const int32_t* kernel_ids, uint16_t* out, int64_t tile_rows);
+
+}  // namespace mlx_lattice::kernels

@@ -17,6 +17,7 @@
 
 #include "isa.h"
 #include "parallel.h"
+#include "tiles.h"
 
 // GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
 // "maybe uninitialized"; it is not read.
@@ -457,39 +458,6 @@ struct Scratch {
   std::vector<int32_t> count;  // edges per offset
 };
 
-// Buckets the edges of CSR groups [g0, g1) by offset, in CSR order inside an
-// offset (one pass: no counting pass as in tiles.h's sort, and no read of
-// the edges' output rows, which are the CSR groups).
-void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
-                       const int32_t* a_index, int64_t n_kernels, Scratch& s) {
-  const int32_t cap = static_cast<int32_t>(g1 - g0);
-  s.count.assign(n_kernels, 0);
-  if (static_cast<int64_t>(s.rows.size()) < n_kernels * cap) {
-    s.rows.resize(n_kernels * cap);
-    s.outs.resize(n_kernels * cap);
-  }
-  // Raw pointers in locals (the library builds with -fno-strict-aliasing).
-  int32_t* count = s.count.data();
-  int32_t* rows = s.rows.data();
-  int32_t* outs = s.outs.data();
-  const int32_t* edge_ids = csr.edge_ids;
-  for (int32_t local = 0; local < cap; ++local) {
-    const int64_t g = g0 + local;
-    for (int64_t j = csr.offsets[g]; j < csr.offsets[g + 1]; ++j) {
-      const int64_t e = edge_ids ? edge_ids[j] : j;
-      const int32_t k = kernel_ids[e];
-      const int32_t n = count[k];
-      if (n == cap) {
-        throw std::invalid_argument(
-            "relation: an output row has two edges with the same kernel offset");
-      }
-      count[k] = n + 1;
-      rows[k * cap + n] = a_index[e];
-      outs[k * cap + n] = local;
-    }
-  }
-}
-
 thread_local Scratch scratch;
 
 // The quantized activations and packed weight of one call.
@@ -534,8 +502,22 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     const int64_t g0 = tile * kInt8TileRows;
     const int64_t g1 = std::min(csr.groups, g0 + kInt8TileRows);
     auto& s = scratch;
-    bucket_tile_edges(csr, g0, g1, kernel_ids, a_index, n_kernels, s);
     const int64_t cap = g1 - g0;
+    s.count.resize(n_kernels);
+    if (static_cast<int64_t>(s.rows.size()) < n_kernels * cap) {
+      s.rows.resize(n_kernels * cap);
+      s.outs.resize(n_kernels * cap);
+    }
+    // Pointers captured by value: the library builds with
+    // -fno-strict-aliasing, so captured references would be reloaded after
+    // every store.
+    int32_t* rows = s.rows.data();
+    int32_t* outs = s.outs.data();
+    bucket_tile_edges(csr, g0, g1, kernel_ids, n_kernels, s.count.data(),
+                      [rows, outs, cap, a_index](int32_t k, int32_t n, int32_t local, int32_t e) {
+                        rows[k * cap + n] = a_index[e];
+                        outs[k * cap + n] = local;
+                      });
     // Zeroed here rather than skipped on each row's first contribution:
     // writing the tile at once is cheaper than the kernels' scattered
     // first stores missing the cache.

@@ -377,6 +377,15 @@ def test_fused_add_rejects_bad_arguments():
         fused.add(x, np.zeros((4, 3), np.float16))
     empty = mx.zeros((0, 3), dtype=mx.float16)
     assert fused.add(empty, empty).shape == (0, 3)
+    # The native builder checks on its own (the Python checks come first).
+    from mlx_lattice._native import ext
+
+    with pytest.raises(ValueError, match="feature_add: b must have a's shape"):
+        ext.feature_add(x, mx.zeros((4, 4), dtype=mx.float16))
+    with pytest.raises(ValueError, match="feature_add: b must have a's dtype"):
+        ext.feature_add(x, mx.zeros((4, 3), dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match="feature_add: a must be float32"):
+        ext.feature_add(mx.zeros((2,), dtype=mx.int32), mx.zeros((2,), dtype=mx.int32))
 
 
 def test_skip_fork_leaves_gradients_bit_identical(scans, seed, monkeypatch):

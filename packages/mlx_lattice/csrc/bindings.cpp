@@ -302,6 +302,23 @@ max gradient goes to the first maximum in edge order.
 
   bind_geometry(m);
 
+  // ------------------------------------------------------------ feature add
+  m.def(
+      "feature_add",
+      [](const mx::array& a, const mx::array& b, mx::StreamOrDevice s) {
+        nb::gil_scoped_release unlocked;
+        return feature_add(a, b, s);
+      },
+      "a"_a, "b"_a, nb::kw_only(), "stream"_a = nb::none(),
+      R"pbdoc(
+``a + b`` for same-shaped float32, float16 or bfloat16 arrays, in their
+dtype: each sum computed in float32 and rounded once to the dtype (for
+float16 and bfloat16 the correctly rounded IEEE sum, the bits of NumPy's
+float16 add). Differentiable in both operands; ``jvp``, ``vmap`` and
+``mx.compile`` work. On the CPU half-precision operands are widened in
+blocks (F16C where available); on Apple GPUs a Metal kernel.
+)pbdoc");
+
   // ------------------------------------------------------------ batch norm
   m.def(
       "batch_norm_train",

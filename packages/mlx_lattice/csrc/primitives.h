@@ -323,6 +323,30 @@ class GeometryRadius : public mx::Primitive {
 // cpu/geometry.cpp and harness/eval.cpp.
 bool uses_metal_bodies(const mx::Stream& s);
 
+// ------------------------------------------------------------ feature add
+// a + b for same-shaped float32 / float16 / bfloat16 arrays in their dtype,
+// each sum computed in float32 and rounded once (for the half formats the
+// correctly rounded IEEE sum): graph code in add.cpp, CPU evaluation in
+// cpu/add.cpp, Metal kernels in metal/add.metal. Differentiable (the
+// cotangent passes to both operands), jvp and vmap implemented.
+class FeatureAdd : public mx::UnaryPrimitive {
+ public:
+  explicit FeatureAdd(mx::Stream stream) : mx::UnaryPrimitive(stream) {}
+  void eval_cpu(const std::vector<array>& inputs, array& out) override;
+  void eval_gpu(const std::vector<array>& inputs, array& out) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(FeatureAdd)
+  bool is_equivalent(const mx::Primitive&) const override { return true; }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+};
+
+// Validates and builds FeatureAdd (add.cpp); raises std::invalid_argument
+// naming the argument for a bad dtype or shape.
+array feature_add(const array& a, const array& b, mx::StreamOrDevice s = {});
+
 // Every primitive class, for the files that define one method per primitive
 // by build choice (metal/eval.cpp, no_metal.cpp, harness/eval.cpp). A new
 // primitive is added here (multi-output ones to the second list).
@@ -331,7 +355,8 @@ bool uses_metal_bodies(const mx::Stream& s);
   X(SparseConvSorted)             \
   X(SparseQuantizedConv)          \
   X(SparseDenominator)            \
-  X(SparsePool)
+  X(SparsePool)                   \
+  X(FeatureAdd)
 
 // Primitives with several outputs (eval signatures take a vector of outputs).
 #define MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(X) \

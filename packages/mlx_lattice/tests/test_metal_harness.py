@@ -813,3 +813,38 @@ def test_batch_norm_train_under_compile(rng, seed, harness):
             err_msg=f"{name} (seed {seed})",
         )
     _bn_assert_close(gpu[:6], cpu[:6], _BN_TOL[mx.float16], "metal vs cpu", seed)
+
+
+# ------------------------------------------------------------ elementwise add
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("shape", [(1,), (300, 7), (257, 33)])
+def test_feature_add_kernel_matches_the_cpu_bit_for_bit(rng, seed, harness, dtype, shape):
+    """The Metal add (one thread per element, a partial last threadgroup)
+    against the CPU primitive and NumPy's float16 add: the same float32 sum
+    rounded once, so the same bits (signed zeros and infinities included);
+    its gradient passes the cotangent to both operands."""
+    a = rng.standard_normal(shape) * 2.0 ** rng.integers(-26, 14, shape)
+    b = rng.standard_normal(shape) * 2.0 ** rng.integers(-26, 14, shape)
+    b.reshape(-1)[::3] = -a.reshape(-1)[::3]
+    a.reshape(-1)[1::5] = np.inf
+    ma = mx.array(a.astype(np.float32)).astype(dtype)
+    mb = mx.array(b.astype(np.float32)).astype(dtype)
+    g = rand(rng, shape, dtype)
+
+    def run():
+        out, (da, db) = mx.vjp(lambda x, y: [fused.add(x, y)], [ma, mb], [g])
+        return [out[0], da, db]
+
+    cpu, gpu = harness(run)
+    bits = mx.uint32 if dtype == mx.float32 else mx.uint16
+    for name, c, m in zip(("sum", "da", "db"), cpu, gpu, strict=True):
+        np.testing.assert_array_equal(
+            np.array(m.view(bits)), np.array(c.view(bits)), err_msg=f"{name} (seed {seed})"
+        )
+    if dtype == mx.float16:
+        want = np.array(ma).astype(np.float16) + np.array(mb).astype(np.float16)
+        np.testing.assert_array_equal(
+            np.array(gpu[0].view(mx.uint16)), want.view(np.uint16), err_msg=f"seed {seed}"
+        )

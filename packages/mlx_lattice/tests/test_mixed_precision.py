@@ -223,25 +223,169 @@ def test_mixed_precision_save_load_is_bit_exact(tmp_path, scans, mixed_trained):
     assert np.array_equal(_bits(out), _bits(again))
 
 
-@pytest.mark.parametrize("dtype", HALF)
-def test_skip_gradient_sum_is_the_half_precision_add(rng, seed, dtype):
-    """The native sum of a skip's two gradients has the bits of MLX's add,
-    over magnitudes from subnormal to near overflow and exact cancellations,
-    except the sign of a zero (-0 + -0 is +0 here: the GEMM starts from +0)."""
-    from mlx_lattice.models.minkunet import _sum_rows
+# ------------------------------------------------------------ fused.add
+#
+# The references: NumPy's float16 add (IEEE, round to nearest even) and, for
+# bfloat16, the exact float64 sum rounded to bfloat16 by its bits in NumPy.
 
-    for n, c in ((5000, 32), (300, 7), (1, 3)):
-        a = rng.standard_normal((n, c)) * 2.0 ** rng.integers(-26, 14, (n, c))
-        b = rng.standard_normal((n, c)) * 2.0 ** rng.integers(-26, 14, (n, c))
-        b[::5] = -a[::5]
-        a16, b16 = mx.array(a.astype(np.float32)).astype(dtype), mx.array(b.astype(np.float32))
-        b16 = b16.astype(dtype)
-        got, want = _sum_rows(a16, b16), a16 + b16
-        assert got.dtype == dtype
-        assert (np.array(want.astype(mx.float32)) == 0).any()  # zeros are covered
-        np.testing.assert_array_equal(
-            _bits(got + 0), _bits(want + 0), err_msg=f"seed {seed}: {n}x{c}"
-        )
+
+def _add_operands(rng: np.random.Generator, shape: tuple, dtype: mx.Dtype) -> tuple:
+    """Two arrays over magnitudes from subnormal to near overflow (either
+    format), with exact cancellations, signed zeros and infinities."""
+    top = 14 if dtype == mx.float16 else 120
+    a = rng.standard_normal(shape) * 2.0 ** rng.integers(-26 if top == 14 else -130, top, shape)
+    b = rng.standard_normal(shape) * 2.0 ** rng.integers(-26 if top == 14 else -130, top, shape)
+    flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+    flat_b[::5] = -flat_a[::5]  # exact zeros
+    flat_a[1::7], flat_b[1::7] = -0.0, -0.0  # -0 + -0 = -0
+    flat_a[2::11], flat_b[2::11] = -0.0, 0.0  # -0 + +0 = +0
+    flat_a[3::13] = np.inf
+    flat_a[4::17] = -np.inf
+    return a.astype(np.float32), b.astype(np.float32)
+
+
+def _bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float64 -> bfloat16 bits, rounded to nearest even (finite non-NaN x;
+    float64 -> float32 first is exact enough: both roundings are to nearest
+    and float32 has more than 2 * 8 + 2 bits)."""
+    u = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    u = u + 0x7FFF + ((u >> 16) & 1)
+    return (u >> 16).astype(np.uint16)
+
+
+def _add_reference(a: np.ndarray, b: np.ndarray, dtype: mx.Dtype) -> np.ndarray:
+    """The bits of the correctly rounded sum of the operands as ``dtype``."""
+    if dtype == mx.float16:
+        return (a.astype(np.float16) + b.astype(np.float16)).view(np.uint16)
+    if dtype == mx.bfloat16:
+        a16 = np.array(mx.array(a).astype(mx.bfloat16).view(mx.uint16)).astype(np.uint32)
+        b16 = np.array(mx.array(b).astype(mx.bfloat16).view(mx.uint16)).astype(np.uint32)
+        fa = (a16 << 16).view(np.float32).astype(np.float64)
+        fb = (b16 << 16).view(np.float32).astype(np.float64)
+        with np.errstate(invalid="ignore", over="ignore"):
+            s = fa + fb
+        bits = _bf16_bits(np.where(np.isfinite(s), s, 0.0))
+        bits = np.where(np.isposinf(s), 0x7F80, bits)
+        bits = np.where(np.isneginf(s), 0xFF80, bits)
+        # Exact zeros: -0 only for -0 + -0 (round to nearest).
+        zero = s == 0
+        both_neg = np.signbit(fa) & np.signbit(fb)
+        bits = np.where(zero, np.where(both_neg, 0x8000, 0x0000), bits)
+        return np.where(np.isnan(s), 0x7FC0, bits).astype(np.uint16)
+    return (a + b).view(np.uint32)
+
+
+def _same_bits(got: mx.array, want: np.ndarray, what: str) -> None:
+    bits = _bits(got)
+    nan = np.isnan(np.array(got.astype(mx.float32)))
+    ref_nan = (
+        np.isnan(want.view(np.float16))
+        if want.dtype == np.uint16 and got.dtype == mx.float16
+        else want == 0x7FC0
+        if got.dtype == mx.bfloat16
+        else np.isnan(want.view(np.float32))
+    )
+    np.testing.assert_array_equal(nan, ref_nan, err_msg=f"{what}: NaN positions")
+    np.testing.assert_array_equal(bits[~nan], want[~nan], err_msg=what)
+
+
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("shape", [(5000, 32), (300, 7), (1, 3), (17,), (3, 4, 5)])
+def test_fused_add_is_the_correctly_rounded_sum(rng, seed, dtype, shape):
+    """fused.add against NumPy's float16 add (bfloat16: the float64 sum
+    rounded to bfloat16 in NumPy), bit for bit, signed zeros and infinities
+    included (inf + -inf: NaN)."""
+    from mlx_lattice import fused
+
+    a, b = _add_operands(rng, shape, dtype)
+    ma, mb = mx.array(a).astype(dtype), mx.array(b).astype(dtype)
+    got = fused.add(ma, mb)
+    assert got.dtype == dtype and got.shape == ma.shape
+    ra = np.array(ma.astype(mx.float32))
+    rb = np.array(mb.astype(mx.float32))
+    want = _add_reference(ra, rb, dtype)
+    if got.size > 100:  # the cases are present
+        assert (want == 0x8000).any() or dtype == mx.float32, f"seed {seed}: no -0"
+    _same_bits(got, want, f"seed {seed}: {dtype} {shape}")
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_fused_add_gradients_compile_vmap_and_threads(rng, seed, dtype):
+    """The cotangent passes to both operands; mx.compile, jvp and vmap give
+    the eager bits; the result is the same for 1, 2, 3 and 7 threads; views
+    (transposed, sliced) are read as their values."""
+    from mlx_lattice import fused
+
+    a, b = _add_operands(rng, (700, 24), dtype)
+    a, b = np.nan_to_num(a, posinf=1.0, neginf=-1.0), np.nan_to_num(b, posinf=1.0, neginf=-1.0)
+    ma, mb = mx.array(a).astype(dtype), mx.array(b).astype(dtype)
+    g = mx.array(rng.standard_normal((700, 24)).astype(np.float32)).astype(dtype)
+    eager = fused.add(ma, mb)
+    _, (da, db) = mx.vjp(lambda x, y: [fused.add(x, y)], [ma, mb], [g])
+    np.testing.assert_array_equal(_bits(da), _bits(g), err_msg=f"seed {seed}")
+    np.testing.assert_array_equal(_bits(db), _bits(g), err_msg=f"seed {seed}")
+    # A loss through it: MLX's autodiff of the same loss with MLX's add.
+    probe = mx.array(rng.standard_normal((700, 24)).astype(np.float32))
+
+    def loss(add):
+        return lambda x, y: (add(x, y).astype(mx.float32) * probe).sum()
+
+    mine = mx.grad(loss(fused.add), argnums=(0, 1))(ma, mb)
+    ref = mx.grad(loss(lambda x, y: x + y), argnums=(0, 1))(ma, mb)
+    for m, r in zip(mine, ref, strict=True):
+        np.testing.assert_array_equal(_bits(m), _bits(r), err_msg=f"seed {seed}")
+    compiled = mx.compile(lambda x, y: fused.add(x, y))(ma, mb)
+    np.testing.assert_array_equal(_bits(compiled), _bits(eager), err_msg=f"seed {seed}")
+    # The tangent of a + b along (b, a) is b + a: the same bits (it commutes).
+    _, (tangent,) = mx.jvp(lambda x, y: [fused.add(x, y)], [ma, mb], [mb, ma])
+    np.testing.assert_array_equal(_bits(tangent), _bits(eager), err_msg=f"seed {seed}")
+    rows = mx.vmap(fused.add)(ma, mb)
+    np.testing.assert_array_equal(_bits(rows), _bits(eager), err_msg=f"seed {seed}")
+    one = mx.vmap(fused.add, in_axes=(0, None))(ma, mb[0])
+    want = _add_reference(
+        np.array(ma.astype(mx.float32)), np.broadcast_to(np.array(mb[0].astype(mx.float32)), a.shape),
+        dtype,
+    )
+    _same_bits(one, want, f"seed {seed}: vmap with an unmapped operand")
+    views = fused.add(ma.T, mb.T)
+    np.testing.assert_array_equal(_bits(views), _bits(eager).T, err_msg=f"seed {seed}")
+    before = mlx_lattice.get_num_threads()
+    big_a = mx.array(rng.standard_normal((3000, 64)).astype(np.float32)).astype(dtype)
+    big_b = mx.array(rng.standard_normal((3000, 64)).astype(np.float32)).astype(dtype)
+    results = []
+    try:
+        for threads in (1, 2, 3, 7):
+            mlx_lattice.set_num_threads(threads)
+            results.append(_bits(fused.add(big_a, big_b)))
+    finally:
+        mlx_lattice.set_num_threads(before)
+    for other in results[1:]:
+        np.testing.assert_array_equal(results[0], other, err_msg=f"seed {seed}")
+
+
+def test_fused_add_rejects_bad_arguments():
+    from mlx_lattice import fused
+
+    x = mx.zeros((4, 3), dtype=mx.float16)
+    with pytest.raises(ValueError, match="b must have a's shape"):
+        fused.add(x, mx.zeros((3, 4), dtype=mx.float16))
+    with pytest.raises(ValueError, match="b must have a's dtype"):
+        fused.add(x, mx.zeros((4, 3)))
+    with pytest.raises(ValueError, match="a must be float32, float16 or bfloat16"):
+        fused.add(mx.zeros((4, 3), dtype=mx.int32), mx.zeros((4, 3), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r"b must be an mx\.array"):
+        fused.add(x, np.zeros((4, 3), np.float16))
+    empty = mx.zeros((0, 3), dtype=mx.float16)
+    assert fused.add(empty, empty).shape == (0, 3)
+    # The native builder checks on its own (the Python checks come first).
+    from mlx_lattice._native import ext
+
+    with pytest.raises(ValueError, match="feature_add: b must have a's shape"):
+        ext.feature_add(x, mx.zeros((4, 4), dtype=mx.float16))
+    with pytest.raises(ValueError, match="feature_add: b must have a's dtype"):
+        ext.feature_add(x, mx.zeros((4, 3), dtype=mx.bfloat16))
+    with pytest.raises(ValueError, match="feature_add: a must be float32"):
+        ext.feature_add(mx.zeros((2,), dtype=mx.int32), mx.zeros((2,), dtype=mx.int32))
 
 
 def test_skip_fork_leaves_gradients_bit_identical(scans, seed, monkeypatch):

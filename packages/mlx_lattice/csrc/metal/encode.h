@@ -51,6 +51,9 @@ void encode(const SparseDenominator& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, mx::array& out);
 void encode(const SparsePool& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, mx::array& out);
+// Elementwise add (add.cpp).
+void encode(const FeatureAdd& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, mx::array& out);
 
 // Geometry (geometry.cpp): several outputs.
 void encode(const GeometryVoxelize& p, KernelEncoder& enc, Operands& ops,

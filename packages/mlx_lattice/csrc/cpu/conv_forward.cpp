@@ -20,17 +20,6 @@ namespace mlx_lattice::kernels {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-// Per-thread scratch of the tile loops, reused across calls.
-struct Scratch {
-  TileEdges edges;
-  std::vector<const float*> a_ptrs;
-  std::vector<float*> c_ptrs;
-};
-
-thread_local Scratch scratch;
-
 // Output rows per tile for rows `width` values wide: kTileRows from 64 up;
 // narrower rows take more (up to 4 x kTileRows at 32 and below), so an
 // offset gets more rows per tile: fewer partial register blocks and less
@@ -38,20 +27,6 @@ thread_local Scratch scratch;
 int64_t tile_rows_for(int64_t width) {
   if (width >= 64) return kTileRows;
   return std::min<int64_t>(4 * kTileRows, kTileRows * 128 / std::max<int64_t>(width, 1));
-}
-
-// gemm_rows over every offset of a tile whose pointer lists are filled;
-// panel(k) gives offset k's (a_width x c_width) matrix.
-template <typename Panel>
-void tile_gemm(Scratch& s, Panel&& panel, int64_t n_kernels, int64_t a_width, int64_t c_width) {
-  for (int64_t k = 0; k < n_kernels; ++k) {
-    const int64_t begin = s.edges.counts[k];
-    const int64_t rows = s.edges.counts[k + 1] - begin;
-    if (rows > 0) {
-      gemm_rows(rows, s.a_ptrs.data() + begin, panel(k), a_width, c_width,
-                s.c_ptrs.data() + begin);
-    }
-  }
 }
 
 // One offset's codes re-laid out as (cin, cout) bytes, its scales and

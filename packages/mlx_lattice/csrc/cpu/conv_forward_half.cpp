@@ -19,8 +19,6 @@ namespace mlx_lattice::kernels {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Per-thread scratch of the tile loop, reused across tiles and calls.
 struct Scratch {
   TileEdges edges;

@@ -22,8 +22,6 @@ namespace {
 
 constexpr int kRows = 6;  // rows per register block
 
-[[maybe_unused]] int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The weight in the micro-kernel's layout: [k][pair p][cout_pad][2] bf16
 // (channels 2p and 2p + 1 of one column per 32-bit lane); padding is zero.
 struct PackedBf16 {

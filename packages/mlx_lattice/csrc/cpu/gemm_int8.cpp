@@ -45,8 +45,6 @@ namespace {
 
 constexpr int kRows = 6;  // rows per register block
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // The weight in the micro-kernels' layout: codes[k][quad j][cout_pad][4]
 // (4 consecutive input channels of one column per 32-bit lane), scales and
 // biases [k][group][cout_pad]; padded columns are zero.

@@ -18,8 +18,6 @@ namespace mlx_lattice::kernels {
 
 namespace {
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // One row of quantize_rows_int8; the scalar definition of the math.
 // fixed > 0: the static scale (the row's reported scale is then 1).
 void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr,

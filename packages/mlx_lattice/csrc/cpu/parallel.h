@@ -22,4 +22,8 @@ void set_num_threads(int n);
 // are rethrown (the first one) after all tasks finished.
 void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
 
+// ceil(a / b) for a >= 0 and b > 0: the task or block count of a items
+// split by b.
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 }  // namespace mlx_lattice

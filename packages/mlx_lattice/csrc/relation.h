@@ -63,4 +63,10 @@ SortedPtr validated_sorted_view(const std::string& op, const SortedArrays& v,
 // Checks that no input row feeds more than one output (remembered too).
 void check_input_exclusive(const std::string& op, const RelationPtr& rel);
 
+// Checks that no input row has two edges of one kernel offset (remembered
+// too): the convolution's feature gradient runs over the input rows with
+// the output-side layout and needs it. kNN relations break it (a point can
+// be the k-th neighbour of many queries).
+void check_input_offsets_distinct(const std::string& op, const RelationPtr& rel);
+
 }  // namespace mlx_lattice

@@ -101,6 +101,7 @@ mx::Dtype weight_operand_dtype(const array& feats, const array& weight) {
 
 array build_conv(Conv mode, const array& a, const array& b, const RelationPtr& rel,
                  mx::Dtype out_dtype, mx::Stream s) {
+  if (mode == Conv::kInputGrad) check_input_offsets_distinct("SparseConv", rel);
   mx::Shape shape;
   switch (mode) {
     case Conv::kForward:

@@ -856,6 +856,20 @@ def test_neighbor_conv_against_loop_and_grad(seeded):
     # and agrees with the loop
     core = ops.sparse_conv_features_from_relation(mx.array(feats), mx.array(weight), rel)
     np.testing.assert_allclose(np.array(core)[:40], ref, rtol=1e-5, atol=1e-5)
+    # ... but not its feature gradient, which needs one edge per (input row,
+    # offset): asking for it raises (at graph build) instead of summing wrong
+    pairs = [(r, rank) for row in lists for rank, (_, r) in enumerate(row)]
+    assert len(pairs) > len(set(pairs)), "no support row is the same rank of two queries"
+    with pytest.raises(ValueError, match="feature gradient needs at most one edge"):
+        mx.grad(
+            lambda f: ops.sparse_conv_features_from_relation(f, mx.array(weight), rel).sum()
+        )(mx.array(feats))
+    # the weight gradient has no such limit: it matches the loop's
+    gw_core = mx.grad(
+        lambda w: (ops.sparse_conv_features_from_relation(mx.array(feats), w, rel)[:40]
+                   * mx.array(cot)).sum()
+    )(mx.array(weight))
+    np.testing.assert_allclose(np.array(gw_core), ref_gw, rtol=1e-4, atol=1e-4)
     with pytest.raises(GeometryError, match="weight"):
         neighbor_conv(mx.array(feats), mx.zeros((4, 3, 4)), rel)
 

@@ -62,9 +62,11 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
 // kernel offset without a counting pass: calls place(k, n, local, e) for
 // edge e, the n-th edge of offset k in CSR order, which belongs to group
 // g0 + local, and leaves each offset's edge count in count[0, n_kernels).
-// A relation holds at most one edge per (group, offset) (the primitives
-// validate it), so n < g1 - g0 and a driver's buckets of g1 - g0 slots per
-// offset cannot overflow; a tile that would overflow one raises
+// A relation holds at most one edge per (group, offset) (validated for
+// output rows when a relation is checked, and for input rows before a
+// feature gradient is built), so n < g1 - g0 and a driver's buckets of
+// g1 - g0 slots per offset cannot overflow; a tile that would overflow one
+// raises
 // std::invalid_argument before anything is placed out of bounds. Inside an
 // offset the order is sort_tile_edges's (CSR order).
 template <typename Place>

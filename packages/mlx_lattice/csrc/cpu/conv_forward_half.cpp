@@ -125,6 +125,20 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
       // lookup per edge), kept per edge in CSR order.
       int64_t n_rows = 0;
       int32_t* row_slot = s.row_slot.data();
+      // Should anything below throw (an allocation) before the widening
+      // loop has put every slot back to -1, the guard does it: a stale slot
+      // would point a later tile of this thread at the wrong row.
+      struct SlotGuard {
+        std::vector<int32_t>& slots;
+        const int32_t* distinct;
+        const int64_t& n;
+        bool armed = true;
+        ~SlotGuard() {
+          if (armed) {
+            for (int64_t i = 0; i < n; ++i) slots[distinct[i]] = -1;
+          }
+        }
+      } guard{s.row_slot, distinct, n_rows};
       {
         const int64_t j0 = csr.offsets[g0];
         const int32_t* edge_ids = csr.edge_ids;
@@ -174,6 +188,7 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
         }
         row_slot[distinct[i]] = -1;
       }
+      guard.armed = false;
       const int32_t* counts = s.edges.counts.data();
       for (int64_t k = 0; k < n_kernels; ++k) {
         const int64_t begin = counts[k];

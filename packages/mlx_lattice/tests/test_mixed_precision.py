@@ -241,6 +241,7 @@ def _add_operands(rng: np.random.Generator, shape: tuple, dtype: mx.Dtype) -> tu
     flat_a[2::11], flat_b[2::11] = -0.0, 0.0  # -0 + +0 = +0
     flat_a[3::13] = np.inf
     flat_a[4::17] = -np.inf
+    flat_b[3::26] = -np.inf  # inf + -inf = NaN
     return a.astype(np.float32), b.astype(np.float32)
 
 

@@ -189,6 +189,14 @@ def test_half_spvcnn_runs_its_point_branch_in_float32(rng, seed, monkeypatch):
         return out
 
     monkeypatch.setattr(spvcnn_module.PointBranch, "__call__", spy)
+    voxel_dtypes = []
+    to_points = spvcnn_module.PointCloudInput.to_points
+
+    def spy_points(self, x, *args, **kwargs):
+        voxel_dtypes.append(x.feats.dtype)
+        return to_points(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(spvcnn_module.PointCloudInput, "to_points", spy_points)
     model = SPVCNN(2, 5, widths=(8, 16, 16))
     model.train()
     labels = mx.array(rng.integers(0, 5, inp.num_points).astype(np.int32))
@@ -206,5 +214,6 @@ def test_half_spvcnn_runs_its_point_branch_in_float32(rng, seed, monkeypatch):
     for path in ("mlp1", "mlp2"):
         g = grads["point"][path]["linear"]["weight"]
         assert g.dtype == mx.float32 and float(mx.abs(g).max()) > 0, f"{path}: {msg}"
-    # The voxel network stays in half precision: the stem sees float16 features.
-    assert inp.tensor.feats.dtype == mx.float16, msg
+    # The voxel network stays in half precision: every voxel tensor handed to
+    # the point branch (after the stem, the encoder and the decoder) is float16.
+    assert voxel_dtypes == [mx.float16] * 3, msg

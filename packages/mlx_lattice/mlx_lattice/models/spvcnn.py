@@ -34,6 +34,12 @@ from mlx_lattice.tensor import SparseTensor, SparseTensorError
 __all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
 
 
+def _as(a: mx.array, dtype: mx.Dtype) -> mx.array:
+    """``a`` in ``dtype``; no cast node (forward or backward) when it
+    already is."""
+    return a if a.dtype == dtype else a.astype(dtype)
+
+
 @mx.custom_function
 def _permute_rows(a: mx.array, rows: mx.array, inverse_rows: mx.array) -> mx.array:
     """``a[rows]`` for a permutation ``rows`` built by :class:`PointCloudInput`
@@ -124,17 +130,17 @@ class PointCloudInput:
         """``x``'s features interpolated at the points (trilinear), ``(P, C)``,
         in ``dtype`` (default ``x``'s; the interpolation runs in float32)."""
         _, _, pvm = self.level(x)
-        if dtype is None:
+        if dtype is None or dtype == x.dtype:
             return geometry.devoxelize(x.feats, pvm, "linear")
-        out = geometry.devoxelize(x.feats.astype(mx.float32), pvm, "linear")
-        return out.astype(dtype)
+        out = geometry.devoxelize(_as(x.feats, mx.float32), pvm, "linear")
+        return _as(out, dtype)
 
     def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
         """Point features averaged onto ``x``'s voxels (same rows as ``x``, in
         ``x``'s dtype)."""
         vox, inverse, _ = self.level(x)
         order = self._levels[x.tensor_stride[0]][4]
-        feats = geometry.voxelize(point_feats, vox, "mean").astype(x.dtype)
+        feats = _as(geometry.voxelize(point_feats, vox, "mean"), x.dtype)
         if order is None:  # x's rows are the voxels' rows
             return x.replace(feats)
         # A permutation: its gradient is the inverse gather, not a scatter-add.

@@ -272,3 +272,53 @@ def test_weight_only_odd_widths_are_the_float_conv_of_the_dequantized_weight(
 
     for threads, got in zip((1, 2, 3), for_threads(run), strict=True):
         np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}, C{width}, {threads} threads")
+
+
+def fp16_input_grad_ref(g: np.ndarray, w: np.ndarray, rel, n_in: int) -> np.ndarray:
+    """float16 input gradient by the documented float32 chain: per input row,
+    offsets ascending, output channels ascending, each product of two
+    float16 values exact in float32 and each add rounded once, then one
+    rounding to float16."""
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    k_ids = np.array(rel.edges.kernel_ids)
+    acc = np.zeros((n_in, w.shape[1]), np.float32)
+    for k in range(w.shape[0]):
+        sel = k_ids == k
+        src, dst = out_rows[sel], in_rows[sel]
+        assert len(np.unique(dst)) == len(dst)
+        a = acc[dst]
+        for x in range(w.shape[2]):
+            a = a + g[src, x][:, None] * w[k, :, x][None, :]
+        acc[dst] = a
+    return acc.astype(np.float16)
+
+
+@fused
+@pytest.mark.parametrize("weight_dtype", [mx.float16, mx.float32])
+@pytest.mark.parametrize(("cin", "cout"), [(64, 64), (19, 70), (7, 33)])
+def test_input_gradient_matches_emulation_for_any_thread_count(
+    rng, seed, weight_dtype, cin, cout
+):
+    """The float16 feature gradient (half cotangent rows widened per tile, no
+    float32 copy of the cotangent) against the float32 chain rounded once,
+    bit for bit, at 1/2/3 threads; a float32 weight beside float16 features
+    (mixed precision) is read rounded to float16."""
+    coords, rel, f, w = make_case(rng, cin, cout)
+    g = rng.standard_normal((rel.n_out_capacity, cout)).astype(np.float16).astype(np.float32)
+    want = fp16_input_grad_ref(g, w, rel, len(coords)).view(np.uint16)
+    weight = mx.array(w).astype(weight_dtype)  # w is float16-valued: exact either way
+
+    def run():
+        _, (df,) = mx.vjp(
+            lambda x: [ops.sparse_conv_features_from_relation(x, weight, rel)],
+            [mx.array(f).astype(mx.float16)],
+            [mx.array(g).astype(mx.float16)],
+        )
+        assert df.dtype == mx.float16
+        return np.array(df.view(mx.uint16))
+
+    for threads, got in zip((1, 2, 3), for_threads(run), strict=True):
+        np.testing.assert_array_equal(
+            got, want, err_msg=f"seed {seed}, {threads} threads, weight {weight_dtype}"
+        )

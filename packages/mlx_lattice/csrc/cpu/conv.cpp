@@ -68,6 +68,34 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                                      idx(r.kernel_ids), o.size() ? o.data<void>() : nullptr);
                return;
              }
+             // The input gradient runs the forward's tiles over the input
+             // CSR with each offset's weight transposed, (K, cout, cin).
+             auto transposed = [&](const float* w) {
+               const int64_t cin = b.shape(1);
+               const int64_t cout = b.shape(2);
+               std::vector<float> wt(r.n_kernels * cin * cout);
+               for (int64_t k = 0; k < r.n_kernels; ++k) {
+                 for (int64_t i = 0; i < cin; ++i) {
+                   for (int64_t x = 0; x < cout; ++x) {
+                     wt[(k * cout + x) * cin + i] = w[(k * cin + i) * cout + x];
+                   }
+                 }
+               }
+               return wt;
+             };
+             if (mode == Mode::kInputGrad && a.dtype() == o.dtype() && a.dtype() != mx::float32) {
+               // Half-precision cotangent rows widened per tile by the
+               // forward's half driver (no float32 copy of G, one rounding
+               // of each output row): the bits of the float32 path below.
+               FloatIn b32(b, 1);
+               const auto wt = transposed(mixed ? rounded->values.data() : b32.get());
+               kernels::Csr csr{idx(r.in_offsets), idx(r.in_edge_ids), r.n_in};
+               kernels::forward_conv(a.size() ? a.data<void>() : nullptr, format, b.shape(2),
+                                     wt.data(), r.n_kernels, b.shape(1), csr, idx(r.out_rows),
+                                     idx(r.in_rows), idx(r.kernel_ids),
+                                     o.size() ? o.data<void>() : nullptr);
+               return;
+             }
              FloatIn a32(a, 0), b32(b, 1);
              FloatOut out32(o);
              if (mode == Mode::kForward) {
@@ -79,15 +107,7 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              } else if (mode == Mode::kInputGrad) {
                const int64_t cin = b.shape(1);
                const int64_t cout = b.shape(2);
-               std::vector<float> wt(r.n_kernels * cin * cout);
-               const float* w = mixed ? rounded->values.data() : b32.get();
-               for (int64_t k = 0; k < r.n_kernels; ++k) {
-                 for (int64_t i = 0; i < cin; ++i) {
-                   for (int64_t x = 0; x < cout; ++x) {
-                     wt[(k * cout + x) * cin + i] = w[(k * cin + i) * cout + x];
-                   }
-                 }
-               }
+               const auto wt = transposed(mixed ? rounded->values.data() : b32.get());
                kernels::Csr csr{idx(r.in_offsets), idx(r.in_edge_ids), r.n_in};
                kernels::stationary_conv(a32.get(), cout, wt.data(), r.n_kernels, out32.get(), cin,
                                         csr, idx(r.out_rows), idx(r.in_rows), idx(r.kernel_ids));

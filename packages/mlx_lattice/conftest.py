@@ -161,7 +161,31 @@ np.savez(
 
 
 @pytest.fixture
-def conv_per_isa(tmp_path: Path) -> Callable[..., dict[str, dict[str, object]]]:
+def isa_child() -> Callable[..., None]:
+    """Runs ``python -c script *args`` in a child process with the
+    micro-kernels capped at an ISA: ``run(script, isa, *args)``.
+
+    The kernels are picked once per process, so each ceiling
+    (``MLX_LATTICE_GEMM_ISA``) needs its own child; under user-mode emulation
+    (tools/arm64) the child needs the emulator in front of it, which
+    ``MLX_LATTICE_TEST_LAUNCHER`` names.
+    """
+    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
+
+    def run(script: str, isa: str, *args: object) -> None:
+        subprocess.run(
+            [*launcher, sys.executable, "-c", script, *map(str, args)],
+            env=dict(os.environ, MLX_LATTICE_GEMM_ISA=isa),
+            check=True,
+        )
+
+    return run
+
+
+@pytest.fixture
+def conv_per_isa(
+    tmp_path: Path, isa_child: Callable[..., None]
+) -> Callable[..., dict[str, dict[str, object]]]:
     """Runs one half-precision forward convolution once per ISA ceiling.
 
     The micro-kernels are picked once per process, so each ceiling
@@ -177,15 +201,10 @@ def conv_per_isa(tmp_path: Path) -> Callable[..., dict[str, dict[str, object]]]:
     ) -> dict[str, dict[str, object]]:
         case = tmp_path / "case.npz"
         np.savez(case, coords=coords, f=f, w=w)
-        launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
         results = {}
         for isa in isas:
             out = tmp_path / f"{isa}.npz"
-            subprocess.run(
-                [*launcher, sys.executable, "-c", _CONV_CHILD, str(case), str(out), dtype],
-                env=dict(os.environ, MLX_LATTICE_GEMM_ISA=isa),
-                check=True,
-            )
+            isa_child(_CONV_CHILD, isa, case, out, dtype)
             with np.load(out) as data:
                 results[isa] = {
                     "out": data["out"],

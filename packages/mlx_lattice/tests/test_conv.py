@@ -1,9 +1,5 @@
 """Sparse convolution against MLX's dense convolution, and its gradients."""
 
-import os
-import shlex
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -319,20 +315,17 @@ np.savez(path, **saved)
 """
 
 
-def test_bucketed_tiles_every_width_isa_and_thread_count(tmp_path, seed):
+def test_bucketed_tiles_every_width_isa_and_thread_count(tmp_path, seed, isa_child):
     """The one-pass per-offset buckets of the float32 tiles (forward over
     outputs, feature gradient over inputs through edge ids) at C in
     {1, 17, 31, 32, 33, 64}, with offsets and whole tiles without edges:
     every forced micro-kernel is within float32 accumulation error of a
     float64 reference, the FMA kernels give the same bits as each other,
     and 1, 2 and 3 threads give the same bits; rows without edges are 0."""
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
     results = {}
     for isa in ext.gemm_isas():
         path = tmp_path / f"{isa}.npz"
-        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
-        cmd = [*launcher, sys.executable, "-c", _BUCKET_SCRIPT, str(path), str(seed)]
-        subprocess.run(cmd, env=env, check=True)
+        isa_child(_BUCKET_SCRIPT, isa, path, seed)
         results[isa] = np.load(path)
         assert str(results[isa]["isa"]) == isa, f"seed {seed}"
     first = results[ext.gemm_isas()[0]]

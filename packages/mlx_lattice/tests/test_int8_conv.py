@@ -5,11 +5,7 @@ and for any thread count."""
 
 from __future__ import annotations
 
-import os
 import platform
-import shlex
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -297,24 +293,16 @@ _INT8_PATHS = {
 }.get(platform.machine(), ())
 
 
-def test_every_isa_path_and_thread_count_gives_the_same_bits(tmp_path, seed):
+def test_every_isa_path_and_thread_count_gives_the_same_bits(tmp_path, seed, isa_child):
     """Each int8 micro-kernel of this architecture (forced by
     MLX_LATTICE_GEMM_ISA) and 1, 2 or 3 threads give identical bits, with
     dynamic and with static activation scales."""
     if not _INT8_PATHS:
         pytest.skip(f"no int8 micro-kernel for {platform.machine()}; scalar only")
-    # Under user-mode emulation (tools/arm64) a child interpreter needs the
-    # emulator in front of it: MLX_LATTICE_TEST_LAUNCHER names it.
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
     results = {}
     for isa in (*_INT8_PATHS, "scalar"):
         path = tmp_path / f"{isa}.npz"
-        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
-        subprocess.run(
-            [*launcher, sys.executable, "-c", _ISA_SCRIPT, str(path), str(seed)],
-            env=env,
-            check=True,
-        )
+        isa_child(_ISA_SCRIPT, isa, path, seed)
         results[isa] = np.load(path)
     used = [str(r["isa"]) for r in results.values()]
     assert used[-1] == "scalar"

@@ -14,10 +14,6 @@ Every random input comes from the per-test ``rng`` (its seed is printed on
 failure and replayed with ``TEST_SEED``).
 """
 
-import os
-import shlex
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -156,7 +152,7 @@ np.savez(sys.argv[2], **out)
 """
 
 
-def test_scalar_path_matches_emulation(rng, seed, tmp_path):
+def test_scalar_path_matches_emulation(rng, seed, tmp_path, isa_child):
     """MLX_LATTICE_GEMM_ISA=scalar forces the portable loops (the only ones on
     other CPUs and on aarch64): the same bits as the emulation."""
     cases, wants = {}, {}
@@ -168,10 +164,7 @@ def test_scalar_path_matches_emulation(rng, seed, tmp_path):
                 cases.update({f"{key}/x": x, f"{key}/w": w, f"{key}/b": b, f"{key}/g": g})
                 wants[key] = _emulate(x, w, b, g, DTYPES[dtype], relu)
     np.savez(tmp_path / "cases.npz", **cases)
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
-    env = dict(os.environ, MLX_LATTICE_GEMM_ISA="scalar")
-    cmd = [*launcher, sys.executable, "-c", _SCALAR_SCRIPT]
-    subprocess.run([*cmd, str(tmp_path / "cases.npz"), str(tmp_path / "out.npz")], env=env, check=True)
+    isa_child(_SCALAR_SCRIPT, "scalar", tmp_path / "cases.npz", tmp_path / "out.npz")
     got = np.load(tmp_path / "out.npz")
     for key, want in wants.items():
         for threads in (1, 2, 3):

@@ -13,10 +13,6 @@ printed on failure, replayed with ``TEST_SEED=<seed>``).
 from __future__ import annotations
 
 import importlib.util
-import os
-import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import mlx.core as mx
@@ -248,7 +244,7 @@ np.savez(sys.argv[2], out=np.array(out[0]), grad=np.array(vjp[0]), rows=np.array
 """
 
 
-def test_devoxelize_scalar_path_bits(seeded, seed, tmp_path):
+def test_devoxelize_scalar_path_bits(seeded, seed, tmp_path, isa_child):
     """MLX_LATTICE_GEMM_ISA=scalar forces the default-target channel loops
     (the only ones on CPUs without AVX2): the same documented order."""
     pts, batch, size, origin, coords, _ = _coarse_or_fine(seeded, True)
@@ -256,11 +252,7 @@ def test_devoxelize_scalar_path_bits(seeded, seed, tmp_path):
     g = seeded.standard_normal((len(pts), 37)).astype(np.float32)
     np.savez(tmp_path / "case.npz", pts=pts, batch=batch, size=size, origin=origin,
              coords=coords, vf=vf, g=g)
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
-    env = dict(os.environ, MLX_LATTICE_GEMM_ISA="scalar")
-    cmd = [*launcher, sys.executable, "-c", _SCALAR_SCRIPT]
-    subprocess.run([*cmd, str(tmp_path / "case.npz"), str(tmp_path / "out.npz")], env=env,
-                   check=True)
+    isa_child(_SCALAR_SCRIPT, "scalar", tmp_path / "case.npz", tmp_path / "out.npz")
     got = np.load(tmp_path / "out.npz")
     rows, weights = got["rows"], got["weights"]
     np.testing.assert_array_equal(

@@ -4,7 +4,6 @@ counts never change bits."""
 import dataclasses
 import os
 import platform
-import shlex
 import subprocess
 import sys
 
@@ -240,22 +239,17 @@ def test_isa_list_is_ordered_and_ends_in_scalar():
     assert set(_vector_isas()) <= set(known.get(platform.machine(), []))
 
 
-def test_every_micro_kernel_path(tmp_path):
+def test_every_micro_kernel_path(tmp_path, isa_child):
     """Each ISA path (forced by MLX_LATTICE_GEMM_ISA) computes the same
     convolution; the FMA paths give identical bits, the scalar path agrees to
     rounding."""
     isas = _vector_isas()
     if not isas:
         pytest.skip(f"no FMA micro-kernel on this {platform.machine()} build/CPU; scalar only")
-    # Under user-mode emulation (tools/arm64) a child interpreter needs the
-    # emulator in front of it: MLX_LATTICE_TEST_LAUNCHER names it.
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
     results = {}
     for isa in [*isas, "scalar"]:
         path = tmp_path / f"{isa}.npz"
-        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
-        cmd = [*launcher, sys.executable, "-c", _ISA_SCRIPT, str(path)]
-        subprocess.run(cmd, env=env, check=True)
+        isa_child(_ISA_SCRIPT, isa, path)
         results[isa] = np.load(path)
         assert str(results[isa]["isa"]) == isa
     reference = results[isas[0]]

@@ -6,10 +6,6 @@ to be split into several slabs of partial sums, kernel groupings not in
 output order; and the same bits for any thread count."""
 
 import dataclasses
-import os
-import shlex
-import subprocess
-import sys
 
 import mlx.core as mx
 import numpy as np
@@ -237,7 +233,7 @@ np.savez(sys.argv[2], dw=np.array(dw), isa=ext.gemm_isa())
 """
 
 
-def test_every_micro_kernel_path(rng, seed, ref, tmp_path):
+def test_every_micro_kernel_path(rng, seed, ref, tmp_path, isa_child):
     """Each micro-kernel (forced by MLX_LATTICE_GEMM_ISA) on a relation of
     several slabs, with channel counts that leave masked tails and a partial
     row block: within the float64 bound, and the FMA paths bit for bit."""
@@ -246,15 +242,10 @@ def test_every_micro_kernel_path(rng, seed, ref, tmp_path):
     inputs_path = tmp_path / "inputs.npz"
     np.savez(inputs_path, coords=coords, f=np.array(f), g=np.array(g), w=np.array(w))
     dw, mag = reference_per_offset(f, g, rel, 27)
-    # Under user-mode emulation (tools/arm64) a child interpreter needs the
-    # emulator in front of it: MLX_LATTICE_TEST_LAUNCHER names it.
-    launcher = shlex.split(os.environ.get("MLX_LATTICE_TEST_LAUNCHER", ""))
     results = {}
     for isa in ext.gemm_isas():
         path = tmp_path / f"{isa}.npz"
-        env = dict(os.environ, MLX_LATTICE_GEMM_ISA=isa)
-        cmd = [*launcher, sys.executable, "-c", _ISA_SCRIPT, str(inputs_path), str(path)]
-        subprocess.run(cmd, env=env, check=True)
+        isa_child(_ISA_SCRIPT, isa, inputs_path, path)
         result = np.load(path)
         assert str(result["isa"]) == isa, f"seed {seed}: asked {isa}, ran {result['isa']}"
         results[isa] = result["dw"]

@@ -16,21 +16,32 @@ from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 
-def fp16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
-    """float16 result of the documented float32 chain (inputs float16-valued)."""
-    in_rows = np.array(rel.edges.in_rows)
-    out_rows = np.array(rel.edges.out_rows)
-    k_ids = np.array(rel.edges.kernel_ids)
-    acc = np.zeros((rel.n_out_capacity, w.shape[2]), np.float32)
+def fp16_chain(f: np.ndarray, w: np.ndarray, src, dst, k_ids, n_rows: int) -> np.ndarray:
+    """float16 result of the documented float32 chain (inputs float16-valued):
+    row dst[e] gets f[src[e]] @ w[k_ids[e]], offsets ascending, channels
+    ascending, each product exact in float32, each add rounded once."""
+    acc = np.zeros((n_rows, w.shape[2]), np.float32)
     for k in range(w.shape[0]):
         sel = k_ids == k
-        i, o = in_rows[sel], out_rows[sel]
+        i, o = src[sel], dst[sel]
         assert len(np.unique(o)) == len(o)
         a = acc[o]
         for c in range(f.shape[1]):
             a = a + f[i, c][:, None] * w[k, c][None, :]
         acc[o] = a
     return acc.astype(np.float16)
+
+
+def fp16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
+    """float16 result of the documented float32 chain (inputs float16-valued)."""
+    return fp16_chain(
+        f,
+        w,
+        np.array(rel.edges.in_rows),
+        np.array(rel.edges.out_rows),
+        np.array(rel.edges.kernel_ids),
+        rel.n_out_capacity,
+    )
 
 
 def make_case(rng, cin: int, cout: int):
@@ -275,23 +286,17 @@ def test_weight_only_odd_widths_are_the_float_conv_of_the_dequantized_weight(
 
 
 def fp16_input_grad_ref(g: np.ndarray, w: np.ndarray, rel, n_in: int) -> np.ndarray:
-    """float16 input gradient by the documented float32 chain: per input row,
-    offsets ascending, output channels ascending, each product of two
-    float16 values exact in float32 and each add rounded once, then one
-    rounding to float16."""
-    in_rows = np.array(rel.edges.in_rows)
-    out_rows = np.array(rel.edges.out_rows)
-    k_ids = np.array(rel.edges.kernel_ids)
-    acc = np.zeros((n_in, w.shape[1]), np.float32)
-    for k in range(w.shape[0]):
-        sel = k_ids == k
-        src, dst = out_rows[sel], in_rows[sel]
-        assert len(np.unique(dst)) == len(dst)
-        a = acc[dst]
-        for x in range(w.shape[2]):
-            a = a + g[src, x][:, None] * w[k, :, x][None, :]
-        acc[dst] = a
-    return acc.astype(np.float16)
+    """float16 input gradient by the same chain: per input row, offsets
+    ascending, output channels ascending (the relation reversed, each
+    offset's weight transposed)."""
+    return fp16_chain(
+        g,
+        np.transpose(w, (0, 2, 1)),
+        np.array(rel.edges.out_rows),
+        np.array(rel.edges.in_rows),
+        np.array(rel.edges.kernel_ids),
+        n_in,
+    )
 
 
 @fused

@@ -164,21 +164,13 @@ void check_input_exclusive(const std::string& op, const RelationPtr& rel) {
 void check_input_offsets_distinct(const std::string& op, const RelationPtr& rel) {
   validated(dims_tag("input offsets", rel->n_in, rel->n_out, rel->n_kernels), arrays_of(*rel),
             [&] {
-              const int32_t* off = idx_or_null(rel->in_offsets);
-              const int32_t* ids = idx_or_null(rel->in_edge_ids);
-              const int32_t* kid = idx_or_null(rel->kernel_ids);
-              std::vector<int64_t> stamp(rel->n_kernels, -1);
-              for (int64_t g = 0; g < rel->n_in; ++g) {
-                for (int64_t j = off[g]; j < off[g + 1]; ++j) {
-                  const int32_t k = kid[ids[j]];
-                  if (stamp[k] == g) {
-                    fail(op, "the feature gradient needs at most one edge per (input row, kernel "
-                             "offset), but input row " + str(g) + " has two edges of offset " +
-                             str(k) + " (a kNN relation, say); use neighbor_conv to "
-                             "differentiate a convolution over neighbours.");
-                  }
-                  stamp[k] = g;
-                }
+              const auto [g, k] = first_repeated_kernel(rel->in_offsets, &rel->in_edge_ids,
+                                                        rel->kernel_ids, rel->n_kernels);
+              if (g >= 0) {
+                fail(op, "the feature gradient needs at most one edge per (input row, kernel "
+                         "offset), but input row " + str(g) + " has two edges of offset " +
+                         str(k) + " (a kNN relation, say); use neighbor_conv to "
+                         "differentiate a convolution over neighbours.");
               }
               return std::shared_ptr<const void>(rel);
             });

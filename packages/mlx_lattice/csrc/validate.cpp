@@ -113,25 +113,34 @@ void check_grouping(const std::string& op, const std::string& offsets_name,
   }
 }
 
-void check_distinct_kernels(const std::string& op, const std::string& group_name,
-                            const mx::array& offsets, const mx::array* edge_ids,
-                            const mx::array& kernel_ids, int64_t n_kernels) {
+std::pair<int64_t, int32_t> first_repeated_kernel(const mx::array& offsets,
+                                                  const mx::array* edge_ids,
+                                                  const mx::array& kernel_ids,
+                                                  int64_t n_kernels) {
   const int32_t* off = offsets.data<int32_t>();
-  const int32_t* ids = edge_ids ? edge_ids->data<int32_t>() : nullptr;
-  const int32_t* kid = kernel_ids.data<int32_t>();
-  const int64_t groups = offsets.size() - 1;
+  const int32_t* ids = edge_ids && edge_ids->size() ? edge_ids->data<int32_t>() : nullptr;
+  const int32_t* kid = kernel_ids.size() ? kernel_ids.data<int32_t>() : nullptr;
+  const int64_t groups = static_cast<int64_t>(offsets.size()) - 1;
   std::vector<int64_t> stamp(n_kernels, -1);
   for (int64_t g = 0; g < groups; ++g) {
     for (int64_t j = off[g]; j < off[g + 1]; ++j) {
-      int32_t k = kid[ids ? ids[j] : j];
-      if (stamp[k] == g) {
-        std::ostringstream msg;
-        msg << group_name << " row " << g << " has two edges of kernel offset " << k
-            << "; a relation holds at most one edge per (row, offset).";
-        fail(op, msg.str());
-      }
+      const int32_t k = kid[ids ? ids[j] : j];
+      if (stamp[k] == g) return {g, k};
       stamp[k] = g;
     }
+  }
+  return {-1, -1};
+}
+
+void check_distinct_kernels(const std::string& op, const std::string& group_name,
+                            const mx::array& offsets, const mx::array* edge_ids,
+                            const mx::array& kernel_ids, int64_t n_kernels) {
+  const auto [g, k] = first_repeated_kernel(offsets, edge_ids, kernel_ids, n_kernels);
+  if (g >= 0) {
+    std::ostringstream msg;
+    msg << group_name << " row " << g << " has two edges of kernel offset " << k
+        << "; a relation holds at most one edge per (row, offset).";
+    fail(op, msg.str());
   }
 }
 

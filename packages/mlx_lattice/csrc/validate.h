@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "mlx/mlx.h"
@@ -43,6 +44,14 @@ void check_offsets(const std::string& op, const std::string& name, const mx::arr
 void check_grouping(const std::string& op, const std::string& offsets_name,
                     const std::string& ids_name, const mx::array& offsets, const mx::array* edge_ids,
                     const std::string& keys_name, const mx::array& keys);
+
+// The first (group, kernel offset) holding two edges, in group order, or
+// {-1, -1} when no group holds two edges of one offset. `offsets` (groups +
+// 1) index `edge_ids` (or the edges themselves when null); ids in range.
+std::pair<int64_t, int32_t> first_repeated_kernel(const mx::array& offsets,
+                                                  const mx::array* edge_ids,
+                                                  const mx::array& kernel_ids,
+                                                  int64_t n_kernels);
 
 // No group holds two edges of one kernel offset.
 void check_distinct_kernels(const std::string& op, const std::string& group_name,

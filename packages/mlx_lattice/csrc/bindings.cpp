@@ -22,6 +22,8 @@
 #include "ops.h"
 #include "primitives.h"
 #include "relation_builder.h"
+#include "validate.h"
+#include "weight_cache.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -134,6 +136,32 @@ void bind_ops(nb::module_& m) {
       "handle"_a, "a"_a, "Whether ``a`` still holds the value captured by ``array_value``.");
 
   m.attr("SORTED_TILE_ROWS") = kernels::kSortedTileRows;
+
+  // The dequantized-weight cache of weight-only quantized convolutions
+  // (weight_cache.h) and the relation validation memo (validate.h).
+  m.def("clear_weight_cache", &clear_weight_cache,
+        "Drop the cached dequantized weights and zero the cache's counters.");
+  m.def("clear_validation_memo", &clear_validation_memo,
+        "Forget the remembered validations of index arrays.");
+  m.def(
+      "set_weight_cache_budget",
+      [](int64_t nbytes) {
+        if (nbytes < 0) {
+          throw std::invalid_argument("set_weight_cache_budget: nbytes must be >= 0, got " +
+                                      std::to_string(nbytes) + ".");
+        }
+        set_weight_cache_budget(static_cast<size_t>(nbytes));
+      },
+      "nbytes"_a, "Bound the dequantized-weight cache to nbytes bytes (0: no caching).");
+  m.def(
+      "weight_cache_info",
+      [] {
+        const auto i = weight_cache_info();
+        return std::map<std::string, uint64_t>{{"entries", i.entries}, {"bytes", i.bytes},
+                                               {"budget", i.budget},   {"hits", i.hits},
+                                               {"misses", i.misses},   {"evictions", i.evictions}};
+      },
+      "The dequantized-weight cache: entries, bytes, budget, hits, misses, evictions.");
 
   m.def("set_num_threads", &set_num_threads, "n"_a, release(),
         "Set the number of threads of the CPU kernels (>= 1).");

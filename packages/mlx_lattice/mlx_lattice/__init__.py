@@ -11,6 +11,7 @@
 * :mod:`mlx_lattice.data`: a seeded synthetic LiDAR scan.
 """
 
+from mlx_lattice._caches import clear_caches, set_weight_cache_budget, weight_cache_info
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
 from mlx_lattice.nn import to_quantized
@@ -24,9 +25,12 @@ __all__ = [
     "SparseTensorError",
     "__version__",
     "calibrate_activation_scales",
+    "clear_caches",
     "get_num_threads",
     "quantize",
     "set_num_threads",
+    "set_weight_cache_budget",
     "sparse_collate",
     "to_quantized",
+    "weight_cache_info",
 ]

@@ -167,18 +167,8 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
                     tile_rows_for(cout));
 }
 
-void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
-                            const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
-                            const Csr& csr, const int32_t* a_index, const int32_t* c_index,
-                            const int32_t* kernel_ids, void* out) {
-  // The weight is dequantized once per call, offsets in parallel, into a
-  // float32 buffer of the calling thread kept for its next call (K * cin *
-  // cout * 4 bytes, the size of the float32 weight), then the call is the
-  // float forward's. Dequantizing per tile instead cost every tile one
-  // panel per offset (3-4% of the forward at C64).
-  thread_local std::vector<float> dequantized;
-  std::vector<float>& w = dequantized;  // the workers below write this thread's buffer
-  w.resize(n_kernels * cin * cout);
+void dequantize_weight_panels(const QuantizedWeightView& weight, int64_t n_kernels, int64_t cin,
+                              int64_t cout, float* out) {
   auto dequantize = dequantize_panel_scalar;
 #ifdef MLX_LATTICE_X86
   if (isa::isa_usable(isa::Isa::kAvx512)) dequantize = dequantize_panel_avx512;
@@ -187,8 +177,23 @@ void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
     Codes& c = offset_codes;
     unpack_offset(weight, k, cin, cout, c);
     dequantize(c.q.data(), c.s.data(), c.b.data(), cin, cout, weight.group_size,
-               w.data() + k * cin * cout);
+               out + k * cin * cout);
   });
+}
+
+void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
+                            const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
+                            const Csr& csr, const int32_t* a_index, const int32_t* c_index,
+                            const int32_t* kernel_ids, void* out) {
+  // The weight is dequantized once per call into a float32 buffer of the
+  // calling thread kept for its next call (K * cin * cout * 4 bytes, the
+  // size of the float32 weight), then the call is the float forward's. The
+  // extension's primitive instead caches the dequantized weight per weight
+  // object (weight_cache.h), so repeated calls skip this step.
+  thread_local std::vector<float> dequantized;
+  std::vector<float>& w = dequantized;
+  w.resize(n_kernels * cin * cout);
+  dequantize_weight_panels(weight, n_kernels, cin, cout, w.data());
   forward_conv(feats, format, cin, w.data(), n_kernels, cout, csr, a_index, c_index, kernel_ids,
                out);
 }

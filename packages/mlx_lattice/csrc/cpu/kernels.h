@@ -94,11 +94,18 @@ inline uint32_t unpack_code(const uint8_t* row, int64_t row_bytes, int64_t c, in
   return (v >> (bit & 7)) & ((1u << bits) - 1u);
 }
 
-// forward_conv with a quantized weight (K, cin, cout): dequantized once per
-// call (offsets in parallel) into a float32 buffer of the calling thread,
-// kept for its next call (K * cin * cout * 4 bytes), with dequantize_weight's
-// values, then forward_conv: the float path's result with the dequantized
-// weight, bit for bit.
+// The float32 weight (K, cin, cout) of a quantized weight, dequantize_weight's
+// values bit for bit: offsets in parallel, each offset's codes re-laid out
+// as (cin, cout) and dequantized as one panel (AVX-512 where usable).
+void dequantize_weight_panels(const QuantizedWeightView& weight, int64_t n_kernels, int64_t cin,
+                              int64_t cout, float* out);
+
+// forward_conv with a quantized weight (K, cin, cout): dequantized on every
+// call (dequantize_weight_panels) into a float32 buffer of the calling
+// thread, kept for its next call (K * cin * cout * 4 bytes), then
+// forward_conv: the float path's result with the dequantized weight, bit for
+// bit. (The extension's SparseQuantizedConv caches the dequantized weight per
+// weight object instead; this entry point has no arrays to key a cache on.)
 void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
                             const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
                             const Csr& csr, const int32_t* a_index, const int32_t* c_index,

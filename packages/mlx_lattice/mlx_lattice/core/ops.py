@@ -32,7 +32,7 @@ import mlx.core as mx
 
 from mlx_lattice._native import ext
 from mlx_lattice.core.dataflow import DataflowError, get_dataflow, note
-from mlx_lattice.core.quantized import QuantizedWeight, check_act_scale
+from mlx_lattice.core.quantized import QuantizedWeight, check_act_scale, with_float32_scales
 from mlx_lattice.core.relations import SORTED_TILE_ROWS, KernelRelation
 from mlx_lattice.core.weights import _CacheEntry, cached_per_value, mapped_conv_weight
 
@@ -286,7 +286,7 @@ def sparse_quantized_conv_features_from_relation(
     note("sparse_quantized_conv_features", "quantized" if act_bits is None else "int8")
     out = ext.sparse_quantized_conv_features(
         feats.astype(weight.scales.dtype),
-        weight,
+        with_float32_scales(weight),
         relation,
         act_bits=act_bits or 0,
         act_scale=scale,

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 
-from mlx_lattice.core.weights import mapped_conv_weight
+from mlx_lattice.core.weights import _CacheEntry, cached_per_value, mapped_conv_weight
 
 __all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight", "check_act_scale"]
 
@@ -164,3 +165,27 @@ class QuantizedWeight:
             self.weight, self.scales, self.biases, group_size=self.group_size, bits=self.bits
         )
         return full[:, :, : self.in_channels].transpose(0, 2, 1)
+
+
+# Float32 copies of half-precision scales and biases, per array value.
+_FLOAT32_SCALES_CACHE: dict[int, _CacheEntry] = {}
+
+
+def _to_float32(a: mx.array) -> mx.array:
+    return a.astype(mx.float32)
+
+
+def with_float32_scales(weight: QuantizedWeight) -> QuantizedWeight:
+    """``weight`` with float32 scales and biases, converted once per value.
+
+    The native op takes float32 scales and caches each weight's dequantized
+    values under the identity of the buffers it is given: converting on
+    every call would hand it new buffers (and miss its cache) every time.
+    """
+    if weight.scales.dtype == mx.float32 and weight.biases.dtype == mx.float32:
+        return weight
+    return dataclasses.replace(
+        weight,
+        scales=cached_per_value(_FLOAT32_SCALES_CACHE, weight.scales, _to_float32),
+        biases=cached_per_value(_FLOAT32_SCALES_CACHE, weight.biases, _to_float32),
+    )

@@ -1,0 +1,129 @@
+#include "weight_cache.h"
+
+#include <cstdlib>
+#include <list>
+#include <mutex>
+#include <string>
+#include <utility>
+
+namespace mlx_lattice {
+
+namespace {
+
+struct Entry {
+  std::vector<WeightSources::Key> keys;
+  std::vector<int64_t> spec;
+  std::vector<std::shared_ptr<const void>> held;  // the sources' buffers
+  std::shared_ptr<const std::vector<float>> weight;
+  size_t bytes = 0;
+};
+
+size_t budget_from_env() {
+  const char* env = std::getenv("MLX_LATTICE_WEIGHT_CACHE_MB");
+  if (env == nullptr || *env == '\0') return kWeightCacheDefaultBytes;
+  char* end = nullptr;
+  const long long mb = std::strtoll(env, &end, 10);
+  if (*end != '\0' || mb < 0 || mb > (int64_t{1} << 40)) return kWeightCacheDefaultBytes;
+  return static_cast<size_t>(mb) << 20;
+}
+
+// Mutable global state: the point of the cache is to outlive one call.
+struct Cache {
+  std::mutex mutex;
+  std::list<Entry> entries;  // most recently used first
+  size_t bytes = 0;
+  size_t budget = budget_from_env();
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;
+
+  // Drops least recently used entries until `bytes` fits the budget. The
+  // caller holds the mutex; a dropped weight still in use by a running call
+  // lives on in that call's shared_ptr.
+  void trim() {
+    while (bytes > budget && !entries.empty()) {
+      bytes -= entries.back().bytes;
+      entries.pop_back();
+      ++evictions;
+    }
+  }
+};
+
+Cache& cache() {
+  static Cache* instance = new Cache();  // never destroyed: arrays may outlive MLX statics
+  return *instance;
+}
+
+}  // namespace
+
+WeightSources weight_sources(const std::vector<mx::array>& arrays) {
+  WeightSources s;
+  s.cacheable = !arrays.empty();
+  for (const auto& a : arrays) {
+    s.cacheable = s.cacheable && a.data_shared_ptr() != nullptr;
+    s.keys.push_back({a.data_shared_ptr().get(), a.offset(), a.shape(), a.strides(), a.dtype()});
+    s.held.push_back(a.data_shared_ptr());
+    s.bytes += a.nbytes();
+  }
+  return s;
+}
+
+std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
+    const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
+    const std::function<void(float*)>& fill) {
+  const size_t bytes = floats * sizeof(float) + sources.bytes;
+  auto weight = std::make_shared<std::vector<float>>();
+  if (!sources.cacheable) {
+    weight->resize(floats);
+    fill(weight->data());
+    return weight;
+  }
+  auto& c = cache();
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    for (auto it = c.entries.begin(); it != c.entries.end(); ++it) {
+      if (it->spec == spec && it->keys == sources.keys) {
+        c.entries.splice(c.entries.begin(), c.entries, it);
+        ++c.hits;
+        return it->weight;
+      }
+    }
+    ++c.misses;
+  }
+  weight->resize(floats);
+  fill(weight->data());
+  std::lock_guard<std::mutex> lock(c.mutex);
+  if (bytes > c.budget) return weight;  // too large (or caching off): this call only
+  for (const auto& e : c.entries) {
+    // Filled meanwhile by another thread: keep one copy.
+    if (e.spec == spec && e.keys == sources.keys) return e.weight;
+  }
+  c.entries.push_front({sources.keys, spec, sources.held, weight, bytes});
+  c.bytes += bytes;
+  c.trim();
+  return weight;
+}
+
+WeightCacheInfo weight_cache_info() {
+  auto& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  return {c.entries.size(), c.bytes, c.budget, c.hits, c.misses, c.evictions};
+}
+
+void clear_weight_cache() {
+  auto& c = cache();
+  std::list<Entry> dropped;  // released after the lock
+  std::lock_guard<std::mutex> lock(c.mutex);
+  dropped.swap(c.entries);
+  c.bytes = 0;
+  c.hits = c.misses = c.evictions = 0;
+}
+
+void set_weight_cache_budget(size_t bytes) {
+  auto& c = cache();
+  std::lock_guard<std::mutex> lock(c.mutex);
+  c.budget = bytes;
+  c.trim();
+}
+
+}  // namespace mlx_lattice

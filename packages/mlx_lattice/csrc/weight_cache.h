@@ -1,0 +1,77 @@
+// The dequantized-weight cache of the weight-only quantized convolution: the
+// float32 (K, cin, cout) weight of a quantized weight object is computed
+// once and reused by later calls, instead of dequantized on every call.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "common.h"
+
+namespace mlx_lattice {
+
+// Default byte budget of the cache (MLX_LATTICE_WEIGHT_CACHE_MB overrides it
+// when set to a non-negative integer number of MiB; 0 turns caching off).
+constexpr size_t kWeightCacheDefaultBytes = size_t{256} << 20;
+
+// What identifies a quantized weight's arrays (packed codes, scales,
+// biases): each one's buffer (its array::Data), offset, shape, strides and
+// dtype, and references that keep those buffers alive. Made from the
+// primitive's own inputs in eval_cpu, not from the weak copies the CPU
+// encoder's task gets (those wrap the buffer in a Data of their own and keep
+// nothing alive).
+struct WeightSources {
+  struct Key {
+    const void* data = nullptr;
+    int64_t offset = 0;
+    mx::Shape shape;
+    mx::Strides strides;
+    mx::Dtype dtype = mx::float32;
+    bool operator==(const Key&) const = default;
+  };
+  std::vector<Key> keys;
+  std::vector<std::shared_ptr<const void>> held;
+  size_t bytes = 0;  // the arrays' bytes
+  bool cacheable = false;  // every array has its buffer
+};
+
+WeightSources weight_sources(const std::vector<mx::array>& arrays);
+
+// The float32 weight `floats` values long computed by `fill` from the
+// arrays of `sources` and the integers `spec` (bits, group size, shapes),
+// remembered under their identities.
+//
+// An entry is keyed on `sources` and `spec` and holds the sources'
+// references: a buffer cannot be freed (so its address cannot be reused for
+// another weight) while its entry lives, and an array whose buffer is
+// referenced twice is never donated to an op's output, so the values under
+// a live entry never change (MLX arrays are immutable). An entry is charged
+// floats * 4 bytes plus the sources' bytes; least recently used entries are
+// dropped to stay within the budget, and a weight larger than the budget is
+// computed for its call only. Thread-safe; `fill` runs outside the lock.
+std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
+    const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
+    const std::function<void(float*)>& fill);
+
+struct WeightCacheInfo {
+  size_t entries = 0;
+  size_t bytes = 0;   // charged to the budget: dequantized plus held sources
+  size_t budget = 0;  // bytes
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;
+};
+
+WeightCacheInfo weight_cache_info();
+
+// Drops every entry (and with it the references to the sources' buffers)
+// and zeroes the counters.
+void clear_weight_cache();
+
+// Sets the byte budget (0 turns caching off), dropping entries beyond it.
+void set_weight_cache_budget(size_t bytes);
+
+}  // namespace mlx_lattice

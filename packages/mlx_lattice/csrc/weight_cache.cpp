@@ -27,10 +27,16 @@ size_t budget_from_env() {
   return static_cast<size_t>(mb) << 20;
 }
 
+struct Note {
+  std::vector<WeightSources::Key> keys;
+  std::vector<int64_t> spec;
+};
+
 // Mutable global state: the point of the cache is to outlive one call.
 struct Cache {
   std::mutex mutex;
   std::list<Entry> entries;  // most recently used first
+  std::list<Note> notes;     // keys seen once, most recent first
   size_t bytes = 0;
   size_t budget = budget_from_env();
   uint64_t hits = 0;
@@ -94,6 +100,15 @@ std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
   fill(weight->data());
   std::lock_guard<std::mutex> lock(c.mutex);
   if (bytes > c.budget) return weight;  // too large (or caching off): this call only
+  // First sighting: note the key (no buffers held) and keep this call's copy.
+  auto noted = c.notes.begin();
+  while (noted != c.notes.end() && !(noted->spec == spec && noted->keys == sources.keys)) ++noted;
+  if (noted == c.notes.end()) {
+    c.notes.push_front({sources.keys, spec});
+    if (c.notes.size() > kWeightCacheNotes) c.notes.pop_back();
+    return weight;
+  }
+  c.notes.erase(noted);
   for (const auto& e : c.entries) {
     // Filled meanwhile by another thread: keep one copy.
     if (e.spec == spec && e.keys == sources.keys) return e.weight;
@@ -115,6 +130,7 @@ void clear_weight_cache() {
   std::list<Entry> dropped;  // released after the lock
   std::lock_guard<std::mutex> lock(c.mutex);
   dropped.swap(c.entries);
+  c.notes.clear();
   c.bytes = 0;
   c.hits = c.misses = c.evictions = 0;
 }

@@ -17,6 +17,9 @@ namespace mlx_lattice {
 // when set to a non-negative integer number of MiB; 0 turns caching off).
 constexpr size_t kWeightCacheDefaultBytes = size_t{256} << 20;
 
+// Keys of weights seen once (see cached_dequantized_weight).
+constexpr size_t kWeightCacheNotes = 64;
+
 // What identifies a quantized weight's arrays (packed codes, scales,
 // biases): each one's buffer (its array::Data), offset, shape, strides and
 // dtype, and references that keep those buffers alive. Made from the
@@ -44,6 +47,10 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays);
 // arrays of `sources` and the integers `spec` (bits, group size, shapes),
 // remembered under their identities.
 //
+// A weight is cached on its second call: its first call only notes the
+// key (kWeightCacheNotes keys, no buffers held, least recently noted first
+// out), so arrays converted anew on every call (a non-contiguous weight is
+// copied by the op, a conversion in the caller) never fill the cache.
 // An entry is keyed on `sources` and `spec` and holds the sources'
 // references: a buffer cannot be freed (so its address cannot be reused for
 // another weight) while its entry lives, and an array whose buffer is
@@ -68,7 +75,7 @@ struct WeightCacheInfo {
 WeightCacheInfo weight_cache_info();
 
 // Drops every entry (and with it the references to the sources' buffers)
-// and zeroes the counters.
+// and the noted keys, and zeroes the counters.
 void clear_weight_cache();
 
 // Sets the byte budget (0 turns caching off), dropping entries beyond it.

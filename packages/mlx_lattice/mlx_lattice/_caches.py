@@ -30,10 +30,10 @@ def clear_caches() -> None:
 def set_weight_cache_budget(nbytes: int) -> None:
     """Bound the dequantized-weight cache to ``nbytes`` bytes (``0`` turns it off).
 
-    A weight-only quantized convolution (``act_bits=None``) dequantizes its
-    weight once per weight object to float32 (``K * Cin * Cout * 4`` bytes)
-    and keeps it, with references to the packed codes, scales and biases,
-    for later calls; an entry is charged those float32 bytes plus the
+    A weight-only quantized convolution (``act_bits=None``) caches the
+    float32 values of its weight (``K * Cin * Cout * 4`` bytes) on the
+    weight's second call and keeps them, with references to the packed
+    codes, scales and biases, for later calls; an entry is charged those float32 bytes plus the
     quantized buffers' bytes, and the least recently used entries are
     dropped beyond the budget. The default is 256 MiB, or
     ``MLX_LATTICE_WEIGHT_CACHE_MB`` MiB when that is set to an integer >= 0.

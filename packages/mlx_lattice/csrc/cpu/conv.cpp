@@ -181,8 +181,8 @@ void SparseQuantizedConv::eval_cpu(const std::vector<array>& inputs, array& out)
       out32.finish();
       return;
     }
-    // Weight-only: the float32 weight (K, cin, cout), dequantized on the
-    // first call with this quantized weight and cached per weight object
+    // Weight-only: the float32 weight (K, cin, cout), dequantized unless
+    // cached; cached per weight object from its second call on
     // (weight_cache.h: keyed on the codes', scales' and biases' buffers,
     // which it keeps alive; K * cin * cout * 4 bytes per weight within a
     // byte budget), then the float forward. Dequantizing per tile inside the

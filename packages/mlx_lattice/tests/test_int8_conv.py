@@ -469,3 +469,77 @@ def test_non_finite_rows_give_nan_rows_only(rng):
 def test_isa_name_reported():
     assert ext.int8_isa() in (*_INT8_PATHS, "scalar")
     assert mlx_lattice.get_num_threads() >= 1
+
+
+_STATIC_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+
+seed = int(sys.argv[2])
+rng = np.random.default_rng(seed)
+pts = rng.integers(0, 9, (900, 3))
+coords = np.unique(np.concatenate([rng.integers(0, 2, (900, 1)), pts], 1), axis=0).astype(np.int32)
+# 300 output voxels far from every input: at least one whole 256-row tile
+# without an edge (zero rows).
+far = coords[:300].copy()
+far[:, 1:] += 100
+out_coords = np.concatenate([coords, far])
+rel = build_kernel_relation(coords, out_coords, kind="target")
+results = {"isa": ext.int8_isa(), "coords": coords, "out_coords": out_coords}
+for cin, cout, bits, group in ((32, 37, 8, 32), (48, 70, 4, 32), (64, 9, 8, 64)):
+    f = rng.standard_normal((len(coords), cin)).astype(np.float32)
+    f[:4] *= np.float32(40.0)
+    w = rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2
+    bad = f.copy()
+    bad[3, 1], bad[11, cin - 1], bad[20, cin // 2] = np.nan, np.inf, -np.inf
+    results[f"f{cin}"], results[f"bad{cin}"], results[f"w{cin}"] = f, bad, w
+    qw = QuantizedWeight.from_float(mx.array(w), bits=bits, group_size=group)
+    scale = float(np.abs(f).max() / 127 * 0.3)
+    for threads in (1, 2, 3):
+        mlx_lattice.set_num_threads(threads)
+        for name, x in (("clean", f), ("bad", bad)):
+            out = ops.sparse_quantized_conv_features_from_relation(
+                mx.array(x), qw, rel, act_bits=8, act_scale=scale
+            )
+            results[f"{name}{cin}_t{threads}"] = np.array(out)
+np.savez(sys.argv[1], **results)
+"""
+
+
+def test_static_scale_whole_vectors_every_isa_and_thread_count(tmp_path, seed, isa_child):
+    """Static scales with whole 16-channel vectors (the one-pass static
+    quantizer), odd output widths, rows with NaN / +inf / -inf (the
+    kernels then read per-row scales) and without (they read none), and a
+    whole output tile without edges: every int8 micro-kernel of this
+    architecture and the scalar one at 1, 2 and 3 threads give the int64
+    reference's bits, NaN exactly in the rows a non-finite input reaches."""
+    results = {}
+    for isa in (*_INT8_PATHS, "scalar"):
+        path = tmp_path / f"{isa}.npz"
+        isa_child(_STATIC_SCRIPT, isa, path, seed)
+        results[isa] = np.load(path)
+    base = results["scalar"]
+    rel = build_kernel_relation(base["coords"], base["out_coords"], kind="target")
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    assert rel.n_out_capacity - out_rows.max() - 1 >= 256, f"seed {seed}: no empty tile"
+    for cin, cout, bits, group in ((32, 37, 8, 32), (48, 70, 4, 32), (64, 9, 8, 64)):
+        f, bad = base[f"f{cin}"], base[f"bad{cin}"]
+        qw = QuantizedWeight.from_float(mx.array(base[f"w{cin}"]), bits=bits, group_size=group)
+        scale = np.float32(float(np.abs(f).max() / 127 * 0.3))
+        want = int8_conv_ref(f, qw, rel, static=scale)
+        assert not want[out_rows.max() + 1 :].any(), f"seed {seed}"
+        touched = np.unique(out_rows[np.isin(in_rows, [3, 11, 20])])
+        rest = np.setdiff1d(np.arange(rel.n_out_capacity), touched)
+        want_bad = int8_conv_ref(bad, qw, rel, static=scale)
+        for r in results.values():
+            for threads in (1, 2, 3):
+                msg = f"seed {seed} {r['isa']} C{cin}->{cout} t{threads}"
+                np.testing.assert_array_equal(r[f"clean{cin}_t{threads}"], want, err_msg=msg)
+                got = r[f"bad{cin}_t{threads}"]
+                assert np.isnan(got[touched]).all(), msg
+                np.testing.assert_array_equal(got[rest], want_bad[rest], err_msg=msg)

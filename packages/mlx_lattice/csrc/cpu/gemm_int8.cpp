@@ -80,17 +80,20 @@ struct OffsetJob {
   int64_t groups;
   float* tile_out;  // the tile's first output row (cout floats each)
   bool static_scale;  // rows' scales are 1 (or NaN): "* sa" may be left out
+  bool all_unit;      // static and no row non-finite: every scale is 1
 };
 
 // One call per tile and offset: every ISA path runs its 6-row blocks inside
 // (no call through a pointer per block).
 using OffsetFn = void (*)(const OffsetJob& job, const PackedWeight& w, int64_t k, int64_t cout);
 
-// Row i of the job into slot r of a block.
+// Row i of the job into slot r of a block; its scale too unless SkipScale
+// (every row's scale is 1 and the kernel leaves "* sa" out).
+template <bool SkipScale = false>
 inline void fill_row(Block& blk, int r, const OffsetJob& job, int64_t i, int64_t cout) {
   const int64_t row = job.rows[i];
   blk.a[r] = job.q + row * job.stride;
-  blk.sa[r] = job.scale[row];
+  if constexpr (!SkipScale) blk.sa[r] = job.scale[row];
   blk.gsum[r] = job.gsum + row * job.groups;
   blk.c[r] = job.tile_out + static_cast<int64_t>(job.outs[i]) * cout;
 }
@@ -298,9 +301,14 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni"))) void offset_avx5
     prefetch_next(job, i);
     blk.rows = static_cast<int>(std::min<int64_t>(kRows, job.count - i));
     bool unit = job.static_scale;
-    for (int r = 0; r < blk.rows; ++r) {
-      fill_row(blk, r, job, i + r, cout);
-      unit = unit && blk.sa[r] == 1.0f;
+    if (job.all_unit) {
+      // No scale to read or test per row.
+      for (int r = 0; r < blk.rows; ++r) fill_row<true>(blk, r, job, i + r, cout);
+    } else {
+      for (int r = 0; r < blk.rows; ++r) {
+        fill_row(blk, r, job, i + r, cout);
+        unit = unit && blk.sa[r] == 1.0f;
+      }
     }
     if (blk.rows == kRows) {
       if (unit) {
@@ -488,6 +496,11 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   const bool static_scale = act_scale > 0.0f;
   quantize_rows_int8(feats, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
                      buf.gsum.data(), act_scale);
+  // Static and every row finite (the usual case): the kernels need no
+  // row's scale at all.
+  const bool all_unit =
+      static_scale && std::all_of(buf.scale.begin(), buf.scale.begin() + n_in,
+                                  [](float v) { return v == 1.0f; });
   pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
               act_scale, buf.weight);
   const PackedWeight& w = buf.weight;
@@ -521,7 +534,8 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
     // first stores missing the cache.
     std::memset(out + g0 * cout, 0, sizeof(float) * cap * cout);
     OffsetJob job{nullptr,          nullptr, 0,      buf.q.data(), buf.scale.data(),
-                  buf.gsum.data(),  storage_in, groups, out + g0 * cout, static_scale};
+                  buf.gsum.data(),  storage_in, groups, out + g0 * cout, static_scale,
+                  all_unit};
     for (int64_t k = 0; k < n_kernels; ++k) {
       job.rows = s.rows.data() + k * cap;
       job.outs = s.outs.data() + k * cap;

@@ -14,6 +14,12 @@
 #include "isa.h"
 #include "parallel.h"
 
+// GCC 12 reports the undefined pass-through operand of _mm512_max_ps /
+// _mm512_min_ps's own builtins as "maybe uninitialized"; it is not read.
+#if defined(__GNUC__) && !defined(__clang__)  // clang has no such group (macOS check)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
 namespace mlx_lattice::kernels {
 
 namespace {
@@ -47,6 +53,41 @@ void quantize_row_scalar(const float* xr, int64_t c, int64_t stride, int64_t gro
 }
 
 #ifdef MLX_LATTICE_X86
+// A row of whole vectors with a static scale in one pass (no maximum to
+// find first): the codes and sums as quantize_row_avx512 computes them,
+// non-finite values noted on the way; such a row is then cleared (its
+// codes 0, scale NaN), as the scalar path leaves it.
+__attribute__((target("avx512f"))) void quantize_row_static_avx512(
+    const float* xr, int64_t c, int64_t stride, int64_t group, int8_t* qr, float* scale,
+    int32_t* gr, float fixed) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 vs = _mm512_set1_ps(fixed);
+  const __m512 lo = _mm512_set1_ps(-127.0f);
+  const __m512 hi = _mm512_set1_ps(127.0f);
+  __mmask16 bad = 0;
+  if (stride > c) std::memset(qr + c, 0, stride - c);
+  std::fill(gr, gr + stride / group, 0);
+  for (int64_t g0 = 0; g0 < c; g0 += group) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = g0; i < std::min(c, g0 + group); i += 16) {
+      const __m512 x = _mm512_loadu_ps(xr + i);
+      bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), zero, _CMP_UNORD_Q);
+      // max/min return the bound for a NaN quotient: no conversion of NaN.
+      const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_div_ps(x, vs), lo), hi);
+      const __m512i q = _mm512_cvtps_epi32(v);
+      sum = _mm512_add_epi32(sum, q);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtepi32_epi8(q));
+    }
+    gr[g0 / group] = _mm512_reduce_add_epi32(sum);
+  }
+  *scale = 1.0f;
+  if (bad) {
+    std::memset(qr, 0, c);
+    std::fill(gr, gr + stride / group, 0);
+    *scale = std::numeric_limits<float>::quiet_NaN();
+  }
+}
+
 // The same row with AVX-512 (16 channels per step; group is a multiple of 16
 // on this path, so a step never straddles two groups). Division, rounding
 // to nearest even (the default MXCSR mode, as nearbyint) and clamping give
@@ -62,6 +103,10 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(
     return c - i >= 16 ? static_cast<__mmask16>(0xffff)
                        : static_cast<__mmask16>((1u << (c - i)) - 1u);
   };
+  if (fixed > 0.0f && c % 16 == 0) {
+    quantize_row_static_avx512(xr, c, stride, group, qr, scale, gr, fixed);
+    return;
+  }
   for (int64_t i = 0; i < c; i += 16) {
     const __m512 x = _mm512_maskz_loadu_ps(mask(i), xr + i);
     bad |= _mm512_cmp_ps_mask(_mm512_sub_ps(x, x), zero, _CMP_UNORD_Q);

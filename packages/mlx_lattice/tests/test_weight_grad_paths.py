@@ -253,3 +253,190 @@ def test_every_micro_kernel_path(rng, seed, ref, tmp_path, isa_child):
     fma = [isa for isa in results if isa != "scalar"]
     for isa in fma[1:]:
         np.testing.assert_array_equal(results[isa], results[fma[0]], err_msg=f"seed {seed}: {isa}")
+
+
+# ------------------------------------------------ half-precision features and cotangents
+#
+# A float16 / bfloat16 weight gradient widens each gathered feature and
+# cotangent row per chunk of edges inside the kernel. Widening is exact, and
+# the micro-kernel and its order are the float32 path's, so dW is bit for bit
+# the float32 path on the inputs cast to float32 first: float32 beside a
+# float32 weight (mixed precision), that result rounded once beside a half
+# weight.
+
+HALF = {"float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def half_case(rng, rel, cin: int, cout: int, k: int, dtype: mx.Dtype):
+    f, g, w = inputs(rng, rel.n_in, rel.n_out_capacity, cin, cout, k)
+    return f.astype(dtype), g.astype(dtype), w
+
+
+def weight_grad_array(f: mx.array, g: mx.array, w: mx.array, rel) -> mx.array:
+    with use_dataflow("generic"):
+        _, (dw,) = mx.vjp(lambda w: ops.sparse_conv_features_from_relation(f, w, rel), [w], [g])
+    mx.eval(dw)
+    return dw
+
+
+def bits(a: mx.array) -> np.ndarray:
+    return np.array(a.view(mx.uint32 if a.dtype == mx.float32 else mx.uint16))
+
+
+def assert_half_path_is_the_widened_float32_path(f, g, w, rel, seed, threads=(1, 2, 3)):
+    """Mixed (float32 weight) and all-half (weight in f's dtype) weight
+    gradients of half f, g at every thread count against the float32 path on
+    f, g cast to float32 (float32 dW, rounded once for a half weight)."""
+    f32, g32 = f.astype(mx.float32), g.astype(mx.float32)
+    expected = with_threads(1, lambda: weight_grad_array(f32, g32, w, rel))
+    expected_half = expected.astype(f.dtype)
+    for n in threads:
+        mixed = with_threads(n, lambda: weight_grad_array(f, g, w, rel))
+        assert mixed.dtype == mx.float32, f"seed {seed}: mixed dW is {mixed.dtype}"
+        np.testing.assert_array_equal(
+            bits(mixed), bits(expected), err_msg=f"seed {seed}: mixed {f.dtype}, {n} threads"
+        )
+        half = with_threads(n, lambda: weight_grad_array(f, g, w.astype(f.dtype), rel))
+        assert half.dtype == f.dtype, f"seed {seed}: half dW is {half.dtype}"
+        np.testing.assert_array_equal(
+            bits(half), bits(expected_half), err_msg=f"seed {seed}: {f.dtype}, {n} threads"
+        )
+    return expected
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+@pytest.mark.parametrize(
+    ("cin", "cout", "kernel_size"),
+    [
+        (1, 1, 3),
+        (3, 17, 3),
+        (17, 3, 3),
+        (33, 64, 3),
+        (64, 33, 3),
+        (130, 130, 3),
+        (33, 130, 1),
+        (130, 17, 1),
+    ],
+)
+def test_half_rows_are_the_float32_path_on_widened_inputs(
+    rng, seed, ref, dtype, cin, cout, kernel_size
+):
+    # Pointwise layers (kernel_size 1) split dW's rows into blocks over the
+    # threads: each block widens only its columns of the feature rows.
+    coords = ref.random_coords(rng, 1500, 12, batches=2)
+    rel = build_kernel_relation(coords, kernel_size=kernel_size)
+    k = kernel_size**3
+    f, g, w = half_case(rng, rel, cin, cout, k, HALF[dtype])
+    assert_half_path_is_the_widened_float32_path(f, g, w, rel, seed)
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+def test_half_rows_with_several_slabs(rng, seed, ref, dtype):
+    _, rel = large_relation(rng, ref)
+    f, g, w = half_case(rng, rel, 24, 40, 27, HALF[dtype])
+    assert_half_path_is_the_widened_float32_path(f, g, w, rel, seed)
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+def test_half_rows_offsets_without_edges_and_empty_relations(rng, seed, ref, dtype):
+    coords = ref.random_coords(rng, 150, 5, step=2)
+    rel = build_kernel_relation(coords, kernel_size=5)
+    counts = np.array(rel.counts)
+    assert (counts == 0).sum() > 50 and (counts > 0).sum() > 5, f"seed {seed}: {counts}"
+    f, g, w = half_case(rng, rel, 9, 20, 125, HALF[dtype])
+    got = assert_half_path_is_the_widened_float32_path(f, g, w, rel, seed)
+    np.testing.assert_array_equal(np.array(got)[counts == 0], 0.0, err_msg=f"seed {seed}")
+    empty = build_kernel_relation(np.zeros((0, 4), np.int32))
+    z_f, z_g = mx.zeros((0, 5), HALF[dtype]), mx.zeros((0, 7), HALF[dtype])
+    for weight in (mx.ones((27, 5, 7)), mx.ones((27, 5, 7), HALF[dtype])):
+        got = weight_grad_array(z_f, z_g, weight, empty)
+        assert got.dtype == weight.dtype, f"seed {seed}: {got.dtype}"
+        np.testing.assert_array_equal(np.array(got.astype(mx.float32)), 0.0)
+
+
+def shuffled_grouping(rng, rel):
+    """The relation with each offset's edges listed in a random order."""
+    offsets = np.array(rel.kernel_csr.row_offsets)
+    ids = np.array(rel.kernel_csr.edge_ids)
+    for k in range(len(offsets) - 1):
+        ids[offsets[k] : offsets[k + 1]] = rng.permutation(ids[offsets[k] : offsets[k + 1]])
+    return dataclasses.replace(
+        rel,
+        kernel_csr=RelationCSR(rel.kernel_csr.row_offsets, mx.array(ids)),
+        _native=None,
+        _sorted=[],
+    )
+
+
+@pytest.mark.parametrize("dtype", sorted(HALF))
+def test_half_rows_in_any_edge_order(rng, seed, ref, dtype):
+    # Unsorted offset lists put cotangent rows outside a band's row range:
+    # those are widened with their chunk instead of with the band.
+    _, rel = large_relation(rng, ref)
+    f, g, w = half_case(rng, rel, 16, 24, 27, HALF[dtype])
+    assert_half_path_is_the_widened_float32_path(f, g, w, shuffled_grouping(rng, rel), seed)
+
+
+def test_half_rows_match_float64_add_at(rng, seed, ref):
+    """The mixed float16 dW against float64 np.add.at over the float16 values."""
+    coords = ref.random_coords(rng, 400, 8, batches=2)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    f, g, w = half_case(rng, rel, 19, 70, 27, mx.float16)
+    dw, mag = reference_add_at(f.astype(mx.float32), g.astype(mx.float32), rel, 27)
+    assert_close(np.array(weight_grad_array(f, g, w, rel)), dw, mag, seed)
+
+
+_HALF_ISA_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops, use_dataflow
+
+data = np.load(sys.argv[1])
+rel = build_kernel_relation(mx.array(data["coords"]), kernel_size=3)
+f, g, w = (mx.array(data[k]) for k in ("f", "g", "w"))
+
+def dw(f, g, w):
+    with use_dataflow("generic"):
+        _, (d,) = mx.vjp(lambda w: ops.sparse_conv_features_from_relation(f, w, rel), [w], [g])
+    return np.array(d.astype(mx.float32))
+
+out = {"isa": ext.gemm_isa(), "float32": dw(f, g, w)}
+for name, dtype in (("float16", mx.float16), ("bfloat16", mx.bfloat16)):
+    fh, gh = f.astype(dtype), g.astype(dtype)
+    out[name + "_widened"] = dw(fh.astype(mx.float32), gh.astype(mx.float32), w)
+    out[name + "_mixed"] = dw(fh, gh, w)
+    out[name + "_half"] = dw(fh, gh, w.astype(dtype))
+    out[name + "_half_widened"] = np.array(
+        mx.array(out[name + "_widened"]).astype(dtype).astype(mx.float32)
+    )
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_half_rows_on_every_micro_kernel_path(rng, seed, ref, tmp_path, isa_child):
+    """Each forced ISA (its widening and its micro-kernel) on a relation of
+    several slabs: the half-precision dW is the float32 path's on the
+    widened inputs, in the same child, bit for bit."""
+    coords, rel = large_relation(rng, ref)
+    f, g, w = inputs(rng, rel.n_in, rel.n_in, 19, 70, 27)
+    inputs_path = tmp_path / "inputs.npz"
+    np.savez(inputs_path, coords=coords, f=np.array(f), g=np.array(g), w=np.array(w))
+    for isa in ext.gemm_isas():
+        path = tmp_path / f"{isa}.npz"
+        isa_child(_HALF_ISA_SCRIPT, isa, inputs_path, path)
+        result = np.load(path)
+        assert str(result["isa"]) == isa, f"seed {seed}: asked {isa}, ran {result['isa']}"
+        for name in HALF:
+            widened = result[name + "_widened"]
+            np.testing.assert_array_equal(
+                result[name + "_mixed"], widened, err_msg=f"seed {seed}: {isa} {name} mixed"
+            )
+            np.testing.assert_array_equal(
+                result[name + "_half"],
+                result[name + "_half_widened"],
+                err_msg=f"seed {seed}: {isa} {name} half weight",
+            )
+            # The cast really rounded: the widened inputs are not the float32 ones.
+            assert not np.array_equal(widened, result["float32"]), f"seed {seed}: {isa} {name}"

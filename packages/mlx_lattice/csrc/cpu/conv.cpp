@@ -120,6 +120,21 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                                      o.size() ? o.data<void>() : nullptr);
                return;
              }
+             if (mode == Mode::kWeightGrad) {
+               // Half-precision feature and cotangent rows are widened per
+               // chunk of edges inside the kernel (no float32 copy of F or
+               // G): the bits of the float32 path on the widened arrays. dW
+               // stays float32 beside a float32 weight (mixed precision) and
+               // is rounded once to a half weight's dtype.
+               FloatOut out32(o);
+               kernels::Csr csr{idx(r.k_offsets), idx(r.k_edge_ids), r.n_kernels};
+               kernels::weight_gradient(a.size() ? a.data<void>() : nullptr, format, a.shape(1),
+                                        b.size() ? b.data<void>() : nullptr,
+                                        cpu::format_of(b.dtype()), b.shape(1), csr,
+                                        idx(r.in_rows), idx(r.out_rows), out32.get());
+               out32.finish();
+               return;
+             }
              FloatIn a32(a, 0), b32(b, 1);
              FloatOut out32(o);
              if (mode == Mode::kForward) {
@@ -128,17 +143,13 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                                         mixed ? rounded->values.data() : b32.get(), r.n_kernels,
                                         out32.get(), b.shape(2), csr, idx(r.in_rows),
                                         idx(r.out_rows), idx(r.kernel_ids));
-             } else if (mode == Mode::kInputGrad) {
+             } else {
                const int64_t cin = b.shape(1);
                const int64_t cout = b.shape(2);
                const auto wt = transposed(mixed ? rounded->values.data() : b32.get());
                kernels::Csr csr{idx(r.in_offsets), idx(r.in_edge_ids), r.n_in};
                kernels::stationary_conv(a32.get(), cout, wt.data(), r.n_kernels, out32.get(), cin,
                                         csr, idx(r.out_rows), idx(r.in_rows), idx(r.kernel_ids));
-             } else {
-               kernels::Csr csr{idx(r.k_offsets), idx(r.k_edge_ids), r.n_kernels};
-               kernels::weight_gradient(a32.get(), a.shape(1), b32.get(), b.shape(1), csr,
-                                        idx(r.in_rows), idx(r.out_rows), out32.get());
              }
              out32.finish();
            });

@@ -12,6 +12,7 @@
 #endif
 
 #include "gemm.h"
+#include "isa.h"
 #include "parallel.h"
 #include "tiles.h"
 
@@ -196,9 +197,67 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<
   for (int64_t e = 0; e < n_edges; ++e) edge_ids[cursor[keys[e]]++] = static_cast<int32_t>(e);
 }
 
+namespace {
+
+#ifdef MLX_LATTICE_X86
+// float16 -> float32, 16 values per vcvtph2ps (exact); the tail through a
+// zero-padded copy and a masked store. (The zero-masked conversion gives the
+// plain one's values without its undefined pass-through operand.)
+__attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, int64_t n,
+                                                         float* dst) {
+  constexpr __mmask16 kAll = 0xffff;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(kAll, h));
+  }
+  if (i < n) {
+    alignas(32) uint16_t rest[16] = {};
+    std::memcpy(rest, src + i, sizeof(uint16_t) * (n - i));
+    const __m512 v =
+        _mm512_maskz_cvtph_ps(kAll, _mm256_load_si256(reinterpret_cast<const __m256i*>(rest)));
+    _mm512_mask_storeu_ps(dst + i, static_cast<__mmask16>((1u << (n - i)) - 1u), v);
+  }
+}
+#endif
+
+// Widens columns [c0, c1) of m half-precision rows src[j] into
+// dst + j * stride + c0 (exact, so every path gives the same floats): AVX-512
+// under the MLX_LATTICE_GEMM_ISA ceiling, else convert_to_float32 (F16C or
+// scalar; bfloat16 is a shift).
+void widen_rows(FloatFormat format, const uint16_t* const* src, int64_t m, int64_t c0,
+                int64_t c1, float* dst, int64_t stride) {
+#ifdef MLX_LATTICE_X86
+  static const bool avx512 = isa::isa_usable(isa::Isa::kAvx512);
+  if (format == FloatFormat::kF16 && avx512) {
+    for (int64_t j = 0; j < m; ++j) widen_f16_avx512(src[j] + c0, c1 - c0, dst + j * stride + c0);
+    return;
+  }
+#endif
+  for (int64_t j = 0; j < m; ++j) {
+    convert_to_float32(src[j] + c0, format, c1 - c0, dst + j * stride + c0);
+  }
+}
+
+// Per thread: the half-precision rows of two chunks of edges (F's, then
+// G's, null where G's row is already widened), the widened rows of one chunk
+// (kChunk rows of F, then of G) and a band's widened rows of G.
+thread_local std::vector<const uint16_t*> half_rows;
+thread_local std::vector<float> widened_rows;
+thread_local std::vector<float> band_rows_g;
+
+}  // namespace
+
 void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t cout,
                      const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
                      float* dweight) {
+  weight_gradient(feats, FloatFormat::kF32, cin, grad, FloatFormat::kF32, cout, kernel_csr,
+                  in_rows, out_rows, dweight);
+}
+
+void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, const void* grad,
+                     FloatFormat grad_format, int64_t cout, const Csr& kernel_csr,
+                     const int32_t* in_rows, const int32_t* out_rows, float* dweight) {
   constexpr int64_t kChunk = 128;  // edges gathered and prefetched per micro-kernel call
   // A task walks its offsets band by band: band b is the edges whose output
   // row lies in rows [b * band_rows, (b + 1) * band_rows), about kBandEdges
@@ -224,6 +283,14 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
   constexpr int64_t kKeptBytes = int64_t{16} << 20;     // kept for the next call
   const int64_t n_kernels = kernel_csr.groups;
   if (n_kernels == 0 || cin == 0 || cout == 0) return;
+  const bool half_f = feats_format != FloatFormat::kF32;
+  const bool half_g = grad_format != FloatFormat::kF32;
+  const int64_t f_width = half_f ? 2 : 4;
+  const int64_t g_width = half_g ? 2 : 4;
+  const auto* const feats32 = half_f ? nullptr : static_cast<const float*>(feats);
+  const auto* const feats16 = half_f ? static_cast<const uint16_t*>(feats) : nullptr;
+  const auto* const grad32 = half_g ? nullptr : static_cast<const float*>(grad);
+  const auto* const grad16 = half_g ? static_cast<const uint16_t*>(grad) : nullptr;
   const int64_t panel = cin * cout;
   const int64_t size = n_kernels * panel;
   const int64_t n_edges = kernel_csr.offsets[n_kernels] - kernel_csr.offsets[0];
@@ -299,24 +366,101 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
     }
     auto& s = scratch;
     // Two pointer buffers: the next chunk's rows are gathered and prefetched
-    // while the current chunk computes.
+    // while the current chunk computes. A half-precision operand's rows are
+    // kept in half_rows until widen() writes their widened copies and points
+    // the micro-kernel at them, just before the chunk computes (so after the
+    // previous chunk's compute has fetched them); F only in the task's
+    // columns [r0, r1), all the micro-kernel reads of it. G's rows of a band
+    // (a range of output rows) serve every offset of the band: they are
+    // widened once per band when the range is no longer than the band's
+    // edges (with the builder's output order, every edge's row is in it),
+    // and a row outside the range is widened with its chunk.
     s.a_ptrs.resize(2 * kChunk);
     s.pack_a_rows.resize(2 * kChunk);
+    if (half_f || half_g) {
+      half_rows.resize(4 * kChunk);
+      widened_rows.resize(kChunk * ((half_f ? cin : 0) + (half_g ? cout : 0)));
+    }
+    const uint16_t** const half_f_rows = half_rows.data();
+    const uint16_t** const half_g_rows = half_rows.data() + 2 * kChunk;
+    float* const wide_f = widened_rows.data();
+    float* const wide_g = widened_rows.data() + (half_f ? kChunk * cin : 0);
+    int64_t g_lo = 0;  // G's rows [g_lo, g_hi) are widened in band_rows_g
+    int64_t g_hi = 0;
     auto gather = [&](int64_t j0, int64_t j_end, int slot) {
       const int64_t m = std::min<int64_t>(kChunk, j_end - j0);
       const float** f = s.pack_a_rows.data() + slot * kChunk;
       const float** g = s.a_ptrs.data() + slot * kChunk;
+      const uint16_t** hf = half_f_rows + slot * kChunk;
+      const uint16_t** hg = half_g_rows + slot * kChunk;
       for (int64_t j = 0; j < m; ++j) {
         const int64_t e = kernel_csr.edge_ids ? kernel_csr.edge_ids[j0 + j] : j0 + j;
-        f[j] = feats + static_cast<int64_t>(in_rows[e]) * cin;
-        g[j] = grad + static_cast<int64_t>(out_rows[e]) * cout;
-        for (int64_t x = 0; x < cin; x += 16) __builtin_prefetch(f[j] + x);
-        for (int64_t x = 0; x < cout; x += 16) __builtin_prefetch(g[j] + x);
+        const int64_t in_row = in_rows[e];
+        const int64_t out_row = out_rows[e];
+        const void* fr;
+        const void* gr;
+        int64_t g_bytes = cout * g_width;
+        if (half_f) {
+          fr = hf[j] = feats16 + in_row * cin;
+        } else {
+          fr = f[j] = feats32 + in_row * cin;
+        }
+        if (!half_g) {
+          gr = g[j] = grad32 + out_row * cout;
+        } else if (out_row >= g_lo && out_row < g_hi) {
+          gr = g[j] = band_rows_g.data() + (out_row - g_lo) * cout;
+          hg[j] = nullptr;
+          g_bytes = cout * 4;
+        } else {
+          gr = hg[j] = grad16 + out_row * cout;
+        }
+        for (int64_t x = 0; x < cin * f_width; x += 64) {
+          __builtin_prefetch(static_cast<const char*>(fr) + x);
+        }
+        for (int64_t x = 0; x < g_bytes; x += 64) {
+          __builtin_prefetch(static_cast<const char*>(gr) + x);
+        }
       }
       return m;
     };
+    auto widen = [&](int64_t m, int slot) {
+      const float** f = s.pack_a_rows.data() + slot * kChunk;
+      const float** g = s.a_ptrs.data() + slot * kChunk;
+      if (half_f) {
+        widen_rows(feats_format, half_f_rows + slot * kChunk, m, r0, r1, wide_f, cin);
+        for (int64_t j = 0; j < m; ++j) f[j] = wide_f + j * cin;
+      }
+      if (half_g) {
+        const uint16_t** hg = half_g_rows + slot * kChunk;
+        for (int64_t j = 0; j < m; ++j) {
+          if (hg[j] == nullptr) continue;
+          widen_rows(grad_format, hg + j, 1, 0, cout, wide_g + j * cout, cout);
+          g[j] = wide_g + j * cout;
+        }
+      }
+    };
+    // Bands of at most kBandFloats widened G values (or none).
+    constexpr int64_t kBandFloats = int64_t{1} << 20;
     const int64_t band_end = bands * (slab + 1) / slabs;
     for (int64_t band = bands * slab / slabs; band < band_end; ++band) {
+      g_lo = g_hi = 0;
+      if (half_g) {
+        int64_t band_edges = 0;
+        for (int64_t k = k0; k < k1; ++k) band_edges += bound(k, band + 1) - bound(k, band);
+        const int64_t lo = std::min(rows_bound, band * band_rows);
+        const int64_t hi = std::min(rows_bound, lo + band_rows);
+        if (hi > lo && hi - lo <= band_edges && (hi - lo) * cout <= kBandFloats) {
+          if (static_cast<int64_t>(band_rows_g.size()) < (hi - lo) * cout) {
+            band_rows_g.resize((hi - lo) * cout);
+          }
+          // G's rows lo..hi-1 are consecutive in memory: one row of
+          // (hi - lo) * cout values.
+          const uint16_t* first = grad16 + lo * cout;
+          widen_rows(grad_format, &first, 1, 0, (hi - lo) * cout, band_rows_g.data(), 0);
+          g_lo = lo;
+          g_hi = hi;
+        }
+      }
       for (int64_t k = k0; k < k1; ++k) {
         const int64_t j_begin = bound(k, band);
         const int64_t j_end = bound(k, band + 1);
@@ -325,6 +469,7 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
         int slot = 0;
         int64_t m = gather(j_begin, j_end, slot);
         for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
+          if (half_f || half_g) widen(m, slot);
           const int64_t next = j0 + kChunk < j_end ? gather(j0 + kChunk, j_end, 1 - slot) : 0;
           gemm_outer(m, s.pack_a_rows.data() + slot * kChunk, s.a_ptrs.data() + slot * kChunk,
                      r0, r1, dw, cout);

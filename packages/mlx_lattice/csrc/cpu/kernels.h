@@ -120,6 +120,15 @@ void weight_gradient(const float* feats, int64_t cin, const float* grad, int64_t
                      const Csr& kernel_csr, const int32_t* in_rows, const int32_t* out_rows,
                      float* dweight);
 
+// weight_gradient with F and G stored as `feats_format` / `grad_format`: a
+// half-precision row is widened to float32 (exactly) as its chunk of edges is
+// gathered, into a per-thread buffer of kChunk rows, never as a whole array.
+// The micro-kernel and its order are the float32 path's, so dW is bit for bit
+// weight_gradient on the arrays widened first.
+void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, const void* grad,
+                     FloatFormat grad_format, int64_t cout, const Csr& kernel_csr,
+                     const int32_t* in_rows, const int32_t* out_rows, float* dweight);
+
 // Sorted implicit GEMM: row r of the sorted view takes input rows
 // sorted_map[r * K + k] (or -1). Output row reorder[r], or r if store_sorted.
 void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,

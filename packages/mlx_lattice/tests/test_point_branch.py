@@ -115,6 +115,39 @@ def test_point_branch_against_float64(rng, seed, rows, cin, cout):
     )
 
 
+@pytest.mark.parametrize("rows", [300, 5000])
+def test_training_skips_the_cancelled_bias_like_mlx_nn(rng, seed, rows):
+    """In training the branch leaves out the linear bias (the norm cancels
+    it): outputs, running statistics and input gradient as mlx.nn's Linear ->
+    BatchNorm -> ReLU with the bias, the bias gradient exactly zero."""
+    branch = _branch(rng, 32, 128)
+    ref_linear, ref_norm = mlx_nn.Linear(32, 128), mlx_nn.BatchNorm(128)
+    ref_linear.update(branch.linear.parameters())
+    ref_norm.update(branch.norm.parameters())
+    z = mx.array((rng.normal(0.0, 1.0, (rows, 32)) * 1.5 + 0.5).astype(np.float32))
+    g = mx.array(rng.normal(0.0, 1.0, (rows, 128)).astype(np.float32))
+
+    def ours(zz, p):
+        branch.update(p)
+        return (branch(zz) * g).sum()
+
+    def reference(zz):
+        return (mx.maximum(ref_norm(ref_linear(zz)), 0) * g).sum()
+
+    (v, (dz, dp)) = mx.value_and_grad(ours, argnums=(0, 1))(z, branch.trainable_parameters())
+    v_ref, dz_ref = mx.value_and_grad(reference)(z)
+    mx.eval(v, dz, dp, v_ref, dz_ref, branch.norm.running_mean, ref_norm.running_mean)
+    msg = f"seed {seed}, rows {rows}"
+    assert abs(v.item() - v_ref.item()) <= 1e-4 * max(1.0, abs(v_ref.item())), msg
+    np.testing.assert_allclose(np.array(dz), np.array(dz_ref), rtol=1e-3, atol=1e-4, err_msg=msg)
+    assert not np.any(np.array(dp["linear"]["bias"])), msg
+    for k in ("running_mean", "running_var"):
+        np.testing.assert_allclose(
+            np.array(branch.norm[k]), np.array(ref_norm[k]), rtol=1e-5, atol=1e-6,
+            err_msg=f"{k}: {msg}",
+        )
+
+
 def test_eval_mode_uses_running_statistics(rng, seed):
     branch = _branch(rng, 8, 32)
     z = mx.array((rng.normal(0.0, 1.0, (6000, 8)) * 2 + 1).astype(np.float32))

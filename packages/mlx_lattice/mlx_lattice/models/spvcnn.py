@@ -27,11 +27,14 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import numpy as np
 
-from mlx_lattice import geometry, nn
+from mlx_lattice import fused, geometry, nn
 from mlx_lattice.models.minkunet import MinkUNet, Trace, _run
 from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 __all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
+
+
+_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _as(a: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -177,7 +180,13 @@ def point_cloud_input(
 
 class PointBranch(mlx_nn.Module):
     """Per-point Linear (native GEMM for large point sets), batch norm (in
-    float32) and ReLU."""
+    float32) and ReLU.
+
+    In training mode the norm subtracts the batch mean, so the linear bias
+    cancels from the output and its gradient is zero: the step skips the
+    ``(P, cout)`` bias add (and its gradient's column sum) and adds the bias
+    to the running mean's update instead, which stays that of the norm of
+    ``linear(z)``."""
 
     def __init__(self, cin: int, cout: int) -> None:
         super().__init__()
@@ -185,7 +194,20 @@ class PointBranch(mlx_nn.Module):
         self.norm = mlx_nn.BatchNorm(cout)
 
     def __call__(self, z: mx.array) -> mx.array:
-        return nn.batch_norm_features(self.norm, self.linear(z), relu=True).astype(z.dtype)
+        norm, bias = self.norm, self.linear.get("bias")
+        if not norm.training or bias is None or "running_mean" not in norm:
+            return nn.batch_norm_features(norm, self.linear(z), relu=True).astype(z.dtype)
+        weight = self.linear.weight
+        if z.ndim == 2 and int(z.shape[0]) >= nn.DENSE_NATIVE_ROWS and z.dtype in _FLOATS:
+            h = fused.dense_linear(z, weight)
+        else:
+            h = z @ weight.T
+        y = nn.batch_norm_features(norm, h, relu=True)
+        # batch_norm_features set running_mean = (1 - m) * rm + m * mean(h);
+        # the norm of linear(z) = h + bias has mean(h) + bias.
+        rm = norm.running_mean
+        norm.running_mean = (rm + norm.momentum * mx.stop_gradient(bias)).astype(rm.dtype)
+        return y.astype(z.dtype)
 
 
 class _PointMLPs(mlx_nn.Module):

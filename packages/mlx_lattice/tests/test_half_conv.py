@@ -327,3 +327,59 @@ def test_input_gradient_matches_emulation_for_any_thread_count(
         np.testing.assert_array_equal(
             got, want, err_msg=f"seed {seed}, {threads} threads, weight {weight_dtype}"
         )
+
+
+# The child of test_every_isa_rounds_the_float32_result: under its ISA
+# ceiling, the float16 forward and input gradient at 1/2/3 threads beside the
+# float32 ones on the same (float16-valued) inputs, rounded by MLX's cast.
+_ISA_CHILD = """
+import sys
+import mlx.core as mx
+import numpy as np
+import mlx_lattice
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation, ops
+
+data = np.load(sys.argv[1])
+rel = build_kernel_relation(data["coords"], kernel_size=3)
+w = mx.array(data["w"])
+out = {"gemm": ext.gemm_isa()}
+for wide in (True, False):
+    dtype = mx.float32 if wide else mx.float16
+    f = mx.array(data["f"]).astype(dtype)
+    g = mx.array(data["g"]).astype(dtype)
+    for threads in (1, 2, 3):
+        mlx_lattice.set_num_threads(threads)
+        y, (df,) = mx.vjp(
+            lambda x: [ops.sparse_conv_features_from_relation(x, w.astype(dtype), rel)], [f], [g]
+        )
+        tag = ("f32" if wide else "f16") + str(threads)
+        out["y" + tag] = np.array(y[0].astype(mx.float16).view(mx.uint16))
+        out["df" + tag] = np.array(df.astype(mx.float16).view(mx.uint16))
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.parametrize("width", [1, 17, 130])
+def test_every_isa_rounds_the_float32_result(rng, seed, tmp_path, isa_child, width):
+    """Under every fp32 ISA ceiling this machine has (AVX-512, AVX2 + F16C,
+    scalar: each its own widening, rounding and micro-kernel), the float16
+    forward and input gradient (the half driver, rows widened once per tile)
+    are the float32 path's results on the same values rounded to float16,
+    bit for bit, at 1/2/3 threads; the scalar path too, whose products round
+    on their own (so the fused-chain emulation does not apply to it)."""
+    coords, rel, f, w = make_case(rng, width, width)
+    g = rng.standard_normal((rel.n_out_capacity, width)).astype(np.float16).astype(np.float32)
+    case = tmp_path / "case.npz"
+    np.savez(case, coords=coords, f=f, w=w, g=g)
+    for isa in ext.gemm_isas():
+        result = tmp_path / f"{isa}.npz"
+        isa_child(_ISA_CHILD, isa, case, result)
+        with np.load(result) as got:
+            assert str(got["gemm"]) == isa
+            for name in ("y", "df"):
+                want = got[f"{name}f321"]
+                for threads in (1, 2, 3):
+                    msg = f"seed {seed}, C{width}, {isa}, {name}, {threads} threads"
+                    np.testing.assert_array_equal(got[f"{name}f32{threads}"], want, err_msg=msg)
+                    np.testing.assert_array_equal(got[f"{name}f16{threads}"], want, err_msg=msg)

@@ -10,10 +10,12 @@
 namespace mlx_lattice::kernels {
 
 // out (n_out, cout) in `format` (kF16 or kBF16), overwritten: per tile of
-// `tile_rows` outputs, every distinct input row the tile gathers is widened
-// to float32 once (exact), the tile accumulates in a float32 buffer with
-// gemm_rows (stationary_conv's arithmetic: offsets ascending, channels
-// ascending), and the buffer is rounded to `format` once (nearest even). So
+// `tile_rows` outputs, one pass over the tile's edges buckets them by offset
+// and finds the distinct input rows the tile gathers (requesting their
+// lines), each is widened to float32 once (exact), the tile accumulates in
+// a float32 buffer with gemm_rows (stationary_conv's arithmetic: offsets
+// ascending, channels ascending), and the buffer is rounded to `format`
+// once (nearest even). So
 // the result is stationary_conv's float32 result on the widened features,
 // rounded; the same bits for any thread count. weight is (K, cin, cout)
 // float32; c_index must be the output CSR's own rows.

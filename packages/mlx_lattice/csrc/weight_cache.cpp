@@ -27,9 +27,19 @@ size_t budget_from_env() {
   return static_cast<size_t>(mb) << 20;
 }
 
+// A key seen once, with weak references to its buffers: a note whose buffer
+// was freed is stale (malloc may hand the address to the next copy).
 struct Note {
   std::vector<WeightSources::Key> keys;
   std::vector<int64_t> spec;
+  std::vector<std::weak_ptr<const void>> alive;
+
+  bool live() const {
+    for (const auto& w : alive) {
+      if (w.expired()) return false;
+    }
+    return true;
+  }
 };
 
 // Mutable global state: the point of the cache is to outlive one call.
@@ -43,11 +53,12 @@ struct Cache {
   uint64_t misses = 0;
   uint64_t evictions = 0;
 
-  // Drops least recently used entries until `bytes` fits the budget. The
-  // caller holds the mutex; a dropped weight still in use by a running call
-  // lives on in that call's shared_ptr.
+  // Drops least recently used entries until `bytes` fits the budget and
+  // there are at most kWeightCacheEntries. The caller holds the mutex; a
+  // dropped weight still in use by a running call lives on in that call's
+  // shared_ptr.
   void trim() {
-    while (bytes > budget && !entries.empty()) {
+    while ((bytes > budget || entries.size() > kWeightCacheEntries) && !entries.empty()) {
       bytes -= entries.back().bytes;
       entries.pop_back();
       ++evictions;
@@ -100,11 +111,13 @@ std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
   fill(weight->data());
   std::lock_guard<std::mutex> lock(c.mutex);
   if (bytes > c.budget) return weight;  // too large (or caching off): this call only
-  // First sighting: note the key (no buffers held) and keep this call's copy.
+  // First sighting (or a note whose buffers have died since): note the key
+  // with weak references only and keep this call's copy.
   auto noted = c.notes.begin();
   while (noted != c.notes.end() && !(noted->spec == spec && noted->keys == sources.keys)) ++noted;
-  if (noted == c.notes.end()) {
-    c.notes.push_front({sources.keys, spec});
+  if (noted == c.notes.end() || !noted->live()) {
+    if (noted != c.notes.end()) c.notes.erase(noted);
+    c.notes.push_front({sources.keys, spec, {sources.held.begin(), sources.held.end()}});
     if (c.notes.size() > kWeightCacheNotes) c.notes.pop_back();
     return weight;
   }

@@ -20,6 +20,9 @@ constexpr size_t kWeightCacheDefaultBytes = size_t{256} << 20;
 // Keys of weights seen once (see cached_dequantized_weight).
 constexpr size_t kWeightCacheNotes = 64;
 
+// At most this many entries, whatever their bytes (a lookup scans them).
+constexpr size_t kWeightCacheEntries = 1024;
+
 // What identifies a quantized weight's arrays (packed codes, scales,
 // biases): each one's buffer (its array::Data), offset, shape, strides and
 // dtype, and references that keep those buffers alive. Made from the
@@ -47,17 +50,19 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays);
 // arrays of `sources` and the integers `spec` (bits, group size, shapes),
 // remembered under their identities.
 //
-// A weight is cached on its second call: its first call only notes the
-// key (kWeightCacheNotes keys, no buffers held, least recently noted first
-// out), so arrays converted anew on every call (a non-contiguous weight is
-// copied by the op, a conversion in the caller) never fill the cache.
+// A weight is cached on its second call while its first call's buffers
+// still live: the first call only notes the key with weak references
+// (kWeightCacheNotes keys, least recently noted first out), so arrays
+// converted anew on every call (a non-contiguous weight is copied by the
+// op, a conversion in the caller) never fill the cache, even when the
+// allocator hands a freed copy's address to the next one.
 // An entry is keyed on `sources` and `spec` and holds the sources'
 // references: a buffer cannot be freed (so its address cannot be reused for
 // another weight) while its entry lives, and an array whose buffer is
 // referenced twice is never donated to an op's output, so the values under
 // a live entry never change (MLX arrays are immutable). An entry is charged
 // floats * 4 bytes plus the sources' bytes; least recently used entries are
-// dropped to stay within the budget, and a weight larger than the budget is
+// dropped to stay within the budget and kWeightCacheEntries, and a weight larger than the budget is
 // computed for its call only. Thread-safe; `fill` runs outside the lock.
 std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
     const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,

@@ -8,6 +8,7 @@ thread counts, ``mx.compile`` and the feature gradient keep the results."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 
 import mlx.core as mx
@@ -146,6 +147,28 @@ def test_half_precision_scales_hit_the_cache(rng, seed, dtype):
     np.testing.assert_array_equal(
         np.array(outs[0].astype(mx.float32)), np.array(want.astype(mx.float32)), err_msg=str(seed)
     )
+
+
+def test_a_weight_copied_anew_on_every_call_never_fills_the_cache(rng, seed):
+    """Fresh arrays with the same values on every call, each freed after
+    its call (as a conversion in the caller would make them): the allocator
+    may hand the freed buffers' addresses to the next copy, but a noted key
+    whose buffers died is stale, so no call is ever cached."""
+    rel, n = make_relation(rng)
+    qw = make_weight(rng, 16, 8, 8, 32)
+    codes, scales, biases = (np.array(a) for a in (qw.weight, qw.scales, qw.biases))
+    f = mx.array(rng.standard_normal((n, 16)).astype(np.float32))
+    feats = np.array(f)
+    for i in range(6):
+        copy = dataclasses.replace(
+            qw, weight=mx.array(codes), scales=mx.array(scales), biases=mx.array(biases)
+        )
+        got = ops.sparse_quantized_conv_features_from_relation(f, copy, rel)
+        check_against_refs(got, feats, copy, rel, f"seed {seed}, call {i}")
+        del copy, got
+        gc.collect()
+    info = mlx_lattice.weight_cache_info()
+    assert (info["misses"], info["hits"], info["entries"]) == (6, 0, 0), (seed, info)
 
 
 @pytest.mark.parametrize("one_entry_budget", [False, True])

@@ -60,7 +60,7 @@ void unpack_offset(const QuantizedWeightView& w, int64_t k, int64_t cin, int64_t
 }
 
 // panel[c, x] = s[g, x] * q[c, x] + b[g, x] (g = c / group), rounded after
-// the product and after the sum: dequantize_weight's values.
+// the product and after the sum (no contraction into an FMA).
 MLX_LATTICE_NO_CONTRACT void dequantize_panel_scalar(const uint8_t* q, const float* s,
                                                      const float* b, int64_t cin, int64_t cout,
                                                      int64_t group, float* panel) {
@@ -179,23 +179,6 @@ void dequantize_weight_panels(const QuantizedWeightView& weight, int64_t n_kerne
     dequantize(c.q.data(), c.s.data(), c.b.data(), cin, cout, weight.group_size,
                out + k * cin * cout);
   });
-}
-
-void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
-                            const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
-                            const Csr& csr, const int32_t* a_index, const int32_t* c_index,
-                            const int32_t* kernel_ids, void* out) {
-  // The weight is dequantized once per call into a float32 buffer of the
-  // calling thread kept for its next call (K * cin * cout * 4 bytes, the
-  // size of the float32 weight), then the call is the float forward's. The
-  // extension's primitive instead caches the dequantized weight per weight
-  // object (weight_cache.h), so repeated calls skip this step.
-  thread_local std::vector<float> dequantized;
-  std::vector<float>& w = dequantized;
-  w.resize(n_kernels * cin * cout);
-  dequantize_weight_panels(weight, n_kernels, cin, cout, w.data());
-  forward_conv(feats, format, cin, w.data(), n_kernels, cout, csr, a_index, c_index, kernel_ids,
-               out);
 }
 
 }  // namespace mlx_lattice::kernels

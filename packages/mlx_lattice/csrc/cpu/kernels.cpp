@@ -525,39 +525,6 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
   });
 }
 
-namespace {
-
-// One kernel offset's rows of dequantize_weight (a function of its own so the
-// no-contraction attribute covers the loop; a lambda would not inherit it).
-MLX_LATTICE_NO_CONTRACT void dequantize_offset(const uint8_t* packed, int64_t row_bytes,
-                                               const float* scales, const float* biases,
-                                               int64_t k, int64_t cout, int64_t cin,
-                                               int64_t groups, int64_t group_size, int bits,
-                                               float* out) {
-  MLX_LATTICE_NO_CONTRACT_BODY
-  for (int64_t o = 0; o < cout; ++o) {
-    const int64_t row = k * cout + o;
-    const uint8_t* p = packed + row * row_bytes;
-    for (int64_t c = 0; c < cin; ++c) {
-      const float q = static_cast<float>(unpack_code(p, row_bytes, c, bits));
-      const int64_t g = row * groups + c / group_size;
-      out[(k * cin + c) * cout + o] = scales[g] * q + biases[g];
-    }
-  }
-}
-
-}  // namespace
-
-void dequantize_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
-                       const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
-                       int64_t storage_in, int64_t group_size, int bits, float* out) {
-  const int64_t groups = storage_in / group_size;
-  parallel_for(n_kernels, [&](int64_t k) {
-    dequantize_offset(packed, row_bytes, scales, biases, k, cout, cin, groups, group_size, bits,
-                      out);
-  });
-}
-
 void normalization_denominator(const float* weight, int64_t n_kernels, int64_t cin,
                                int64_t cout, const int32_t* kernel_ids, const int32_t* out_offsets,
                                int64_t n_out, float* out) {

@@ -94,22 +94,12 @@ inline uint32_t unpack_code(const uint8_t* row, int64_t row_bytes, int64_t c, in
   return (v >> (bit & 7)) & ((1u << bits) - 1u);
 }
 
-// The float32 weight (K, cin, cout) of a quantized weight, dequantize_weight's
-// values bit for bit: offsets in parallel, each offset's codes re-laid out
-// as (cin, cout) and dequantized as one panel (AVX-512 where usable).
+// The float32 weight (K, cin, cout) of a quantized weight (mx.quantize's
+// group-affine layout): s * q + b, rounded after the product and after the
+// sum. Offsets in parallel, each offset's codes re-laid out as (cin, cout)
+// and dequantized as one panel (AVX-512 where usable).
 void dequantize_weight_panels(const QuantizedWeightView& weight, int64_t n_kernels, int64_t cin,
                               int64_t cout, float* out);
-
-// forward_conv with a quantized weight (K, cin, cout): dequantized on every
-// call (dequantize_weight_panels) into a float32 buffer of the calling
-// thread, kept for its next call (K * cin * cout * 4 bytes), then
-// forward_conv: the float path's result with the dequantized weight, bit for
-// bit. (The extension's SparseQuantizedConv caches the dequantized weight per
-// weight object instead; this entry point has no arrays to key a cache on.)
-void forward_conv_quantized(const void* feats, FloatFormat format, int64_t cin,
-                            const QuantizedWeightView& weight, int64_t n_kernels, int64_t cout,
-                            const Csr& csr, const int32_t* a_index, const int32_t* c_index,
-                            const int32_t* kernel_ids, void* out);
 
 // dW[k] = sum over edges e of offset k of F[in_rows[e]]^T G[out_rows[e]].
 // dW is (K, cin, cout), overwritten. The edges are cut into slabs by output
@@ -134,12 +124,6 @@ void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, c
 void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n_kernels,
                  int64_t cout, const int32_t* sorted_map, const int32_t* reorder, int64_t n_out,
                  bool store_sorted, float* out);
-
-// Dequantizes per-offset group-affine weights (mx.quantize layout, rows of
-// `storage_in` values, `bits` each, packed little-endian) to (K, cin, cout).
-void dequantize_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
-                       const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
-                       int64_t storage_in, int64_t group_size, int bits, float* out);
 
 // out[o] = sum over edges e of o of colsum(W[kernel_ids[e]]).
 void normalization_denominator(const float* weight, int64_t n_kernels, int64_t cin,

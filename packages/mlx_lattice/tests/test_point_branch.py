@@ -16,7 +16,7 @@ import mlx.nn as mlx_nn
 import numpy as np
 import pytest
 
-from mlx_lattice import ops
+from mlx_lattice import nn, ops
 from mlx_lattice.models import SPVCNN, PointBranch, point_cloud_input
 from mlx_lattice.models import spvcnn as spvcnn_module
 
@@ -141,6 +141,28 @@ def test_training_skips_the_cancelled_bias_like_mlx_nn(rng, seed, rows):
     assert abs(v.item() - v_ref.item()) <= 1e-4 * max(1.0, abs(v_ref.item())), msg
     np.testing.assert_allclose(np.array(dz), np.array(dz_ref), rtol=1e-3, atol=1e-4, err_msg=msg)
     assert not np.any(np.array(dp["linear"]["bias"])), msg
+    for k in ("running_mean", "running_var"):
+        np.testing.assert_allclose(
+            np.array(branch.norm[k]), np.array(ref_norm[k]), rtol=1e-5, atol=1e-6,
+            err_msg=f"{k}: {msg}",
+        )
+
+
+def test_quantized_linear_in_training_keeps_the_plain_path(rng, seed):
+    """A branch whose linear layer was quantized (packed codes, no float
+    weight to multiply) still trains: it equals mlx.nn's BatchNorm + ReLU of
+    the quantized layer's own output, running statistics included."""
+    branch = _branch(rng, 64, 32)
+    branch.linear = nn.to_quantized(branch.linear, bits=8, group_size=32)
+    ref_norm = mlx_nn.BatchNorm(32)
+    ref_norm.update(branch.norm.parameters())
+    z = mx.array(rng.normal(0.0, 1.0, (5000, 64)).astype(np.float32))
+    assert branch.norm.training, seed
+    got = branch(z)
+    want = mx.maximum(ref_norm(branch.linear(z)), 0)
+    mx.eval(got, want, branch.norm.running_mean, ref_norm.running_mean)
+    msg = f"seed {seed}"
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5, err_msg=msg)
     for k in ("running_mean", "running_var"):
         np.testing.assert_allclose(
             np.array(branch.norm[k]), np.array(ref_norm[k]), rtol=1e-5, atol=1e-6,

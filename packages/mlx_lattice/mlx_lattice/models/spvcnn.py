@@ -186,7 +186,8 @@ class PointBranch(mlx_nn.Module):
     cancels from the output and its gradient is zero: the step skips the
     ``(P, cout)`` bias add (and its gradient's column sum) and adds the bias
     to the running mean's update instead, which stays that of the norm of
-    ``linear(z)``."""
+    ``linear(z)``. A quantized linear layer (``mlx_lattice.quantize``) keeps
+    the plain path."""
 
     def __init__(self, cin: int, cout: int) -> None:
         super().__init__()
@@ -195,7 +196,8 @@ class PointBranch(mlx_nn.Module):
 
     def __call__(self, z: mx.array) -> mx.array:
         norm, bias = self.norm, self.linear.get("bias")
-        if not norm.training or bias is None or "running_mean" not in norm:
+        plain = type(self.linear) is nn.Linear  # not a QuantizedLinear (packed codes)
+        if not plain or not norm.training or bias is None or "running_mean" not in norm:
             return nn.batch_norm_features(norm, self.linear(z), relu=True).astype(z.dtype)
         weight = self.linear.weight
         if z.ndim == 2 and int(z.shape[0]) >= nn.DENSE_NATIVE_ROWS and z.dtype in _FLOATS:

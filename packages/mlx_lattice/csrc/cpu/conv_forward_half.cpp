@@ -50,24 +50,6 @@ void widen_any(FloatFormat format, const uint16_t* src, int64_t n, float* dst) {
 // reports as "may be used uninitialized".
 constexpr __mmask16 kAll = 0xffff;
 
-// float16 -> float32, 16 values per vcvtph2ps (exact); the tail through a
-// zero-padded copy and a masked store.
-__attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, int64_t n,
-                                                         float* dst) {
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(kAll, h));
-  }
-  if (i < n) {
-    alignas(32) uint16_t rest[16] = {};
-    std::memcpy(rest, src + i, sizeof(uint16_t) * (n - i));
-    const __m512 v =
-        _mm512_maskz_cvtph_ps(kAll, _mm256_load_si256(reinterpret_cast<const __m256i*>(rest)));
-    _mm512_mask_storeu_ps(dst + i, static_cast<__mmask16>((1u << (n - i)) - 1u), v);
-  }
-}
-
 // float32 -> float16, nearest even (vcvtps2ph, the F16C rounding of
 // from_float32), 16 values at a time.
 __attribute__((target("avx512f"))) void round_f16_avx512(const float* src, int64_t n,
@@ -156,6 +138,24 @@ template <bool kEdgeIds>
 }
 
 }  // namespace
+
+#ifdef MLX_LATTICE_X86
+__attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, int64_t n,
+                                                         float* dst) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(kAll, h));
+  }
+  if (i < n) {
+    alignas(32) uint16_t rest[16] = {};
+    std::memcpy(rest, src + i, sizeof(uint16_t) * (n - i));
+    const __m512 v =
+        _mm512_maskz_cvtph_ps(kAll, _mm256_load_si256(reinterpret_cast<const __m256i*>(rest)));
+    _mm512_mask_storeu_ps(dst + i, static_cast<__mmask16>((1u << (n - i)) - 1u), v);
+  }
+}
+#endif
 
 void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
                        const float* weight, int64_t n_kernels, int64_t cout, const Csr& csr,

@@ -24,4 +24,11 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
                        const int32_t* a_index, const int32_t* c_index,
                        const int32_t* kernel_ids, uint16_t* out, int64_t tile_rows);
 
+#if defined(__x86_64__) || defined(_M_X64)
+// float16 -> float32 of n values (exact), 16 per AVX-512 vcvtph2ps, the
+// tail through a zero-padded copy and a masked store. Call it where
+// isa_usable(kAvx512) holds.
+void widen_f16_avx512(const uint16_t* src, int64_t n, float* dst);
+#endif
+
 }  // namespace mlx_lattice::kernels

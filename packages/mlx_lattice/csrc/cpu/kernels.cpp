@@ -11,6 +11,7 @@
 #define MLX_LATTICE_X86 1
 #endif
 
+#include "conv_forward_half.h"
 #include "gemm.h"
 #include "isa.h"
 #include "parallel.h"
@@ -198,28 +199,6 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<
 }
 
 namespace {
-
-#ifdef MLX_LATTICE_X86
-// float16 -> float32, 16 values per vcvtph2ps (exact); the tail through a
-// zero-padded copy and a masked store. (The zero-masked conversion gives the
-// plain one's values without its undefined pass-through operand.)
-__attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, int64_t n,
-                                                         float* dst) {
-  constexpr __mmask16 kAll = 0xffff;
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
-    _mm512_storeu_ps(dst + i, _mm512_maskz_cvtph_ps(kAll, h));
-  }
-  if (i < n) {
-    alignas(32) uint16_t rest[16] = {};
-    std::memcpy(rest, src + i, sizeof(uint16_t) * (n - i));
-    const __m512 v =
-        _mm512_maskz_cvtph_ps(kAll, _mm256_load_si256(reinterpret_cast<const __m256i*>(rest)));
-    _mm512_mask_storeu_ps(dst + i, static_cast<__mmask16>((1u << (n - i)) - 1u), v);
-  }
-}
-#endif
 
 // Widens columns [c0, c1) of m half-precision rows src[j] into
 // dst + j * stride + c0 (exact, so every path gives the same floats): AVX-512

@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -70,10 +69,6 @@ __attribute__((target("avx512f"))) void round_f16_avx512(const float* src, int64
   const int64_t size = std::max<int64_t>(int64_t{r} + 1, 2 * static_cast<int64_t>(slots.size()));
   slots.resize(size, -1);
   return slots.data();
-}
-
-[[gnu::noinline, gnu::cold]] void throw_repeated_offset() {
-  throw std::invalid_argument("relation: a row has two edges with the same kernel offset");
 }
 
 // The tile's one pass over its edges (groups [g0, g1) of csr, CSR order):

@@ -58,6 +58,13 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
   }
 }
 
+// What a tile pass raises when a bucket of g1 - g0 slots would overflow: a
+// relation with two edges of one (group, offset). Out of line and cold, so
+// the pass's loop keeps its registers.
+[[noreturn, gnu::noinline, gnu::cold]] inline void throw_repeated_offset() {
+  throw std::invalid_argument("relation: a row has two edges with the same kernel offset");
+}
+
 // One pass over the edges of groups [g0, g1) of `csr` that buckets them by
 // kernel offset without a counting pass: calls place(k, n, local, e) for
 // edge e, the n-th edge of offset k in CSR order, which belongs to group
@@ -66,9 +73,9 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
 // output rows when a relation is checked, and for input rows before a
 // feature gradient is built), so n < g1 - g0 and a driver's buckets of
 // g1 - g0 slots per offset cannot overflow; a tile that would overflow one
-// raises
-// std::invalid_argument before anything is placed out of bounds. Inside an
-// offset the order is sort_tile_edges's (CSR order).
+// raises std::invalid_argument (throw_repeated_offset) before anything is
+// placed out of bounds. Inside an offset the order is sort_tile_edges's (CSR
+// order).
 template <typename Place>
 void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
                        int64_t n_kernels, int32_t* count, Place&& place) {
@@ -82,10 +89,7 @@ void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* ke
       const int32_t e = edge_ids ? edge_ids[j] : static_cast<int32_t>(j);
       const int32_t k = kernel_ids[e];
       const int32_t n = count[k];
-      if (n == cap) {
-        throw std::invalid_argument(
-            "relation: a row has two edges with the same kernel offset");
-      }
+      if (n == cap) throw_repeated_offset();
       count[k] = n + 1;
       place(k, n, local, e);
     }

@@ -737,13 +737,28 @@ class Linear(mlx_nn.Linear):
     def __call__(self, x: SparseTensor | mx.array) -> SparseTensor | mx.array:  # type: ignore[override]
         if isinstance(x, SparseTensor):
             return ops.linear(x, self.weight, self.get("bias"))
+        return self._dense(x, with_bias=True)
+
+    def without_bias(self, x: mx.array) -> mx.array:
+        """``x @ weight.T`` for a plain array, by the route :meth:`__call__`
+        takes, leaving out the bias (for a training-mode batch norm after
+        it, which cancels the bias anyway).
+
+        >>> layer = Linear(3, 2)
+        >>> x = mx.ones((4, 3))
+        >>> bool(mx.allclose(layer.without_bias(x) + layer.bias, layer(x)))
+        True
+        """
+        return self._dense(x, with_bias=False)
+
+    def _dense(self, x: mx.array, *, with_bias: bool) -> mx.array:
         if (
             x.ndim == 2
             and int(x.shape[0]) >= DENSE_NATIVE_ROWS
             and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
         ):
-            return fused.dense_linear(x, self.weight, self.get("bias"))
-        return super().__call__(x)
+            return fused.dense_linear(x, self.weight, self.get("bias") if with_bias else None)
+        return super().__call__(x) if with_bias else x @ self.weight.T
 
     def to_quantized(  # type: ignore[override]
         self,

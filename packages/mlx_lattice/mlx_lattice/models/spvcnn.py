@@ -27,14 +27,11 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import numpy as np
 
-from mlx_lattice import fused, geometry, nn
+from mlx_lattice import geometry, nn
 from mlx_lattice.models.minkunet import MinkUNet, Trace, _run
 from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 __all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
-
-
-_FLOATS = (mx.float32, mx.float16, mx.bfloat16)
 
 
 def _as(a: mx.array, dtype: mx.Dtype) -> mx.array:
@@ -199,11 +196,7 @@ class PointBranch(mlx_nn.Module):
         plain = type(self.linear) is nn.Linear  # not a QuantizedLinear (packed codes)
         if not plain or not norm.training or bias is None or "running_mean" not in norm:
             return nn.batch_norm_features(norm, self.linear(z), relu=True).astype(z.dtype)
-        weight = self.linear.weight
-        if z.ndim == 2 and int(z.shape[0]) >= nn.DENSE_NATIVE_ROWS and z.dtype in _FLOATS:
-            h = fused.dense_linear(z, weight)
-        else:
-            h = z @ weight.T
+        h = self.linear.without_bias(z)
         y = nn.batch_norm_features(norm, h, relu=True)
         # batch_norm_features set running_mean = (1 - m) * rm + m * mean(h);
         # the norm of linear(z) = h + bias has mean(h) + bias.

@@ -23,6 +23,10 @@ One run, one machine, ~100k voxels:
   SPVCNN's voxel rows), timed in the same rounds;
 * forward throughput (voxels/s) for float32, float16, int8 and int4.
 
+The run first calls :func:`mlx_lattice.retain_freed_memory` (``--no-retain``
+leaves glibc's malloc as it is): without it every large array of a step is a
+fresh, page-faulted mapping.
+
 Pass ``--quick`` for a small scan (a smoke run).
 """
 
@@ -287,6 +291,12 @@ def main() -> None:
         "--models", default="MinkUNet,SPVCNN", help="comma-separated training rows to run"
     )
     parser.add_argument(
+        "--no-retain",
+        action="store_true",
+        help="leave glibc's malloc as it is (by default the run calls "
+        "mlx_lattice.retain_freed_memory(), as a training process should)",
+    )
+    parser.add_argument(
         "--cache-limit-mb",
         type=int,
         default=None,
@@ -300,6 +310,7 @@ def main() -> None:
         parser.error(f"--models: unknown {sorted(unknown)}; choose from MinkUNet, SPVCNN")
     if args.cache_limit_mb is not None:
         mx.set_cache_limit(args.cache_limit_mb << 20)
+    retained = False if args.no_retain else mlx_lattice.retain_freed_memory()
     widths = (8, 16, 16) if args.quick else WIDTHS
     config = SceneConfig(beams=16, azimuth_steps=512) if args.quick else None
     scan = labelled_scans(1, 0, seed=0, config=config).train[0]
@@ -323,7 +334,10 @@ def main() -> None:
     )
     limit = mx.set_cache_limit(0)
     mx.set_cache_limit(limit)
-    print(f"MLX buffer cache limit {limit >> 20} MB; load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"MLX buffer cache limit {limit >> 20} MB; freed memory retained (retain_freed_memory): "
+        f"{'yes' if retained else 'no'}; load average {os.getloadavg()[0]:.1f}"
+    )
     print(
         f"scan: {n} voxels ({len(scan.points)} points); widths {widths}, 2 input channels, "
         f"{CLASSES} classes"

@@ -490,6 +490,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     import mlx.core as mx
 
+    import mlx_lattice
+
+    # Freed arrays stay in the process for the next step: without this, glibc
+    # maps (and page-faults) every large array of every step anew.
+    mlx_lattice.retain_freed_memory()
     mx.random.seed(args.seed)
     model = MinkUNet(2, NUM_CLASSES, setup.widths)
     with progress.step(f"train MinkUNet widths {setup.widths} for {setup.steps} steps"):

@@ -103,6 +103,8 @@ def _batch(scans: list) -> tuple[SparseTensor, mx.array]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    # Freed arrays stay in the process for the next step (no fresh page faults).
+    mlx_lattice.retain_freed_memory()
     if args.threads is not None:
         mlx_lattice.set_num_threads(args.threads)
     group = distributed.init(timeout_s=args.timeout)

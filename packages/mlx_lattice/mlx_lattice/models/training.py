@@ -77,6 +77,10 @@ def train_step(
     precision): the convolutions read their weights rounded to float16 and
     return float32 weight gradients, so the optimizer's state and update
     stay float32 (MLX's CPU float16 elementwise ops are several times slower).
+
+    On Linux, call :func:`mlx_lattice.retain_freed_memory` once in a training
+    process: otherwise glibc maps, zero-fills and page-faults every large
+    array of every step anew.
     """
     if labels.shape != (x.num_points,):
         raise SparseTensorError(

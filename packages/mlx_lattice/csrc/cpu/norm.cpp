@@ -149,9 +149,10 @@ void grad_map_scalar(const void* g, const void* y, const void* x, int64_t mc, in
 }
 
 #if defined(MLX_LATTICE_NORM_AVX2)
-// AVX2 without FMA (the target names no fma, so nothing can contract): G
-// groups of 4 channels held in double accumulators over all the block's
-// rows, then 4-channel groups, then the channels left one at a time.
+// AVX2 without FMA (the target names no fma, so nothing can contract). The
+// reductions over rows of up to kRowMajorAbove channels hold G groups of 4
+// channels in double accumulators over all the block's rows, then 4-channel
+// groups, then the channels left one at a time; wider rows go row by row.
 //
 // Each loop is instantiated per element format F and reads and writes rows
 // in F: float16 widened by vcvtph2ps and rounded by vcvtps2ph (nearest
@@ -160,6 +161,12 @@ void grad_map_scalar(const void* g, const void* y, const void* x, int64_t mc, in
 // format runs the float32 arithmetic in the same order.
 
 #define NORM_AVX2 __attribute__((target("avx2,f16c")))
+
+// Wider rows than this are reduced row by row (all channels of a row, the
+// accumulators in memory): the column passes of the loops below would walk
+// the block once per channel group with a stride of one row, which the
+// prefetchers serve poorly. Each channel's additions keep their order.
+inline constexpr int64_t kRowMajorAbove = 16;
 
 template <FloatFormat F>
 using Elem = std::conditional_t<F == FloatFormat::kF32, float, uint16_t>;
@@ -253,6 +260,17 @@ NORM_AVX2 inline void sum_columns_avx2(const Elem<F>* xr, int64_t m, int64_t c, 
 template <FloatFormat F>
 NORM_AVX2 void sum_rows_avx2(const void* x, int64_t m, int64_t c, double* acc) {
   const Elem<F>* xr = static_cast<const Elem<F>*>(x);
+  if (c > kRowMajorAbove) {
+    for (int64_t i = 0; i < m; ++i, xr += c) {
+      int64_t j = 0;
+      for (; j + 4 <= c; j += 4) {
+        _mm256_storeu_pd(acc + j, _mm256_add_pd(_mm256_loadu_pd(acc + j),
+                                                _mm256_cvtps_pd(load4<F>(xr + j))));
+      }
+      for (; j < c; ++j) acc[j] += static_cast<double>(load1<F>(xr + j));
+    }
+    return;
+  }
   int64_t j = 0;
   for (; j + 32 <= c; j += 32) sum_columns_avx2<F, 8>(xr, m, c, j, acc);
   for (; j + 4 <= c; j += 4) sum_columns_avx2<F, 1>(xr, m, c, j, acc);
@@ -285,6 +303,20 @@ template <FloatFormat F>
 NORM_AVX2 void square_rows_avx2(const void* x, int64_t m, int64_t c, const double* mu,
                                 double* acc) {
   const Elem<F>* xr = static_cast<const Elem<F>*>(x);
+  if (c > kRowMajorAbove) {
+    for (int64_t i = 0; i < m; ++i, xr += c) {
+      int64_t j = 0;
+      for (; j + 4 <= c; j += 4) {
+        const __m256d d = _mm256_sub_pd(_mm256_cvtps_pd(load4<F>(xr + j)), _mm256_loadu_pd(mu + j));
+        _mm256_storeu_pd(acc + j, _mm256_add_pd(_mm256_loadu_pd(acc + j), _mm256_mul_pd(d, d)));
+      }
+      for (; j < c; ++j) {
+        const double d = static_cast<double>(load1<F>(xr + j)) - mu[j];
+        acc[j] += d * d;
+      }
+    }
+    return;
+  }
   int64_t j = 0;
   for (; j + 24 <= c; j += 24) square_columns_avx2<F, 6>(xr, m, c, j, mu, acc);
   for (; j + 4 <= c; j += 4) square_columns_avx2<F, 1>(xr, m, c, j, mu, acc);
@@ -364,6 +396,27 @@ NORM_AVX2 void grad_sums_avx2(const void* g, const void* y, const void* x, int64
   const Elem<F>* gr = static_cast<const Elem<F>*>(g);
   const Elem<F>* yr = static_cast<const Elem<F>*>(y);
   const Elem<F>* xr = static_cast<const Elem<F>*>(x);
+  if (c > kRowMajorAbove) {
+    std::vector<double> u(c);
+    for (int64_t j = 0; j < c; ++j) u[j] = static_cast<double>(mean[j]);
+    for (int64_t e = 0; e < m * c; e += c) {
+      int64_t j = 0;
+      for (; j + 4 <= c; j += 4) {
+        const __m256d gv = _mm256_cvtps_pd(masked4_avx2<F>(gr, yr, e + j));
+        const __m256d xc =
+            _mm256_sub_pd(_mm256_cvtps_pd(load4<F>(xr + e + j)), _mm256_loadu_pd(u.data() + j));
+        _mm256_storeu_pd(acc + j, _mm256_add_pd(_mm256_loadu_pd(acc + j), gv));
+        _mm256_storeu_pd(acc + c + j,
+                         _mm256_add_pd(_mm256_loadu_pd(acc + c + j), _mm256_mul_pd(gv, xc)));
+      }
+      for (; j < c; ++j) {
+        const double gv = static_cast<double>(masked1<F>(gr, yr, e + j));
+        acc[j] += gv;
+        acc[c + j] += gv * (static_cast<double>(load1<F>(xr + e + j)) - u[j]);
+      }
+    }
+    return;
+  }
   int64_t j = 0;
   for (; j + 16 <= c; j += 16) grad_columns_avx2<F, 4>(gr, yr, xr, m, c, j, mean, acc);
   for (; j + 4 <= c; j += 4) grad_columns_avx2<F, 1>(gr, yr, xr, m, c, j, mean, acc);

@@ -10,6 +10,10 @@ have it); a child process forced to the scalar loops by
 cover the vector widths and their tails, row counts are not multiples of the
 block, and thread counts 1-3 must not change any bit.
 
+Half-precision rows (float16, bfloat16) are read and written in their own
+format by the vector loops: under every ISA ceiling their results must be the
+float32 path's on the widened inputs, rounded, bit for bit.
+
 Every random input comes from the per-test ``rng`` (its seed is printed on
 failure and replayed with ``TEST_SEED``).
 """
@@ -170,3 +174,66 @@ def test_scalar_path_matches_emulation(rng, seed, tmp_path, isa_child):
         for threads in (1, 2, 3):
             outputs = [got[f"{key}/{threads}/{i}"] for i in range(6)]
             _assert_bits(outputs, want, f"seed={seed} scalar c:dtype:relu={key} threads={threads}")
+
+
+_WIDENED_SCRIPT = """
+import sys
+import mlx.core as mx
+import numpy as np
+import mlx_lattice
+from mlx_lattice._native import ext
+
+cases = np.load(sys.argv[1])
+out = {}
+for key in sorted({k.rsplit("/", 1)[0] for k in cases.files}):
+    _, _, dtype, relu = key.split(":")
+    x, w, b, g = (mx.array(cases[key + "/" + s]) for s in "xwbg")
+    f = lambda x, w, b: ext.batch_norm_train(x, w, b, eps=1e-5, relu=relu == "1")
+    half = getattr(mx, dtype)
+    widened = [a.astype(half).astype(mx.float32) for a in (x, g)]
+    for threads in (1, 2, 3):
+        mlx_lattice.set_num_threads(threads)
+        for name, (xd, gd) in (("half", (x.astype(half), g.astype(half))), ("f32", widened)):
+            y, mean, var = f(xd, w, b)
+            _, grads = mx.vjp(lambda x, w, b: f(x, w, b)[0], [xd, w, b], [gd])
+            for i, a in enumerate((y, mean, var, *grads)):
+                out[f"{key}/{threads}/{name}/{i}"] = np.array(a.astype(mx.float32))
+np.savez(sys.argv[2], **out)
+"""
+
+# The norm loops exist for the scalar and avx2-fma levels; the CPU's best
+# ceiling (e.g. avx512f) must pick the same loops as avx2-fma.
+_CEILINGS = sorted(
+    {isa for isa in ext.gemm_isas() if isa in ("scalar", "avx2-fma")} | {ext.gemm_isas()[0]}
+)
+
+
+@pytest.mark.parametrize("ceiling", _CEILINGS)
+def test_half_rows_match_float32_path_on_widened_inputs(rng, seed, tmp_path, isa_child, ceiling):
+    """float16/bfloat16 batch norm (forward and vjp) equals the float32 path
+    run on the same inputs widened to float32, with y and dx rounded to the
+    half format, for every channel count, relu on and off, 1-3 threads and
+    each ISA ceiling (MLX_LATTICE_GEMM_ISA, one child process each). With
+    relu the masks agree unless a positive float32 y rounds to 0 in the half
+    format, which the test checks does not happen for its inputs."""
+    cases = {}
+    for c in CHANNELS:
+        for n in (37, 700):
+            for dtype in ("float16", "bfloat16"):
+                for relu in (False, True):
+                    key = f"{c}:{n}:{dtype}:{int(relu)}"
+                    for name, a in zip("xwbg", _inputs(rng, n, c), strict=True):
+                        cases[f"{key}/{name}"] = a
+    np.savez(tmp_path / "cases.npz", **cases)
+    isa_child(_WIDENED_SCRIPT, ceiling, tmp_path / "cases.npz", tmp_path / "out.npz")
+    got = np.load(tmp_path / "out.npz")
+    keys = sorted({k.rsplit("/", 1)[0] for k in cases})
+    for key in keys:
+        dtype = DTYPES[key.split(":")[2]]
+        for threads in (1, 2, 3):
+            context = f"seed={seed} {ceiling} c:n:dtype:relu={key} threads={threads}"
+            half = [got[f"{key}/{threads}/half/{i}"] for i in range(6)]
+            ref = [got[f"{key}/{threads}/f32/{i}"] for i in range(6)]
+            assert np.array_equal(ref[0] > 0, _round(ref[0], dtype) > 0), context
+            ref[0], ref[3] = _round(ref[0], dtype), _round(ref[3], dtype)
+            _assert_bits(half, ref, context)

@@ -28,7 +28,7 @@ import mlx.nn as mlx_nn
 import numpy as np
 
 from mlx_lattice import geometry, nn
-from mlx_lattice.models.minkunet import MinkUNet, Trace, _run
+from mlx_lattice.models.minkunet import MinkUNet, Trace, _run, _skip
 from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 __all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
@@ -245,11 +245,13 @@ class SPVCNN(MinkUNet):
         x = self.stem(inp.tensor, trace, "stem/")
         z0 = inp.to_points(x, f32)
         x = inp.to_voxels(x, z0)
-        skips = [x]
+        # Each skip forks its tensor (MinkUNet's _skip): in half precision the
+        # two gradients are summed natively, not by MLX's CPU half add.
+        skips = []
         for i, stage in enumerate(self.encoder.stages()):
+            x, skip = _skip(x)
+            skips.append(skip)
             x = stage(x, trace, f"encoder/block{i + 1}/")
-            skips.append(x)
-        skips.pop()
         z1 = inp.to_points(x, f32) + self.point.mlp1(z0)
         x = inp.to_voxels(x, z1)
         for i, stage in enumerate(self.decoder.stages()):

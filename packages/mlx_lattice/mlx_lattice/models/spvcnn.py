@@ -128,12 +128,11 @@ class PointCloudInput:
 
     def to_points(self, x: SparseTensor, dtype: mx.Dtype | None = None) -> mx.array:
         """``x``'s features interpolated at the points (trilinear), ``(P, C)``,
-        in ``dtype`` (default ``x``'s; the interpolation runs in float32)."""
+        in ``dtype`` (default ``x``'s; the interpolation runs in float32, and
+        on the CPU the native kernel reads half-precision rows and writes
+        ``dtype`` itself, its gradient in ``x``'s dtype: no cast passes)."""
         _, _, pvm = self.level(x)
-        if dtype is None or dtype == x.dtype:
-            return geometry.devoxelize(x.feats, pvm, "linear")
-        out = geometry.devoxelize(_as(x.feats, mx.float32), pvm, "linear")
-        return _as(out, dtype)
+        return geometry.devoxelize(x.feats, pvm, "linear", dtype=dtype)
 
     def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
         """Point features averaged onto ``x``'s voxels (same rows as ``x``, in

@@ -92,14 +92,15 @@ class PointCloudInput:
         cached = self._levels.get(s)
         if cached is not None and cached[3] is x.coords:
             return cached[:3]
-        coords = np.array(x.coords).astype(np.int64)
-        index = np.concatenate([coords[:, :1], coords[:, 1:] // s], axis=1)
         if s == 1 and x.coords is self.tensor.coords:
-            # This input's own voxels, in their own order: no permutation.
-            rows = mx.arange(len(index), dtype=mx.int32)
-            pvm = geometry.point_voxel_map(self.points, index, self.voxel_size, batch=self.batch)
+            # This input's own voxels, in their own order: no permutation
+            # (and the coordinates are the voxel indices as they are).
+            rows = mx.arange(x.num_points, dtype=mx.int32)
+            pvm = geometry.point_voxel_map(self.points, x.coords, self.voxel_size, batch=self.batch)
             self._levels[s] = (self.voxels, rows, pvm, x.coords, None)
             return self.voxels, rows, pvm
+        coords = np.array(x.coords).astype(np.int64)
+        index = np.concatenate([coords[:, :1], coords[:, 1:] // s], axis=1)
         vox = (
             self.voxels
             if s == 1

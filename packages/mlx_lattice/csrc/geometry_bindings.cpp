@@ -243,8 +243,9 @@ void bind_geometry(nb::module_& m) {
 
   m.def("geometry_devoxelize", &ml::geometry_devoxelize, "voxel_features"_a, "rows"_a,
         "weights"_a, "nearest"_a, "voxel_offsets"_a, "voxel_entries"_a, "nearest_mode"_a,
-        nb::kw_only(), "stream"_a = nb::none(), release(),
-        "Interpolate (N, C) voxel features at points; vjp/jvp in voxel_features.");
+        nb::kw_only(), "out_dtype"_a = "", "stream"_a = nb::none(), release(),
+        "Interpolate (N, C) voxel features at points; vjp/jvp in voxel_features. "
+        "out_dtype: 'float32', 'float16', 'bfloat16' or '' (the features' dtype).");
 
   m.def(
       "geometry_knn",

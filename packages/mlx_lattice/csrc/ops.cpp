@@ -284,8 +284,20 @@ mx::array geometry_voxelize(const mx::array& feats, const mx::array& voxel_offse
 mx::array geometry_devoxelize(const mx::array& voxel_features, const mx::array& rows,
                               const mx::array& weights, const mx::array& nearest,
                               const mx::array& voxel_offsets, const mx::array& voxel_entries,
-                              bool nearest_mode, mx::StreamOrDevice s) {
+                              bool nearest_mode, const std::string& out_dtype,
+                              mx::StreamOrDevice s) {
   check_table(kDevoxelizeOp, "voxel_features", voxel_features);
+  mx::Dtype dtype = voxel_features.dtype();
+  if (out_dtype == "float32") {
+    dtype = mx::float32;
+  } else if (out_dtype == "float16") {
+    dtype = mx::float16;
+  } else if (out_dtype == "bfloat16") {
+    dtype = mx::bfloat16;
+  } else if (!out_dtype.empty()) {
+    fail(kDevoxelizeOp,
+         "dtype must be float32, float16 or bfloat16 (or none), got " + out_dtype + ".");
+  }
   const int64_t n_voxels = voxel_features.shape(0);
   auto idx = checked_point_voxel_map(rows, nearest, voxel_offsets, voxel_entries, n_voxels);
   if (weights.dtype() != mx::float32 || weights.shape() != idx[0].shape()) {
@@ -297,8 +309,8 @@ mx::array geometry_devoxelize(const mx::array& voxel_features, const mx::array& 
   std::vector<mx::array> index_inputs = {idx[0], mx::contiguous(weights, false, stream), idx[1],
                                          idx[2], idx[3]};
   auto out = make_devoxelize(GeometryDevoxelize::kForward, nearest_mode, n_voxels, voxel_features,
-                             index_inputs, stream);
-  return mx::astype(out, voxel_features.dtype(), stream);
+                             index_inputs, stream, dtype);
+  return out;
 }
 
 }  // namespace mlx_lattice

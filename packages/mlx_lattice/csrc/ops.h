@@ -57,6 +57,7 @@ mx::array geometry_voxelize(const mx::array& feats, const mx::array& voxel_offse
 mx::array geometry_devoxelize(const mx::array& voxel_features, const mx::array& rows,
                               const mx::array& weights, const mx::array& nearest,
                               const mx::array& voxel_offsets, const mx::array& voxel_entries,
-                              bool nearest_mode, mx::StreamOrDevice s = {});
+                              bool nearest_mode, const std::string& out_dtype = "",
+                              mx::StreamOrDevice s = {});
 
 }  // namespace mlx_lattice

@@ -185,12 +185,19 @@ class GeometryVoxelize : public mx::Primitive {
 // Voxel features (N, C) -> point features (P, C) through a point-voxel map
 // (kForward) and its transpose (kTranspose: (P, C) -> (N, C)). Inputs after
 // the features: rows (P, 8), weights (P, 8) float32, nearest (P,),
-// voxel_offsets (N + 1), voxel_entries (E).
+// voxel_offsets (N + 1), voxel_entries (E). On the CPU the features may be
+// float16 / bfloat16 and the output is out_dtype (float32 arithmetic, the
+// bits of casts around a float32 kernel); Metal takes and gives float32.
 class GeometryDevoxelize : public mx::Primitive {
  public:
   enum Face { kForward = 0, kTranspose = 1 };
-  GeometryDevoxelize(mx::Stream stream, Face face, bool nearest, int64_t n_voxels)
-      : mx::Primitive(stream), face_(face), nearest_(nearest), n_voxels_(n_voxels) {}
+  GeometryDevoxelize(mx::Stream stream, Face face, bool nearest, int64_t n_voxels,
+                     mx::Dtype out_dtype = mx::float32)
+      : mx::Primitive(stream),
+        face_(face),
+        nearest_(nearest),
+        n_voxels_(n_voxels),
+        out_dtype_(out_dtype) {}
   void eval_cpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
   void eval_gpu(const std::vector<array>& inputs, std::vector<array>& outputs) override;
   DEFINE_VMAP()
@@ -198,17 +205,20 @@ class GeometryDevoxelize : public mx::Primitive {
   DEFINE_NAME(GeometryDevoxelize)
   bool is_equivalent(const mx::Primitive& other) const override {
     const auto& o = static_cast<const GeometryDevoxelize&>(other);
-    return face_ == o.face_ && nearest_ == o.nearest_ && n_voxels_ == o.n_voxels_;
+    return face_ == o.face_ && nearest_ == o.nearest_ && n_voxels_ == o.n_voxels_ &&
+           out_dtype_ == o.out_dtype_;
   }
   std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override;
   Face face() const { return face_; }
   bool nearest() const { return nearest_; }
   int64_t n_voxels() const { return n_voxels_; }
+  mx::Dtype out_dtype() const { return out_dtype_; }
 
  private:
   Face face_;
   bool nearest_;
   int64_t n_voxels_;
+  mx::Dtype out_dtype_;
 };
 
 // The k nearest support points of every query (same batch), by (squared
@@ -389,9 +399,12 @@ array make_pool(SparsePool::Stage stage, kernels::PoolMode mode, const std::vect
 // picks}; index = {voxel_offsets, voxel_points, point_to_voxel}.
 std::vector<array> make_voxelize(int mode, const array& feats, const std::vector<array>& index,
                                  mx::Stream s);
-// index = {rows, weights, nearest, voxel_offsets, voxel_entries}.
+// index = {rows, weights, nearest, voxel_offsets, voxel_entries}. The result
+// is in out_dtype; on a CPU stream half-precision x is read and out_dtype
+// written by the kernel itself (no cast nodes).
 array make_devoxelize(GeometryDevoxelize::Face face, bool nearest, int64_t n_voxels, const array& x,
-                      const std::vector<array>& index, mx::Stream s);
+                      const std::vector<array>& index, mx::Stream s,
+                      mx::Dtype out_dtype = mx::float32);
 // {rows, dist2}; points as given (float64 stays on the CPU kernels).
 // radius > 0: only neighbours within it (the k nearest of them).
 std::vector<array> make_knn(int k, const KnnGrid& grid, const array& query, const array& qbatch,

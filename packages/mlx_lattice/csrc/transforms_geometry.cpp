@@ -34,12 +34,19 @@ std::vector<array> make_voxelize(int mode, const array& feats, const std::vector
 }
 
 array make_devoxelize(Face face, bool nearest, int64_t n_voxels, const array& x,
-                      const std::vector<array>& index, mx::Stream s) {
+                      const std::vector<array>& index, mx::Stream s, mx::Dtype out_dtype) {
   const int64_t rows_out = face == Face::kForward ? index[0].shape(0) : n_voxels;
-  std::vector<array> inputs = {as_float32(x, s)};
+  // The CPU kernel widens float16 / bfloat16 rows and rounds its output
+  // itself: the bits of the casts, without their passes over memory. Metal
+  // kernels take and give float32.
+  const bool cpu = !uses_metal_bodies(s);
+  const bool half = x.dtype() == mx::float16 || x.dtype() == mx::bfloat16;
+  const mx::Dtype kernel_out = cpu ? out_dtype : mx::float32;
+  std::vector<array> inputs = {cpu && half ? mx::contiguous(x, false, s) : as_float32(x, s)};
   inputs.insert(inputs.end(), index.begin(), index.end());
-  return array({static_cast<int>(rows_out), x.shape(1)}, mx::float32,
-               std::make_shared<GeometryDevoxelize>(s, face, nearest, n_voxels), inputs);
+  array out({static_cast<int>(rows_out), x.shape(1)}, kernel_out,
+            std::make_shared<GeometryDevoxelize>(s, face, nearest, n_voxels, kernel_out), inputs);
+  return kernel_out == out_dtype ? out : mx::astype(out, out_dtype, s);
 }
 
 // ---------------------------------------------------------- GeometryVoxelize
@@ -127,7 +134,7 @@ std::vector<array> GeometryDevoxelize::vjp(const std::vector<array>& primals,
   for (int arg : argnums) {
     if (arg == 0) {
       grads.push_back(make_devoxelize(face_ == kForward ? kTranspose : kForward, nearest_,
-                                      n_voxels_, cotangents[0], index, s));
+                                      n_voxels_, cotangents[0], index, s, primals[0].dtype()));
     } else if (arg == 2 && face_ == kForward && !nearest_) {
       // d out[p] / d w[p, c] = vf[rows[p, c]] (0 for missing voxels).
       const auto& rows = primals[1];
@@ -155,9 +162,9 @@ std::vector<array> GeometryDevoxelize::jvp(const std::vector<array>& primals,
           "GeometryDevoxelize (devoxelize): forward-mode derivatives flow only to "
           "voxel_features.");
     }
-    out = make_devoxelize(face_, nearest_, n_voxels_, tangents[i], index, s);
+    out = make_devoxelize(face_, nearest_, n_voxels_, tangents[i], index, s, out_dtype_);
   }
-  if (!out) return {mx::zeros(output_shapes(primals)[0], mx::float32, s)};
+  if (!out) return {mx::zeros(output_shapes(primals)[0], out_dtype_, s)};
   return {*out};
 }
 

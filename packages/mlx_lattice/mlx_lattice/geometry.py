@@ -379,6 +379,8 @@ def devoxelize(
     voxel_features: mx.array,
     pvm: PointVoxelMap,
     interpolation: Interpolation = "linear",
+    *,
+    dtype: mx.Dtype | None = None,
 ) -> mx.array:
     """Interpolate ``(N, C)`` voxel features at the points of ``pvm`` -> ``(P, C)``.
 
@@ -387,6 +389,14 @@ def devoxelize(
     of ``pvm.nearest`` (zeros where -1). A native primitive with ``vjp`` and
     ``jvp`` in ``voxel_features``; the transpose reduces in ascending
     ``(point, corner)`` order per voxel (deterministic).
+
+    The interpolation runs in float32 whatever the features' dtype; the
+    result is in ``dtype`` (float32, float16 or bfloat16; default the
+    features' own), rounded once. Half-precision features with
+    ``dtype=mx.float32`` give exactly ``devoxelize(voxel_features.astype(
+    mx.float32), pvm)``, and the gradient comes back in the features' dtype
+    (the float32 transpose rounded once), but on the CPU without the cast
+    passes: the native kernel reads and writes the half-precision rows itself.
 
     >>> coords = np.array([[0, 0, 0, 0], [0, 1, 0, 0]])
     >>> pvm = point_voxel_map(np.array([[0.75, 0.5, 0.5]]), coords, 1.0)
@@ -400,6 +410,9 @@ def devoxelize(
     if interpolation not in ("linear", "nearest"):
         raise GeometryError(f"interpolation must be 'linear' or 'nearest', got {interpolation!r}.")
     feats = _features(voxel_features, pvm.num_voxels, "voxel_features", "voxel")
+    out_dtype = _DTYPE_NAMES.get(dtype) if dtype is not None else ""
+    if out_dtype is None:
+        raise GeometryError(f"dtype must be float32, float16 or bfloat16 (or None), got {dtype}.")
     return ext.geometry_devoxelize(
         feats,
         pvm.rows,
@@ -408,7 +421,11 @@ def devoxelize(
         pvm.voxel_offsets,
         pvm.voxel_entries,
         interpolation == "nearest",
+        out_dtype=out_dtype,
     )
+
+
+_DTYPE_NAMES = {mx.float32: "float32", mx.float16: "float16", mx.bfloat16: "bfloat16"}
 
 
 # -- neighbours --------------------------------------------------------------------------

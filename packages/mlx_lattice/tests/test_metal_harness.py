@@ -849,3 +849,39 @@ def test_feature_add_kernel_matches_the_cpu_bit_for_bit(rng, seed, harness, dtyp
         np.testing.assert_array_equal(
             np.array(gpu[0].view(mx.uint16)), want.view(np.uint16), err_msg=f"seed {seed}"
         )
+
+
+@pytest.mark.parametrize(
+    ("feat_dtype", "out_dtype"),
+    [(mx.float16, mx.float32), (mx.bfloat16, mx.float32), (mx.float32, mx.float16)],
+)
+def test_geometry_devoxelize_dtypes(rng, harness, feat_dtype, out_dtype):
+    """devoxelize's dtype combinations on the Metal kernels (float32 kernels
+    with casts in the graph) against the CPU kernel (which widens half rows
+    and rounds its output itself): the output in out_dtype, the gradient in
+    the features' dtype."""
+    points = rng.uniform(-2.0, 2.0, (300, 3))
+    batch = rng.integers(0, 2, 300).astype(np.int32)
+    vox = geometry.quantize_points(points, 0.5, batch=batch)
+    pvm = geometry.point_voxel_map(points, vox.coords, 0.5, batch=batch)
+    vf = rand(rng, (vox.num_voxels, 40), feat_dtype)
+    g = rand(rng, (300, 40), out_dtype)
+
+    def run():
+        out = []
+        for interpolation in ("linear", "nearest"):
+
+            def devoxelize(v, interpolation=interpolation):
+                return geometry.devoxelize(v, pvm, interpolation, dtype=out_dtype)
+
+            out.append(devoxelize(vf))
+            out.append(mx.vjp(devoxelize, [vf], [g])[1][0])
+        return out
+
+    cpu, gpu = harness(run)
+    for a, b in zip(cpu, gpu, strict=True):
+        assert a.dtype == b.dtype
+    assert [a.dtype for a in cpu] == [out_dtype, feat_dtype] * 2
+    # Both are the float32 interpolation rounded once; 1e-2 where the sums'
+    # order differs and a half rounding step flips.
+    close(cpu, gpu, 1e-2)

@@ -272,3 +272,50 @@ def test_half_spvcnn_runs_its_point_branch_in_float32(rng, seed, monkeypatch):
     # The voxel network stays in half precision: every voxel tensor handed to
     # the point branch (after the stem, the encoder and the decoder) is float16.
     assert voxel_dtypes == [mx.float16] * 3, msg
+
+
+def test_half_spvcnn_skip_gradients_match_plain_reuse(rng, seed, monkeypatch):
+    # The skips fork their tensor (MinkUNet's _skip: the two gradients summed
+    # by the native fused.add, the correctly rounded sum). Reference: the same
+    # model and input with the skips reusing the tensor, so autodiff sums the
+    # two float16 gradients with MLX's own add: the same bits.
+    inp, _ = _half_cloud(rng, mx.float16, n=4000, channels=2)
+    mx.random.seed(int(rng.integers(1 << 31)))
+    model = SPVCNN(2, 5, widths=(8, 16, 16))
+    model.train()
+    labels = mx.array(rng.integers(0, 5, inp.num_points).astype(np.int32))
+
+    def loss(m):
+        scores = m(inp)
+        picked = mx.take_along_axis(scores, labels[:, None], 1)[:, 0]
+        return mx.mean(mx.logsumexp(scores, axis=1) - picked)
+
+    forks = []
+    skip = spvcnn_module._skip
+
+    def counting_skip(x):
+        down, across = skip(x)
+        forks.append(down.feats is not x.feats)
+        return down, across
+
+    def run():
+        value, grads = mlx_nn.value_and_grad(model, loss)(model)
+        mx.eval(value, grads)
+        return value, dict(mlx_nn.utils.tree_flatten(grads))
+
+    state = [(k, mx.array(v)) for k, v in mlx_nn.utils.tree_flatten(model.parameters())]
+    monkeypatch.setattr(spvcnn_module, "_skip", counting_skip)
+    forked_value, forked = run()
+    model.load_weights(state)  # the running statistics moved: restore them
+    monkeypatch.setattr(spvcnn_module, "_skip", lambda x: (x, x))
+    plain_value, plain = run()
+    msg = f"seed {seed}"
+    assert forks == [True] * 2, msg  # the stem and first encoder outputs forked
+    assert forked_value.item() == plain_value.item(), msg
+    assert forked.keys() == plain.keys(), msg
+    for key, g in forked.items():
+        assert g.dtype == plain[key].dtype, f"{key}: {msg}"
+        assert np.array_equal(np.array(g), np.array(plain[key])), f"{key}: {msg}"
+    # The skips carried gradients (not a vacuous comparison).
+    stem = [g for k, g in forked.items() if k.startswith("stem.") and k.endswith("weight")]
+    assert stem and all(float(mx.abs(g).max()) > 0 for g in stem), msg

@@ -305,3 +305,134 @@ def test_voxelize_sum_mean_bits_in_point_order(seeded, reduce, channels):
     if reduce == "mean":
         mean64 /= counts[:, None]
     np.testing.assert_allclose(results[0], mean64, rtol=1e-5, atol=1e-5)
+
+
+# -- corner lookups in sorted coordinates; the grouping of entries by voxel --------------------
+
+
+def test_sorted_coords_next_row_shortcut_gives_the_same_map(seeded):
+    # Coordinates sorted (batch, x, y, z), as tensors hold them: corner c + 1
+    # (one step along z) is often the row after corner c's and is taken from
+    # there; elsewhere the next row holds another voxel and the hash decides.
+    pts, batch, size, origin, coords = _scene(seeded, 600, 3, True)
+    order = np.lexsort(coords[:, ::-1].T)
+    ordered = coords[order]
+    raw = _raw(pts, batch, ordered, size, origin)
+    _check_ref(raw, pts, batch, ordered, size, origin)
+    rows = np.array(raw["rows"])
+    hits = (rows[:, 0::2] >= 0) & (rows[:, 1::2] == rows[:, 0::2] + 1)
+    assert hits.any() and (rows[:, 0::2] >= 0).sum() > hits.sum(), f"{hits.sum()} adjacent pairs"
+    # The same map as from the shuffled rows, renamed.
+    shuffled = _raw(pts, batch, coords, size, origin)
+    rename = np.empty(len(coords) + 1, np.int64)
+    rename[order] = np.arange(len(coords))
+    rename[-1] = -1  # row -1 stays -1
+    np.testing.assert_array_equal(rows, rename[np.array(shuffled["rows"])])
+    np.testing.assert_array_equal(np.array(raw["weights"]), np.array(shuffled["weights"]))
+    np.testing.assert_array_equal(np.array(raw["nearest"]), rename[np.array(shuffled["nearest"])])
+
+
+def test_entry_grouping_for_any_thread_count(seeded):
+    # 80000 points: 640000 entries, counted in up to 8 slices (one histogram
+    # each); every thread count gives the stable grouping by voxel.
+    pts, batch, size, origin, coords = _scene(seeded, 80000, 2, False)
+    results = _per_thread_count(lambda: _raw(pts, batch, coords, size, origin))
+    for r in results[1:]:
+        _same(results[0], r)
+    rows = np.array(results[0]["rows"]).reshape(-1)
+    valid = np.flatnonzero(rows >= 0)
+    expect = valid[np.argsort(rows[valid], kind="stable")]
+    counts = np.bincount(rows[valid], minlength=len(coords))
+    np.testing.assert_array_equal(np.array(results[0]["voxel_entries"]), expect)
+    np.testing.assert_array_equal(
+        np.array(results[0]["voxel_offsets"]), np.concatenate([[0], np.cumsum(counts)])
+    )
+
+
+# -- half-precision features and the output dtype of devoxelize -----------------------------
+
+_HALF_TOL = {mx.float32: 1e-5, mx.float16: 2.0**-10, mx.bfloat16: 2.0**-7}
+
+
+@pytest.mark.parametrize("mode", ["linear", "nearest"])
+@pytest.mark.parametrize("out_dtype", [mx.float32, mx.float16, mx.bfloat16, None])
+@pytest.mark.parametrize("feat_dtype", [mx.float16, mx.bfloat16, mx.float32])
+def test_devoxelize_dtypes_equal_the_casts_and_float64(seeded, seed, feat_dtype, out_dtype, mode):
+    # The kernel widens half rows and rounds its output once: the bits of
+    # casting the features to float32, devoxelizing and casting the result;
+    # the gradient (the transpose of a cotangent in the output dtype) comes
+    # back in the features' dtype with the casts' bits too.
+    pts, batch, size, origin, coords, pvm = _coarse_or_fine(seeded, False)
+    channels = 37  # 16-wide blocks and a scalar tail
+    vf = mx.array(seeded.standard_normal((len(coords), channels)).astype(np.float32))
+    vf = vf.astype(feat_dtype)
+    want = feat_dtype if out_dtype is None else out_dtype
+    g = mx.array(seeded.standard_normal((len(pts), channels)).astype(np.float32)).astype(want)
+    t = mx.array(seeded.standard_normal(vf.shape).astype(np.float32)).astype(feat_dtype)
+    msg = f"seed {seed}, {feat_dtype} -> {out_dtype}, {mode}"
+
+    def native(v):
+        return devoxelize(v, pvm, mode, dtype=out_dtype)
+
+    def cast(v):
+        return devoxelize(v.astype(mx.float32), pvm, mode).astype(want)
+
+    (out,), (grad,) = mx.vjp(native, [vf], [g])
+    (out_c,), (grad_c,) = mx.vjp(cast, [vf], [g])
+    assert out.dtype == want and grad.dtype == feat_dtype, msg
+    f32 = mx.float32
+    np.testing.assert_array_equal(np.array(out.astype(f32)), np.array(out_c.astype(f32)), msg)
+    np.testing.assert_array_equal(np.array(grad.astype(f32)), np.array(grad_c.astype(f32)), msg)
+    (jt,) = mx.jvp(native, [vf], [t])[1]
+    (jt_c,) = mx.jvp(cast, [vf], [t])[1]
+    assert jt.dtype == want, msg
+    np.testing.assert_array_equal(np.array(jt.astype(f32)), np.array(jt_c.astype(f32)), msg)
+    compiled = mx.compile(native)(vf)
+    np.testing.assert_array_equal(np.array(compiled.astype(f32)), np.array(out.astype(f32)), msg)
+    # Against float64 from the loop reference's map (one rounding to `want`).
+    rows64, weights64, nearest64 = pvm_ref(pts, coords, size, origin, batch)
+    v64 = np.array(vf.astype(f32)).astype(np.float64)
+    g64 = np.array(g.astype(f32)).astype(np.float64)
+    if mode == "linear":
+        w = weights64 * (rows64 >= 0)
+        ref = (v64[np.maximum(rows64, 0)] * w[..., None]).sum(1)
+        grad64 = np.zeros_like(v64)
+        spread = w.reshape(-1, 1) * np.repeat(g64, 8, 0)
+        np.add.at(grad64, np.maximum(rows64, 0).reshape(-1), spread)
+    else:
+        ref = np.where((nearest64 >= 0)[:, None], v64[np.maximum(nearest64, 0)], 0.0)
+        grad64 = np.zeros_like(v64)
+        keep = nearest64 >= 0
+        np.add.at(grad64, nearest64[keep], g64[keep])
+    tol = _HALF_TOL[want]
+    np.testing.assert_allclose(np.array(out.astype(f32)), ref, rtol=tol, atol=tol, err_msg=msg)
+    gtol = max(_HALF_TOL[feat_dtype], 1e-4)  # float32 transpose sums: 1e-4 as above
+    got = np.array(grad.astype(f32))
+    np.testing.assert_allclose(got, grad64, rtol=gtol, atol=gtol, err_msg=msg)
+
+
+def test_half_devoxelize_same_bits_for_any_thread_count(seeded):
+    pts, *_, coords, pvm = _coarse_or_fine(seeded, True)
+    vf = mx.array(seeded.standard_normal((len(coords), 24)).astype(np.float32)).astype(mx.float16)
+    g = mx.array(seeded.standard_normal((len(pts), 24)).astype(np.float32))
+
+    def run():
+        (out,), (grad,) = mx.vjp(lambda v: devoxelize(v, pvm, dtype=mx.float32), [vf], [g])
+        return np.array(out), np.array(grad.astype(mx.float32))
+
+    results = _per_thread_count(run)
+    for out, grad in results[1:]:
+        np.testing.assert_array_equal(out, results[0][0])
+        np.testing.assert_array_equal(grad, results[0][1])
+
+
+def test_devoxelize_rejects_a_bad_dtype(seeded):
+    *_, coords, pvm = _coarse_or_fine(seeded, False)
+    vf = mx.zeros((len(coords), 2))
+    with pytest.raises(GeometryError, match="dtype must be float32, float16 or bfloat16"):
+        devoxelize(vf, pvm, dtype=mx.int32)
+    with pytest.raises(ValueError, match="devoxelize: dtype must be float32, float16 or bfloat16"):
+        ext.geometry_devoxelize(
+            vf, pvm.rows, pvm.weights, pvm.nearest, pvm.voxel_offsets, pvm.voxel_entries, False,
+            out_dtype="float64",
+        )

@@ -1,6 +1,7 @@
 // CPU evaluation of the geometry primitives (GeometryVoxelize,
 // GeometryDevoxelize, GeometryKnn, GeometryMorton): the kernels of cpu/geometry_*.cpp on the CPU stream's
-// encoder. Operands are float32 / int32 (the graph builders cast).
+// encoder. Operands are float32 / int32 (the graph builders cast), except
+// GeometryDevoxelize's features and output (float16 / bfloat16 too).
 #include <algorithm>
 #include <limits>
 #include <vector>
@@ -31,14 +32,19 @@ void GeometryDevoxelize::eval_cpu(const std::vector<array>& inputs, std::vector<
                   const int64_t channels = in[0].shape(1);
                   const int64_t n_points = in[1].shape(0);
                   const float* weights = n_points ? in[2].data<float>() : nullptr;
+                  // Half-precision features widened, a half output rounded
+                  // (exactly the casts the graph would otherwise hold).
+                  const cpu::FloatIn x(in[0], 0);
+                  cpu::FloatOut o(out);
                   if (face == kForward) {
-                    geometry::devoxelize(in[0].data<float>(), channels, cpu::idx(in[1]), weights,
-                                         cpu::idx(in[3]), n_points, nearest, out.data<float>());
+                    geometry::devoxelize(x.get(), channels, cpu::idx(in[1]), weights,
+                                         cpu::idx(in[3]), n_points, nearest, o.get());
                   } else {
-                    geometry::devoxelize_transpose(
-                        in[0].data<float>(), channels, cpu::idx(in[1]), weights, cpu::idx(in[3]),
-                        cpu::idx(in[4]), n_voxels, n_points, nearest, out.data<float>());
+                    geometry::devoxelize_transpose(x.get(), channels, cpu::idx(in[1]), weights,
+                                                   cpu::idx(in[3]), cpu::idx(in[4]), n_voxels,
+                                                   n_points, nearest, o.get());
                   }
+                  o.finish();
                 });
 }
 

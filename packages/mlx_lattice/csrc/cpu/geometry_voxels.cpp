@@ -23,6 +23,52 @@ namespace {
 
 inline bool fits_int32(double v) { return v >= -2147483648.0 && v <= 2147483647.0; }
 
+// The entries e of rows (-1 = none) grouped by voxel, ascending in e: a
+// counting sort, each task counting its own slice of the entries (one
+// histogram per slice), the slices' counts turned into each slice's start
+// within every voxel, then each task placing its slice. The slices change
+// speed, never the arrays.
+void group_entries(const int32_t* rows, int64_t n_entries, int64_t n_voxels,
+                   std::vector<int32_t>& offsets, std::vector<int32_t>& entries) {
+  // Histograms cost n_voxels ints each: no more slices than the entries
+  // justify (and at most one per thread).
+  const int64_t n_slices = std::max<int64_t>(
+      1, std::min<int64_t>({static_cast<int64_t>(std::max(1, get_num_threads())),
+                            n_entries / 65536, 4 * n_entries / std::max<int64_t>(n_voxels, 1)}));
+  std::vector<int32_t> counts(n_slices * n_voxels, 0);
+  auto slice_of = [&](int64_t t) {
+    return std::make_pair(n_entries * t / n_slices, n_entries * (t + 1) / n_slices);
+  };
+  const uint32_t span = static_cast<uint32_t>(n_voxels);
+  parallel_for(n_slices, [&](int64_t t) {
+    const auto [lo, hi] = slice_of(t);
+    int32_t* c = counts.data() + t * n_voxels;
+    for (int64_t e = lo; e < hi; ++e) {
+      const uint32_t v = static_cast<uint32_t>(rows[e]);  // -1 wraps: skipped
+      if (v < span) ++c[v];
+    }
+  });
+  offsets.assign(n_voxels + 1, 0);
+  for (int64_t v = 0; v < n_voxels; ++v) {
+    int32_t at = offsets[v];
+    for (int64_t t = 0; t < n_slices; ++t) {
+      const int32_t k = counts[t * n_voxels + v];
+      counts[t * n_voxels + v] = at;  // slice t's first slot in voxel v
+      at += k;
+    }
+    offsets[v + 1] = at;
+  }
+  entries.resize(offsets[n_voxels]);
+  parallel_for(n_slices, [&](int64_t t) {
+    const auto [lo, hi] = slice_of(t);
+    int32_t* cursor = counts.data() + t * n_voxels;
+    for (int64_t e = lo; e < hi; ++e) {
+      const uint32_t v = static_cast<uint32_t>(rows[e]);
+      if (v < span) entries[cursor[v]++] = static_cast<int32_t>(e);
+    }
+  });
+}
+
 }  // namespace
 
 Quantized quantize_points(const double* points, const int32_t* batch, int64_t n,
@@ -97,12 +143,19 @@ PointVoxel point_voxel_map(const double* points, const int32_t* batch, int64_t n
       const int64_t b = batch[p];
       if (!(b == last[0] && base[0] == last[1] && base[1] == last[2] && base[2] == last[3])) {
         last[0] = b, last[1] = base[0], last[2] = base[1], last[3] = base[2];
-        for (int c = 0; c < 8; ++c) {
-          const int32_t key[4] = {static_cast<int32_t>(b),
-                                  static_cast<int32_t>(base[0] + ((c >> 2) & 1)),
-                                  static_cast<int32_t>(base[1] + ((c >> 1) & 1)),
-                                  static_cast<int32_t>(base[2] + (c & 1))};
+        for (int c = 0; c < 8; c += 2) {
+          int32_t key[4] = {static_cast<int32_t>(b), static_cast<int32_t>(base[0] + ((c >> 2) & 1)),
+                            static_cast<int32_t>(base[1] + ((c >> 1) & 1)),
+                            static_cast<int32_t>(base[2])};
           rows[c] = index.find(key);
+          key[3] += 1;
+          // Corner c + 1 is corner c one step along z: in coordinates
+          // sorted like the tensors' (batch, x, y, z), usually the next row.
+          // The rows are distinct, so a match there is the row; else search.
+          const int64_t next = static_cast<int64_t>(rows[c]) + 1;
+          const bool adjacent = rows[c] >= 0 && next < n_voxels &&
+                                std::memcmp(coords + 4 * next, key, sizeof(key)) == 0;
+          rows[c + 1] = adjacent ? static_cast<int32_t>(next) : index.find(key);
         }
       }
       double w[8], total = 0.0;
@@ -129,38 +182,7 @@ PointVoxel point_voxel_map(const double* points, const int32_t* batch, int64_t n
       fail(msg.str());
     }
   }
-  // Entries grouped by voxel, ascending: a counting sort per range of
-  // voxels, each task scanning every entry for its own range (the ranges
-  // change speed, never the arrays).
-  m.offsets.assign(n_voxels + 1, 0);
-  const int64_t n_entries = 8 * n;
-  const int64_t n_ranges = std::max<int64_t>(
-      1, std::min<int64_t>(n_voxels, 2 * static_cast<int64_t>(std::max(1, get_num_threads()))));
-  const int32_t* rows = m.rows.data();
-  auto range_of = [&](int64_t t) {
-    return std::make_pair(n_voxels * t / n_ranges, n_voxels * (t + 1) / n_ranges);
-  };
-  parallel_for(n_ranges, [&](int64_t t) {
-    const auto [lo, hi] = range_of(t);
-    const uint32_t span = static_cast<uint32_t>(hi - lo);
-    int32_t* counts = m.offsets.data() + lo + 1;
-    for (int64_t e = 0; e < n_entries; ++e) {
-      const uint32_t v = static_cast<uint32_t>(rows[e] - lo);  // -1 wraps: skipped
-      if (v < span) ++counts[v];
-    }
-  });
-  for (int64_t v = 0; v < n_voxels; ++v) m.offsets[v + 1] += m.offsets[v];
-  m.entries.resize(m.offsets[n_voxels]);
-  parallel_for(n_ranges, [&](int64_t t) {
-    const auto [lo, hi] = range_of(t);
-    const uint32_t span = static_cast<uint32_t>(hi - lo);
-    std::vector<int32_t> cursor(m.offsets.begin() + lo, m.offsets.begin() + hi);
-    int32_t* entries = m.entries.data();
-    for (int64_t e = 0; e < n_entries; ++e) {
-      const uint32_t v = static_cast<uint32_t>(rows[e] - lo);
-      if (v < span) entries[cursor[v]++] = static_cast<int32_t>(e);
-    }
-  });
+  group_entries(m.rows.data(), 8 * n, n_voxels, m.offsets, m.entries);
   return m;
 }
 
@@ -175,7 +197,13 @@ using V8 = float __attribute__((vector_size(32)));
 // The same vector at any float's address (unaligned, may alias floats).
 using V8u = float __attribute__((vector_size(32), aligned(4), may_alias));
 
+// 8 unsigned ints (unaligned), and 4 64-bit lanes to test a comparison mask.
+using V8ui = uint32_t __attribute__((vector_size(32)));
+using V8uiu = uint32_t __attribute__((vector_size(32), aligned(4), may_alias));
+using V4ull = unsigned long long __attribute__((vector_size(32)));
+
 #define load8(p) (*reinterpret_cast<const V8u*>(p))
+#define load8ui(p) (*reinterpret_cast<const V8uiu*>(p))
 #define store8(p, v) (*reinterpret_cast<V8u*>(p) = (v))
 
 // o[k] += w * f[k] for k < n.
@@ -242,6 +270,8 @@ __attribute__((always_inline)) inline void devoxelize_transpose_range(
     float* out) {
   std::fill(out + v0 * channels, out + v1 * channels, 0.0f);
   const uint32_t span = static_cast<uint32_t>(v1 - v0);
+  const V8ui v0u = V8ui{} + static_cast<uint32_t>(v0);
+  const V8ui spanu = V8ui{} + span;
   for (int64_t p = 0; p < n_points; ++p) {
     const float* gp = g + p * channels;
     if (nearest_mode) {
@@ -249,6 +279,10 @@ __attribute__((always_inline)) inline void devoxelize_transpose_range(
       if (v < span) add_row(out + (v0 + v) * channels, gp, channels);
       continue;
     }
+    // The 8 corners tested at once: most points have none in the range.
+    const V8ui d = load8ui(rows + 8 * p) - v0u;  // -1 wraps: outside
+    const V4ull in = __builtin_bit_cast(V4ull, d < spanu);
+    if ((in[0] | in[1] | in[2] | in[3]) == 0) continue;
     for (int c = 0; c < 8; ++c) {
       const uint32_t v = static_cast<uint32_t>(rows[8 * p + c] - v0);
       if (v < span) add_scaled(out + (v0 + v) * channels, weights[8 * p + c], gp, channels);
@@ -395,6 +429,7 @@ void devoxelize_transpose(const float* g, int64_t channels, const int32_t* rows,
 }
 
 #undef load8
+#undef load8ui
 #undef store8
 
 }  // namespace mlx_lattice::geometry

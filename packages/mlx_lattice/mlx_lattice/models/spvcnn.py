@@ -28,7 +28,7 @@ import mlx.nn as mlx_nn
 import numpy as np
 
 from mlx_lattice import geometry, nn
-from mlx_lattice.models.minkunet import MinkUNet, Trace, _run
+from mlx_lattice.models.minkunet import MinkUNet, Trace, _run, _skip
 from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 __all__ = ["SPVCNN", "PointBranch", "PointCloudInput", "point_cloud_input"]
@@ -92,14 +92,15 @@ class PointCloudInput:
         cached = self._levels.get(s)
         if cached is not None and cached[3] is x.coords:
             return cached[:3]
-        coords = np.array(x.coords).astype(np.int64)
-        index = np.concatenate([coords[:, :1], coords[:, 1:] // s], axis=1)
         if s == 1 and x.coords is self.tensor.coords:
-            # This input's own voxels, in their own order: no permutation.
-            rows = mx.arange(len(index), dtype=mx.int32)
-            pvm = geometry.point_voxel_map(self.points, index, self.voxel_size, batch=self.batch)
+            # This input's own voxels, in their own order: no permutation
+            # (and the coordinates are the voxel indices as they are).
+            rows = mx.arange(x.num_points, dtype=mx.int32)
+            pvm = geometry.point_voxel_map(self.points, x.coords, self.voxel_size, batch=self.batch)
             self._levels[s] = (self.voxels, rows, pvm, x.coords, None)
             return self.voxels, rows, pvm
+        coords = np.array(x.coords).astype(np.int64)
+        index = np.concatenate([coords[:, :1], coords[:, 1:] // s], axis=1)
         vox = (
             self.voxels
             if s == 1
@@ -128,12 +129,11 @@ class PointCloudInput:
 
     def to_points(self, x: SparseTensor, dtype: mx.Dtype | None = None) -> mx.array:
         """``x``'s features interpolated at the points (trilinear), ``(P, C)``,
-        in ``dtype`` (default ``x``'s; the interpolation runs in float32)."""
+        in ``dtype`` (default ``x``'s; the interpolation runs in float32, and
+        on the CPU the native kernel reads half-precision rows and writes
+        ``dtype`` itself, its gradient in ``x``'s dtype: no cast passes)."""
         _, _, pvm = self.level(x)
-        if dtype is None or dtype == x.dtype:
-            return geometry.devoxelize(x.feats, pvm, "linear")
-        out = geometry.devoxelize(_as(x.feats, mx.float32), pvm, "linear")
-        return _as(out, dtype)
+        return geometry.devoxelize(x.feats, pvm, "linear", dtype=dtype)
 
     def to_voxels(self, x: SparseTensor, point_feats: mx.array) -> SparseTensor:
         """Point features averaged onto ``x``'s voxels (same rows as ``x``, in
@@ -245,11 +245,13 @@ class SPVCNN(MinkUNet):
         x = self.stem(inp.tensor, trace, "stem/")
         z0 = inp.to_points(x, f32)
         x = inp.to_voxels(x, z0)
-        skips = [x]
+        # Each skip forks its tensor (MinkUNet's _skip): in half precision the
+        # two gradients are summed natively, not by MLX's CPU half add.
+        skips = []
         for i, stage in enumerate(self.encoder.stages()):
+            x, skip = _skip(x)
+            skips.append(skip)
             x = stage(x, trace, f"encoder/block{i + 1}/")
-            skips.append(x)
-        skips.pop()
         z1 = inp.to_points(x, f32) + self.point.mlp1(z0)
         x = inp.to_voxels(x, z1)
         for i, stage in enumerate(self.decoder.stages()):

@@ -15,7 +15,9 @@ One run, one machine, ~100k voxels:
 * the share of a cold step spent outside the convolutions (norms,
   activations, concatenation, loss, update and relation building): one minus
   the summed time of every convolution layer's forward and backward run alone
-  on its recorded input; and a second share that also counts the point-wise
+  on its recorded input, taken per round against that round's step (the
+  median and range over the rounds: the host's speed drifts between rounds);
+  and a second share that also counts the point-wise
   linear layers (SPVCNN's per-point MLPs and the heads: GEMMs like a 1x1x1
   convolution), timed the same way;
 * the same steps through the previous, unfused layer paths (``mlx.nn``
@@ -223,8 +225,9 @@ def _seconds(fn: object) -> float:
 def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target: mx.array,
                 rounds: int) -> None:
     """Every variant's warm and cold step and its convolutions, timed round
-    robin (one call of each per round, the best per variant kept): load that
-    drifts during the run hits every variant alike."""
+    robin (one call of each per round): load that drifts during the run hits
+    every variant alike. Times are the best round; shares and ratios are per
+    round, median and range."""
     kinds = (
         "float32", "float32 unfused", "float16", "float16 weights", "float16 unfused", "int8"
     )
@@ -261,25 +264,40 @@ def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target:
             _linear_call(layer, x) for layer, x in _linear_inputs(model, warm_x)
         ]
         setups[kind] = (step, cold, convs + linears, len(convs))
-    best = {k: [float("inf")] * (2 + len(v[2])) for k, v in setups.items()}
+    rows: dict[str, list[list[float]]] = {k: [] for k in setups}
     for r in range(rounds + 1):
         for kind, (step, cold, calls, _) in setups.items():
             times = [_seconds(step), _seconds(cold)] + [_seconds(c) for c in calls]
             if r:  # round 0 warms up
-                best[kind] = [min(a, b) for a, b in zip(best[kind], times, strict=True)]
-    base_cold = best["float32"][1]
+                rows[kind].append(times)
+    best = {k: np.min(np.array(v), axis=0) for k, v in rows.items()}
+    base = np.array(rows["float32"])[:, :2]
     for kind in kinds:
         warm, cold = best[kind][:2]
         conv_kind = kind.replace(" unfused", "")
         n_convs = setups[conv_kind][3]
         convs = sum(best[conv_kind][2 : 2 + n_convs])
         linears = sum(best[conv_kind][2 + n_convs :])
+        # Shares and ratios per round (each step against the layers and the
+        # float32 step of its own round, so that the host's speed drifting
+        # between rounds cancels), then their median and range.
+        mine, ref = np.array(rows[kind]), np.array(rows[conv_kind])
+        conv_r = ref[:, 2 : 2 + n_convs].sum(axis=1)
+        both_r = ref[:, 2:].sum(axis=1)
         print(
             f"{name + ' ' + kind:<25}{warm * 1e3:>9.1f}{cold * 1e3:>9.1f}{convs * 1e3:>10.1f}"
-            f"{1 - convs / cold:>15.0%}{linears * 1e3:>12.1f}"
-            f"{1 - (convs + linears) / cold:>15.0%}{cold / base_cold:>12.2f}",
+            f"{_spread(1 - conv_r / mine[:, 1], '.0%'):>17}{linears * 1e3:>12.1f}"
+            f"{_spread(1 - both_r / mine[:, 1], '.0%'):>17}"
+            f"{_spread(mine[:, 1] / base[:, 1], '.2f'):>18}"
+            f"{_spread(mine[:, 0] / base[:, 0], '.2f'):>18}",
             flush=True,
         )
+
+
+def _spread(values: np.ndarray, fmt: str) -> str:
+    """The median of per-round values and their range: ``35% (31-38%)``."""
+    lo, mid, hi = np.min(values), np.median(values), np.max(values)
+    return f"{mid:{fmt}} ({lo:{fmt}}-{hi:{fmt}})".replace("%-", "-")
 
 
 def main() -> None:
@@ -343,10 +361,10 @@ def main() -> None:
         f"{CLASSES} classes"
     )
 
-    print(f"\ntraining step (forward + backward + Adam update; best of {args.rounds} interleaved rounds)")
+    print(f"\ntraining step (forward + backward + Adam update; {args.rounds} interleaved rounds)")
     print(
-        f"{'model':<25}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>15}"
-        f"{'linears ms':>12}{'outside both':>15}{'vs float32':>12}"
+        f"{'model':<25}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>17}"
+        f"{'linears ms':>12}{'outside both':>17}{'cold / float32':>18}{'warm / float32':>18}"
     )
     cases = (
         ("MinkUNet", MinkUNet, fresh, labels),
@@ -357,10 +375,12 @@ def main() -> None:
             continue
         _train_rows(name, cls, widths, make_input, target, args.rounds)
     print(
-        "cold: relations (and SPVCNN's point-voxel maps) built inside the step, as for a new "
-        "scan each step;\noutside convs: 1 - convs / cold, convs = every conv layer's forward + "
-        "backward timed alone on its input;\nlinears: the same for every point-wise nn.Linear "
-        "(SPVCNN's point MLPs, both heads); outside both: 1 - (convs + linears) / cold;\n"
+        "warm, cold, convs, linears: the best round; cold: relations (and SPVCNN's point-voxel "
+        "maps) built inside the step, as for a new scan each step;\noutside convs: 1 - convs / "
+        "cold, convs = every conv layer's forward + backward timed alone on its input;\nlinears: "
+        "the same for every point-wise nn.Linear (SPVCNN's point MLPs, both heads); outside "
+        "both: 1 - (convs + linears) / cold;\nshares, cold / float32 and warm / float32 (against "
+        "the float32 row's step): per round, median (range) over the rounds;\n"
         "'unfused': the previous path, timed in the same "
         "rounds (mlx.nn BatchNorm + ReLU, mx.matmul point layers, a scatter-add voxel-row "
         "gradient; convs as the fused row)"

@@ -232,6 +232,18 @@ def test_half_voxels_interpolate_to_float32_points(rng, seed, dtype):
         np.testing.assert_allclose(got, mean, rtol=tol, atol=1e-6, err_msg=msg)
 
 
+def _cross_entropy_of(inp, labels):
+    """The model's mean softmax cross-entropy on ``inp`` against ``labels``
+    (written out here, independent of the package's own loss)."""
+
+    def loss(m):
+        scores = m(inp)
+        picked = mx.take_along_axis(scores, labels[:, None], 1)[:, 0]
+        return mx.mean(mx.logsumexp(scores, axis=1) - picked)
+
+    return loss
+
+
 def test_half_spvcnn_runs_its_point_branch_in_float32(rng, seed, monkeypatch):
     inp, _ = _half_cloud(rng, mx.float16, n=5000, channels=2)
     seen = []
@@ -256,10 +268,7 @@ def test_half_spvcnn_runs_its_point_branch_in_float32(rng, seed, monkeypatch):
     model.train()
     labels = mx.array(rng.integers(0, 5, inp.num_points).astype(np.int32))
 
-    def loss(m):
-        scores = m(inp)
-        picked = mx.take_along_axis(scores, labels[:, None], 1)[:, 0]
-        return mx.mean(mx.logsumexp(scores, axis=1) - picked)
+    loss = _cross_entropy_of(inp, labels)
 
     value, grads = mlx_nn.value_and_grad(model, loss)(model)
     mx.eval(value, grads)
@@ -285,10 +294,7 @@ def test_half_spvcnn_skip_gradients_match_plain_reuse(rng, seed, monkeypatch):
     model.train()
     labels = mx.array(rng.integers(0, 5, inp.num_points).astype(np.int32))
 
-    def loss(m):
-        scores = m(inp)
-        picked = mx.take_along_axis(scores, labels[:, None], 1)[:, 0]
-        return mx.mean(mx.logsumexp(scores, axis=1) - picked)
+    loss = _cross_entropy_of(inp, labels)
 
     forks = []
     skip = spvcnn_module._skip

@@ -163,8 +163,7 @@ void forward_conv(const void* feats, FloatFormat format, int64_t cin, const floa
     return;
   }
   half_rows_forward(static_cast<const uint16_t*>(feats), format, cin, weight, n_kernels, cout,
-                    csr, a_index, c_index, kernel_ids, static_cast<uint16_t*>(out),
-                    tile_rows_for(cout));
+                    csr, a_index, kernel_ids, static_cast<uint16_t*>(out), tile_rows_for(cout));
 }
 
 void dequantize_weight_panels(const QuantizedWeightView& weight, int64_t n_kernels, int64_t cin,

@@ -154,8 +154,8 @@ __attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, in
 
 void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
                        const float* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
-                       const int32_t* a_index, const int32_t* /*c_index: each group's own row*/,
-                       const int32_t* kernel_ids, uint16_t* out, int64_t tile_rows) {
+                       const int32_t* a_index, const int32_t* kernel_ids, uint16_t* out,
+                       int64_t tile_rows) {
   WidenFn widen = nullptr;
   RoundFn round = nullptr;
 #ifdef MLX_LATTICE_X86

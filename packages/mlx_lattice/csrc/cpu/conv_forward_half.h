@@ -18,11 +18,11 @@ namespace mlx_lattice::kernels {
 // once (nearest even). So
 // the result is stationary_conv's float32 result on the widened features,
 // rounded; the same bits for any thread count. weight is (K, cin, cout)
-// float32; c_index must be the output CSR's own rows.
+// float32; csr is over the output rows (group g writes row g).
 void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
                        const float* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
-                       const int32_t* a_index, const int32_t* c_index,
-                       const int32_t* kernel_ids, uint16_t* out, int64_t tile_rows);
+                       const int32_t* a_index, const int32_t* kernel_ids, uint16_t* out,
+                       int64_t tile_rows);
 
 #if defined(__x86_64__) || defined(_M_X64)
 // float16 -> float32 of n values (exact), 16 per AVX-512 vcvtph2ps, the

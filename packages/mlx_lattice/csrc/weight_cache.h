@@ -62,8 +62,9 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays);
 // referenced twice is never donated to an op's output, so the values under
 // a live entry never change (MLX arrays are immutable). An entry is charged
 // floats * 4 bytes plus the sources' bytes; least recently used entries are
-// dropped to stay within the budget and kWeightCacheEntries, and a weight larger than the budget is
-// computed for its call only. Thread-safe; `fill` runs outside the lock.
+// dropped to stay within the budget and kWeightCacheEntries, and a weight
+// larger than the budget is computed for its call only. Thread-safe; `fill`
+// runs outside the lock.
 std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
     const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
     const std::function<void(float*)>& fill);

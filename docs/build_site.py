@@ -18,13 +18,14 @@ __all__ = ["build", "main"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def build(out_dir: str, builder: str = "html") -> int:
-    """Build the site with ``builder`` into ``out_dir``; Sphinx's exit status."""
+def build(out_dir: str, builder: str = "html", sources: str = HERE) -> int:
+    """Build the site in ``sources`` with ``builder`` into ``out_dir``;
+    Sphinx's exit status (non-zero on any warning)."""
     from sphinx.cmd.build import build_main
 
     with tempfile.TemporaryDirectory(prefix="docs-src-") as scratch:
         src = os.path.join(scratch, "docs")
-        shutil.copytree(HERE, src, ignore=shutil.ignore_patterns("*.py[co]", "__pycache__", "api", "BUILD*", "*.bzl"))
+        shutil.copytree(sources, src, ignore=shutil.ignore_patterns("*.py[co]", "__pycache__", "api", "BUILD*", "*.bzl"))
         args = ["-W", "--keep-going", "-q", "-j", "1", "-b", builder,
                 "-d", os.path.join(scratch, "doctrees"), src, os.path.abspath(out_dir)]
         return build_main(args)

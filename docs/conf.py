@@ -2,6 +2,7 @@
 
 import os
 import sys
+from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,7 +30,7 @@ autodoc_typehints = "signature"
 apiref.write_pages(os.path.join(os.path.dirname(os.path.abspath(__file__)), "api"))
 
 
-def _google_sections(app, what, name, obj, options, lines):
+def _google_sections(app: object, what: str, name: str, obj: object, options: object, lines: list[str]) -> None:
     """``Args:``/``Returns:``/``Raises:`` sections as fields (napoleon's
     Google style), except in attribute docstrings, whose ``x: text`` first
     lines napoleon would read as a type."""
@@ -42,5 +43,5 @@ def _google_sections(app, what, name, obj, options, lines):
     lines[:] = GoogleDocstring(lines, config, what=what, name=name, obj=obj, options=options).lines()
 
 
-def setup(app):
+def setup(app: Any) -> None:
     app.connect("autodoc-process-docstring", _google_sections)

@@ -15,6 +15,7 @@ import types
 import zlib
 
 import apiref
+import build_site
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -96,3 +97,16 @@ def test_every_page_is_in_the_site():
         index = f.read()
     for linked in ("getting_started.html", "api/index.html", "topics/index.html"):
         assert linked in index
+
+
+def test_a_warning_fails_the_build(tmp_path):
+    """The site's builder runs Sphinx with -W: the same tiny project builds
+    cleanly, and fails once one page has a warning (an unknown target)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "conf.py").write_text('project = "t"\n')
+    (src / "index.rst").write_text("Title\n=====\n\nText.\n")
+    assert build_site.build(str(tmp_path / "ok"), sources=str(src)) == 0
+    assert (tmp_path / "ok" / "index.html").is_file()
+    (src / "index.rst").write_text("Title\n=====\n\nSee :doc:`missing_page`.\n")
+    assert build_site.build(str(tmp_path / "bad"), sources=str(src)) != 0

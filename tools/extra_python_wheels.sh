@@ -17,7 +17,7 @@
 #
 # CPython 3.12 is not in any Debian suite (bookworm has 3.11, trixie, forky
 # and sid have 3.13), nor on PyPI or npm as an installable interpreter, so
-# its wheel cannot be built offline here; see the README's Wheels section.
+# its wheel cannot be built offline here; see docs/build.rst (Wheels).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # mlx_lattice for linux-aarch64, built and tested on an x86_64 Debian machine
-# (docs: README "ARM64"):
+# (docs: docs/guides/arm64.rst):
 #   1. tools/arm64/kernel_tests.sh: the C++ micro-kernel test under qemu, on
 #      four emulated CPUs, every path forced;
 #   2. the extension cross-compiled with g++-aarch64-linux-gnu against the

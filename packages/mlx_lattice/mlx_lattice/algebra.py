@@ -39,6 +39,8 @@ __all__ = [
     "sub",
 ]
 
+#: Which rows a binary op keeps: both inputs' ("inner"), the first's ("left"),
+#: the second's ("right") or either's ("outer").
 Join = Literal["inner", "left", "right", "outer"]
 _JOINS = ("inner", "left", "right", "outer")
 

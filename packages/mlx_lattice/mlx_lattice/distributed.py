@@ -380,6 +380,15 @@ def shard_indices(
 
 
 @mx.custom_function
+def _all_sum(x: mx.array) -> mx.array:
+    return mx.distributed.all_sum(x)
+
+
+@_all_sum.vjp
+def _all_sum_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
+    return mx.distributed.all_sum(cotangent)
+
+
 def all_sum_differentiable(x: mx.array) -> mx.array:
     """``mx.distributed.all_sum`` over the global group whose gradient is the
     all-sum of the cotangents (each rank's loss depends on every rank's
@@ -389,12 +398,7 @@ def all_sum_differentiable(x: mx.array) -> mx.array:
     >>> mx.grad(lambda x: (all_sum_differentiable(x) * 3).sum())(mx.ones(2)).tolist()
     [3.0, 3.0]
     """
-    return mx.distributed.all_sum(x)
-
-
-@all_sum_differentiable.vjp
-def _all_sum_vjp(primals: Any, cotangent: mx.array, output: mx.array) -> mx.array:
-    return mx.distributed.all_sum(cotangent)
+    return _all_sum(x)
 
 
 class SyncBatchNorm(lattice_nn.BatchNorm):

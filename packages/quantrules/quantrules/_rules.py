@@ -14,6 +14,7 @@ from quantrules._qtypes import get_qtype
 
 __all__ = ["Mode", "Rule"]
 
+#: How a rule quantizes: post-training ("ptq") or quantized training ("qt").
 Mode = Literal["ptq", "qt"]
 
 _CALIBRATION_ARGS = {"absmax": (0, 1), "minmax": (0, 1), "rms": (1, 1), "fixed": (1, 2)}

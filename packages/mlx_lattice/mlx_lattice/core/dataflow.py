@@ -47,7 +47,9 @@ __all__ = [
     "use_dataflow",
 ]
 
+#: A dataflow name (``"auto"`` lets the benchmarked rules choose).
 Dataflow = Literal["auto", "generic", "sorted", "padded_c16", "denominator_csr", "quantized"]
+#: Every accepted dataflow name, ``"auto"`` first.
 DATAFLOWS: tuple[str, ...] = (
     "auto",
     "generic",

@@ -3,7 +3,7 @@
 Which dataflow runs is explicit (:mod:`mlx_lattice.core.dataflow`: force one
 with ``use_dataflow``, observe with ``record_dataflows``). Under ``"auto"``
 (rules kept only where ``benchmarks/sparse_conv.py``, which times every
-dataflow per dtype, shows them winning on the CPU; see the README):
+dataflow per dtype, shows them winning on the CPU; see the Benchmarks page of the docs):
 
 * :func:`sparse_conv_features_from_relation` runs ``"generic"``, except on a
   GPU stream ``"sorted"`` for float16 features and weights, 27 offsets and

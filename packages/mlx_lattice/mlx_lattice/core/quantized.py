@@ -13,7 +13,9 @@ from mlx_lattice.core.weights import _CacheEntry, cached_per_value, mapped_conv_
 
 __all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight", "check_act_scale"]
 
+#: Bit widths a :class:`QuantizedWeight` accepts (those of ``mx.quantize``).
 SUPPORTED_BITS = (2, 3, 4, 5, 6, 8)
+#: Group sizes a :class:`QuantizedWeight` accepts.
 SUPPORTED_GROUP_SIZES = (32, 64, 128)
 
 

@@ -46,6 +46,9 @@ __all__ = [
     "normalize_triple",
 ]
 
+#: The relation kinds: "submanifold" (the outputs are the inputs), "forward"
+#: (a strided or given output set) and "target" (the transpose of "forward",
+#: back onto a given finer set); see the module's conventions.
 RelationKind = Literal["submanifold", "forward", "target"]
 _KINDS = ("submanifold", "forward", "target")
 

@@ -101,7 +101,9 @@ def cdf_coders(rng: np.random.Generator) -> None:
     )
     info = float(np.sum(coding.PRECISION_BITS - np.log2(widths[indexes, symbols])))
     bound = info / N_SYMBOLS
-    print(f"CDF per symbol: {N_SYMBOLS} symbols, 64 rows of {alphabet}, information {bound:.4f} bits/sym")
+    print(
+        f"CDF per symbol: {N_SYMBOLS} symbols, 64 rows of {alphabet}, information {bound:.4f} bits/sym"
+    )
     for method in ("rans", "range"):
         data = coding.encode_with_cdfs(symbols, cdfs, indexes=indexes, method=method)
         assert np.array_equal(

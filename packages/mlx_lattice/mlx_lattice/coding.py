@@ -244,9 +244,7 @@ def encode_with_cdfs(
     arr, idx = _cdf_args(cdfs, indexes, precision, method)
     syms = _int_vector(symbols, "symbols")
     if idx is not None and len(idx) != len(syms):
-        raise CodingError(
-            f"indexes must have one entry per symbol ({len(syms)}), got {len(idx)}."
-        )
+        raise CodingError(f"indexes must have one entry per symbol ({len(syms)}), got {len(idx)}.")
     payload = _native(_ext().entropy_encode_cdfs, method, syms, arr, idx, precision)
     return _frame(payload)
 

@@ -348,9 +348,7 @@ def test_cdf_streams_match_reference(method: str, bits: int, rng: np.random.Gene
         symbols[i] = rng.choice(alphabet, p=widths / widths.sum())
     starts = [int(cdfs[r, s]) for r, s in zip(indexes, symbols, strict=True)]
     freqs = [int(cdfs[r, s + 1] - cdfs[r, s]) for r, s in zip(indexes, symbols, strict=True)]
-    data = coding.encode_with_cdfs(
-        symbols, cdfs, indexes=indexes, precision=bits, method=method
-    )
+    data = coding.encode_with_cdfs(symbols, cdfs, indexes=indexes, precision=bits, method=method)
     expected = (
         rans_ref(symbols, starts, freqs, bits)
         if method == "rans"

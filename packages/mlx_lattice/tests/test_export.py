@@ -103,6 +103,20 @@ def test_artifact_runs_in_a_fresh_process_bit_for_bit(
     }
 
 
+def test_artifact_half_precision_features(tmp_path: Path, rng: np.random.Generator) -> None:
+    """float16 features (float32 weights) take the same bits through the
+    artifact as through the model (its half-precision skip fork included)."""
+    model = _trained(rng)
+    path = tmp_path / "net.safetensors"
+    export.export_model(model, path)
+    coords, feats = _scan(rng, 700, 14)
+    half = mx.array(feats).astype(mx.float16)
+    expected = model(SparseTensor(mx.array(coords), half)).feats
+    got = export.load(path)(SparseTensor(mx.array(coords), half)).feats
+    assert got.dtype == mx.float16
+    assert np.array_equal(np.array(got.view(mx.uint16)), np.array(expected.view(mx.uint16)))
+
+
 def test_mlx_export_function_cannot_carry_the_extension(tmp_path: Path) -> None:
     """What mx.export_function (MLX 0.32.4) does with the extension: the
     native convolution's graph (over a prebuilt relation) and the ops

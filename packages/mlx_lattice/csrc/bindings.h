@@ -11,4 +11,7 @@ void bind_ops(nanobind::module_& m);
 // The geometry functions (geometry_bindings.cpp), called by bind_ops.
 void bind_geometry(nanobind::module_& m);
 
+// The entropy coders (entropy_bindings.cpp), bound by the product module only.
+void bind_entropy(nanobind::module_& m);
+
 }  // namespace mlx_lattice

@@ -1,0 +1,159 @@
+"""Benchmark: point-cloud I/O, as ratios measured in one run.
+
+Coders (``mlx_lattice.coding``):
+
+* one table, 10^6 symbols drawn from a 256-symbol table (rANS and range
+  coder): encode/decode MB/s of int32 symbols and of the coded stream,
+  bits per symbol against the entropy of the quantized table, and the same
+  against zlib (level 6) and LZMA (preset 6) on the symbols as bytes;
+* one CDF row per symbol (64 quantized discretised Gaussians picked by
+  index, as a compression model's entropy bottleneck produces): the same
+  figures against the information of the coded sequence;
+* octree occupancy of the built-in LiDAR scan's voxels (10 cm and 5 cm):
+  encode/decode time, bits per voxel, against zlib and LZMA on the sorted
+  int32 coordinates.
+
+Readers (``mlx_lattice.io``): their section goes in :func:`readers`.
+"""
+
+from __future__ import annotations
+
+import lzma
+import math
+import zlib
+
+import numpy as np
+
+from benchmarks.timing import median_s
+from mlx_lattice import coding
+from mlx_lattice.data import synthetic_lidar_scan
+from mlx_lattice.geometry import quantize_points
+
+N_SYMBOLS = 1_000_000
+
+
+def _rate(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e6
+
+
+def _entropy(freqs: np.ndarray) -> float:
+    q = freqs[freqs > 0] / float(1 << coding.PRECISION_BITS)
+    return float(-np.sum(q * np.log2(q)))
+
+
+def _line(name: str, n: int, coded: int, t_enc: float, t_dec: float, bound_bits: float) -> None:
+    bps = 8 * coded / n
+    print(
+        f"{name:<26} enc {_rate(4 * n, t_enc):7.1f} MB/s ({n / t_enc / 1e6:5.1f} Msym/s)"
+        f"  dec {_rate(4 * n, t_dec):7.1f} MB/s ({n / t_dec / 1e6:5.1f} Msym/s)"
+        f"  {bps:.4f} bits/sym  / bound {bps / bound_bits:.5f}"
+    )
+
+
+def _general(name: str, raw: bytes, n: int, bound_bits: float) -> None:
+    for label, compress in (("zlib-6", lambda b: zlib.compress(b, 6)), ("lzma-6", lzma.compress)):
+        t = median_s(lambda c=compress: c(raw), repeats=3)
+        bps = 8 * len(compress(raw)) / n
+        print(
+            f"{name + ' ' + label:<26} enc {_rate(4 * n, t):7.1f} MB/s"
+            f"{'':17}  {'':27}  {bps:.4f} bits/sym  / bound {bps / bound_bits:.5f}"
+        )
+
+
+def table_coders(rng: np.random.Generator) -> None:
+    probs = rng.dirichlet(np.full(256, 0.3))
+    freqs = coding.quantize_probabilities(probs)
+    symbols = rng.choice(256, N_SYMBOLS, p=freqs / float(1 << coding.PRECISION_BITS))
+    h = _entropy(freqs)
+    print(f"one table: {N_SYMBOLS} symbols, 256-symbol table, entropy {h:.4f} bits/sym")
+    for name, enc, dec in (
+        ("rans", coding.rans_encode, coding.rans_decode),
+        ("range", coding.range_encode, coding.range_decode),
+    ):
+        data = enc(symbols, probs)
+        assert np.array_equal(dec(data, probs, N_SYMBOLS), symbols)
+        t_enc = median_s(lambda e=enc: e(symbols, probs), repeats=5)
+        t_dec = median_s(lambda d=dec, b=data: d(b, probs, N_SYMBOLS), repeats=5)
+        _line(name, N_SYMBOLS, len(data), t_enc, t_dec, h)
+    _general("bytes", symbols.astype(np.uint8).tobytes(), N_SYMBOLS, h)
+
+
+def _gaussian_cdfs(rows: int, alphabet: int) -> np.ndarray:
+    """Quantized CDFs of discretised Gaussians of growing scale, centred."""
+    x = np.arange(alphabet) - alphabet // 2
+    out = np.empty((rows, alphabet + 1), np.int32)
+    for r, scale in enumerate(np.geomspace(0.3, 12.0, rows)):
+        upper = 0.5 * (1 + np.vectorize(math.erf)((x + 0.5) / (scale * math.sqrt(2))))
+        lower = 0.5 * (1 + np.vectorize(math.erf)((x - 0.5) / (scale * math.sqrt(2))))
+        f = coding.quantize_probabilities(np.maximum(upper - lower, 1e-12))
+        out[r] = np.concatenate([[0], np.cumsum(f)])
+    return out
+
+
+def cdf_coders(rng: np.random.Generator) -> None:
+    alphabet = 64
+    cdfs = _gaussian_cdfs(64, alphabet)
+    indexes = rng.integers(0, len(cdfs), N_SYMBOLS)
+    widths = np.diff(cdfs, axis=1).astype(np.float64)
+    u = rng.random(N_SYMBOLS) * (1 << coding.PRECISION_BITS)
+    symbols = np.array(
+        [np.searchsorted(cdfs[r], v, side="right") - 1 for r, v in zip(indexes, u, strict=True)]
+    )
+    info = float(np.sum(coding.PRECISION_BITS - np.log2(widths[indexes, symbols])))
+    bound = info / N_SYMBOLS
+    print(
+        f"CDF per symbol: {N_SYMBOLS} symbols, 64 rows of {alphabet}, information {bound:.4f} bits/sym"
+    )
+    for method in ("rans", "range"):
+        data = coding.encode_with_cdfs(symbols, cdfs, indexes=indexes, method=method)
+        assert np.array_equal(
+            coding.decode_with_cdfs(data, cdfs, indexes=indexes, method=method), symbols
+        )
+        t_enc = median_s(
+            lambda m=method: coding.encode_with_cdfs(symbols, cdfs, indexes=indexes, method=m),
+            repeats=5,
+        )
+        t_dec = median_s(
+            lambda m=method, b=data: coding.decode_with_cdfs(b, cdfs, indexes=indexes, method=m),
+            repeats=5,
+        )
+        _line(method + " cdfs", N_SYMBOLS, len(data), t_enc, t_dec, bound)
+    _general("bytes", symbols.astype(np.uint8).tobytes(), N_SYMBOLS, bound)
+
+
+def occupancy() -> None:
+    pts = synthetic_lidar_scan(seed=0).points.astype(np.float64)
+    for voxel in (0.1, 0.05):
+        coords = np.array(quantize_points(pts, voxel).coords)
+        n = len(coords)
+        data = coding.encode_occupancy(coords)
+        assert np.array_equal(coding.decode_occupancy(data), coords)
+        t_enc = median_s(lambda c=coords: coding.encode_occupancy(c), repeats=5)
+        t_dec = median_s(lambda b=data: coding.decode_occupancy(b), repeats=5)
+        raw = coords.tobytes()
+        z = len(zlib.compress(raw, 6))
+        xz = len(lzma.compress(raw))
+        print(
+            f"occupancy {voxel * 100:.0f} cm: {n} voxels  enc {t_enc * 1e3:7.2f} ms"
+            f" ({n / t_enc / 1e6:5.2f} Mvox/s)  dec {t_dec * 1e3:7.2f} ms"
+            f"  {8 * len(data) / n:.3f} bits/voxel"
+            f"  zlib-6 {8 * z / n:.2f} ({z / len(data):.1f}x)  lzma-6 {8 * xz / n:.2f}"
+            f" ({xz / len(data):.1f}x)"
+        )
+
+
+def readers() -> None:
+    """The readers' half of the benchmark (mlx_lattice.io): files read per
+    second against their reference readers. Not measured here yet."""
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    table_coders(rng)
+    cdf_coders(rng)
+    occupancy()
+    readers()
+
+
+if __name__ == "__main__":
+    main()

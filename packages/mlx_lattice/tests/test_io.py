@@ -371,3 +371,9 @@ def test_unknown_suffix_and_label_path(tmp_path):
         read_points(tmp_path / "x.obj")
     with pytest.raises(PointCloudFormatError, match="label_path is only for KITTI"):
         read_points(tmp_path / "x.ply", label_path=tmp_path / "x.label")
+
+
+def test_las_without_laspy_says_how_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(__import__("sys").modules, "laspy", None)  # import laspy now fails
+    with pytest.raises(ModuleNotFoundError, match=r"pip install 'quantlattice_mlx_lattice\[las\]'"):
+        read_las(tmp_path / "a.las")

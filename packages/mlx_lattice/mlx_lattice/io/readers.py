@@ -493,7 +493,7 @@ def read_las(path: PathLike, *, recenter: bool = True) -> PointCloud:
     """
     try:
         import laspy
-    except ImportError:  # pragma: no cover - the test environment has laspy
+    except ImportError:
         raise ModuleNotFoundError(
             "reading LAS/LAZ needs laspy (and lazrs for LAZ): "
             "pip install 'quantlattice_mlx_lattice[las]' or pip install laspy lazrs"

@@ -65,6 +65,14 @@ def point_features(points: np.ndarray) -> np.ndarray:
 
 
 @dataclass
+class _VoxelInput:
+    """A MinkUNet's input for one scan: the voxels and each point's voxel row."""
+
+    tensor: SparseTensor
+    point_to_voxel: np.ndarray
+
+
+@dataclass
 class SavedModel:
     """A loaded model (in ``eval()`` mode) and the configuration it was saved with."""
 
@@ -77,8 +85,9 @@ class SavedModel:
     version: str
     metadata: dict[str, Any]
 
-    def prepare(self, points: np.ndarray) -> SparseTensor | PointCloudInput:
-        """The model's input for ``(P, 3)`` points of one scan."""
+    def prepare(self, points: np.ndarray) -> _VoxelInput | PointCloudInput:
+        """The model's input for ``(P, 3)`` points of one scan (its ``tensor``
+        holds the voxels)."""
         pts = np.asarray(points, np.float32)
         if pts.ndim != 2 or pts.shape[1] != 3 or len(pts) == 0:
             raise ValueError(f"points must be a non-empty (P, 3) array, got shape {pts.shape}.")
@@ -90,7 +99,7 @@ class SavedModel:
         batch = make_batch([LidarScan(pts, np.zeros(len(pts), np.int32))], self.voxel_size)
         return _VoxelInput(batch.tensor, batch.point_to_voxel)
 
-    def predict(self, inp: SparseTensor | PointCloudInput) -> np.ndarray:
+    def predict(self, inp: _VoxelInput | PointCloudInput) -> np.ndarray:
         """The class index (into ``class_names``) of every point, ``(P,)`` int32."""
         if isinstance(inp, _VoxelInput):
             scores = self.model(inp.tensor).feats
@@ -98,12 +107,6 @@ class SavedModel:
             return per_voxel[inp.point_to_voxel]
         scores = self.model(inp)
         return np.array(mx.argmax(scores, axis=1)).astype(np.int32)
-
-
-@dataclass
-class _VoxelInput:
-    tensor: SparseTensor
-    point_to_voxel: np.ndarray
 
 
 def _arrays(model: mlx_nn.Module) -> dict[str, mx.array]:

@@ -219,3 +219,20 @@ def test_demo_rejects_bad_inputs(tmp_path):
     for args in (["--steps", "0"], ["--save", str(tmp_path / "model.txt")]):
         with pytest.raises(SystemExit):
             demo.main(args)
+
+
+def test_demo_reads_a_folder_layout(tmp_path):
+    from mlx_lattice.data import SceneConfig, synthetic_lidar_scan
+
+    config = SceneConfig(beams=8, azimuth_steps=128)
+    scans = [synthetic_lidar_scan(s, config) for s in range(4)]
+    for i, scan in enumerate(scans):
+        np.savez(tmp_path / f"scan{i}.npz", points=scan.points, labels=scan.labels)
+    data, names, ignore = demo.dataset_scans(tmp_path, "folder", demo.QUICK, seed=1)
+    assert names == ("class0", "class1", "class2", "class3", "class4") and ignore == 5
+    assert (len(data.train), len(data.validation)) == (3, 1)
+    # Every scan lands in exactly one split, with its own points and labels.
+    got = sorted(
+        (s.points.tobytes(), s.labels.tobytes()) for s in data.train + data.validation
+    )
+    assert got == sorted((s.points.tobytes(), s.labels.astype(np.int32).tobytes()) for s in scans)

@@ -10,7 +10,7 @@ set to two back-ends.
    applied with ``mlx_lattice.quantize``: as written, and with its weight
    qtypes set to int8 and to int4. Side by side with the float model: mIoU,
    per-layer error, weight bytes and time (``--points FILE`` runs the
-   per-layer comparison on your own ``.npy``/``.ply`` cloud instead).
+   per-layer comparison on your own point file instead).
 3. The same rule set drives a small dense JAX head (a per-voxel MLP on the
    U-Net's features) through ``taktiny_ops.linear`` (op ``dot_general``).
 
@@ -117,49 +117,33 @@ class Progress:
 
 
 def read_points(path: Path) -> np.ndarray:
-    """``(M, 3)`` float32 points from ``.npy`` (first three columns) or ``.ply``."""
-    if path.suffix == ".npy":
-        data = np.load(path)
-        if data.ndim != 2 or data.shape[1] < 3:
-            raise ValueError(f"{path}: expected an (M, >=3) array, got shape {data.shape}.")
-        return data[:, :3].astype(np.float32)
-    if path.suffix == ".ply":
-        return _read_ply(path)
-    raise ValueError(f"{path}: unsupported point file (use .npy or .ply).")
+    """``(M, 3)`` float32 points of any file :func:`mlx_lattice.io.read_points`
+    reads (.bin, .ply, .las, .laz, .pcd, .npy, .npz)."""
+    from mlx_lattice.io import read_points as read
+
+    return read(path).points
 
 
-def _read_ply(path: Path) -> np.ndarray:
-    raw = path.read_bytes()
-    end = raw.find(b"end_header")
-    if not raw.startswith(b"ply") or end < 0:
-        raise ValueError(f"{path}: not a PLY file.")
-    header = raw[:end].decode("ascii", "replace").splitlines()
-    body = raw[raw.index(b"\n", end) + 1 :]
-    fmt = next(line.split()[1] for line in header if line.startswith("format"))
-    count, props, in_vertex = 0, [], False
-    types = {"float": "f4", "float32": "f4", "double": "f8", "float64": "f8", "uchar": "u1", "uint8": "u1",
-             "char": "i1", "int8": "i1", "short": "i2", "int16": "i2", "ushort": "u2", "uint16": "u2",
-             "int": "i4", "int32": "i4", "uint": "u4", "uint32": "u4"}  # fmt: skip
-    for line in header:
-        parts = line.split()
-        if parts[:2] == ["element", "vertex"]:
-            count, in_vertex = int(parts[2]), True
-        elif parts and parts[0] == "element":
-            in_vertex = False
-        elif in_vertex and parts[:1] == ["property"]:
-            if parts[1] == "list":
-                raise ValueError(f"{path}: list properties in vertices are not supported.")
-            props.append((parts[2], types[parts[1]]))
-    names = [n for n, _ in props]
-    if not {"x", "y", "z"} <= set(names):
-        raise ValueError(f"{path}: vertices need x, y, z properties.")
-    if fmt == "ascii":
-        rows = np.loadtxt(body.decode("ascii").splitlines()[:count], ndmin=2)
-        return rows[:, [names.index(a) for a in "xyz"]].astype(np.float32)
-    order = "<" if fmt == "binary_little_endian" else ">"
-    dtype = np.dtype([(n, order + t) for n, t in props])
-    verts = np.frombuffer(body, dtype=dtype, count=count)
-    return np.stack([verts[a] for a in "xyz"], axis=1).astype(np.float32)
+def dataset_scans(root: Path, layout: str, setup: Setup, seed: int):
+    """Labelled scans on disk, split (seeded) into training and validation
+    scans (at most ``setup.n_train`` / ``setup.n_validation``); returns them
+    as a LabelledScans, the class names and the ignored label."""
+    from mlx_lattice.data import LabelledScans
+    from mlx_lattice.io import folder_dataset, semantickitti_dataset
+
+    if layout == "semantickitti":
+        present = sorted(p.name for p in (root / "sequences").glob("*") if (p / "labels").is_dir())
+        ds = semantickitti_dataset(root, present)
+    else:
+        ds = folder_dataset(root)
+    if len(ds) < 2:
+        raise SystemExit(f"{root}: need at least 2 labelled scans (one for validation), found {len(ds)}.")
+    fraction = setup.n_validation / (setup.n_train + setup.n_validation)
+    train_set, val_set = ds.split(fraction, seed=seed)
+    train_scans = tuple(train_set.scan(i) for i in range(min(len(train_set), setup.n_train)))
+    val_scans = tuple(val_set.scan(i) for i in range(min(len(val_set), setup.n_validation)))
+    data = LabelledScans(train_scans, val_scans, (), (), ds.class_names)
+    return data, ds.class_names, ds.ignore_label
 
 
 def load_rules(path: str | None):
@@ -258,8 +242,9 @@ class TrainingBar:
         self.stream.flush()
 
 
-def train(model, batches, setup: Setup, seed: int) -> list[float]:
-    """Adam on the training scans in turn; returns the loss per step."""
+def train(model, batches, setup: Setup, seed: int, ignore: int | None = None) -> list[float]:
+    """Adam on the training scans in turn; returns the loss per step. Labels
+    equal to ``ignore`` (unlabeled points of a dataset) add no loss."""
     import mlx.core as mx
     import mlx.optimizers as optim
 
@@ -267,29 +252,39 @@ def train(model, batches, setup: Setup, seed: int) -> list[float]:
 
     mx.random.seed(seed)
     optimizer = optim.Adam(learning_rate=setup.learning_rate)
-    weights = class_weights(np.concatenate([np.array(b.labels) for b in batches]), NUM_CLASSES)
+    weights = class_weights(
+        np.concatenate([np.array(b.labels) for b in batches]), model.num_classes
+    )
     model.train()
     bar = TrainingBar(setup.steps)
     losses: list[float] = []
     for step in range(setup.steps):
         batch = batches[step % len(batches)]
-        losses.append(train_step(model, optimizer, batch.tensor, batch.labels, weights=weights))
+        losses.append(
+            train_step(
+                model, optimizer, batch.tensor, batch.labels, weights=weights, ignore_index=ignore
+            )
+        )
         bar.update(step + 1, losses[-1], float(np.mean(losses[-10:])))
     model.eval()
     return losses
 
 
 def score(model, batches) -> tuple[float, np.ndarray, list[np.ndarray]]:
-    """mIoU and per-class IoU over the points of ``batches``, and each batch's point predictions."""
+    """mIoU and per-class IoU over the labelled points of ``batches`` (labels
+    past the last class are unlabeled and not scored), and each batch's
+    point predictions."""
     from mlx_lattice.data import confusion_matrix, iou_per_class, mean_iou
     from mlx_lattice.models import predict
 
-    cm = np.zeros((NUM_CLASSES, NUM_CLASSES), np.int64)
+    k = model.num_classes
+    cm = np.zeros((k, k), np.int64)
     preds = []
     for b in batches:
         pred = predict(model, b.tensor)[b.point_to_voxel]
         preds.append(pred)
-        cm += confusion_matrix(pred, b.point_labels, NUM_CLASSES)
+        keep = b.point_labels < k
+        cm += confusion_matrix(pred[keep], b.point_labels[keep], k)
     return mean_iou(cm), iou_per_class(cm), preds
 
 
@@ -343,7 +338,7 @@ def compare_variants(model, rules, eval_tensor, val_batches, setup: Setup, progr
     results = {}
     for variant in VARIANTS:
         with progress.step(f"{variant}: quantize, score, trace"):
-            copy = MinkUNet(2, NUM_CLASSES, setup.widths)
+            copy = MinkUNet(2, model.num_classes, setup.widths)
             copy.update(model.parameters())
             report = None
             quant = variant_rules(rules, variant)
@@ -450,12 +445,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--points",
         type=Path,
-        help="point cloud .npy (M, >=3) or .ply for the per-layer comparison "
+        help="point cloud (.bin .ply .las .laz .pcd .npy .npz) for the per-layer comparison "
         "(default: the first validation scan)",
     )
     parser.add_argument("--steps", type=int, help=f"training steps (default {FULL.steps})")
     parser.add_argument(
-        "--save", type=Path, help="save the float and quantized weights (.safetensors)"
+        "--save",
+        type=Path,
+        help="save the float model and the one quantized by the rules (.safetensors, with their "
+        "configuration: examples/segment.py runs them)",
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="train on labelled scans on disk instead of the built-in streets (see --layout)",
+    )
+    parser.add_argument(
+        "--layout",
+        choices=("semantickitti", "folder"),
+        default="semantickitti",
+        help="--data's layout: a SemanticKITTI tree (sequences/NN/velodyne, labels) or a folder "
+        "of labelled .ply/.las/.laz/.pcd/.npz files",
     )
     parser.add_argument("--out-dir", help="where the PNGs go (default: a temporary folder)")
     parser.add_argument("--seed", type=int, default=0)
@@ -466,8 +476,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.steps < 1:
             parser.error("--steps must be >= 1")
         setup = dataclasses.replace(setup, steps=args.steps)
-    if args.save is not None and args.save.suffix not in (".safetensors", ".npz"):
-        parser.error("--save needs a .safetensors or .npz path")
+    if args.save is not None and args.save.suffix != ".safetensors":
+        parser.error("--save needs a .safetensors path")
 
     import quantrules as qr
     from examples.pictures import loss_curve_png, top_down_png
@@ -477,17 +487,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     rules = load_rules(args.rules)
     out_dir = output_dir(args.out_dir)
     progress = Progress(total=4 + len(VARIANTS) + 1)
-    with progress.step("labelled scans: seeded synthetic streets, voxelized"):
-        config = SceneConfig(beams=setup.beams, azimuth_steps=setup.azimuth_steps)
-        data = labelled_scans(setup.n_train, setup.n_validation, seed=args.seed, config=config)
-        train_batches = [make_batch([s], setup.voxel_size) for s in data.train]
-        val_batches = [make_batch([s], setup.voxel_size) for s in data.validation]
-    print(
-        f"data: {setup.n_train} training scans (seeds {data.train_seeds}), {setup.n_validation} "
-        f"validation scans (seeds {data.validation_seeds}); {setup.beams} beams, voxels of "
-        f"{setup.voxel_size} m: {train_batches[0].tensor.num_points} voxels in the first scan; "
-        f"classes: {', '.join(CLASS_NAMES)}"
-    )
+    if args.data is not None:
+        with progress.step(f"labelled scans: {args.layout} data in {args.data}, voxelized"):
+            data, class_names, ignore = dataset_scans(args.data, args.layout, setup, args.seed)
+            train_batches = [make_batch([s], setup.voxel_size) for s in data.train]
+            val_batches = [make_batch([s], setup.voxel_size) for s in data.validation]
+        print(
+            f"data: {args.data} ({args.layout}): {len(data.train)} training scans, "
+            f"{len(data.validation)} validation scans (seeded split); voxels of "
+            f"{setup.voxel_size} m: {train_batches[0].tensor.num_points} voxels in the first "
+            f"scan; classes: {', '.join(class_names)}"
+        )
+    else:
+        with progress.step("labelled scans: seeded synthetic streets, voxelized"):
+            config = SceneConfig(beams=setup.beams, azimuth_steps=setup.azimuth_steps)
+            data = labelled_scans(setup.n_train, setup.n_validation, seed=args.seed, config=config)
+            train_batches = [make_batch([s], setup.voxel_size) for s in data.train]
+            val_batches = [make_batch([s], setup.voxel_size) for s in data.validation]
+            class_names, ignore = CLASS_NAMES, None
+        print(
+            f"data: {setup.n_train} training scans (seeds {data.train_seeds}), {setup.n_validation} "
+            f"validation scans (seeds {data.validation_seeds}); {setup.beams} beams, voxels of "
+            f"{setup.voxel_size} m: {train_batches[0].tensor.num_points} voxels in the first "
+            f"scan; classes: {', '.join(CLASS_NAMES)}"
+        )
     import mlx.core as mx
 
     import mlx_lattice
@@ -496,10 +519,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     # maps (and page-faults) every large array of every step anew.
     mlx_lattice.retain_freed_memory()
     mx.random.seed(args.seed)
-    model = MinkUNet(2, NUM_CLASSES, setup.widths)
+    model = MinkUNet(2, len(class_names), setup.widths)
     with progress.step(f"train MinkUNet widths {setup.widths} for {setup.steps} steps"):
         start = time.perf_counter()
-        losses = train(model, train_batches, setup, args.seed)
+        losses = train(model, train_batches, setup, args.seed, ignore)
         took = time.perf_counter() - start
     print(
         f"training: loss {np.mean(losses[:10]):.4f} -> {np.mean(losses[-10:]):.4f} (mean of the "
@@ -516,17 +539,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with progress.step("per-layer input: the first validation scan"):
             eval_tensor = val_batches[0].tensor
-        source = (
-            f"validation scan seed {data.validation_seeds[0]} ({eval_tensor.num_points} voxels)"
-        )
+        first = data.validation_seeds[0] if data.validation_seeds else "on disk"
+        source = f"validation scan {first} ({eval_tensor.num_points} voxels)"
     results = compare_variants(model, rules, eval_tensor, val_batches, setup, progress)
     with progress.step("dense JAX head through taktiny_ops (float and quantized)") as step:
         feats = np.array(model.features(eval_tensor).feats).astype(np.float32)
-        dense_rows = run_dense(rules, feats, 64, NUM_CLASSES, args.seed, step)
+        dense_rows = run_dense(rules, feats, 64, model.num_classes, args.seed, step)
 
     print(f"rules: {args.rules or 'built-in'} ({len(qr.as_rules(rules)[0])} rules)")
     print(f"per-layer input: {source}")
-    print_summary(results, CLASS_NAMES)
+    print_summary(results, class_names)
     print_layers(results, rules)
     print_table("dense JAX head on the U-Net features (taktiny_ops, op dot_general)", dense_rows)
     report = results["rules"]["report"]
@@ -549,17 +571,25 @@ def main(argv: Sequence[str] | None = None) -> int:
             ),
             ("ground truth", scan.labels),
         ],
-        CLASS_NAMES,
+        class_names,
         extent=30.0,
     )
     print(f"\nloss curve: {loss_png}\nvalidation scan, top-down: {view_png}")
     if args.save:
-        q_path = args.save.with_name(args.save.stem + "-quantized" + args.save.suffix)
-        model.save_weights(str(args.save))
-        results["rules"]["model"].save_weights(str(q_path))
+        from mlx_lattice.models import save_model
+
+        save_path = args.save
+        if not save_path.is_absolute() and "BUILD_WORKING_DIRECTORY" in os.environ:
+            save_path = Path(os.environ["BUILD_WORKING_DIRECTORY"]) / save_path
+        q_path = save_path.with_name(save_path.stem + "-quantized" + save_path.suffix)
+        info = {"steps": setup.steps, "seed": args.seed, "data": str(args.data or "built-in")}
+        save_model(save_path, model, voxel_size=setup.voxel_size, class_names=class_names,
+                   metadata=info)  # fmt: skip
+        save_model(q_path, results["rules"]["model"], voxel_size=setup.voxel_size,
+                   class_names=class_names, rules=rules, metadata=info)  # fmt: skip
         print(
-            f"saved: {args.save} (float) and {q_path} (quantized by the rules; load it into "
-            "a MinkUNet quantized with the same rules)"
+            f"saved: {save_path} (float) and {q_path} (quantized by the rules), each with its "
+            "configuration: run one with //examples:segment"
         )
     return 0
 

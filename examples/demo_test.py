@@ -14,7 +14,7 @@ import pytest
 import mlx_lattice
 from examples import demo
 from mlx_lattice.data import CLASS_NAMES
-from mlx_lattice.models import MinkUNet
+from mlx_lattice.models import MinkUNet, load_model
 
 #: --quick trains 40 steps on three 16-beam scans; it reaches about 0.56
 #: validation mIoU (seeded). A model that does not learn stays near 0.2.
@@ -137,6 +137,45 @@ def test_saved_weights_load_bit_exact(quick):
     again.eval()
     assert mx.array_equal(again(x).feats, quantized(x).feats).item()
     assert not mx.array_equal(model(x).feats, quantized(x).feats).item()
+    # The files carry their configuration: load_model needs nothing else.
+    for path, expect in ((float_path, model), (q_path, quantized)):
+        saved = load_model(path)
+        assert saved.class_names == CLASS_NAMES and saved.voxel_size == demo.QUICK.voxel_size
+        assert saved.metadata["steps"] == demo.QUICK.steps
+        assert mx.array_equal(saved.model(x).feats, expect(x).feats).item()
+    assert load_model(q_path).report.quantized == load_model(q_path).report.quantized != []
+
+
+#: Synthetic classes -> raw SemanticKITTI ids: road, building, car, pole, vegetation.
+RAW_IDS = np.array([40, 50, 10, 80, 70], np.uint32)
+
+
+def test_demo_trains_on_a_semantickitti_tree(tmp_path):
+    from mlx_lattice.data import SceneConfig, synthetic_lidar_scan
+    from mlx_lattice.io import semantickitti
+
+    config = SceneConfig(beams=demo.QUICK.beams, azimuth_steps=demo.QUICK.azimuth_steps)
+    for seq, seeds in (("00", (0, 1, 2)), ("08", (3,))):
+        (tmp_path / "sequences" / seq / "velodyne").mkdir(parents=True)
+        (tmp_path / "sequences" / seq / "labels").mkdir()
+        for i, seed in enumerate(seeds):
+            scan = synthetic_lidar_scan(seed, config)
+            rec = np.concatenate([scan.points, np.zeros((len(scan.points), 1), np.float32)], 1)
+            rec.tofile(tmp_path / "sequences" / seq / "velodyne" / f"{i:06d}.bin")
+            raw = RAW_IDS[scan.labels]
+            raw[::50] = 0  # a few unlabeled points: ignored in training and scoring
+            raw.tofile(tmp_path / "sequences" / seq / "labels" / f"{i:06d}.label")
+    save = tmp_path / "kitti.safetensors"
+    out = run("--data", str(tmp_path), "--layout", "semantickitti", "--steps", "20",
+              "--out-dir", str(tmp_path), "--save", str(save))  # fmt: skip
+    assert f"data: {tmp_path} (semantickitti): 3 training scans, 1 validation scans" in out
+    miou = [float(v) for v in table(out, "sparse MinkUNet")["mIoU"][1:]]
+    assert len(miou) == 4 and all(0 < v <= 1 for v in miou), miou
+    assert "IoU road" in out and "IoU traffic-sign" in out
+    first, last = (float(v) for v in out.split("training: loss ", 1)[1].split()[0:3:2])
+    assert last < first
+    saved = load_model(save)
+    assert saved.class_names == semantickitti.CLASS_NAMES and len(saved.class_names) == 19
 
 
 def test_demo_reads_rules_and_point_files(tmp_path):
@@ -171,12 +210,29 @@ def test_demo_reads_rules_and_point_files(tmp_path):
 
 
 def test_demo_rejects_bad_inputs(tmp_path):
-    with pytest.raises(ValueError, match="unsupported point file"):
+    with pytest.raises(ValueError, match="unknown point cloud suffix"):
         demo.read_points(tmp_path / "cloud.txt")
     bad = tmp_path / "bad.npy"
     np.save(bad, np.zeros((4, 2)))
-    with pytest.raises(ValueError, match=r"expected an \(M, >=3\) array"):
+    with pytest.raises(ValueError, match=r"array must be a numeric \(N, >=3\) array"):
         demo.read_points(bad)
     for args in (["--steps", "0"], ["--save", str(tmp_path / "model.txt")]):
         with pytest.raises(SystemExit):
             demo.main(args)
+
+
+def test_demo_reads_a_folder_layout(tmp_path):
+    from mlx_lattice.data import SceneConfig, synthetic_lidar_scan
+
+    config = SceneConfig(beams=8, azimuth_steps=128)
+    scans = [synthetic_lidar_scan(s, config) for s in range(4)]
+    for i, scan in enumerate(scans):
+        np.savez(tmp_path / f"scan{i}.npz", points=scan.points, labels=scan.labels)
+    data, names, ignore = demo.dataset_scans(tmp_path, "folder", demo.QUICK, seed=1)
+    assert names == ("class0", "class1", "class2", "class3", "class4") and ignore == 5
+    assert (len(data.train), len(data.validation)) == (3, 1)
+    # Every scan lands in exactly one split, with its own points and labels.
+    got = sorted(
+        (s.points.tobytes(), s.labels.tobytes()) for s in data.train + data.validation
+    )
+    assert got == sorted((s.points.tobytes(), s.labels.astype(np.int32).tobytes()) for s in scans)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["CLASS_COLOURS", "Canvas", "loss_curve_png", "png_bytes", "top_down_png"]
+__all__ = ["CLASS_COLOURS", "Canvas", "class_colours", "loss_curve_png", "png_bytes", "top_down_png"]
 
 Colour = tuple[int, int, int]
 
@@ -223,6 +223,20 @@ def loss_curve_png(
     return path
 
 
+def class_colours(n: int) -> np.ndarray:
+    """``(n, 3)`` uint8 colours: :data:`CLASS_COLOURS`, then evenly spread hues.
+
+    >>> class_colours(7)[:5].tolist() == [list(c) for c in CLASS_COLOURS], class_colours(7).shape
+    (True, (7, 3))
+    """
+    out = [np.array(c, np.float64) for c in CLASS_COLOURS[:n]]
+    for k in range(len(out), n):
+        hue = (k * 0.618034) % 1.0
+        rgb = np.clip(np.abs((hue * 6 + np.array([0.0, 4.0, 2.0])) % 6 - 3) - 1, 0, 1)
+        out.append(40 + 180 * rgb)
+    return np.array(out, np.uint8).reshape(n, 3)
+
+
 def top_down_png(
     path: Path,
     points: np.ndarray,
@@ -236,8 +250,20 @@ def top_down_png(
     sensor), one panel per ``(title, labels)``, coloured by class, with a legend."""
     pts = np.asarray(points, np.float64)
     order = np.argsort(pts[:, 2])  # higher points drawn last, on top
-    pad, head, legend_h = 12, 40, 40
-    c = Canvas(len(panels) * (size + pad) + pad, size + head + legend_h + pad)
+    pad, head = 12, 40
+    width = len(panels) * (size + pad) + pad
+    # Labels past the named classes (unlabeled points) get colours of their own.
+    top = max((int(np.max(lab)) + 1 for _, lab in panels if len(lab)), default=0)
+    palette = class_colours(max(len(class_names), top))
+    # Legend rows: entries wrap at the canvas' width.
+    rows, x = 1, pad
+    for name in class_names:
+        step = 20 + Canvas.text_width(name, 2) + 2 + 18
+        if x + step > width and x > pad:
+            rows, x = rows + 1, pad
+        x += step
+    legend_h = 40 + 22 * (rows - 1)
+    c = Canvas(width, size + head + legend_h + pad)
     inside = (np.abs(pts[:, 0]) < extent) & (np.abs(pts[:, 1]) < extent)
     for i, (title, labels) in enumerate(panels):
         x0 = pad + i * (size + pad)
@@ -246,12 +272,14 @@ def top_down_png(
         sel = order[inside[order]]
         xs = x0 + (pts[sel, 0] + extent) / (2 * extent) * (size - 1)
         ys = head + (extent - pts[sel, 1]) / (2 * extent) * (size - 1)
-        colours = np.array(CLASS_COLOURS, np.uint8)[np.asarray(labels)[sel]]
+        colours = palette[np.asarray(labels)[sel]]
         c.dots(xs, ys, colours, size=2)
     x = pad
     y = head + size + 14
     for k, name in enumerate(class_names):
-        c.box(x, y, x + 14, y + 14, CLASS_COLOURS[k], fill=True)
+        if x + 20 + Canvas.text_width(name, 2) + 20 > width and x > pad:
+            x, y = pad, y + 22
+        c.box(x, y, x + 14, y + 14, tuple(int(v) for v in palette[k]), fill=True)
         x = c.text(x + 20, y, name, (0, 0, 0), scale=2) + 18
     note = f"{2 * extent:.0f} m across"
     c.text(c.width - pad - c.text_width(note, 2), y, note, (90, 90, 90), scale=2)

@@ -19,6 +19,9 @@ import zipfile
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # reproducible timestamps
 
 
+_EXTRA = re.compile(r"extra == '([a-z0-9-]+)'")
+
+
 def _lock_versions(path: str) -> dict[str, str]:
     pins = {}
     with open(path) as f:
@@ -86,6 +89,10 @@ def main() -> int:
         req = f"{name}{op}{bound}"
         requires.append(f"{req}; {marker.strip()}" if marker else req)
 
+    # Optional dependencies: a requirement whose marker names an extra
+    # (`extra == 'las'`) is installed by `pip install 'dist[las]'`.
+    extras = sorted({m.group(1) for r in requires for m in [_EXTRA.search(r)] if m})
+
     dist = a.distribution.replace("-", "_")
     info = f"{dist}-{version}.dist-info"
     tag = a.tag
@@ -107,6 +114,7 @@ def main() -> int:
         f"Version: {version}",
         f"Summary: {a.summary}",
         "Requires-Python: >=3.11",
+        *[f"Provides-Extra: {e}" for e in extras],
         *[f"Requires-Dist: {r}" for r in sorted(requires)],
         "Description-Content-Type: text/markdown",
         "",

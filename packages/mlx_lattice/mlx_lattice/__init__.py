@@ -9,6 +9,8 @@
 * :mod:`mlx_lattice.core`: coordinates, kernel relations, quantized weights
   and the ops layer over the native MLX primitives;
 * :mod:`mlx_lattice.data`: a seeded synthetic LiDAR scan;
+* :mod:`mlx_lattice.io`: point cloud files (KITTI, PLY, PCD, LAS/LAZ, NumPy)
+  and labelled datasets on disk (SemanticKITTI, a folder of labelled files);
 * :func:`retain_freed_memory`: faster CPU training steps on glibc (freed
   arrays stay in the process for reuse).
 """

@@ -212,6 +212,7 @@ class MinkUNet(mlx_nn.Module):
             )
         depth = _depths(depths, len(widths))
         self.widths, self.depths = widths, depth
+        self.in_channels, self.num_classes = int(in_channels), int(num_classes)
         self.stem = Stem(in_channels, widths[0], depth[0])
         self.encoder = _Stages(
             [

@@ -14,20 +14,32 @@ __all__ = ["class_weights", "cross_entropy", "predict", "train_step"]
 
 
 def cross_entropy(
-    logits: mx.array, labels: mx.array, *, weights: mx.array | None = None
+    logits: mx.array,
+    labels: mx.array,
+    *,
+    weights: mx.array | None = None,
+    ignore_index: int | None = None,
 ) -> mx.array:
     """Mean softmax cross-entropy of ``(N, K)`` scores against ``(N,)`` labels,
     computed in float32; ``weights`` ``(K,)`` weighs each class (the mean is
-    then over the weights, as in PyTorch's ``CrossEntropyLoss``).
+    then over the weights, as in PyTorch's ``CrossEntropyLoss``). Labels
+    equal to ``ignore_index`` (e.g. ``K``, the unlabeled points of a
+    dataset) add nothing and are left out of the mean.
 
     >>> round(cross_entropy(mx.array([[0.0, 0.0], [2.0, 0.0]]), mx.array([0, 0])).item(), 4)
     0.4100
+    >>> round(cross_entropy(mx.array([[0.0, 0.0], [2.0, 0.0]]), mx.array([0, 2]), ignore_index=2).item(), 4)
+    0.6931
     """
     if logits.ndim != 2 or labels.shape != (logits.shape[0],):
         raise SparseTensorError(
             f"logits must be (N, K) and labels (N,), got {tuple(logits.shape)} and "
             f"{tuple(labels.shape)}."
         )
+    keep = None
+    if ignore_index is not None:
+        keep = labels != ignore_index
+        labels = mx.where(keep, labels, 0)
     if labels.size and (int(labels.min()) < 0 or int(labels.max()) >= logits.shape[1]):
         # MLX gathers (and its gradient scatters) without bounds checks.
         raise SparseTensorError(
@@ -39,12 +51,17 @@ def cross_entropy(
         logits, labels.astype(mx.int32)[:, None], axis=1
     ).squeeze(1)
     if weights is None:
-        return nll.mean()
-    if weights.shape != (logits.shape[1],):
-        raise SparseTensorError(
-            f"weights must be ({logits.shape[1]},), got {tuple(weights.shape)}."
-        )
-    w = weights.astype(mx.float32)[labels]
+        if keep is None:
+            return nll.mean()
+        w = keep.astype(mx.float32)
+    else:
+        if weights.shape != (logits.shape[1],):
+            raise SparseTensorError(
+                f"weights must be ({logits.shape[1]},), got {tuple(weights.shape)}."
+            )
+        w = weights.astype(mx.float32)[labels]
+        if keep is not None:
+            w = w * keep.astype(mx.float32)
     return (w * nll).sum() / mx.maximum(w.sum(), 1e-12)
 
 
@@ -69,9 +86,11 @@ def train_step(
     *,
     weights: mx.array | None = None,
     loss_fn: Callable[[mx.array, mx.array], mx.array] | None = None,
+    ignore_index: int | None = None,
 ) -> float:
     """One forward, backward and ``optimizer.update`` on a batch; returns the loss.
 
+    ``ignore_index``: a label that adds no loss (see :func:`cross_entropy`).
     The model must be in ``train()`` mode for batch statistics. For float16
     training pass float16 features and keep the parameters float32 (mixed
     precision): the convolutions read their weights rounded to float16 and
@@ -91,7 +110,7 @@ def train_step(
         scores = m(x).feats
         if loss_fn is not None:
             return loss_fn(scores, labels)
-        return cross_entropy(scores, labels, weights=weights)
+        return cross_entropy(scores, labels, weights=weights, ignore_index=ignore_index)
 
     value, grads = mlx_nn.value_and_grad(model, loss)(model)
     optimizer.update(model, grads)  # type: ignore[attr-defined]

@@ -23,7 +23,7 @@ from mlx_lattice import geometry
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 THREADS = 4
-ROUNDS = 6
+ROUNDS = 12
 # Generous for 2 busy cores: each test's serial work takes well under 1 s.
 JOIN_S = 120.0
 

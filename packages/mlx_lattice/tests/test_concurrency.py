@@ -21,6 +21,7 @@ import pytest
 import mlx_lattice
 from mlx_lattice import geometry
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+from mlx_lattice.core import weights as core_weights
 
 THREADS = 4
 ROUNDS = 12
@@ -151,7 +152,7 @@ def test_convolutions_from_threads_match_serial_bits(conv_inputs, seed):
     run_concurrently(_conv_jobs(conv_inputs), seed=seed)
 
 
-def test_geometry_from_threads_matches_serial_bits(rng, seed):
+def _geometry_jobs(rng):
     pts = rng.uniform(0, 5, (800, 3)).astype(np.float32)
     batch = rng.integers(0, 2, 800).astype(np.int32)
     pf = mx.array(rng.standard_normal((800, 4)).astype(np.float32))
@@ -179,14 +180,19 @@ def test_geometry_from_threads_matches_serial_bits(rng, seed):
         ("devoxelize", lambda: [geometry.devoxelize(vf, pvm, i) for i in ("linear", "nearest")]),
         ("devoxelize vjp", devox_vjp),
     ]
-    run_concurrently(jobs, seed=seed)
+    return jobs
 
 
-def test_set_num_threads_and_clear_caches_during_calls(conv_inputs, seed):
+def test_geometry_from_threads_matches_serial_bits(rng, seed):
+    run_concurrently(_geometry_jobs(rng), seed=seed)
+
+
+def test_set_num_threads_and_clear_caches_during_calls(conv_inputs, rng, seed):
     """One thread cycles the kernel thread count through 1-3 and another
     clears every cache, over and over, while the workers run convolutions
-    (the weight-only one through the dequantized-weight cache) and build
-    relations: no crash, the same bits as serial calls."""
+    (the weight-only one through the dequantized-weight cache, a 5-D weight
+    through the per-value layout conversion), build relations and run the
+    geometry ops: no crash, the same bits as serial calls."""
     counts = iter(range(10**9))
 
     def cycle_threads():
@@ -197,7 +203,15 @@ def test_set_num_threads_and_clear_caches_during_calls(conv_inputs, seed):
         # A short pause: the workers still hit the caches in between.
         threading.Event().wait(0.002)
 
-    run_concurrently(_conv_jobs(conv_inputs), meddlers=[cycle_threads, clear], seed=seed)
+    _, rel, f, _, _, _ = conv_inputs
+    w5 = mx.array(rng.standard_normal((8, 3, 3, 3, 16)).astype(np.float32))
+    mapped = [
+        ("5-D weight", lambda: ops.sparse_conv_features_from_relation(
+            f, core_weights.mapped_conv_weight(w5), rel
+        ))
+    ]
+    jobs = _conv_jobs(conv_inputs) + _geometry_jobs(rng) + mapped
+    run_concurrently(jobs, meddlers=[cycle_threads, clear], seed=seed)
 
 
 def test_weight_cache_from_threads_stays_within_budget(rng, seed):
@@ -231,3 +245,34 @@ def test_weight_cache_from_threads_stays_within_budget(rng, seed):
     info = mlx_lattice.weight_cache_info()
     assert info["hits"] + info["misses"] >= THREADS * ROUNDS * len(jobs), info
     assert info["evictions"] > 0, info
+
+
+def test_cached_weight_layout_is_usable_from_another_thread(rng, seed):
+    """Regression: the per-value layout conversion of a 5-D weight cached a
+    lazy array; a thread that took it from the cache before the creating
+    thread evaluated it failed with "There is no Stream(cpu, N) in current
+    thread" (or, racing with that thread's evaluation, got wrong values).
+    The conversion is now evaluated before it is cached."""
+    coords = _coords(rng, 200, 6)
+    rel = build_kernel_relation(mx.array(coords))
+    f = mx.array(rng.standard_normal((len(coords), 5)).astype(np.float32))
+    w5_np = rng.standard_normal((3, 3, 3, 3, 5)).astype(np.float32)
+    w5 = mx.array(w5_np)
+    mapped = np.ascontiguousarray(w5_np.transpose(1, 2, 3, 4, 0).reshape(27, 5, 3))
+    want = np.array(ops.sparse_conv_features_from_relation(f, mx.array(mapped), rel))
+    core_weights.mapped_conv_weight(w5)  # cached here, never evaluated by this thread
+    result: dict[str, object] = {}
+
+    def other() -> None:
+        try:
+            out = ops.sparse_conv_features_from_relation(f, core_weights.mapped_conv_weight(w5), rel)
+            result["got"] = np.array(out)
+        except BaseException as err:
+            result["error"] = repr(err)
+
+    th = threading.Thread(target=other, daemon=True)
+    th.start()
+    th.join(JOIN_S)
+    assert not th.is_alive(), f"seed {seed}: thread still running after {JOIN_S} s"
+    assert "error" not in result, (seed, result["error"])
+    np.testing.assert_array_equal(result["got"], want, err_msg=f"seed {seed}")

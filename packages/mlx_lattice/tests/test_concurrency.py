@@ -15,11 +15,13 @@ import traceback
 from collections.abc import Callable
 
 import mlx.core as mx
+import mlx.nn as mnn
 import numpy as np
 import pytest
 
 import mlx_lattice
-from mlx_lattice import geometry
+from mlx_lattice import SparseTensor, geometry
+from mlx_lattice import nn as lattice_nn
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 from mlx_lattice.core import weights as core_weights
 
@@ -185,6 +187,31 @@ def _geometry_jobs(rng):
 
 def test_geometry_from_threads_matches_serial_bits(rng, seed):
     run_concurrently(_geometry_jobs(rng), seed=seed)
+
+
+def test_model_forward_from_threads_matches_serial_bits(rng, seed):
+    """A small network (submanifold and strided convolutions, batch norm in
+    eval mode, max pooling, a transposed convolution back) shared by the
+    threads, each building its own SparseTensor from the same inputs."""
+    mx.random.seed(seed)
+    model = mnn.Sequential(
+        lattice_nn.SubMConv3d(4, 8, 3),
+        lattice_nn.BatchNorm(8),
+        lattice_nn.ReLU(),
+        lattice_nn.Conv3d(8, 16, 2, stride=2),
+        lattice_nn.MaxPool3d(2, 2),
+        lattice_nn.ConvTranspose3d(16, 8, 2, stride=2),
+    )
+    model.eval()
+    mx.eval(model.parameters())
+    coords = mx.array(_coords(rng, 700, 12))
+    feats = mx.array(rng.standard_normal((coords.shape[0], 4)).astype(np.float32))
+
+    def forward():
+        y = model(SparseTensor(coords, feats))
+        return [y.feats, y.coords]
+
+    run_concurrently([("model", forward)], seed=seed)
 
 
 def test_set_num_threads_and_clear_caches_during_calls(conv_inputs, rng, seed):

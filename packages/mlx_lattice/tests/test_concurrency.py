@@ -45,10 +45,9 @@ def _restore():
 def _bits(out) -> list[tuple[str, tuple, bytes]]:
     arrays = out if isinstance(out, (list, tuple)) else [out]
     mx.eval(arrays)
-    return [
-        (str(a.dtype), tuple(a.shape), np.array(a.view(mx.uint16) if a.dtype == mx.bfloat16 else a).tobytes())
-        for a in arrays
-    ]
+    # NumPy has no bfloat16: compare its bits as uint16.
+    raw = [a.view(mx.uint16) if a.dtype == mx.bfloat16 else a for a in arrays]
+    return [(str(a.dtype), tuple(a.shape), np.array(r).tobytes()) for a, r in zip(arrays, raw, strict=True)]
 
 
 def run_concurrently(

@@ -118,6 +118,12 @@ def _unbuilt(rel):
     return dataclasses.replace(rel, edges=dataclasses.replace(rel.edges, **copies))
 
 
+# Float32 against the float64 reference: each output sums at most 27 * 3
+# products of unit-normal values (|sum| up to ~30), so float32 accumulation
+# errs by ~1e-6; a stale or foreign weight or relation is off by O(1).
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
 def _conv64(feats: np.ndarray, weight: np.ndarray, rel) -> np.ndarray:
     """The convolution in float64 from the relation's edge list."""
     in_rows = np.array(rel.edges.in_rows)
@@ -216,7 +222,7 @@ def test_freed_and_reused_relations_never_get_a_stale_validation(rng, seed):
         good = build_kernel_relation(mx.array(coords))
         got = np.array(ops.sparse_conv_features_from_relation(f[:n], w, good))
         want = _conv64(f_np[:n], w_np.astype(np.float64), good)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+        np.testing.assert_allclose(got, want, **TOL, err_msg=f"seed {seed}")
 
 
 # ---------------------------------------------------------------------------
@@ -259,10 +265,36 @@ def test_per_value_conversion_drops_dead_weights_and_sees_updates(rng, seed):
         mapped = np.ascontiguousarray(w_np.transpose(1, 2, 3, 4, 0).reshape(27, 3, 2))
         got = np.array(conv(w))
         want = _conv64(f_np, mapped.astype(np.float64), rel)
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=f"seed {seed}")
+        np.testing.assert_allclose(got, want, **TOL, err_msg=f"seed {seed}")
         del w
         gc.collect()
     assert len(core_weights._MAPPED_WEIGHT_CACHE) == before
+
+
+def test_weight_gradient_flows_through_the_cached_conversion(rng, seed):
+    """The conversion is evaluated before it is cached (so other threads can
+    use it), but not inside a transformation: the gradient with respect to a
+    5-D weight equals the one through an uncached transpose, before and
+    after the weight's value has been cached outside the transformation."""
+    rel, n = _relation(rng)
+    f = mx.array(rng.standard_normal((n, 4)).astype(np.float32))
+    w5 = mx.array(rng.standard_normal((3, 3, 3, 3, 4)).astype(np.float32))
+    cot = mx.array(rng.standard_normal((rel.n_out_capacity, 3)).astype(np.float32))
+
+    def loss(w, mapping):
+        return (ops.sparse_conv_features_from_relation(f, mapping(w), rel) * cot).sum()
+
+    def by_hand(w):
+        return mx.contiguous(w.transpose(1, 2, 3, 4, 0).reshape(27, 4, 3))
+
+    want = np.array(mx.grad(lambda w: loss(w, by_hand))(w5))
+    assert np.abs(want).max() > 0.1
+    for _ in range(2):
+        got = np.array(mx.grad(lambda w: loss(w, core_weights.mapped_conv_weight))(w5))
+        np.testing.assert_array_equal(got, want, err_msg=f"seed {seed}")
+        mx.eval(loss(w5, core_weights.mapped_conv_weight))  # cache w5's value outside
+    compiled = mx.compile(mx.grad(lambda w: loss(w, core_weights.mapped_conv_weight)))
+    np.testing.assert_array_equal(np.array(compiled(w5)), want, err_msg=f"seed {seed}")
 
 
 def _quantized(rng, cin=64, cout=64):

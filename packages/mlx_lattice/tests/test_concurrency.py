@@ -302,3 +302,38 @@ def test_cached_weight_layout_is_usable_from_another_thread(rng, seed):
     assert not th.is_alive(), f"seed {seed}: thread still running after {JOIN_S} s"
     assert "error" not in result, (seed, result["error"])
     np.testing.assert_array_equal(result["got"], want, err_msg=f"seed {seed}")
+
+
+def test_one_sparse_tensor_shared_by_threads(rng, seed):
+    """Threads start together on one SparseTensor that nobody has used yet,
+    so they race to fill its coordinate manager's caches (output
+    coordinates, relations): every thread gets the serial result."""
+    model = mnn.Sequential(
+        lattice_nn.Conv3d(3, 8, 2, stride=2),
+        lattice_nn.SubMConv3d(8, 8, 3),
+        lattice_nn.ConvTranspose3d(8, 4, 2, stride=2),
+    )
+    mx.eval(model.parameters())
+    errors: list[str] = []
+    for trial in range(4):
+        coords = _coords(rng, 500, 10)
+        feats = mx.array(rng.standard_normal((len(coords), 3)).astype(np.float32))
+        want = _bits(model(SparseTensor(mx.array(coords), feats)).feats)
+        shared = SparseTensor(mx.array(coords), feats)
+        barrier = threading.Barrier(THREADS)
+
+        def worker(t: int, shared=shared, want=want, trial=trial, barrier=barrier) -> None:
+            try:
+                barrier.wait(JOIN_S)
+                if _bits(model(shared).feats) != want:
+                    errors.append(f"trial {trial}, thread {t}: differs from the serial call")
+            except BaseException:
+                errors.append(f"trial {trial}, thread {t}:\n{traceback.format_exc()}")
+
+        threads = [threading.Thread(target=worker, args=(t,), daemon=True) for t in range(THREADS)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(JOIN_S)
+        assert not any(th.is_alive() for th in threads), f"seed {seed}: threads still running"
+    assert not errors, f"seed {seed}:\n" + "\n".join(errors)

@@ -7,8 +7,9 @@ Every call is one op on small inputs, evaluated: relation build,
 convolution forward and backward, weight-only and int8 quantized
 convolution, max pooling, kNN, quantize/voxelize/devoxelize and training
 batch norm. Inputs rotate over more coordinate sets than the validation memo
-keeps (so the memo evicts all the time) and over more quantized weights than
-the weight cache notes. Every result is compared with the op's first result
+keeps (so the memo evicts all the time) and over 44 quantized weights (each
+one noted, then cached, then hit). ``SOAK_OPS=conv,knn`` (the functions'
+names) runs a subset, to find the source of a growth. Every result is compared with the op's first result
 on the same input, bit for bit (a cache that handed back a stale entry, or a
 kernel that read freed memory, would change a result). Prints one JSON line:
 RSS (bytes, from /proc/self/statm) after the warm-up and every SAMPLE_EVERY
@@ -32,7 +33,7 @@ from mlx_lattice import ops as sparse_ops
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 SETS = 40  # coordinate sets: more than the validation memo's 32 entries
-WEIGHTS = 80  # quantized weights: more than the weight cache's 64 notes
+WEIGHTS = 80  # quantized weights: the int8 calls use all, the weight-only ones 44
 PERIOD = 80  # every call's input is a function of its index modulo PERIOD
 C = 8
 

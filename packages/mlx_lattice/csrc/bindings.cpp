@@ -134,6 +134,10 @@ void bind_ops(nb::module_& m) {
   m.def(
       "same_value", [](const mx::array& handle, const mx::array& a) { return handle.id() == a.id(); },
       "handle"_a, "a"_a, "Whether ``a`` still holds the value captured by ``array_value``.");
+  m.def(
+      "is_tracer", [](const mx::array& a) { return a.is_tracer(); }, "a"_a,
+      "Whether ``a`` is a placeholder of a transformation being traced (``mx.compile``, "
+      "``mx.vjp``, ``mx.vmap``): it cannot be evaluated on its own.");
 
   m.attr("SORTED_TILE_ROWS") = kernels::kSortedTileRows;
 

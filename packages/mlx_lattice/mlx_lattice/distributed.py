@@ -130,7 +130,7 @@ class _Watchdog:
                     self._cond.wait(left)
                     continue
                 _fatal(
-                    f"{what} did not finish within its deadline; a peer process has probably "
+                    f"{what} did not finish within its deadline; {_peers_label()} has probably "
                     "died or hung, or an address in the host file is not a peer (check the "
                     "hosts, ports and network). Exiting."
                 )
@@ -142,6 +142,33 @@ _WATCHDOG = _Watchdog()
 def _rank_label() -> str:
     rank = os.environ.get("MLX_RANK") or os.environ.get("OMPI_COMM_WORLD_RANK") or "?"
     return f"rank {rank}"
+
+
+def _world() -> tuple[int, int] | None:
+    """(rank, size) from the launcher's environment (MLX's ring host file or
+    Open MPI's variables), without calling into MLX: the watchdog runs while
+    the main thread may be inside ``mx.distributed.init``."""
+    try:
+        if "OMPI_COMM_WORLD_SIZE" in os.environ:
+            return int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
+        with open(os.environ["MLX_HOSTFILE"]) as f:
+            return int(os.environ["MLX_RANK"]), len(json.load(f))
+    except (KeyError, OSError, ValueError, TypeError):
+        return None
+
+
+def _peers_label() -> str:
+    """The ranks this one talks to, for messages about a lost peer: with two
+    ranks the other one is named (it is the one that failed); with more, the
+    ring back-end cannot tell which one broke the chain."""
+    world = _world()
+    if world is None:
+        return "a peer process"
+    rank, size = world
+    others = [r for r in range(size) if r != rank]
+    if len(others) == 1:
+        return f"its peer, rank {others[0]},"
+    return f"one of ranks {others}" if others else "a peer process"
 
 
 def _fatal(message: str) -> None:
@@ -184,7 +211,7 @@ def deadline(seconds: float | None, what: str) -> Iterator[None]:
         if isinstance(err, DistributedError) or not _is_comm_error(err):
             raise
         raise DistributedError(
-            f"{_rank_label()}: {what} failed: {err} (a peer process has probably exited)."
+            f"{_rank_label()}: {what} failed: {err} ({_peers_label()} has probably exited)."
         ) from err
     finally:
         if token is not None:

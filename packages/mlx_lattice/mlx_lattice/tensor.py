@@ -3,6 +3,7 @@ coordinate manager that shares kernel relations between layers."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, Literal
 
@@ -49,22 +50,28 @@ class CoordinateManager:
         self._relations: dict[tuple, KernelRelation] = {}
         self._memo: dict[Hashable, Any] = {}
         self._generated = 0
+        # One tensor may be used from several threads: what is built on first
+        # use (output sets, relations, memos) is built once, under this lock
+        # (reentrant: building a relation may register or build another).
+        self._lock = threading.RLock()
 
     def register(self, coords: mx.array, tensor_stride: Triple, tag: str = "") -> CoordinateKey:
         """Add a coordinate set; a key already present must hold the same array."""
         key = (tuple(tensor_stride), tag)
-        existing = self._coords.get(key)
-        if existing is not None and existing is not coords:
-            raise SparseTensorError(
-                f"coordinate set {key} is already registered with other coordinates."
-            )
-        self._coords[key] = coords
+        with self._lock:
+            existing = self._coords.get(key)
+            if existing is not None and existing is not coords:
+                raise SparseTensorError(
+                    f"coordinate set {key} is already registered with other coordinates."
+                )
+            self._coords[key] = coords
         return key  # type: ignore[return-value]
 
     def new_tag(self) -> str:
         """A fresh tag for a generated coordinate set."""
-        self._generated += 1
-        return f"generated{self._generated}"
+        with self._lock:
+            self._generated += 1
+            return f"generated{self._generated}"
 
     def coords(self, key: CoordinateKey) -> mx.array:
         """The coordinates of ``key``."""
@@ -124,6 +131,24 @@ class CoordinateManager:
         rel = self._relations.get(cache_key)
         if rel is not None:
             return rel, out_key
+        with self._lock:
+            rel = self._relations.get(cache_key)  # built meanwhile by another thread?
+            if rel is None:
+                rel = self._build_relation(in_key, out_key, size, strides, dil, kind, moved)
+                self._relations[cache_key] = rel
+        return rel, out_key
+
+    def _build_relation(
+        self,
+        in_key: CoordinateKey,
+        out_key: CoordinateKey,
+        size: Triple,
+        strides: Triple,
+        dil: Triple,
+        kind: str,
+        moved: tuple[int, ...],
+    ) -> KernelRelation:
+        in_stride = in_key[0]
         in_coords = self.coords(in_key)
         if any(moved):
             if kind == "submanifold" or (kind == "forward" and not self.has(out_key)):
@@ -160,8 +185,7 @@ class CoordinateManager:
                 tensor_stride=out_key[0],
                 kind="target",
             )
-        self._relations[cache_key] = rel
-        return rel, out_key
+        return rel
 
     def derived(self, source: Hashable, spec: Hashable, make: Callable) -> CoordinateKey:
         """The key of a coordinate set derived from ``source`` by ``spec`` (e.g.
@@ -172,9 +196,10 @@ class CoordinateManager:
     def memo(self, key: Hashable, make: Callable) -> Any:
         """``make()`` computed once per ``key`` for this manager (e.g. an
         interpolation map between two of its coordinate sets)."""
-        if key not in self._memo:
-            self._memo[key] = make()
-        return self._memo[key]
+        with self._lock:
+            if key not in self._memo:
+                self._memo[key] = make()
+            return self._memo[key]
 
 
 def _shifted(coords: mx.array, shift: tuple[int, ...]) -> mx.array:

@@ -6,13 +6,22 @@ trains on the scans :func:`shard_indices` gives it. The loss is the mean over
 scans of each scan's mean cross-entropy, so the average of the ranks' losses
 is the loss of the whole batch and averaged gradients are its gradient.
 
-Usage: ``distributed_worker.py MODE STEPS OUT.npz [die-after-step]`` with MODE
-``nonorm`` (no batch norm), ``bn`` (per-rank batch norm) or ``syncbn``.
+Usage: ``distributed_worker.py MODE STEPS OUT.npz [FAIL-AT-STEP [FAULT
+[CHECKPOINT-DIR]]]`` with MODE ``nonorm`` (no batch norm), ``bn`` (per-rank
+batch norm) or ``syncbn``. With FAIL-AT-STEP the last rank fails at that step
+(0-based): FAULT ``exit`` (the default) exits with status 3 before the step;
+``kill`` sends itself SIGKILL and ``raise`` raises a RuntimeError, both in
+the middle of the step (after its backward pass, before the gradient
+all-reduce). With CHECKPOINT-DIR rank 0 writes, after every completed step
+``i``, ``step{i}.safetensors`` (``save_weights``, written to a temporary
+name and renamed) and ``step{i}.npz`` (the same parameters as NumPy arrays).
 """
 
 from __future__ import annotations
 
 import itertools
+import os
+import signal
 import sys
 import time
 
@@ -127,6 +136,8 @@ def reference(mode: str, steps: int, parts: int) -> dict[str, np.ndarray]:
 def main() -> None:
     mode, steps, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
     die_after = int(sys.argv[4]) if len(sys.argv) > 4 else None
+    fault = sys.argv[5] if len(sys.argv) > 5 else "exit"
+    checkpoints = sys.argv[6] if len(sys.argv) > 6 else None
     group = distributed.init(timeout_s=30)
     rank, size = group.rank(), group.size()
     mine = distributed.shard_indices(SCANS, rank=rank, size=size).tolist()
@@ -145,11 +156,18 @@ def main() -> None:
 
     extra = {}
     for i in range(steps):
-        if die_after is not None and i == die_after and rank == size - 1:
+        failing = die_after is not None and i == die_after and rank == size - 1
+        if failing and fault == "exit":
             print(f"rank {rank}: exiting on purpose before step {i}", flush=True)
             sys.exit(3)
         with distributed.deadline(30, f"training step {i}"):
             _, grads = step(model)
+            if failing:
+                mx.eval(grads)
+                print(f"rank {rank}: failing ({fault}) in the middle of step {i}", flush=True)
+                if fault == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                raise RuntimeError(f"rank {rank}: a fault on purpose in step {i}")
             if i == 0:
                 mx.distributed.all_sum = counting_all_sum
                 averaged = distributed.average_gradients(grads)
@@ -172,6 +190,11 @@ def main() -> None:
                 averaged = distributed.average_gradients(grads)
             opt.update(model, averaged)
             mx.eval(model.state, opt.state)
+        if checkpoints is not None and rank == 0:
+            path = os.path.join(checkpoints, f"step{i}.safetensors")
+            model.save_weights(path + ".tmp.safetensors")
+            os.replace(path + ".tmp.safetensors", path)
+            np.savez(os.path.join(checkpoints, f"step{i}.npz"), **state(model))
         if die_after is not None:
             time.sleep(0.2)
     np.savez(out, **state(model), **{f"__{k}": v for k, v in extra.items()})

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import signal
 import sys
 import textwrap
 from pathlib import Path
@@ -130,7 +131,65 @@ def test_peer_exit_stops_survivor_with_clear_error(tmp_path: Path) -> None:
     assert run.returncodes[0] in (1, distributed.EXIT_TIMEOUT), _report(run)
     assert "DistributedError" in run.stderr[0] or "did not finish" in run.stderr[0], _report(run)
     assert "training step 1" in run.stderr[0], _report(run)
+    assert "its peer, rank 1," in run.stderr[0], _report(run)
     assert run.seconds < 40
+
+
+# A rank failing in the middle of a step: the survivor's step (under a 30 s
+# deadline in the worker) ends with an error naming the failed rank. Bound
+# on the whole run: 60 s (start-up and two steps take ~5-15 s here, the
+# deadline 30 s at worst, the launcher's grace after a failure 10 s).
+FAULT_BOUND_S = 60
+
+
+@pytest.mark.parametrize("fault", ["kill", "raise"])
+def test_rank_failing_mid_step_stops_survivor_and_checkpoint_loads_exactly(
+    tmp_path: Path, fault: str
+) -> None:
+    """Rank 1 is SIGKILLed (or raises) after its backward pass of step 2,
+    before the gradient all-reduce; rank 0 must stop by itself with a
+    DistributedError (or the deadline's message) naming rank 1 and the step,
+    and the checkpoint rank 0 wrote after step 1 must load bit for bit."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    run, _ = _run_ranks(tmp_path, "nonorm", "2", fault, str(ckpt), timeout_s=2 * FAULT_BOUND_S)
+    last = run.stderr[0].strip().splitlines()[-1:] or [""]
+    print(f"{fault}: ended after {run.seconds:.1f} s, codes {run.returncodes}; rank 0: {last[0]}")
+    assert not run.timed_out, _report(run)
+    if fault == "kill":
+        assert run.returncodes[1] == -signal.SIGKILL, _report(run)
+    else:
+        assert run.returncodes[1] == 1, _report(run)
+        assert "a fault on purpose in step 2" in run.stderr[1], _report(run)
+    assert run.returncodes[0] in (1, distributed.EXIT_TIMEOUT), _report(run)
+    survivor = run.stderr[0]
+    assert "DistributedError" in survivor or "did not finish" in survivor, _report(run)
+    assert "training step 2" in survivor, _report(run)
+    assert "its peer, rank 1," in survivor, _report(run)
+    assert run.seconds < FAULT_BOUND_S, _report(run)
+
+    # Steps 0 and 1 were checkpointed, step 2 never completed.
+    assert sorted(p.name for p in ckpt.iterdir()) == [
+        "step0.npz",
+        "step0.safetensors",
+        "step1.npz",
+        "step1.safetensors",
+    ]
+    dumped = dict(np.load(ckpt / "step1.npz"))
+    model = worker.make_model("nonorm")
+    init = worker.state(model)
+    model.load_weights(str(ckpt / "step1.safetensors"))
+    loaded = worker.state(model)
+    assert set(loaded) == set(dumped)
+    for k, v in dumped.items():
+        assert loaded[k].dtype == v.dtype and loaded[k].shape == v.shape, k
+        assert loaded[k].tobytes() == v.tobytes(), k
+    # It is the state after two steps: away from the initial one, and within
+    # the data-parallel tolerance of the single process's two steps.
+    assert max(float(np.max(np.abs(loaded[k] - init[k]))) for k in init) > 1e-3
+    ref = worker.reference("nonorm", 2, parts=1)
+    for k in ref:
+        np.testing.assert_allclose(loaded[k], ref[k], rtol=RTOL, atol=ATOL["nonorm"], err_msg=k)
 
 
 def test_hung_peer_ends_at_the_deadline() -> None:
@@ -154,6 +213,7 @@ def test_hung_peer_ends_at_the_deadline() -> None:
     assert not run.timed_out, _report(run)
     assert run.returncodes[0] == distributed.EXIT_TIMEOUT, _report(run)
     assert "rank 0: the gradient all-reduce (2 s) did not finish" in run.stderr[0], _report(run)
+    assert "its peer, rank 1, has probably died or hung" in run.stderr[0], _report(run)
 
 
 def test_port_taken_stops_every_rank(tmp_path: Path) -> None:

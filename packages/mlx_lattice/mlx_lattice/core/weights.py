@@ -34,6 +34,13 @@ def cached_per_value(
         if ref() is weight and ext.same_value(value, weight):
             return derived
     derived = derive(weight)
+    # Evaluated before it is shared: another thread cannot evaluate a lazy
+    # array built on this thread's stream (MLX raises "There is no Stream(cpu,
+    # N) in current thread"), and two threads evaluating one lazy node race.
+    # A placeholder of a transformation being traced stays lazy (it cannot be
+    # evaluated, and its entry dies with it).
+    if not ext.is_tracer(derived):
+        mx.eval(derived)
 
     def forget(dead: weakref.ReferenceType[mx.array], key: int = key) -> None:
         current = cache.get(key)

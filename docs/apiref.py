@@ -153,7 +153,12 @@ def _page(module: str) -> str:
         lines += [doc, ""]
     for e in entries(module):
         if e.kind == "module":
-            lines += [f".. py:data:: {e.name}", "", f"   The module :py:mod:`{getattr(mod, e.name).__name__}`.", ""]
+            target = getattr(mod, e.name).__name__
+            # A public submodule of the same name has its own page, which
+            # declares it; here it is only a link.
+            own_page = target == f"{module}.{e.name}" and not target.split(".")[-1].startswith("_")
+            lines += [f".. py:data:: {e.name}"] + (["   :no-index:"] if own_page else [])
+            lines += ["", f"   The module :py:mod:`{target}`.", ""]
             if e.doc:
                 lines += [_indent(e.doc.split("\n\n")[0]), ""]
         elif e.kind == "data":

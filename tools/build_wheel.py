@@ -1,6 +1,9 @@
-"""Build a wheel from files named on the command line (no setuptools).
+"""Build a wheel, or a source distribution, from files named on the command line.
 
-Writes the `.dist-info` (METADATA, WHEEL, RECORD) itself. Exact pins (`==`,
+No setuptools: writes the `.dist-info` (METADATA, WHEEL, RECORD) itself; with
+`--sdist` it writes `<name>-<version>.tar.gz` instead: the same sources, the
+same metadata as PKG-INFO, and a pyproject.toml (flit_core backend) from which
+pip builds an equivalent pure-Python wheel. Exact pins (`==`,
 for ABI-coupled packages) come from the hashed lock file; lower bounds (`>=`)
 come from the minimums file (third_party/python/requirements_min.txt, the
 oldest versions the package tests pass with, tools/test_minimums.sh) when one
@@ -11,12 +14,16 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import hashlib
+import io
 import re
 import sys
+import tarfile
 import zipfile
 
 _EPOCH = (1980, 1, 1, 0, 0, 0)  # reproducible timestamps
+_EPOCH_SECONDS = 315532800  # the same instant for the sdist: wheels built from it need >= 1980
 
 
 _EXTRA = re.compile(r"extra == '([a-z0-9-]+)'")
@@ -52,6 +59,65 @@ def _import_name(entries: list[tuple[str, bytes]]) -> str:
     return ", ".join(tops)
 
 
+def _toml_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _pyproject(dist: str, version: str, summary: str, requires: list[str], module: str) -> str:
+    """A PEP 621 pyproject.toml that flit_core builds into the same wheel contents."""
+    deps = "".join(f"    {_toml_string(r)},\n" for r in sorted(requires))
+    return (
+        "[build-system]\n"
+        'requires = ["flit_core>=3.4,<4"]\n'
+        'build-backend = "flit_core.buildapi"\n'
+        "\n"
+        "[project]\n"
+        f"name = {_toml_string(dist)}\n"
+        f"version = {_toml_string(version)}\n"
+        f"description = {_toml_string(summary)}\n"
+        'requires-python = ">=3.11"\n'
+        f"dependencies = [\n{deps}]\n"
+        "\n"
+        "[tool.flit.module]\n"
+        f"name = {_toml_string(module)}\n"
+    )
+
+
+def _write_sdist(
+    out: str,
+    dist: str,
+    version: str,
+    summary: str,
+    requires: list[str],
+    entries: list[tuple[str, bytes]],
+    pkg_info: str,
+) -> None:
+    """`<dist>-<version>.tar.gz` with reproducible headers (fixed mtime, root-owned)."""
+    if any(name.endswith((".so", ".pyd", ".dylib")) for name, _ in entries):
+        sys.exit("build_wheel: --sdist takes pure-Python sources only")
+    module = _import_name(entries)
+    if not module or ", " in module:
+        sys.exit(f"build_wheel: --sdist needs exactly one import package, found {module!r}")
+    root = f"{dist}-{version}"
+    files = [
+        *entries,
+        ("PKG-INFO", pkg_info.encode()),
+        ("pyproject.toml", _pyproject(dist, version, summary, requires, module).encode()),
+    ]
+    with (
+        open(out, "wb") as raw,
+        gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=_EPOCH_SECONDS) as gz,
+        tarfile.open(fileobj=gz, mode="w", format=tarfile.PAX_FORMAT) as tar,
+    ):
+        for name, data in sorted(files):
+            info = tarfile.TarInfo(f"{root}/{name}")
+            info.size = len(data)
+            info.mode = 0o644
+            info.mtime = _EPOCH_SECONDS
+            info.uname = info.gname = "root"
+            tar.addfile(info, io.BytesIO(data))
+
+
 def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
@@ -65,6 +131,7 @@ def main() -> int:
     p.add_argument("--requires", action="append", default=[])
     p.add_argument("--sibling", action="append", default=[])
     p.add_argument("--file", action="append", default=[])
+    p.add_argument("--sdist", action="store_true", help="write a source distribution (.tar.gz)")
     a = p.parse_args()
 
     version = a.version
@@ -125,6 +192,9 @@ def main() -> int:
         f"Import name: `{_import_name(entries)}`. Part of the quantlattice monorepo, "
         "released together at one version.",
     ]
+    if a.sdist:
+        _write_sdist(a.out, dist, version, a.summary, requires, entries, "\n".join(metadata) + "\n")
+        return 0
     wheel = [
         "Wheel-Version: 1.0",
         "Generator: quantlattice build_wheel",

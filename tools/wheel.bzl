@@ -1,4 +1,5 @@
-"""`py_wheel_package`: one wheel per package, built by tools/build_wheel.py.
+"""`py_wheel_package`: one wheel per package, built by tools/build_wheel.py;
+`py_sdist_package`: the source distribution of a pure-Python package.
 
 The version comes from tools/version.bzl (the single version source). Each entry of
 `requires` names an operator: `==` pins the version the lock file resolved
@@ -34,11 +35,16 @@ def native_tag(tag = NATIVE_TAG, glibc_minor = MANYLINUX_GLIBC_MINOR):
         platform = "manylinux_2_%d_%s" % (min(glibc_minor, int(build_minor)), arch)
     return "-".join([python, abi, platform])
 
-def _wheel_impl(ctx):
+def _dist_impl(ctx, sdist):
     # cpXY-cpXY-manylinux_2_39_x86_64 on Linux, the interpreter's platform elsewhere.
     tag = native_tag() if ctx.attr.platform_specific else "py3-none-any"
-    out = ctx.actions.declare_file("%s-%s-%s.whl" % (ctx.attr.distribution, VERSION, tag))
+    if sdist:
+        out = ctx.actions.declare_file("%s-%s.tar.gz" % (ctx.attr.distribution, VERSION))
+    else:
+        out = ctx.actions.declare_file("%s-%s-%s.whl" % (ctx.attr.distribution, VERSION, tag))
     args = ctx.actions.args()
+    if sdist:
+        args.add("--sdist")
     args.add("--out", out)
     args.add("--distribution", ctx.attr.distribution)
     args.add("--version", VERSION)
@@ -61,27 +67,46 @@ def _wheel_impl(ctx):
         inputs = inputs + [ctx.file.lock, ctx.file.minimums],
         executable = ctx.executable._builder,
         arguments = [args],
-        mnemonic = "PyWheel",
-        progress_message = "Building wheel %s" % ctx.attr.distribution,
+        mnemonic = "PySdist" if sdist else "PyWheel",
+        progress_message = "Building %s %s" % ("sdist" if sdist else "wheel", ctx.attr.distribution),
     )
     return [DefaultInfo(files = depset([out]), runfiles = ctx.runfiles(files = [out]))]
 
+def _wheel_impl(ctx):
+    return _dist_impl(ctx, sdist = False)
+
+def _sdist_impl(ctx):
+    if ctx.attr.platform_specific:
+        fail("py_sdist_package: %s is platform-specific; sdists are for pure-Python packages" % ctx.label)
+    return _dist_impl(ctx, sdist = True)
+
+_DIST_ATTRS = {
+    "distribution": attr.string(mandatory = True),
+    "summary": attr.string(default = ""),
+    "srcs": attr.label_list(allow_files = True, mandatory = True),
+    "strip_prefix": attr.string(mandatory = True),
+    "requires": attr.string_dict(doc = "distribution -> '==' | '>=' | '==;marker' pinned from the lock"),
+    "sibling_requires": attr.string_list(),
+    "platform_specific": attr.bool(default = False),
+    "lock": attr.label(default = "//third_party/python:requirements_lock.txt", allow_single_file = True),
+    "minimums": attr.label(
+        default = "//third_party/python:requirements_min.txt",
+        allow_single_file = True,
+        doc = "the lower bounds of '>=' requirements (the oldest versions the tests pass with)",
+    ),
+    "_builder": attr.label(default = "//tools:build_wheel", executable = True, cfg = "exec"),
+}
+
 py_wheel_package = rule(
     implementation = _wheel_impl,
-    attrs = {
-        "distribution": attr.string(mandatory = True),
-        "summary": attr.string(default = ""),
-        "srcs": attr.label_list(allow_files = True, mandatory = True),
-        "strip_prefix": attr.string(mandatory = True),
-        "requires": attr.string_dict(doc = "distribution -> '==' | '>=' | '==;marker' pinned from the lock"),
-        "sibling_requires": attr.string_list(),
-        "platform_specific": attr.bool(default = False),
-        "lock": attr.label(default = "//third_party/python:requirements_lock.txt", allow_single_file = True),
-        "minimums": attr.label(
-            default = "//third_party/python:requirements_min.txt",
-            allow_single_file = True,
-            doc = "the lower bounds of '>=' requirements (the oldest versions the tests pass with)",
-        ),
-        "_builder": attr.label(default = "//tools:build_wheel", executable = True, cfg = "exec"),
-    },
+    attrs = _DIST_ATTRS,
+)
+
+# The same attributes as py_wheel_package (`platform_specific` must stay False:
+# an sdist of a native package would need the extension's build system).
+# Writes <distribution>-<version>.tar.gz with PKG-INFO and a flit_core
+# pyproject.toml, so `pip install` of the sdist builds the same pure wheel.
+py_sdist_package = rule(
+    implementation = _sdist_impl,
+    attrs = _DIST_ATTRS,
 )

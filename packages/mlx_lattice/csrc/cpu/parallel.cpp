@@ -34,12 +34,14 @@ class Pool {
   explicit Pool(int threads) { resize(threads); }
   ~Pool() { stop_workers(); }
 
-  int size() const { return size_; }
+  // Read by any thread (kernels plan their tasks with it) while resize(),
+  // under job_mutex_, writes it: atomic.
+  int size() const { return size_.load(std::memory_order_acquire); }
 
   void resize(int threads) {
     std::lock_guard<std::mutex> job_lock(job_mutex_);
     stop_workers();
-    size_ = threads;
+    size_.store(threads, std::memory_order_release);
     stop_ = false;
     // Workers start from the current generation, so a job posted before a
     // worker first waits is still seen by it.
@@ -52,7 +54,7 @@ class Pool {
   void run(int64_t n_tasks, const std::function<void(int64_t)>& fn) {
     if (n_tasks <= 0) return;
     std::lock_guard<std::mutex> job_lock(job_mutex_);
-    if (size_ <= 1 || n_tasks == 1) {
+    if (size_.load(std::memory_order_relaxed) <= 1 || n_tasks == 1) {
       for (int64_t t = 0; t < n_tasks; ++t) fn(t);
       return;
     }
@@ -126,7 +128,7 @@ class Pool {
   int active_ = 0;
   uint64_t generation_ = 0;
   bool stop_ = false;
-  int size_ = 1;
+  std::atomic<int> size_{1};
 };
 
 // The pool is created on first use (not at import) and lives until exit.

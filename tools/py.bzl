@@ -57,7 +57,7 @@ def py_pytest(name, srcs, deps = [], data = [], args = [], doctest_srcs = [], si
         srcs = srcs + ["//tools:pytest_main.py"],
         main = "//tools:pytest_main.py",
         args = args + [_runfile(s) for s in srcs] + extra,
-        data = data + doctest_srcs + ["//:pytest.ini"],
+        data = data + doctest_srcs + ["//:pytest.ini", "//tools/sanitizers:suppressions"],
         deps = deps,
         size = size,
         tags = tags,

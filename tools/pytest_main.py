@@ -8,6 +8,17 @@ the ``seed`` fixture (or ``rng``, a NumPy generator made from it) gets a
 seed that is stable per test (derived from the test's id), and a failing
 test prints its seed. ``TEST_SEED=<int>`` replays one seed everywhere;
 ``TEST_SEED=fresh`` draws a new seed per test (still printed on failure).
+
+Under ``--config=asan``/``--config=tsan`` (.bazelrc) the instrumented
+extension needs its sanitizer runtime loaded first in the interpreter, which
+is not instrumented. ``QUANTLATTICE_SANITIZER_PRELOAD`` names that runtime
+and libstdc++ (loaded when the runtime starts, so that its ``__cxa_throw``
+interceptor finds the real one); this entry re-executes the interpreter with
+them in ``LD_PRELOAD`` (Bazel's test wrapper does not run under them) and
+the suppression files of ``tools/sanitizers`` in ``LSAN_OPTIONS``/
+``UBSAN_OPTIONS``/``TSAN_OPTIONS``. pytest then captures ``sys.stdout``/
+``sys.stderr`` only, so a report written to file descriptor 2 reaches the
+test log.
 """
 
 from __future__ import annotations
@@ -57,8 +68,36 @@ class SeedPlugin:
             )
 
 
+_SUPPRESSIONS = {
+    "LSAN_OPTIONS": "lsan.supp",
+    "UBSAN_OPTIONS": "ubsan.supp",
+    "TSAN_OPTIONS": "tsan.supp",
+}
+
+
+def _preload_sanitizer() -> None:
+    """Re-executes the interpreter with QUANTLATTICE_SANITIZER_PRELOAD preloaded."""
+    runtime = os.environ.get("QUANTLATTICE_SANITIZER_PRELOAD", "")
+    preloaded = os.environ.get("LD_PRELOAD", "")
+    if not runtime or preloaded.startswith(runtime):
+        return
+    env = dict(os.environ, LD_PRELOAD=":".join(p for p in (runtime, preloaded) if p))
+    # Absolute paths: child processes of the tests may run elsewhere.
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "sanitizers")
+    for name, file in _SUPPRESSIONS.items():
+        path = os.path.join(here, file)
+        if os.path.exists(path):
+            env[name] = ":".join(o for o in (env.get(name, ""), f"suppressions={path}") if o)
+    sys.stdout.flush()
+    os.execve(sys.executable, [sys.executable, *sys.argv], env)  # noqa: S606 - this very interpreter
+
+
 def main() -> int:
     args = ["-p", "no:cacheprovider", "--import-mode=importlib", "-ra"]
+    if os.environ.get("QUANTLATTICE_SANITIZER_PRELOAD"):
+        # A sanitizer report ends the process from native code, on file
+        # descriptor 2: pytest's default (fd) capture would swallow it.
+        args.append("--capture=sys")
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:
         args.append(f"--junitxml={xml}")
@@ -70,4 +109,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    _preload_sanitizer()
     sys.exit(main())

@@ -34,14 +34,14 @@ class Pool {
   explicit Pool(int threads) { resize(threads); }
   ~Pool() { stop_workers(); }
 
-  // Read by kernels on MLX's evaluation threads while set_num_threads may
-  // resize from another thread: atomic, so the read is not a data race.
-  int size() const { return size_.load(std::memory_order_relaxed); }
+  // Read by any thread (kernels plan their tasks with it) while resize(),
+  // under job_mutex_, writes it: atomic.
+  int size() const { return size_.load(std::memory_order_acquire); }
 
   void resize(int threads) {
     std::lock_guard<std::mutex> job_lock(job_mutex_);
     stop_workers();
-    size_.store(threads, std::memory_order_relaxed);
+    size_.store(threads, std::memory_order_release);
     stop_ = false;
     // Workers start from the current generation, so a job posted before a
     // worker first waits is still seen by it.
@@ -54,7 +54,7 @@ class Pool {
   void run(int64_t n_tasks, const std::function<void(int64_t)>& fn) {
     if (n_tasks <= 0) return;
     std::lock_guard<std::mutex> job_lock(job_mutex_);
-    if (size() <= 1 || n_tasks == 1) {
+    if (size_.load(std::memory_order_relaxed) <= 1 || n_tasks == 1) {
       for (int64_t t = 0; t < n_tasks; ++t) fn(t);
       return;
     }

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The mlx_lattice extension and kernel tests under the sanitizers, in the
+# modern lane (docs/topics/sanitizers.rst): AddressSanitizer + LeakSanitizer
+# + UBSan (--config=asan), then ThreadSanitizer (--config=tsan). Prints each
+# test target's closing pytest line and exits non-zero when a test fails or a
+# test log holds a sanitizer report.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+
+pkg=//packages/mlx_lattice
+# The native layer's main paths: relations, convolutions (forward, gradients,
+# integer and half precision), the user API, validation, the thread pool,
+# plus the C++ kernel tests. (geometry_tests, layer_tests and
+# weight_grad_tests take over 5 minutes each under ASan on 2 cores: run them
+# by hand, docs/topics/sanitizers.rst.)
+ASAN_TARGETS=(
+  "$pkg:gemm_test"
+  "$pkg:gemm_half_test"
+  "$pkg:relation_tests"
+  "$pkg:conv_tests"
+  "$pkg:int8_tests"
+  "$pkg:user_api_tests"
+  "$pkg:validation_thread_tests"
+  "$pkg:thread_stress_tests"
+)
+# The targets whose kernels run on several threads at once; of the weight
+# gradient's tests (4 minutes whole under TSan on 2 cores) those that run
+# several thread counts.
+TSAN_TARGETS=(
+  "$pkg:gemm_test"
+  "$pkg:gemm_half_test"
+  "$pkg:validation_thread_tests"
+  "$pkg:thread_stress_tests"
+)
+TSAN_FILTERED=("$pkg:weight_grad_tests" --test_arg=-k --test_arg="thread or slabs or grouping")
+# The fuzz targets, once they exist.
+if ./bazelw query "$pkg:fuzz_tests" >/dev/null 2>&1; then
+  ASAN_TARGETS+=("$pkg:fuzz_tests")
+fi
+
+failures=0
+run() {  # run CONFIG TARGET|OPTION...: test the targets under one sanitizer config
+  local config=$1 t0=$SECONDS rc target log
+  shift
+  echo "=== --config=$config ==="
+  ./bazelw test --config="$config" "$@"
+  rc=$?
+  echo "=== pytest summaries (--config=$config) ==="
+  for target in "$@"; do
+    [[ $target == //* ]] || continue
+    log=bazel-testlogs/${target#//}
+    log=${log/://}/test.log
+    echo "$target"
+    [ -f "$log" ] || { echo "  (no test log)"; continue; }
+    grep -aE '^(=+ )?[0-9]+ (passed|failed)|^[0-9]+ passed, [0-9]+ failed|no tests ran' "$log" | tail -n 1
+    # A report in a test that still passed (e.g. in a child process whose
+    # exit status the test ignores) fails the step as well.
+    if grep -aqE '^(==[0-9]+==)?(ERROR|WARNING): (Address|Leak|Thread)Sanitizer|runtime error: ' "$log"; then
+      echo "  sanitizer report in $log"
+      rc=1
+    fi
+  done
+  echo "=== --config=$config: exit $rc after $((SECONDS - t0)) s ==="
+  [ "$rc" = 0 ] || failures=$((failures + 1))
+}
+
+start=$SECONDS
+run asan "${ASAN_TARGETS[@]}"
+run tsan "${TSAN_TARGETS[@]}"
+run tsan "${TSAN_FILTERED[@]}"
+echo "=== sanitizers took $((SECONDS - start)) s, $failures failed run(s) ==="
+[ "$failures" = 0 ]

@@ -22,6 +22,7 @@ import functools
 import os
 import subprocess
 import sys
+import tempfile
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -97,7 +98,7 @@ def run_child(test_file: Path, test_name: str, *, timeout: float = 600) -> None:
     reported as an ``AssertionError`` naming the seed, the input that was
     running (from the trace file) and the child's output.
     """
-    trace = Path(os.environ.get("TEST_TMPDIR", "/tmp")) / f"fuzz_trace_{test_name}.txt"
+    trace = Path(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()) / f"fuzz_trace_{test_name}.txt"
     trace.unlink(missing_ok=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
     env[TRACE_ENV] = str(trace)

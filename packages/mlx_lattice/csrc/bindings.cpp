@@ -6,6 +6,9 @@
 // validates index arrays or builds relations; kernels run when MLX evaluates.
 #include "bindings.h"
 
+#include <exception>
+#include <stdexcept>
+
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/map.h>
 #include <nanobind/stl/optional.h>
@@ -125,6 +128,26 @@ QuantizedArrays quantized_from(nb::handle q) {
 }  // namespace
 
 void bind_ops(nb::module_& m) {
+  // Bad input found by the native checks (std::invalid_argument, see
+  // validate.cpp) reaches Python as mlx_lattice's own MlxLatticeError (a
+  // ValueError) rather than a bare ValueError; if the package's error module
+  // cannot be imported (a bare extension), it stays a ValueError.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const std::invalid_argument& e) {
+      PyObject* module = PyImport_ImportModule("mlx_lattice._errors");
+      PyObject* cls = module ? PyObject_GetAttrString(module, "MlxLatticeError") : nullptr;
+      if (cls == nullptr) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, e.what());
+      } else {
+        PyErr_SetString(cls, e.what());
+      }
+      Py_XDECREF(cls);
+      Py_XDECREF(module);
+    }
+  });
   // A second Python handle sharing the array's current value (descriptor):
   // it keeps that value alive, so `same_value` stays exact after the original
   // Python object is updated in place (which swaps its descriptor).

@@ -22,6 +22,7 @@ from taktiny_ops._common import (
     finish,
     is_qarray,
     prepare,
+    quantize_operand,
     result_dtype,
     select_rule,
 )
@@ -105,13 +106,15 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     for_rhs = calibration(rule, rhs_weight)
     for_lhs = calibration(rule, lhs_weight)
     if for_rhs:
-        rhs = P.quantize(rhs, P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=False,
-                                        tile_size=rule.tile_size, qtype=for_rhs[0],
-                                        calibration_method=for_rhs[1]))
+        rhs = quantize_operand(rhs, P.dot_how(dimension_numbers=dnums, ndims=ndims,
+                                              for_lhs=False, tile_size=rule.tile_size,
+                                              qtype=for_rhs[0], calibration_method=for_rhs[1]),
+                               res, "rhs")
     if for_lhs:
-        lhs = P.quantize(lhs, P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=True,
-                                        tile_size=rule.tile_size, qtype=for_lhs[0],
-                                        calibration_method=for_lhs[1]))
+        lhs = quantize_operand(lhs, P.dot_how(dimension_numbers=dnums, ndims=ndims,
+                                              for_lhs=True, tile_size=rule.tile_size,
+                                              qtype=for_lhs[0], calibration_method=for_lhs[1]),
+                               res, "lhs")
     return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
 
 

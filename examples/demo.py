@@ -117,7 +117,24 @@ class Progress:
 
 
 def read_points(path: Path) -> np.ndarray:
-    """``(M, 3)`` float32 points from ``.npy`` (first three columns) or ``.ply``."""
+    """``(M, 3)`` float32 points from ``.npy`` (first three columns) or ``.ply``.
+
+    A file that cannot be read as points is a ValueError naming the file.
+    """
+    try:
+        return _read_points(path)
+    except ValueError as err:
+        if str(path) in str(err):
+            raise
+        raise ValueError(f"{path}: cannot read points: {err}") from None
+    except Exception as err:
+        # NumPy's .npy header parser alone raises EOFError, SyntaxError,
+        # tokenize.TokenError and TypeError on damaged files; the PLY header
+        # parser KeyError, IndexError and StopIteration.
+        raise ValueError(f"{path}: cannot read points: {type(err).__name__}: {err}") from None
+
+
+def _read_points(path: Path) -> np.ndarray:
     if path.suffix == ".npy":
         data = np.load(path)
         if data.ndim != 2 or data.shape[1] < 3:

@@ -170,3 +170,14 @@ def test_native_bad_input_is_the_library_error():
                 DistributedUsageError, GeometryError, mlx_lattice.MlxLatticeTypeError):
         assert issubclass(cls, mlx_lattice.MlxLatticeError)
     assert issubclass(mlx_lattice.MlxLatticeTypeError, TypeError)
+
+
+def test_mlx_own_errors_stay_mlx_errors():
+    """The translator is shared by every nanobind extension: found by fuzzing,
+    it turned MLX's own std::invalid_argument (here a bad broadcast) into
+    MlxLatticeError; only mlx_lattice's InputError is translated."""
+    import mlx_lattice
+
+    with pytest.raises(ValueError, match="Cannot broadcast") as info:
+        mx.broadcast_to(mx.zeros((1, 1, 0)), (27, 0, 1))
+    assert not isinstance(info.value, mlx_lattice.MlxLatticeError)

@@ -250,3 +250,92 @@ def test_sparse_tensor_constructor(n, width, channels, coord_dtype, feat_dtype, 
     np.testing.assert_array_equal(np.array(st_.coords), coords.astype(np.int64))
     assert st_.feats.shape == feats.shape
     assert mx.array_equal(st_.feats, feats).item()
+
+
+def _conv_ref(feats: np.ndarray, weight: np.ndarray, edges, n_out: int) -> np.ndarray:
+    """out[o] = sum over edges (i, o, k) of feats[i] @ weight[k], in float64."""
+    out = np.zeros((n_out, weight.shape[2]))
+    for i, o, k in edges:
+        out[o] += feats[i].astype(np.float64) @ weight[k].astype(np.float64)
+    return out
+
+
+def _pool_ref(feats: np.ndarray, edges, n_out: int, mode: str) -> np.ndarray:
+    out = np.zeros((n_out, feats.shape[1]))
+    groups: dict[int, list[int]] = {}
+    for i, o, _ in edges:
+        groups.setdefault(o, []).append(i)
+    for o, rows in groups.items():
+        vals = feats[rows].astype(np.float64)
+        out[o] = vals.max(0) if mode == "max" else vals.sum(0) / (len(rows) if mode == "avg" else 1)
+    return out
+
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+@fuzz(
+    40,
+    rows=st.lists(st.tuples(st.just(0), *[st.integers(0, 3)] * 3), unique=True, max_size=8),
+    channels=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16", "int32"]),
+    weight_kernels=st.sampled_from([27, 26, 1]),
+    weight_cin_delta=st.sampled_from([0, 0, 1]),
+    feat_rows_delta=st.sampled_from([0, 0, 0, -1, 1]),
+    layout=st.sampled_from(["contiguous", "transposed", "strided"]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_conv_and_pool_match_brute_force(rows, channels, dtype, weight_kernels, weight_cin_delta,
+                                         feat_rows_delta, layout, data_seed):
+    """sparse_conv_features_from_relation and sparse_pool_features_from_relation
+    (max/avg/sum) on a 3x3x3 relation with any dtype, mismatched weight or
+    feature shapes, empty sets and channels, transposed or strided
+    (non-contiguous) feature arrays equal the float64 brute force over the relation's
+    edges within the dtype's rounding, or raise MlxLatticeError."""
+    from mlx_lattice.core import ops as core_ops
+
+    cin, cout = channels
+    coords = np.array(rows, np.int32).reshape(-1, 4)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    rng = np.random.default_rng(data_seed)
+    n = max(len(coords) + feat_rows_delta, 0)
+    f_np = rng.standard_normal((n, cin)).astype(np.float32)
+    w_np = rng.standard_normal((weight_kernels, cin + weight_cin_delta, cout)).astype(np.float32)
+    f = mx.array(f_np).astype(getattr(mx, dtype))
+    if layout == "transposed":
+        f = mx.array(np.ascontiguousarray(f_np.T)).astype(getattr(mx, dtype)).T
+    w = mx.array(w_np).astype(getattr(mx, dtype))
+    if layout == "strided":
+        wide = np.repeat(f_np, 2, axis=1)
+        f = mx.array(wide).astype(getattr(mx, dtype))[:, ::2]
+    edges = sorted(_edge_set(rel))
+    f_exact = np.array(f.astype(mx.float32))
+    w_exact = np.array(w.astype(mx.float32))
+    tol = TOLERANCE.get(dtype, 0.0)
+    try:
+        out = core_ops.sparse_conv_features_from_relation(f, w, rel)
+        mx.eval(out)
+    except MlxLatticeError:
+        out = None
+    if out is not None:
+        assert dtype in TOLERANCE and n == len(coords) and weight_kernels == 27
+        assert weight_cin_delta == 0 and out.dtype == f.dtype
+        ref = _conv_ref(f_exact, w_exact, edges, len(coords))
+        scale = _conv_ref(np.abs(f_exact), np.abs(w_exact), edges, len(coords))
+        got = np.array(out.astype(mx.float32))
+        assert got.shape == ref.shape
+        assert (np.abs(got - ref) <= tol * (scale + 1) * max(cin, 1) * 4).all()
+    for mode in ("max", "avg", "sum"):
+        try:
+            pooled = core_ops.sparse_pool_features_from_relation(
+                f, rel, input_exclusive=False, mode=mode
+            )
+            mx.eval(pooled)
+        except MlxLatticeError:
+            continue
+        assert dtype in TOLERANCE and n == len(coords)
+        ref = _pool_ref(f_exact, edges, len(coords), mode)
+        got = np.array(pooled.astype(mx.float32))
+        assert got.shape == ref.shape
+        bound = tol * (_pool_ref(np.abs(f_exact), edges, len(coords), "sum") + 1) * 2
+        assert (np.abs(got - ref) <= bound).all(), mode

@@ -100,6 +100,10 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     """The selected rule applied to float operands (PTQ or QT)."""
     rule = res.rule
     check_backend_support(rule, lhs_weight, rhs_weight)
+    if 0 in lhs.shape or 0 in rhs.shape:
+        # An empty operand has no scale (Qwix divides by its size); the exact
+        # result is empty or zeros, so nothing is quantized.
+        return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
     if res.mode == "qt":
         return P.dot_general_qt(lhs, rhs, dnums, _qt_config(rule, lhs_weight, rhs_weight))
     ndims = (len(lhs.shape), len(rhs.shape))

@@ -146,7 +146,10 @@ def einsum(
         act, weight = map(dequantize, operands)
         rule = res.rule
         check_backend_support(rule, False, True)
-        if res.mode == "qt":
+        if 0 in act.shape or 0 in weight.shape:
+            # An empty operand has no scale: the exact result is empty or zeros.
+            out = jnp.einsum(subscripts, act, weight, precision=precision)
+        elif res.mode == "qt":
             out = _qt_einsum(subscripts, act, weight, rule, precision)
         else:
             ndims = (len(act.shape), len(weight.shape))

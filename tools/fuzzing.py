@@ -105,9 +105,11 @@ def run_child(test_file: Path, test_name: str, *, timeout: float = 600) -> None:
     for key in ("XML_OUTPUT_FILE", "TEST_SHARD_STATUS_FILE"):
         env.pop(key, None)
     main = sys.modules["__main__"].__file__
-    cmd = [sys.executable, main, "-q", "-x", f"{test_file}::{test_name}"]
+    cmd = [sys.executable, main, "-q", "-x", "--hypothesis-show-statistics",
+           f"{test_file}::{test_name}"]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     if proc.returncode == 0:
+        print(proc.stdout[-2000:])  # Hypothesis' statistics (shown with pytest -rP)
         return
     last = trace.read_text() if trace.exists() else "(none recorded)"
     how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else "failed"

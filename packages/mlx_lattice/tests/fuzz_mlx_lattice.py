@@ -64,7 +64,7 @@ def _edge_set(rel) -> set[tuple[int, int, int]]:
 
 
 @fuzz(
-    60,
+    150,
     rows=coordinate_rows,
     kernel_size=st.tuples(*[st.integers(0, 4)] * 3) | st.integers(-1, 8),
     dilation=st.integers(0, 3),
@@ -120,7 +120,7 @@ def _relation_rows(rel, n_query):
 
 
 @fuzz(
-    60,
+    150,
     query=points,
     support=points,
     k=st.integers(-1, 12),
@@ -147,7 +147,7 @@ def test_knn_matches_brute_force(query, support, k, qb, sb):
 
 
 @fuzz(
-    60,
+    150,
     query=points,
     support=points,
     r=st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e-9, 0.5, 1.0, 2.0, 1e30]),
@@ -172,7 +172,7 @@ def test_radius_matches_brute_force(query, support, r, max_neighbors):
 
 
 @fuzz(
-    60,
+    150,
     pts=points,
     voxel_size=st.sampled_from([0.0, -1.0, float("nan"), 1e-30, 0.25, 1.0, 3.0])
     | st.tuples(*[st.sampled_from([0.5, 1.0, 0.0])] * 3),
@@ -197,7 +197,7 @@ def test_quantize_points_matches_numpy(pts, voxel_size):
     np.testing.assert_array_equal(np.array(vox.counts), np.bincount(p2v, minlength=len(coords)))
 
 
-@fuzz(60, a=coordinate_rows, b=coordinate_rows)
+@fuzz(150, a=coordinate_rows, b=coordinate_rows)
 def test_coordinate_joins_match_sets(a, b):
     """union_coords / intersection_coords / lookup_coords agree with Python
     sets (row indices into each input, -1 where absent), or raise
@@ -222,7 +222,7 @@ def test_coordinate_joins_match_sets(a, b):
 
 
 @fuzz(
-    60,
+    150,
     n=st.integers(0, 5),
     width=st.integers(0, 5),
     channels=st.integers(0, 3),
@@ -275,7 +275,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
 
 
 @fuzz(
-    40,
+    100,
     rows=st.lists(st.tuples(st.just(0), *[st.integers(0, 3)] * 3), unique=True, max_size=8),
     channels=st.tuples(st.integers(0, 3), st.integers(0, 3)),
     dtype=st.sampled_from(["float32", "float16", "bfloat16", "int32"]),

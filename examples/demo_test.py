@@ -236,3 +236,22 @@ def test_demo_reads_a_folder_layout(tmp_path):
         (s.points.tobytes(), s.labels.tobytes()) for s in data.train + data.validation
     )
     assert got == sorted((s.points.tobytes(), s.labels.astype(np.int32).tobytes()) for s in scans)
+@pytest.mark.parametrize(
+    ("name", "blob"),
+    [
+        ("cloud.npy", b"\x93NUMPY\x01\x00"),  # truncated header: EOFError / ValueError
+        ("cloud.npy", b"\x93NUMPY\x01\x00\x10\x00{'descr': '<f4'  \n"),  # SyntaxError
+        ("cloud.ply", b"ply\nelement vertex 1\nproperty bogus x\nend_header\n"),  # KeyError
+        ("cloud.ply", b"ply\nelement vertex 1\nproperty float x\nend_header\n"),  # no x, y, z
+        ("cloud.ply", b"ply\nelement vertex 1\nproperty float\nend_header\n"),  # IndexError
+        ("cloud.ply", b"ply\nelement vertex 1\nproperty float x\nproperty float y\n"
+                      b"property float z\nend_header\n"),  # no format line: StopIteration
+    ],
+)
+def test_read_points_malformed_files_name_the_file(tmp_path, name, blob):
+    """Found by fuzzing: malformed .npy/.ply files raised EOFError, SyntaxError,
+    KeyError, IndexError or StopIteration, or a ValueError without the file."""
+    path = tmp_path / name
+    path.write_bytes(blob)
+    with pytest.raises(ValueError, match=str(path)):
+        demo.read_points(path)

@@ -7,6 +7,7 @@
 // kernels in metal/add.metal. MLX's own CPU float16 add runs element by
 // element through a software half type, many times slower.
 #include <stdexcept>
+#include "cpu/input_error.h"
 #include <string>
 
 #include "primitives.h"
@@ -30,13 +31,13 @@ bool float_dtype(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d
 array feature_add(const array& a, const array& b, mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
   if (!float_dtype(a.dtype())) {
-    throw std::invalid_argument("feature_add: a must be float32, float16 or bfloat16.");
+    throw ::mlx_lattice::InputError("feature_add: a must be float32, float16 or bfloat16.");
   }
   if (b.dtype() != a.dtype()) {
-    throw std::invalid_argument("feature_add: b must have a's dtype.");
+    throw ::mlx_lattice::InputError("feature_add: b must have a's dtype.");
   }
   if (a.shape() != b.shape()) {
-    throw std::invalid_argument("feature_add: b must have a's shape " + shape_of(a) + ", got " +
+    throw ::mlx_lattice::InputError("feature_add: b must have a's shape " + shape_of(a) + ", got " +
                                 shape_of(b) + ".");
   }
   return array(a.shape(), a.dtype(), std::make_shared<FeatureAdd>(s),

@@ -5,6 +5,10 @@
 // quantized weight likewise. Every function releases the GIL while it
 // validates index arrays or builds relations; kernels run when MLX evaluates.
 #include "bindings.h"
+#include "cpu/input_error.h"
+
+#include <exception>
+#include <stdexcept>
 
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/map.h>
@@ -125,6 +129,27 @@ QuantizedArrays quantized_from(nb::handle q) {
 }  // namespace
 
 void bind_ops(nb::module_& m) {
+  // Bad input found by the native checks (InputError, see validate.cpp)
+  // reaches Python as mlx_lattice's own MlxLatticeError (a ValueError); if the
+  // package's error module cannot be imported (a bare extension), it is a
+  // ValueError. Only InputError: the translator is shared with every
+  // nanobind extension in the process, MLX's own errors included.
+  nb::register_exception_translator([](const std::exception_ptr& p, void*) {
+    try {
+      std::rethrow_exception(p);
+    } catch (const InputError& e) {
+      PyObject* module = PyImport_ImportModule("mlx_lattice._errors");
+      PyObject* cls = module ? PyObject_GetAttrString(module, "MlxLatticeError") : nullptr;
+      if (cls == nullptr) {
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, e.what());
+      } else {
+        PyErr_SetString(cls, e.what());
+      }
+      Py_XDECREF(cls);
+      Py_XDECREF(module);
+    }
+  });
   // A second Python handle sharing the array's current value (descriptor):
   // it keeps that value alive, so `same_value` stays exact after the original
   // Python object is updated in place (which swaps its descriptor).
@@ -151,7 +176,7 @@ void bind_ops(nb::module_& m) {
       "set_weight_cache_budget",
       [](int64_t nbytes) {
         if (nbytes < 0) {
-          throw std::invalid_argument("set_weight_cache_budget: nbytes must be >= 0, got " +
+          throw ::mlx_lattice::InputError("set_weight_cache_budget: nbytes must be >= 0, got " +
                                       std::to_string(nbytes) + ".");
         }
         set_weight_cache_budget(static_cast<size_t>(nbytes));

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <sstream>
+#include "cpu/input_error.h"
 #include <stdexcept>
 #include <string>
 
@@ -29,7 +30,7 @@ inline std::string dtype_str(mx::Dtype dtype) {
 
 inline void check_float_dtype(const char* op, const char* arg, const mx::array& a) {
   if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16) {
-    throw std::invalid_argument(std::string(op) + ": " + arg +
+    throw ::mlx_lattice::InputError(std::string(op) + ": " + arg +
                                 " must be float32, float16 or bfloat16, got " +
                                 dtype_str(a.dtype()) + ".");
   }
@@ -45,7 +46,7 @@ void dispatch_float(mx::Dtype dtype, F&& f) {
   } else if (dtype == mx::bfloat16) {
     f.template operator()<mx::bfloat16_t>();
   } else {
-    throw std::invalid_argument("unsupported dtype " + dtype_str(dtype));
+    throw ::mlx_lattice::InputError("unsupported dtype " + dtype_str(dtype));
   }
 }
 

@@ -2,6 +2,7 @@
 // and mlx_lattice.coords, which validate and call these). bind_ops calls
 // bind_geometry, so the product and the harness modules both have them.
 #include <nanobind/nanobind.h>
+#include "cpu/input_error.h"
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/array.h>
 #include <nanobind/stl/map.h>
@@ -50,7 +51,7 @@ mx::array coords4(const std::vector<int32_t>& v) {
 
 void same_length(const char* a, int64_t na, const char* b, int64_t nb_) {
   if (na != nb_) {
-    throw std::invalid_argument(std::string(b) + " must have one entry per row of " + a + " (" +
+    throw ::mlx_lattice::InputError(std::string(b) + " must have one entry per row of " + a + " (" +
                                 std::to_string(na) + "), got " + std::to_string(nb_) + ".");
   }
 }
@@ -167,7 +168,7 @@ ml::KnnGrid knn_grid(const double* pts, const int32_t* batch, int64_t n, int64_t
   }
   constexpr double kMaxKeys = 1 << 30;
   if (g.n_batches >= kMaxKeys) {
-    throw std::invalid_argument("support_batch values up to " + std::to_string(top) +
+    throw ::mlx_lattice::InputError("support_batch values up to " + std::to_string(top) +
                                 " exceed the GPU kNN grid's int32 cell keys.");
   }
   for (;;) {
@@ -252,7 +253,7 @@ void bind_geometry(nb::module_& m) {
       [](Points query, Ints qbatch, Points support, Ints sbatch, int64_t k) {
         same_length("query", query.shape(0), "query_batch", qbatch.shape(0));
         same_length("support", support.shape(0), "support_batch", sbatch.shape(0));
-        if (k < 1) throw std::invalid_argument("k must be >= 1.");
+        if (k < 1) throw ::mlx_lattice::InputError("k must be >= 1.");
         const int64_t nq = query.shape(0), ns = support.shape(0);
         geo::detail::check_finite(query.data(), nq, "query");
         geo::detail::check_batch(qbatch.data(), nq, "query_batch");
@@ -264,7 +265,7 @@ void bind_geometry(nb::module_& m) {
         const bool metal = ml::uses_metal_bodies(s);
         const int64_t kt = std::max<int64_t>(1, std::min(k, ns));
         if (metal && kt > ml::kKnnMaxKGpu) {
-          throw std::invalid_argument("k must be <= " + std::to_string(ml::kKnnMaxKGpu) +
+          throw ::mlx_lattice::InputError("k must be <= " + std::to_string(ml::kKnnMaxKGpu) +
                                       " for the GPU kNN kernel, got " + std::to_string(k) +
                                       "; run it on a CPU stream.");
         }
@@ -328,7 +329,7 @@ void bind_geometry(nb::module_& m) {
           mx::eval(sums);
           const int64_t* sum = sums.data<int64_t>();
           if (sum[nq] > std::numeric_limits<int32_t>::max()) {
-            throw std::invalid_argument("radius search: more than 2^31 - 1 neighbour pairs.");
+            throw ::mlx_lattice::InputError("radius search: more than 2^31 - 1 neighbour pairs.");
           }
           std::vector<int32_t> offsets(nq + 1, 0), rows;
           std::vector<float> dist2;
@@ -409,7 +410,7 @@ void bind_geometry(nb::module_& m) {
       [](const mx::array& coords, const mx::array& queries) {
         for (const auto& [a, name] : {std::pair{&coords, "coords"}, std::pair{&queries, "queries"}}) {
           if (a->ndim() != 2 || a->shape(1) != 4 || a->dtype() != mx::int32) {
-            throw std::invalid_argument(std::string(name) + " must be an (N, 4) int32 array.");
+            throw ::mlx_lattice::InputError(std::string(name) + " must be an (N, 4) int32 array.");
           }
         }
         const auto s = mx::default_stream(mx::default_device());

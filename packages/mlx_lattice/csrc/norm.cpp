@@ -6,6 +6,7 @@
 // fused map per norm instead of MLX's elementwise chain; the statistics are
 // float32 whatever the features' dtype.
 #include <cmath>
+#include "cpu/input_error.h"
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -37,27 +38,27 @@ std::vector<array> batch_norm_train(const array& x, const array& weight, const a
                                     float eps, bool relu, mx::StreamOrDevice sd) {
   auto s = mx::to_stream(sd);
   if (x.ndim() != 2 || x.shape(0) < 1) {
-    throw std::invalid_argument("batch_norm_train: x must be (N, C) with N >= 1, got shape " +
+    throw ::mlx_lattice::InputError("batch_norm_train: x must be (N, C) with N >= 1, got shape " +
                                 shape_str(x) + ".");
   }
   if (!float_dtype(x.dtype())) {
-    throw std::invalid_argument(
+    throw ::mlx_lattice::InputError(
         "batch_norm_train: x must be float32, float16 or bfloat16.");
   }
   const int c = x.shape(1);
   for (auto [name, p] : {std::pair<const char*, const array*>{"weight", &weight},
                          std::pair<const char*, const array*>{"bias", &bias}}) {
     if (p->ndim() != 1 || p->shape(0) != c) {
-      throw std::invalid_argument("batch_norm_train: " + std::string(name) + " must be (" +
+      throw ::mlx_lattice::InputError("batch_norm_train: " + std::string(name) + " must be (" +
                                   std::to_string(c) + ",), got shape " + shape_str(*p) + ".");
     }
     if (!float_dtype(p->dtype())) {
-      throw std::invalid_argument("batch_norm_train: " + std::string(name) +
+      throw ::mlx_lattice::InputError("batch_norm_train: " + std::string(name) +
                                   " must be float32, float16 or bfloat16.");
     }
   }
   if (!(eps >= 0.0f) || !std::isfinite(eps)) {
-    throw std::invalid_argument("batch_norm_train: eps must be finite and >= 0.");
+    throw ::mlx_lattice::InputError("batch_norm_train: eps must be finite and >= 0.");
   }
   const int n = x.shape(0);
   return array::make_arrays(
@@ -93,14 +94,14 @@ std::vector<array> BatchNormTrain::vjp(const std::vector<array>& primals,
 
 std::vector<array> BatchNormTrain::jvp(const std::vector<array>&, const std::vector<array>&,
                                        const std::vector<int>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "BatchNormTrain (batch_norm_train): jvp is not supported; use mx.vjp / mx.grad, or "
       "mlx.nn.BatchNorm for forward-mode derivatives.");
 }
 
 std::pair<std::vector<array>, std::vector<int>> BatchNormTrain::vmap(const std::vector<array>&,
                                                                      const std::vector<int>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "BatchNormTrain (batch_norm_train): vmap is not supported; normalize each (N, C) item "
       "separately.");
 }
@@ -114,20 +115,20 @@ std::vector<mx::Shape> BatchNormTrainGrad::output_shapes(const std::vector<array
 
 std::vector<array> BatchNormTrainGrad::vjp(const std::vector<array>&, const std::vector<array>&,
                                            const std::vector<int>&, const std::vector<array>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "BatchNormTrainGrad (the batch_norm_train gradient): second derivatives are not "
       "supported; use mlx.nn.BatchNorm for higher-order gradients.");
 }
 
 std::vector<array> BatchNormTrainGrad::jvp(const std::vector<array>&, const std::vector<array>&,
                                            const std::vector<int>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "BatchNormTrainGrad (the batch_norm_train gradient): jvp is not supported.");
 }
 
 std::pair<std::vector<array>, std::vector<int>> BatchNormTrainGrad::vmap(
     const std::vector<array>&, const std::vector<int>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "BatchNormTrainGrad (the batch_norm_train gradient): vmap is not supported.");
 }
 

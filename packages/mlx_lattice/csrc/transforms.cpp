@@ -5,6 +5,7 @@
 // one primitive per slice of the mapped axis (relations are per call, and
 // the slices share it) and stacks the results on axis 0.
 #include <optional>
+#include "cpu/input_error.h"
 #include <stdexcept>
 
 #include "primitives.h"
@@ -265,7 +266,7 @@ std::vector<array> SparseQuantizedConv::vjp(const std::vector<array>& primals,
   std::vector<array> grads;
   for (int arg : argnums) {
     if (arg != 0) {
-      throw std::invalid_argument(
+      throw ::mlx_lattice::InputError(
           "SparseQuantizedConv: gradients with respect to the quantized weight, scales or "
           "biases are not supported; differentiate with respect to the features.");
     }
@@ -286,7 +287,7 @@ std::vector<array> SparseQuantizedConv::jvp(const std::vector<array>& primals,
                                             const std::vector<int>& argnums) {
   for (int arg : argnums) {
     if (arg != 0) {
-      throw std::invalid_argument(
+      throw ::mlx_lattice::InputError(
           "SparseQuantizedConv: tangents of the quantized weight, scales or biases are not "
           "supported.");
     }

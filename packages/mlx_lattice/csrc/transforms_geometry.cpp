@@ -3,6 +3,7 @@
 // voxel's points, max/first route the gradient to the picked point;
 // devoxelize's transpose is the same map read the other way.
 #include <algorithm>
+#include "cpu/input_error.h"
 #include <limits>
 #include <optional>
 #include <stdexcept>
@@ -112,7 +113,7 @@ std::vector<array> GeometryVoxelize::jvp(const std::vector<array>& primals,
 
 std::pair<std::vector<array>, std::vector<int>> GeometryVoxelize::vmap(const std::vector<array>&,
                                                                        const std::vector<int>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "GeometryVoxelize (voxelize): vmap is not supported; voxelize each item or batch "
       "points through the batch indices of quantize_points.");
 }
@@ -158,7 +159,7 @@ std::vector<array> GeometryDevoxelize::jvp(const std::vector<array>& primals,
   std::optional<array> out;
   for (size_t i = 0; i < argnums.size(); ++i) {
     if (argnums[i] != 0) {
-      throw std::invalid_argument(
+      throw ::mlx_lattice::InputError(
           "GeometryDevoxelize (devoxelize): forward-mode derivatives flow only to "
           "voxel_features.");
     }
@@ -170,7 +171,7 @@ std::vector<array> GeometryDevoxelize::jvp(const std::vector<array>& primals,
 
 std::pair<std::vector<array>, std::vector<int>> GeometryDevoxelize::vmap(const std::vector<array>&,
                                                                          const std::vector<int>&) {
-  throw std::invalid_argument(
+  throw ::mlx_lattice::InputError(
       "GeometryDevoxelize (devoxelize): vmap is not supported; stack the channels of the "
       "batched features instead (features are (N, C)).");
 }
@@ -200,7 +201,7 @@ array cell_keys(const array& pts, const array& batch, const KnnGrid& g, mx::Stre
 }
 
 [[noreturn]] void not_differentiable(const char* what) {
-  throw std::invalid_argument(std::string(what) +
+  throw ::mlx_lattice::InputError(std::string(what) +
                               " has index-valued outputs and no derivatives; gather the "
                               "neighbours' points or features and differentiate those.");
 }
@@ -218,7 +219,7 @@ array cell_keys(const array& pts, const array& batch, const KnnGrid& g, mx::Stre
   }                                                                                         \
   std::pair<std::vector<array>, std::vector<int>> P::vmap(const std::vector<array>&,        \
                                                           const std::vector<int>&) {        \
-    throw std::invalid_argument(std::string(what) + ": vmap is not supported; " vmap_hint); \
+    throw ::mlx_lattice::InputError(std::string(what) + ": vmap is not supported; " vmap_hint); \
   }
 
 // The Metal search kernels' inputs: query and support in float32, then the
@@ -286,7 +287,7 @@ std::vector<array> make_coord_hash(const array& coords, const array& queries, mx
   int64_t slots = 64;
   while (slots < 2 * static_cast<int64_t>(n)) slots <<= 1;
   if (slots > std::numeric_limits<int32_t>::max()) {
-    throw std::invalid_argument("coords has too many rows for the coordinate hash.");
+    throw ::mlx_lattice::InputError("coords has too many rows for the coordinate hash.");
   }
   auto outs = array::make_arrays(
       {{n}, {q}, {static_cast<int>(slots)}, {static_cast<int>(slots)}, {n}},

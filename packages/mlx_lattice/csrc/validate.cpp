@@ -1,4 +1,5 @@
 #include "validate.h"
+#include "cpu/input_error.h"
 
 #include <list>
 #include <mutex>
@@ -10,7 +11,7 @@
 namespace mlx_lattice {
 
 void fail(const std::string& op, const std::string& message) {
-  throw std::invalid_argument(op + ": " + message);
+  throw ::mlx_lattice::InputError(op + ": " + message);
 }
 
 std::vector<mx::array> concrete_indices(const std::string& op,

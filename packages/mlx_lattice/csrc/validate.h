@@ -2,7 +2,7 @@
 //
 // Every public op checks its index arrays (dtype, shape, bounds, groupings)
 // on evaluated data before building a primitive, so the kernels never read
-// out of bounds. Violations raise std::invalid_argument (ValueError).
+// out of bounds. Violations raise InputError (Python: MlxLatticeError).
 #pragma once
 
 #include <cstdint>

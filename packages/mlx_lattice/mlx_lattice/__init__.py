@@ -16,6 +16,7 @@
 """
 
 from mlx_lattice._caches import clear_caches, set_weight_cache_budget, weight_cache_info
+from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
 from mlx_lattice._memory import retain_freed_memory
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
@@ -25,6 +26,8 @@ from mlx_lattice.tensor import CoordinateManager, SparseTensor, SparseTensorErro
 
 __all__ = [
     "CoordinateManager",
+    "MlxLatticeError",
+    "MlxLatticeTypeError",
     "QuantizationReport",
     "SparseTensor",
     "SparseTensorError",

@@ -4,6 +4,8 @@ the Python-side weight conversions."""
 
 from __future__ import annotations
 
+from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
+
 __all__ = ["clear_caches", "set_weight_cache_budget", "weight_cache_info"]
 
 
@@ -45,16 +47,16 @@ def set_weight_cache_budget(nbytes: int) -> None:
     >>> set_weight_cache_budget(-1)
     Traceback (most recent call last):
     ...
-    ValueError: set_weight_cache_budget: nbytes must be >= 0, got -1.
+    mlx_lattice._errors.MlxLatticeError: set_weight_cache_budget: nbytes must be >= 0, got -1.
     """
     from mlx_lattice._native import ext
 
     if isinstance(nbytes, bool) or not isinstance(nbytes, int):
-        raise TypeError(
+        raise MlxLatticeTypeError(
             f"set_weight_cache_budget: nbytes must be an int, got {type(nbytes).__name__}."
         )
     if nbytes < 0:
-        raise ValueError(f"set_weight_cache_budget: nbytes must be >= 0, got {nbytes}.")
+        raise MlxLatticeError(f"set_weight_cache_budget: nbytes must be >= 0, got {nbytes}.")
     ext.set_weight_cache_budget(nbytes)
 
 

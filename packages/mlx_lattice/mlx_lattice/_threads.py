@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from mlx_lattice._errors import MlxLatticeTypeError
+
 __all__ = ["get_num_threads", "set_num_threads"]
 
 
@@ -19,12 +21,12 @@ def set_num_threads(n: int) -> None:
     >>> set_num_threads(0)
     Traceback (most recent call last):
     ...
-    ValueError: set_num_threads: n must be in [1, 1024], got 0.
+    mlx_lattice._errors.MlxLatticeError: set_num_threads: n must be in [1, 1024], got 0.
     """
     from mlx_lattice._native import ext
 
     if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"set_num_threads: n must be an int, got {type(n).__name__}.")
+        raise MlxLatticeTypeError(f"set_num_threads: n must be an int, got {type(n).__name__}.")
     ext.set_num_threads(n)
 
 

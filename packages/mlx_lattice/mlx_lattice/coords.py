@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._native import ext
 from mlx_lattice.core.coordinates import as_coordinates
 
@@ -53,7 +54,7 @@ __all__ = [
 ArrayLike = mx.array | np.ndarray
 
 
-class CoordinateError(ValueError):
+class CoordinateError(MlxLatticeError):
     """A coordinate op got an invalid argument (the message names it)."""
 
 

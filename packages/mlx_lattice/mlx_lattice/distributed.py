@@ -50,6 +50,7 @@ import numpy as np
 from mlx.utils import tree_flatten, tree_unflatten
 
 from mlx_lattice import nn as lattice_nn
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice.tensor import SparseTensor
 
 __all__ = [
@@ -74,7 +75,7 @@ EXIT_TIMEOUT = 75
 _DEFAULT_BUCKET_BYTES = 32 * 1024 * 1024
 
 
-class DistributedUsageError(ValueError):
+class DistributedUsageError(MlxLatticeError):
     """A distributed helper got a bad argument."""
 
 

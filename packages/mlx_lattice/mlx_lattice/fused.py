@@ -32,6 +32,7 @@ from collections import OrderedDict
 import mlx.core as mx
 import numpy as np
 
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._native import ext
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.relations import KernelRelation, build_kernel_relation
@@ -127,18 +128,18 @@ def batch_norm_train(
     """
     if not isinstance(x, mx.array) or x.ndim != 2 or int(x.shape[0]) < 1:
         shape = tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
-        raise ValueError(f"x must be (N, C) with N >= 1 rows, got shape {shape}.")
+        raise MlxLatticeError(f"x must be (N, C) with N >= 1 rows, got shape {shape}.")
     if x.dtype not in _FLOATS:
-        raise ValueError(f"x must be float32, float16 or bfloat16, got {x.dtype}.")
+        raise MlxLatticeError(f"x must be float32, float16 or bfloat16, got {x.dtype}.")
     c = int(x.shape[1])
     for name, p in (("weight", weight), ("bias", bias)):
         if not isinstance(p, mx.array) or p.shape != (c,):
             shape = tuple(p.shape) if isinstance(p, mx.array) else type(p).__name__
-            raise ValueError(f"{name} must be ({c},), got shape {shape}.")
+            raise MlxLatticeError(f"{name} must be ({c},), got shape {shape}.")
         if p.dtype not in _FLOATS:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {p.dtype}.")
+            raise MlxLatticeError(f"{name} must be float32, float16 or bfloat16, got {p.dtype}.")
     if not (isinstance(eps, int | float) and 0 <= eps < float("inf")):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}.")
+        raise MlxLatticeError(f"eps must be a finite number >= 0, got {eps!r}.")
     if mx.default_device() == mx.cpu or mx.metal.is_available():
         y, mean, var = ext.batch_norm_train(x, weight, bias, eps=float(eps), relu=bool(relu))
         return y, mx.stop_gradient(mean), mx.stop_gradient(var)
@@ -162,7 +163,7 @@ def identity_relation(n: int) -> KernelRelation:
     3
     """
     if not isinstance(n, int | np.integer) or n < 1:
-        raise ValueError(f"n must be an int >= 1, got {n!r}.")
+        raise MlxLatticeError(f"n must be an int >= 1, got {n!r}.")
     n = int(n)
     rel = _IDENTITY.get(n)
     if rel is not None:
@@ -188,7 +189,7 @@ def dense_linear(x: mx.array, weight: mx.array, bias: mx.array | None = None) ->
     [[3.5, 6.0]]
     """
     if x.ndim != 2 or weight.ndim != 2 or int(weight.shape[1]) != int(x.shape[1]):
-        raise ValueError(
+        raise MlxLatticeError(
             f"x must be (N, Cin) and weight (Cout, Cin), got {tuple(x.shape)} and "
             f"{tuple(weight.shape)}."
         )
@@ -220,13 +221,13 @@ def add(a: mx.array, b: mx.array) -> mx.array:
     """
     for name, v in (("a", a), ("b", b)):
         if not isinstance(v, mx.array):
-            raise ValueError(f"{name} must be an mx.array, got {type(v).__name__}.")
+            raise MlxLatticeError(f"{name} must be an mx.array, got {type(v).__name__}.")
         if v.dtype not in _FLOATS:
-            raise ValueError(f"{name} must be float32, float16 or bfloat16, got {v.dtype}.")
+            raise MlxLatticeError(f"{name} must be float32, float16 or bfloat16, got {v.dtype}.")
     if b.dtype != a.dtype:
-        raise ValueError(f"b must have a's dtype {a.dtype}, got {b.dtype}.")
+        raise MlxLatticeError(f"b must have a's dtype {a.dtype}, got {b.dtype}.")
     if b.shape != a.shape:
-        raise ValueError(f"b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}.")
+        raise MlxLatticeError(f"b must have a's shape {tuple(a.shape)}, got {tuple(b.shape)}.")
     if mx.default_device() == mx.cpu or mx.metal.is_available():
         return ext.feature_add(a, b)
     return a + b

@@ -35,6 +35,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._native import ext
 from mlx_lattice.core.coordinates import as_coordinates
 from mlx_lattice.core.relations import (
@@ -64,7 +65,7 @@ Interpolation = Literal["nearest", "linear"]
 ArrayLike = mx.array | np.ndarray
 
 
-class GeometryError(ValueError):
+class GeometryError(MlxLatticeError):
     """A geometry op got an invalid argument (the message names it)."""
 
 

@@ -17,6 +17,7 @@ import mlx.nn as mlx_nn
 import numpy as np
 
 from mlx_lattice import fused, ops
+from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.quantized import (
     SUPPORTED_BITS,
@@ -134,9 +135,9 @@ def _config(
 ) -> ConvConfig:
     for name, value in (("in_channels", in_channels), ("out_channels", out_channels)):
         if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive int, got {value!r}.")
+            raise MlxLatticeError(f"{name} must be a positive int, got {value!r}.")
     if eps is not None and not eps >= 0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}.")
+        raise MlxLatticeError(f"eps must be >= 0, got {eps!r}.")
     return ConvConfig(
         int(in_channels),
         int(out_channels),
@@ -197,7 +198,7 @@ class _SparseConv(mlx_nn.Module):
         if c.eps is not None:
             if c.kind == "subm":
                 if coordinates is not None:
-                    raise ValueError(
+                    raise MlxLatticeError(
                         "a submanifold layer's outputs are its inputs; no coordinates=."
                     )
                 return ops.normalized_subm_conv3d(x, weight, bias, dilation=c.dilation, eps=c.eps)  # type: ignore[arg-type]
@@ -218,7 +219,7 @@ class _SparseConv(mlx_nn.Module):
             )
         if c.kind == "subm":
             if coordinates is not None:
-                raise ValueError("a submanifold layer's outputs are its inputs; no coordinates=.")
+                raise MlxLatticeError("a submanifold layer's outputs are its inputs; no coordinates=.")
             return ops.subm_conv3d(x, weight, bias, dilation=c.dilation, kernel_size=c.kernel_size)
         fn = {
             "conv": ops.conv3d,
@@ -437,10 +438,10 @@ class QuantizedConv(_SparseConv):
     ) -> None:
         mlx_nn.Module.__init__(self)
         if config.eps is not None:
-            raise ValueError("weight-normalized convolutions are not quantized (eps is set).")
+            raise MlxLatticeError("weight-normalized convolutions are not quantized (eps is set).")
         _check_act_bits(act_bits)
         if act_static and act_bits is None:
-            raise ValueError("act_static (a static activation scale) needs act_bits.")
+            raise MlxLatticeError("act_static (a static activation scale) needs act_bits.")
         self.config = config
         self.weight = weight.weight
         self.scales = weight.scales
@@ -468,7 +469,7 @@ class QuantizedConv(_SparseConv):
         """Quantize a float convolution layer's weight (``Cin`` zero-padded to a
         multiple of ``group_size`` in storage)."""
         if isinstance(conv, QuantizedConv):
-            raise ValueError("conv is already quantized.")
+            raise MlxLatticeError("conv is already quantized.")
         qw = QuantizedWeight.from_float(conv.weight, bits=bits, group_size=group_size)
         return cls(conv.config, qw, conv.get("bias"), act_bits, act_static)
 
@@ -500,7 +501,7 @@ class QuantizedConv(_SparseConv):
             return None
         value = float(self.act_scale.item())
         if value == 0.0:
-            raise ValueError(
+            raise MlxLatticeError(
                 "this QuantizedConv has a static activation scale that is not calibrated: run "
                 "mlx_lattice.calibrate_activation_scales(model, batches) first (or load "
                 "calibrated weights)."
@@ -512,7 +513,7 @@ class QuantizedConv(_SparseConv):
         if bits is not None and id(self) in _calibration_maxima:
             peak = float(mx.max(mx.abs(x.feats)).item()) if x.feats.size else 0.0
             if not math.isfinite(peak):
-                raise ValueError("calibration input has non-finite features.")
+                raise MlxLatticeError("calibration input has non-finite features.")
             _calibration_maxima[id(self)] = max(_calibration_maxima[id(self)], peak)
         if bits is None or self._integer_kernel():
             return x
@@ -545,7 +546,7 @@ def _check_act_bits(act_bits: int | None) -> None:
     if act_bits is not None and (
         not isinstance(act_bits, int) or isinstance(act_bits, bool) or not 2 <= act_bits <= 8
     ):
-        raise ValueError(f"act_bits must be None or an int in [2, 8], got {act_bits!r}.")
+        raise MlxLatticeError(f"act_bits must be None or an int in [2, 8], got {act_bits!r}.")
 
 
 def is_sparse_conv(module: mlx_nn.Module) -> bool:
@@ -609,7 +610,7 @@ class PoolTranspose3d(mlx_nn.Module):
     ) -> None:
         super().__init__()
         if mode not in ("max", "avg", "sum"):
-            raise ValueError(f"mode must be 'max', 'avg' or 'sum', got {mode!r}.")
+            raise MlxLatticeError(f"mode must be 'max', 'avg' or 'sum', got {mode!r}.")
         self.window = PoolConfig(
             normalize_triple(kernel_size, "kernel_size", high=7),
             normalize_triple(stride, "stride"),
@@ -642,7 +643,7 @@ class TrilinearUpsample3d(mlx_nn.Module):
         if target is not None:
             return ops.trilinear_upsample3d(x, target)
         if self._stride is None:
-            raise ValueError("TrilinearUpsample3d without a stride needs a target tensor.")
+            raise MlxLatticeError("TrilinearUpsample3d without a stride needs a target tensor.")
         return ops.trilinear_upsample3d(x, stride=self._stride)
 
 
@@ -770,7 +771,7 @@ class Linear(mlx_nn.Linear):
     ) -> QuantizedLinear:
         """This layer as a :class:`QuantizedLinear` (affine mode only)."""
         if mode != "affine":
-            raise ValueError(f"mlx_lattice quantized layers use mode 'affine', got {mode!r}.")
+            raise MlxLatticeError(f"mlx_lattice quantized layers use mode 'affine', got {mode!r}.")
         return QuantizedLinear.from_linear(
             self, bits=bits, group_size=group_size, act_bits=act_bits
         )
@@ -820,11 +821,11 @@ class QuantizedLinear(mlx_nn.Module):
     ) -> QuantizedLinear:
         """Quantize an ``mlx.nn.Linear`` (or :class:`Linear`) layer's weight."""
         if group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}."
             )
         if bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}.")
+            raise MlxLatticeError(f"bits must be one of {SUPPORTED_BITS}, got {bits}.")
         w = linear.weight
         out_features, in_features = (int(d) for d in w.shape)
         storage = -(-in_features // group_size) * group_size
@@ -842,7 +843,7 @@ class QuantizedLinear(mlx_nn.Module):
     def _apply(self, x: mx.array) -> mx.array:
         q = self.quantization
         if int(x.shape[-1]) != self.in_features:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"x has {x.shape[-1]} features but the layer expects {self.in_features}."
             )
         if q.act_bits is not None:
@@ -866,7 +867,7 @@ class QuantizedLinear(mlx_nn.Module):
         """Sparse features through the native quantized 1x1x1 convolution."""
         q = self.quantization
         if x.num_channels != self.in_features:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"x has {x.num_channels} features but the layer expects {self.in_features}."
             )
         feats = x.feats if q.act_bits is None else fake_quantize_rows(x.feats, q.act_bits)
@@ -917,7 +918,7 @@ def to_quantized(
         return QuantizedLinear.from_linear(
             layer, bits=bits, group_size=group_size, act_bits=act_bits
         )
-    raise TypeError(
+    raise MlxLatticeTypeError(
         f"layer must be a sparse convolution or a linear layer, got {type(layer).__name__}."
     )
 
@@ -931,7 +932,7 @@ class GELU(mlx_nn.Module):
     def __init__(self, approximate: str = "none") -> None:
         super().__init__()
         if approximate not in ("none", "tanh"):
-            raise ValueError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
+            raise MlxLatticeError(f"approximate must be 'none' or 'tanh', got {approximate!r}.")
         self._approximate = approximate
 
     def __call__(self, x: SparseTensor) -> SparseTensor:
@@ -976,7 +977,7 @@ class Softplus(mlx_nn.Module):
     def __init__(self, beta: float = 1.0) -> None:
         super().__init__()
         if not beta > 0:
-            raise ValueError(f"beta must be positive, got {beta!r}.")
+            raise MlxLatticeError(f"beta must be positive, got {beta!r}.")
         self._beta = float(beta)
 
     def __call__(self, x: SparseTensor) -> SparseTensor:
@@ -989,7 +990,7 @@ class Dropout(mlx_nn.Module):
     def __init__(self, p: float = 0.5) -> None:
         super().__init__()
         if not 0.0 <= p < 1.0:
-            raise ValueError(f"dropout probability p must be in [0, 1), got {p!r}.")
+            raise MlxLatticeError(f"dropout probability p must be in [0, 1), got {p!r}.")
         self._p = float(p)
 
     def __call__(self, x: SparseTensor) -> SparseTensor:

@@ -15,6 +15,7 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 
 import quantrules as qr
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice.nn import QuantizedConv, QuantizedLinear, calibrating_activations, is_sparse_conv
 
 __all__ = [
@@ -306,7 +307,7 @@ def calibrate_activation_scales(
         if isinstance(module, QuantizedConv) and module.quantization.act_static
     }
     if not layers:
-        raise ValueError(
+        raise MlxLatticeError(
             "model has no layer with a static activation scale (quantize it with a rule that "
             "sets act_qtype and act_static_scale=True)."
         )
@@ -316,12 +317,12 @@ def calibrate_activation_scales(
             seen = True
             mx.eval(forward(model, batch) if forward is not None else model(batch))
         if not seen:
-            raise ValueError("batches is empty: calibration needs at least one batch.")
+            raise MlxLatticeError("batches is empty: calibration needs at least one batch.")
         peaks = {path: maxima[id(layer)] for path, layer in layers.items()}
     scales = {}
     for path, layer in layers.items():
         if peaks[path] <= 0.0:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"{path}: saw no non-zero input during calibration; its static scale is unset."
             )
         qmax = 2 ** (layer.quantization.act_bits - 1) - 1

@@ -10,6 +10,7 @@ from typing import Any, Literal
 import mlx.core as mx
 import numpy as np
 
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice.core.coordinates import as_coordinates, check_coordinates
 from mlx_lattice.core.relations import KernelRelation, build_kernel_relation, normalize_triple
 
@@ -27,7 +28,7 @@ Triple = tuple[int, int, int]
 CoordinateKey = tuple[Triple, str]
 
 
-class SparseTensorError(ValueError):
+class SparseTensorError(MlxLatticeError):
     """A sparse tensor or a sparse op got inconsistent inputs."""
 
 

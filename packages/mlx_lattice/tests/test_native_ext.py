@@ -151,3 +151,33 @@ def test_array_value_handle_tracks_in_place_updates(rng):
     a[0] = 5.0
     assert not ext.same_value(handle, a)
     np.testing.assert_array_equal(np.array(handle), before)  # the old value stays alive
+
+
+def test_native_bad_input_is_the_library_error():
+    """std::invalid_argument from the extension arrives as MlxLatticeError
+    (still a ValueError), and every Python-side error class shares it."""
+    import mlx_lattice
+    from mlx_lattice._native import ext
+    from mlx_lattice.coords import CoordinateError
+    from mlx_lattice.core.dataflow import DataflowError
+    from mlx_lattice.distributed import DistributedUsageError
+    from mlx_lattice.geometry import GeometryError
+
+    with pytest.raises(mlx_lattice.MlxLatticeError, match="nbytes must be >= 0") as info:
+        ext.set_weight_cache_budget(-1)
+    assert isinstance(info.value, ValueError)
+    for cls in (mlx_lattice.SparseTensorError, CoordinateError, DataflowError,
+                DistributedUsageError, GeometryError, mlx_lattice.MlxLatticeTypeError):
+        assert issubclass(cls, mlx_lattice.MlxLatticeError)
+    assert issubclass(mlx_lattice.MlxLatticeTypeError, TypeError)
+
+
+def test_mlx_own_errors_stay_mlx_errors():
+    """The translator is shared by every nanobind extension: found by fuzzing,
+    it turned MLX's own std::invalid_argument (here a bad broadcast) into
+    MlxLatticeError; only mlx_lattice's InputError is translated."""
+    import mlx_lattice
+
+    with pytest.raises(ValueError, match="Cannot broadcast") as info:
+        mx.broadcast_to(mx.zeros((1, 1, 0)), (27, 0, 1))
+    assert not isinstance(info.value, mlx_lattice.MlxLatticeError)

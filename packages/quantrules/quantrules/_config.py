@@ -105,8 +105,12 @@ def load_rules(path: str | os.PathLike[str]) -> tuple[Rule, ...] | PtqProvider |
     """Read rules (or a provider) from a JSON file; errors name the file, index and field."""
     name = os.fspath(path)
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             data = json.load(f)
     except json.JSONDecodeError as e:
         raise ConfigError(f"{name}: not valid JSON: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{name}: not UTF-8 text: {e}") from None
+    except RecursionError:
+        raise ConfigError(f"{name}: JSON nested too deeply") from None
     return rules_from_config(data, source=name)

@@ -45,7 +45,7 @@ def register_op(name: str) -> str:
 
 
 def check_op(name: str, *, arg: str = "op") -> str:
-    if name not in _OPS:
+    if not isinstance(name, str) or name not in _OPS:
         raise UnknownOpError(
             f"{arg}: unknown op {name!r}; expected one of {', '.join(_OPS)} "
             "(back-ends add ops with quantrules.register_op)"

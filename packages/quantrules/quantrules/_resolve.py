@@ -197,7 +197,8 @@ def resolve(quant: Any, *, module_path: str = "", op: str) -> Resolution | None:
         return results[module_path, op]
     except KeyError:
         pass
-    except TypeError:
+    except TypeError:  # an unhashable argument
+        check_op(op)
         raise QuantRulesError(f"module_path: expected a string, got {module_path!r}") from None
     check_op(op)
     found = _first_match(rs, normalize_module_path(module_path), op)

@@ -53,3 +53,15 @@ def test_bad_files_name_index_and_field(tmp_path, content, message):
     path.write_text(content)
     with pytest.raises(qr.ConfigError, match=message):
         qr.load_rules(path)
+
+
+@pytest.mark.parametrize(
+    ("blob", "message"),
+    [(b"\x80[]", "not UTF-8 text"), (b"[" * 100_000, "nested too deeply|not valid JSON")],
+)
+def test_undecodable_files_raise_config_error(tmp_path, blob, message):
+    """Found by fuzzing: invalid UTF-8 raised UnicodeDecodeError, not ConfigError."""
+    path = tmp_path / "rules.json"
+    path.write_bytes(blob)
+    with pytest.raises(qr.ConfigError, match=message):
+        qr.load_rules(path)

@@ -105,3 +105,14 @@ def test_unsupported_stateless_fields():
              bwd_stochastic_rounding="uniform")
     assert r.unsupported_stateless_fields() == ("act_static_scale", "bwd_stochastic_rounding")
     assert Rule(weight_qtype="int8").unsupported_stateless_fields() == ()
+
+
+@pytest.mark.parametrize("op", [[], ["einsum"], 3, None])
+def test_non_string_op_names_raise_unknown_op(op):
+    """Found by fuzzing: an unhashable op name raised a bare TypeError."""
+    with pytest.raises(qr.UnknownOpError, match=r"Rule\.op_names: unknown op"):
+        Rule(op_names=(op,))
+    with pytest.raises(qr.ConfigError, match=r"rules\[0\]: Rule.op_names"):
+        qr.rules_from_config([{"op_names": [op]}])
+    with pytest.raises(qr.UnknownOpError, match="op: unknown op"):
+        qr.resolve("int8", module_path="a", op=op)

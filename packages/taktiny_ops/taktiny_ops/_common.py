@@ -14,6 +14,7 @@ import qwix
 
 import quantrules
 from quantrules import Resolution
+from taktiny_ops import _qwix_private as P
 
 __all__ = ["TaktinyOpsError"]
 
@@ -98,6 +99,19 @@ def check_backend_support(rule: quantrules.Rule, lhs_weight: bool, rhs_weight: b
             f"quant: {lhs} x {rhs} contractions are not supported by XLA on CPU; quantize one "
             "operand to int8 (e.g. act_qtype='int8') or run on GPU/TPU"
         )
+
+
+def quantize_operand(x: Any, how: Any, res: Resolution, operand: str) -> Any:
+    """``qwix`` quantization of one operand; a rule Qwix cannot apply to this
+    shape (e.g. a tile size that does not divide the contraction axis) is a
+    TaktinyOpsError naming the rule and the operand, not Qwix's ValueError."""
+    try:
+        return P.quantize(x, how)
+    except ValueError as err:
+        raise TaktinyOpsError(
+            f"quant: rule #{res.index} (tile_size={res.rule.tile_size}) cannot quantize "
+            f"{operand} of shape {tuple(x.shape)}: {err}"
+        ) from None
 
 
 def check_qt_sharding(res: Resolution, out_sharding: Any) -> None:

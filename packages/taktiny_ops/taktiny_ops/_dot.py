@@ -22,6 +22,7 @@ from taktiny_ops._common import (
     finish,
     is_qarray,
     prepare,
+    quantize_operand,
     result_dtype,
     select_rule,
 )
@@ -99,19 +100,25 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     """The selected rule applied to float operands (PTQ or QT)."""
     rule = res.rule
     check_backend_support(rule, lhs_weight, rhs_weight)
+    if 0 in lhs.shape or 0 in rhs.shape:
+        # An empty operand has no scale (Qwix divides by its size); the exact
+        # result is empty or zeros, so nothing is quantized.
+        return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
     if res.mode == "qt":
         return P.dot_general_qt(lhs, rhs, dnums, _qt_config(rule, lhs_weight, rhs_weight))
     ndims = (len(lhs.shape), len(rhs.shape))
     for_rhs = calibration(rule, rhs_weight)
     for_lhs = calibration(rule, lhs_weight)
     if for_rhs:
-        rhs = P.quantize(rhs, P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=False,
-                                        tile_size=rule.tile_size, qtype=for_rhs[0],
-                                        calibration_method=for_rhs[1]))
+        rhs = quantize_operand(rhs, P.dot_how(dimension_numbers=dnums, ndims=ndims,
+                                              for_lhs=False, tile_size=rule.tile_size,
+                                              qtype=for_rhs[0], calibration_method=for_rhs[1]),
+                               res, "rhs")
     if for_lhs:
-        lhs = P.quantize(lhs, P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=True,
-                                        tile_size=rule.tile_size, qtype=for_lhs[0],
-                                        calibration_method=for_lhs[1]))
+        lhs = quantize_operand(lhs, P.dot_how(dimension_numbers=dnums, ndims=ndims,
+                                              for_lhs=True, tile_size=rule.tile_size,
+                                              qtype=for_lhs[0], calibration_method=for_lhs[1]),
+                               res, "lhs")
     return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
 
 

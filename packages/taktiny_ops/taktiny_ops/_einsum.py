@@ -21,6 +21,7 @@ from taktiny_ops._common import (
     finish,
     is_qarray,
     prepare,
+    quantize_operand,
     result_dtype,
     select_rule,
 )
@@ -145,19 +146,22 @@ def einsum(
         act, weight = map(dequantize, operands)
         rule = res.rule
         check_backend_support(rule, False, True)
-        if res.mode == "qt":
+        if 0 in act.shape or 0 in weight.shape:
+            # An empty operand has no scale: the exact result is empty or zeros.
+            out = jnp.einsum(subscripts, act, weight, precision=precision)
+        elif res.mode == "qt":
             out = _qt_einsum(subscripts, act, weight, rule, precision)
         else:
             ndims = (len(act.shape), len(weight.shape))
             for_w, for_a = calibration(rule, True), calibration(rule, False)
             if for_w:
-                weight = P.quantize(weight, P.einsum_how(
+                weight = quantize_operand(weight, P.einsum_how(
                     einsum_str=subscripts, ndims=ndims, for_lhs=False, tile_size=rule.tile_size,
-                    qtype=for_w[0], calibration_method=for_w[1]))
+                    qtype=for_w[0], calibration_method=for_w[1]), res, "the weight")
             if for_a:
-                act = P.quantize(act, P.einsum_how(
+                act = quantize_operand(act, P.einsum_how(
                     einsum_str=subscripts, ndims=ndims, for_lhs=True, tile_size=rule.tile_size,
-                    qtype=for_a[0], calibration_method=for_a[1]))
+                    qtype=for_a[0], calibration_method=for_a[1]), res, "the activation")
             # qwix.einsum mishandles out_sharding; finish() reshards instead.
             out = qwix.einsum(subscripts, act, weight, precision=precision)
     return finish(out, dtype, out_sharding)

@@ -408,3 +408,33 @@ def test_eager_jit_can_be_turned_off(monkeypatch):
         tk.linear(x, arr(16, 8))
     with pytest.raises(TypeError):
         tk.linear(x, w, bogus=1)
+
+
+@pytest.mark.parametrize("op", ["linear", "einsum", "dot_general"])
+def test_tile_that_does_not_divide_the_axis_is_taktiny_error(op):
+    """Found by fuzzing: the int4 shorthand (tile 128) on a 1-wide contraction
+    raised Qwix's bare ValueError; it is a TaktinyOpsError naming the rule."""
+    x, w = arr(2, 1), arr(1, 3)
+    call = {
+        "linear": lambda: tk.linear(x, w, quant="int4"),
+        "einsum": lambda: tk.einsum("bi,io->bo", x, w, quant="int4"),
+        "dot_general": lambda: tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant="int4"),
+    }[op]
+    with pytest.raises(tk.TaktinyOpsError, match=r"quant: rule #0 \(tile_size=128\)"):
+        call()
+
+
+@pytest.mark.parametrize("quant", ["int8", qr.Rule(weight_qtype="int4", act_qtype="int8"),
+                                   qr.Rule(weight_qtype="int8", act_qtype="int8", mode="qt")])
+@pytest.mark.parametrize(("x_shape", "w_shape"), [((0, 8), (8, 3)), ((2, 0), (0, 3))])
+def test_empty_operands_give_the_exact_empty_or_zero_result(quant, x_shape, w_shape):
+    """Found by fuzzing: an empty batch with activation quantization raised
+    ZeroDivisionError inside Qwix; empty operands now skip quantization."""
+    x, w = jnp.ones(x_shape), jnp.ones(w_shape)
+    expected = np.zeros((x_shape[0], w_shape[1]), np.float32)
+    for out in (
+        tk.linear(x, w, quant=quant),
+        tk.einsum("bi,io->bo", x, w, quant=quant),
+        tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=quant),
+    ):
+        np.testing.assert_array_equal(np.asarray(out, np.float32), expected)

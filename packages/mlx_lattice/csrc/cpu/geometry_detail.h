@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cmath>
+#include "input_error.h"
 #include <cstdint>
 #include <cstring>
 #include <sstream>
@@ -10,7 +11,7 @@
 
 namespace mlx_lattice::geometry::detail {
 
-[[noreturn]] inline void fail(const std::string& message) { throw std::invalid_argument(message); }
+[[noreturn]] inline void fail(const std::string& message) { throw ::mlx_lattice::InputError(message); }
 
 inline bool same_row(const int32_t* a, const int32_t* b) { return std::memcmp(a, b, 16) == 0; }
 

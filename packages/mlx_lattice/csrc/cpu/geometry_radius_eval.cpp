@@ -2,6 +2,7 @@
 // primitive is built there; the product's radius_relation calls the CPU
 // search directly): both passes from geometry::radius_search.
 #include <algorithm>
+#include "input_error.h"
 #include <stdexcept>
 #include <vector>
 
@@ -42,7 +43,7 @@ void GeometryRadius::eval_cpu(const std::vector<array>& inputs, std::vector<arra
       return;
     }
     if (nbrs.rows.size() != out[0].size()) {
-      throw std::invalid_argument("GeometryRadius: offsets do not match the neighbour counts.");
+      throw ::mlx_lattice::InputError("GeometryRadius: offsets do not match the neighbour counts.");
     }
     std::copy(nbrs.rows.begin(), nbrs.rows.end(), out[0].data<int32_t>());
     std::transform(nbrs.dist2.begin(), nbrs.dist2.end(), out[1].data<float>(),

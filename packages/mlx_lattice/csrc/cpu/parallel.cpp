@@ -1,4 +1,5 @@
 #include "parallel.h"
+#include "input_error.h"
 
 #include <algorithm>
 #include <atomic>
@@ -143,7 +144,7 @@ int get_num_threads() { return pool().size(); }
 
 void set_num_threads(int n) {
   if (n < 1 || n > 1024) {
-    throw std::invalid_argument("set_num_threads: n must be in [1, 1024], got " +
+    throw ::mlx_lattice::InputError("set_num_threads: n must be in [1, 1024], got " +
                                 std::to_string(n) + ".");
   }
   if (n != pool().size()) pool().resize(n);

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <algorithm>
+#include "input_error.h"
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
@@ -62,7 +63,7 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
 // relation with two edges of one (group, offset). Out of line and cold, so
 // the pass's loop keeps its registers.
 [[noreturn, gnu::noinline, gnu::cold]] inline void throw_repeated_offset() {
-  throw std::invalid_argument("relation: a row has two edges with the same kernel offset");
+  throw ::mlx_lattice::InputError("relation: a row has two edges with the same kernel offset");
 }
 
 // One pass over the edges of groups [g0, g1) of `csr` that buckets them by

@@ -1,6 +1,7 @@
 // GPU encode body of FeatureAdd (kernels in add.metal): operands bound in
 // their own dtype, one thread per element.
 #include <cstdint>
+#include "../cpu/input_error.h"
 #include <stdexcept>
 #include <string>
 
@@ -14,7 +15,7 @@ void encode(const FeatureAdd&, KernelEncoder& enc, Operands& ops,
   const size_t n = out.size();
   if (n == 0) return;
   if (n > UINT32_MAX - 255) {
-    throw std::invalid_argument("feature_add: at most 2^32 - 256 elements on a GPU stream.");
+    throw ::mlx_lattice::InputError("feature_add: at most 2^32 - 256 elements on a GPU stream.");
   }
   const auto dtype = out.dtype();
   enc.kernel(std::string("mlxl_add") + (dtype == mx::float16    ? "_f16"

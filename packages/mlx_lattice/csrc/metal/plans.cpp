@@ -1,4 +1,5 @@
 #include "plans.h"
+#include "../cpu/input_error.h"
 
 #include <stdexcept>
 #include <string>
@@ -167,7 +168,7 @@ void encode_sorted_conv(KernelEncoder& enc, Buffer feats, Buffer weight,
                         uint32_t n_out, uint32_t n_kernels, uint32_t cin, uint32_t cout,
                         bool store_sorted) {
   if ((cin != 32 && cin != 64) || (cout != 32 && cout != 64)) {
-    throw std::invalid_argument("the sorted implicit-GEMM kernel supports 32 or 64 channels");
+    throw ::mlx_lattice::InputError("the sorted implicit-GEMM kernel supports 32 or 64 channels");
   }
   enc.kernel("mlxl_sorted_conv");
   enc.input(0, feats);
@@ -223,7 +224,7 @@ void encode_knn(KernelEncoder& enc, Buffer query, Buffer qbatch, Buffer sorted_s
                 Buffer sorted_rows, Buffer sorted_keys, Buffer rows, Buffer dist2,
                 const KnnPlan& plan) {
   if (plan.k < 1 || plan.k > kKnnMaxK) {
-    throw std::invalid_argument("the Metal kNN kernel supports 1 <= k <= 64");
+    throw ::mlx_lattice::InputError("the Metal kNN kernel supports 1 <= k <= 64");
   }
   // Laid out as the MSL KnnParams.
   struct {
@@ -258,7 +259,7 @@ void encode_coord_hash(KernelEncoder& enc, Buffer coords, Buffer queries, Buffer
                        Buffer rows, Buffer table, Buffer minrow, Buffer slot_of, uint32_t n,
                        uint32_t q, uint32_t slots) {
   if (slots < 2 || (slots & (slots - 1)) != 0 || slots / 2 < n) {
-    throw std::invalid_argument("the coordinate hash needs a power-of-two table of >= 2n slots");
+    throw ::mlx_lattice::InputError("the coordinate hash needs a power-of-two table of >= 2n slots");
   }
   // Laid out as the MSL HashParams.
   struct {

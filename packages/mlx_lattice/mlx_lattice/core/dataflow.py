@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Literal, cast
 
+from mlx_lattice._errors import MlxLatticeError
+
 __all__ = [
     "DATAFLOWS",
     "Dataflow",
@@ -60,7 +62,7 @@ DATAFLOWS: tuple[str, ...] = (
 )
 
 
-class DataflowError(ValueError):
+class DataflowError(MlxLatticeError):
     """A forced dataflow does not apply to this call, or an unknown name."""
 
 

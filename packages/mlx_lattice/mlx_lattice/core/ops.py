@@ -30,6 +30,7 @@ from typing import Literal, cast
 
 import mlx.core as mx
 
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._native import ext
 from mlx_lattice.core.dataflow import DataflowError, get_dataflow, note
 from mlx_lattice.core.quantized import QuantizedWeight, check_act_scale, with_float32_scales
@@ -57,7 +58,7 @@ _FLOAT_DTYPES = (mx.float16, mx.bfloat16, mx.float32)
 
 def _require_static(relation: KernelRelation) -> tuple[int, int]:
     if relation.n_out_capacity is None or relation.n_kernels is None:
-        raise ValueError("kernel relation is missing static shape metadata.")
+        raise MlxLatticeError("kernel relation is missing static shape metadata.")
     return relation.n_out_capacity, relation.n_kernels
 
 
@@ -190,7 +191,7 @@ def sparse_conv_features_sorted_from_relation(
     """
     _require_static(relation)
     if not _sorted_applies(feats, weight, relation):
-        raise ValueError(
+        raise MlxLatticeError(
             "sorted implicit GEMM is not supported for this relation, feature tensor, or "
             "weight tensor (needs C32/C64 channels, one float dtype, <= 32 offsets)."
         )
@@ -214,7 +215,7 @@ def sparse_conv_features_sorted_direct_reference_from_relation(
     """
     _require_static(relation)
     if not _sorted_applies(feats, weight, relation):
-        raise ValueError(
+        raise MlxLatticeError(
             "sorted direct convolution reference is not supported for this relation, feature "
             "tensor, or weight tensor."
         )
@@ -270,19 +271,19 @@ def sparse_quantized_conv_features_from_relation(
     [16.0, 16.0]
     """
     if feats.dtype not in _FLOAT_DTYPES:
-        raise ValueError("features must be float16, bfloat16 or float32.")
+        raise MlxLatticeError("features must be float16, bfloat16 or float32.")
     if act_bits is None:
         act_bits = weight.act_bits
     if act_bits not in (None, 8):
-        raise ValueError(f"act_bits must be None or 8, got {act_bits!r}.")
+        raise MlxLatticeError(f"act_bits must be None or 8, got {act_bits!r}.")
     if act_scale is None:
         act_scale = weight.act_scale if act_bits == 8 else None
     elif act_bits != 8:
-        raise ValueError("act_scale (a static activation scale) needs act_bits=8.")
+        raise MlxLatticeError("act_scale (a static activation scale) needs act_bits=8.")
     scale = 0.0 if act_scale is None else check_act_scale(act_scale)
     _require_static(relation)
     if relation.n_kernels != weight.n_kernels:
-        raise ValueError("quantized weight kernel rows must match the relation.")
+        raise MlxLatticeError("quantized weight kernel rows must match the relation.")
     note("sparse_quantized_conv_features", "quantized" if act_bits is None else "int8")
     out = ext.sparse_quantized_conv_features(
         feats.astype(weight.scales.dtype),
@@ -382,7 +383,7 @@ def sparse_conv_features_from_implicit_gemm_view(
     if mapped.ndim == 2:
         mapped = mapped[None, ...]
     if int(mapped.shape[0]) != int(out_in_map.shape[1]):
-        raise ValueError("weight kernel rows must match out_in_map columns.")
+        raise MlxLatticeError("weight kernel rows must match out_in_map columns.")
     valid = out_in_map >= 0
     gathered = mx.take(feats, mx.maximum(out_in_map, 0), axis=0)
     gathered = gathered * valid[..., None].astype(feats.dtype)

@@ -9,6 +9,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
 from mlx_lattice.core.weights import _CacheEntry, cached_per_value, mapped_conv_weight
 
 __all__ = ["SUPPORTED_BITS", "SUPPORTED_GROUP_SIZES", "QuantizedWeight", "check_act_scale"]
@@ -28,14 +29,14 @@ def check_act_scale(scale: Any, name: str = "act_scale") -> float:
     >>> check_act_scale(0.0)
     Traceback (most recent call last):
     ...
-    ValueError: act_scale must be one finite value > 0 (a static activation scale), got 0.0.
+    mlx_lattice._errors.MlxLatticeError: act_scale must be one finite value > 0 (a static activation scale), got 0.0.
     """
     if isinstance(scale, bool | str | bytes):
-        raise TypeError(f"{name} must be a number or a one-element array, got {scale!r}.")
+        raise MlxLatticeTypeError(f"{name} must be a number or a one-element array, got {scale!r}.")
     if hasattr(scale, "shape") and hasattr(scale, "tolist"):  # mx.array / np.ndarray
         size = math.prod(int(d) for d in scale.shape)
         if size != 1:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"{name} must be one value (per-tensor static scale), got shape "
                 f"{tuple(int(d) for d in scale.shape)}."
             )
@@ -43,11 +44,11 @@ def check_act_scale(scale: Any, name: str = "act_scale") -> float:
     try:
         value = float(scale)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a number or a one-element array, got {scale!r}.") from None
+        raise MlxLatticeTypeError(f"{name} must be a number or a one-element array, got {scale!r}.") from None
     # The kernel works in float32: the value must stay finite and > 0 there.
     value32 = float(mx.array(value, dtype=mx.float32).item()) if math.isfinite(value) else value
     if not (math.isfinite(value32) and value32 > 0):
-        raise ValueError(
+        raise MlxLatticeError(
             f"{name} must be one finite value > 0 (a static activation scale), got {value!r}."
         )
     return value32
@@ -88,34 +89,34 @@ class QuantizedWeight:
 
     def __post_init__(self) -> None:
         if self.act_bits not in (None, 8):
-            raise ValueError(f"act_bits must be None or 8, got {self.act_bits!r}.")
+            raise MlxLatticeError(f"act_bits must be None or 8, got {self.act_bits!r}.")
         if self.act_scale is not None:
             if self.act_bits != 8:
-                raise ValueError("act_scale (a static activation scale) needs act_bits=8.")
+                raise MlxLatticeError("act_scale (a static activation scale) needs act_bits=8.")
             object.__setattr__(self, "act_scale", check_act_scale(self.act_scale))
         if self.bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}.")
+            raise MlxLatticeError(f"bits must be one of {SUPPORTED_BITS}, got {self.bits}.")
         if self.group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {self.group_size}."
             )
         if (
             self.storage_in_channels % self.group_size
             or self.storage_in_channels < self.in_channels
         ):
-            raise ValueError(
+            raise MlxLatticeError(
                 "storage_in_channels must be a multiple of group_size and >= in_channels, got "
                 f"{self.storage_in_channels} (group_size {self.group_size}, in_channels {self.in_channels})."
             )
         n_kernels = int(self.weight.shape[0]) if self.weight.ndim == 3 else -1
         expected = (n_kernels, self.out_channels, self.storage_in_channels * self.bits // 32)
         if self.weight.dtype != mx.uint32 or tuple(self.weight.shape) != expected:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"weight must be uint32 of shape {expected}, got {self.weight.dtype} {tuple(self.weight.shape)}."
             )
         groups = (n_kernels, self.out_channels, self.storage_in_channels // self.group_size)
         if tuple(self.scales.shape) != groups or tuple(self.biases.shape) != groups:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"scales and biases must have shape {groups}, got {tuple(self.scales.shape)} "
                 f"and {tuple(self.biases.shape)}."
             )
@@ -144,13 +145,13 @@ class QuantizedWeight:
         ``dtype`` sets the scales' dtype (default: the weight's float dtype).
         """
         if bits not in SUPPORTED_BITS:
-            raise ValueError(f"bits must be one of {SUPPORTED_BITS}, got {bits}.")
+            raise MlxLatticeError(f"bits must be one of {SUPPORTED_BITS}, got {bits}.")
         if group_size not in SUPPORTED_GROUP_SIZES:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"group_size must be one of {SUPPORTED_GROUP_SIZES}, got {group_size}."
             )
         if not mx.issubdtype(weight.dtype, mx.floating):
-            raise TypeError(f"weight must be floating, got {weight.dtype}.")
+            raise MlxLatticeTypeError(f"weight must be floating, got {weight.dtype}.")
         mapped = mapped_conv_weight(weight, cache=False)
         _, cin, cout = (int(d) for d in mapped.shape)
         storage = -(-cin // group_size) * group_size

@@ -31,6 +31,7 @@ from typing import Literal
 import mlx.core as mx
 import numpy as np
 
+from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
 from mlx_lattice._native import ext
 from mlx_lattice.core.coordinates import as_coordinates
 
@@ -64,11 +65,11 @@ def normalize_triple(
     if len(items) != 3 or not all(
         isinstance(v, int | np.integer) and not isinstance(v, bool) for v in items
     ):
-        raise TypeError(f"{name} must be an int or three ints, got {value!r}.")
+        raise MlxLatticeTypeError(f"{name} must be an int or three ints, got {value!r}.")
     triple = tuple(int(v) for v in items)
     if any(v < low or (high is not None and v > high) for v in triple):
         bound = f"[{low}, {high}]" if high is not None else f">= {low}"
-        raise ValueError(f"{name} must be {bound} per axis, got {value!r}.")
+        raise MlxLatticeError(f"{name} must be {bound} per axis, got {value!r}.")
     return triple  # type: ignore[return-value]
 
 
@@ -216,7 +217,7 @@ class KernelRelation:
             return self._sorted[0]
         n_out, n_kernels = int(self.n_out_capacity or 0), int(self.n_kernels or 0)
         if n_kernels > 32:
-            raise ValueError(
+            raise MlxLatticeError(
                 f"the sorted implicit-GEMM view supports at most 32 kernel offsets, got {n_kernels}."
             )
         out_in = np.full((n_out, n_kernels), -1, dtype=np.int32)
@@ -275,7 +276,7 @@ def build_kernel_relation(
     (5, [0, 0, 1, 1, 2], [13, 22, 4, 13, 13])
     """
     if kind not in _KINDS:
-        raise ValueError(f"kind must be one of {_KINDS}, got {kind!r}.")
+        raise MlxLatticeError(f"kind must be one of {_KINDS}, got {kind!r}.")
     size = normalize_triple(kernel_size, "kernel_size", high=7)
     strides = normalize_triple(stride, "stride")
     dil = normalize_triple(dilation, "dilation")

@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._native import ext
 
 __all__ = ["cached_per_value", "mapped_conv_weight"]
@@ -67,12 +68,12 @@ def mapped_conv_weight(weight: mx.array, *, cache: bool = True) -> mx.array:
     >>> mapped_conv_weight(mx.zeros((2, 3))).shape
     Traceback (most recent call last):
     ...
-    ValueError: weight must be (K, Cin, Cout) or (Cout, kx, ky, kz, Cin), got shape (2, 3).
+    mlx_lattice._errors.MlxLatticeError: weight must be (K, Cin, Cout) or (Cout, kx, ky, kz, Cin), got shape (2, 3).
     """
     if weight.ndim == 3:
         return weight
     if weight.ndim != 5:
-        raise ValueError(
+        raise MlxLatticeError(
             "weight must be (K, Cin, Cout) or (Cout, kx, ky, kz, Cin), got shape "
             f"{tuple(weight.shape)}."
         )

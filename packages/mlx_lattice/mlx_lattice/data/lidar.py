@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from mlx_lattice._errors import MlxLatticeError
+
 __all__ = ["CLASS_NAMES", "LidarScan", "SceneConfig", "synthetic_lidar_scan", "voxelize_points"]
 
 #: The semantic class of each label index.
@@ -192,7 +194,7 @@ def voxelize_points(points: np.ndarray, voxel_size: float, batch: int = 0) -> np
     [[0, 0, 0, 0], [0, 1, 0, 0]]
     """
     if voxel_size <= 0:
-        raise ValueError(f"voxel_size must be > 0, got {voxel_size}.")
+        raise MlxLatticeError(f"voxel_size must be > 0, got {voxel_size}.")
     cells = np.floor(np.asarray(points, dtype=np.float64) / voxel_size).astype(np.int64)
     cells = np.unique(cells, axis=0)
     out = np.concatenate([np.full((len(cells), 1), batch), cells], axis=1)

@@ -1,0 +1,341 @@
+"""Fuzz targets of mlx_lattice's public entry points (Hypothesis).
+
+These run in a child process (``test_fuzz_native.py``), so a crash of the
+native layer is a failing test that names its input. Every target accepts
+two outcomes: a valid result equal to an independent reference (brute
+force, NumPy), or an :class:`~mlx_lattice.MlxLatticeError`. Budget and
+replay: ``tools/fuzzing.py``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+from hypothesis import strategies as st
+
+from mlx_lattice import MlxLatticeError, SparseTensor
+from mlx_lattice.coords import intersection_coords, lookup_coords, union_coords
+from mlx_lattice.core import build_kernel_relation
+from mlx_lattice.geometry import knn_relation, quantize_points, radius_relation
+
+
+def _load(path: Path, name: str):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fuzz = _load(Path(__file__).parents[3] / "tools" / "fuzzing.py", "quantlattice_fuzzing").fuzz
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+# Small values, and values at the int32 limits (neighbours there overflow).
+coordinate_values = st.integers(-3, 3) | st.sampled_from(
+    [I32_MIN, I32_MIN + 1, I32_MAX - 1, I32_MAX]
+)
+coordinate_rows = st.lists(
+    st.tuples(st.integers(0, 1), coordinate_values, coordinate_values, coordinate_values),
+    max_size=10,
+)
+float_values = st.integers(-4, 4).map(float) | st.sampled_from(
+    [0.5, -0.25, 1e-3, 1e12, -1e12, 3e38, float("nan"), float("inf"), -float("inf")]
+)
+points = st.lists(st.tuples(float_values, float_values, float_values), max_size=10)
+DTYPES = [np.int32, np.int64, np.int16, np.float32, np.uint32, np.bool_]
+
+
+def _offsets(kernel_size: tuple[int, int, int], dilation: int) -> list[tuple[int, int, int]]:
+    """x-major kernel offsets, from the documented formula."""
+    return [
+        tuple((i[a] - (kernel_size[a] - 1) // 2) * dilation for a in range(3))
+        for i in itertools.product(*(range(k) for k in kernel_size))
+    ]
+
+
+def _edge_set(rel) -> set[tuple[int, int, int]]:
+    e = rel.edges
+    return set(
+        zip(e.in_rows.tolist(), e.out_rows.tolist(), e.kernel_ids.tolist(), strict=True)
+    )
+
+
+@fuzz(
+    150,
+    rows=coordinate_rows,
+    kernel_size=st.tuples(*[st.integers(0, 4)] * 3) | st.integers(-1, 8),
+    dilation=st.integers(0, 3),
+    dtype=st.sampled_from(DTYPES),
+)
+def test_submanifold_relation_matches_brute_force(rows, kernel_size, dilation, dtype):
+    """build_kernel_relation(kind='submanifold') on any coordinates (empty,
+    duplicate, at the int32 limits, any dtype), kernel size and dilation
+    returns exactly the brute-force edge set (int64 arithmetic: a neighbour
+    outside int32 does not exist), or raises MlxLatticeError."""
+    given = np.array(rows, dtype=np.int64).reshape(-1, 4).astype(dtype)
+    try:
+        rel = build_kernel_relation(given, kernel_size=kernel_size, dilation=dilation)
+    except MlxLatticeError:
+        return
+    coords = given.astype(np.int64)
+    assert len(np.unique(coords, axis=0)) == len(coords), "duplicates were accepted"
+    size = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+    expected = set()
+    for k, off in enumerate(_offsets(size, dilation)):
+        for i, j in itertools.product(range(len(coords)), repeat=2):
+            a, b = coords[i], coords[j]
+            if a[0] == b[0] and all(int(a[1 + d]) - int(b[1 + d]) == off[d] for d in range(3)):
+                expected.add((i, j, k))
+    assert _edge_set(rel) == expected
+
+
+def _brute_neighbours(q, qb, s, sb, limit_k=None, r=None):
+    out = []
+    for qi in range(len(q)):
+        cands = []
+        for si in range(len(s)):
+            if qb[qi] != sb[si]:
+                continue
+            d2 = float(np.sum((q[qi] - s[si]) ** 2))
+            if r is None or d2 <= r * r:
+                cands.append((d2, si))
+        cands.sort()
+        if limit_k is not None:
+            cands = cands[:limit_k]
+        out.append(cands)
+    return out
+
+
+def _relation_rows(rel, n_query):
+    e = rel.edges
+    got = [[] for _ in range(n_query)]
+    for i, o, k in zip(
+        e.in_rows.tolist(), e.out_rows.tolist(), e.kernel_ids.tolist(), strict=True
+    ):
+        got[o].append((k, i))
+    return [[i for _, i in sorted(g)] for g in got]
+
+
+@fuzz(
+    150,
+    query=points,
+    support=points,
+    k=st.integers(-1, 12),
+    qb=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+    sb=st.lists(st.integers(0, 2), min_size=10, max_size=10),
+)
+def test_knn_matches_brute_force(query, support, k, qb, sb):
+    """knn_relation on points with NaN/inf/huge values, duplicates, batches
+    in any order and k at its edges returns, per query, the brute-force k
+    nearest (float64 squared distance, then row) of its batch, or raises
+    MlxLatticeError (non-finite points, k < 1)."""
+    q = np.array(query, np.float64).reshape(-1, 3)
+    s = np.array(support, np.float64).reshape(-1, 3)
+    qbatch, sbatch = np.array(qb[: len(q)], np.int32), np.array(sb[: len(s)], np.int32)
+    try:
+        rel = knn_relation(q, s, k, query_batch=qbatch, support_batch=sbatch)
+    except MlxLatticeError:
+        return
+    assert k >= 1 and np.isfinite(q).all() and np.isfinite(s).all()
+    want = _brute_neighbours(q, qbatch, s, sbatch, limit_k=k)
+    got = _relation_rows(rel, len(q))
+    for row, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert g == [si for _, si in w], f"query row {row}"
+
+
+@fuzz(
+    150,
+    query=points,
+    support=points,
+    r=st.sampled_from([0.0, -1.0, float("nan"), float("inf"), 1e-9, 0.5, 1.0, 2.0, 1e30]),
+    max_neighbors=st.none() | st.integers(-1, 4),
+)
+def test_radius_matches_brute_force(query, support, r, max_neighbors):
+    """radius_relation returns, per query, the supports within r (inclusive,
+    float64), nearest first, at most max_neighbors, or raises MlxLatticeError
+    (r not positive and finite, non-finite points, max_neighbors < 1)."""
+    q = np.array(query, np.float64).reshape(-1, 3)
+    s = np.array(support, np.float64).reshape(-1, 3)
+    try:
+        rel = radius_relation(q, s, r, max_neighbors)
+    except MlxLatticeError:
+        return
+    assert np.isfinite(q).all() and np.isfinite(s).all() and 0 < r < float("inf")
+    zeros_q, zeros_s = np.zeros(len(q), np.int32), np.zeros(len(s), np.int32)
+    want = _brute_neighbours(q, zeros_q, s, zeros_s, limit_k=max_neighbors, r=r)
+    got = _relation_rows(rel, len(q))
+    for row, (w, g) in enumerate(zip(want, got, strict=True)):
+        assert g == [si for _, si in w], f"query row {row}"
+
+
+@fuzz(
+    150,
+    pts=points,
+    voxel_size=st.sampled_from([0.0, -1.0, float("nan"), 1e-30, 0.25, 1.0, 3.0])
+    | st.tuples(*[st.sampled_from([0.5, 1.0, 0.0])] * 3),
+)
+def test_quantize_points_matches_numpy(pts, voxel_size):
+    """quantize_points maps every point to the voxel floor(p / size) of NumPy
+    (float64), lists each voxel once with its point count, or raises
+    MlxLatticeError (non-finite points, size <= 0, voxels outside int32)."""
+    p = np.array(pts, np.float64).reshape(-1, 3)
+    try:
+        vox = quantize_points(p, voxel_size)
+    except MlxLatticeError:
+        return
+    size = np.broadcast_to(np.asarray(voxel_size, np.float64), (3,))
+    assert np.isfinite(p).all() and (size > 0).all()
+    idx = np.floor(p / size)
+    assert (np.abs(idx) <= 2**31).all()
+    coords = np.array(vox.coords)
+    p2v = np.array(vox.point_to_voxel)
+    assert len(np.unique(coords, axis=0)) == len(coords)
+    np.testing.assert_array_equal(coords[p2v][:, 1:], idx.astype(np.int64).reshape(-1, 3))
+    np.testing.assert_array_equal(np.array(vox.counts), np.bincount(p2v, minlength=len(coords)))
+
+
+@fuzz(150, a=coordinate_rows, b=coordinate_rows)
+def test_coordinate_joins_match_sets(a, b):
+    """union_coords / intersection_coords / lookup_coords agree with Python
+    sets (row indices into each input, -1 where absent), or raise
+    MlxLatticeError (duplicate rows)."""
+    ca = np.array(a, np.int32).reshape(-1, 4)
+    cb = np.array(b, np.int32).reshape(-1, 4)
+    try:
+        union = union_coords(ca, cb)
+        inter = intersection_coords(ca, cb)
+        found = lookup_coords(ca, cb)
+    except MlxLatticeError:
+        assert len(set(a)) < len(a) or len(set(b)) < len(b)
+        return
+    rows_a = {r: i for i, r in enumerate(a)}
+    rows_b = {r: i for i, r in enumerate(b)}
+    for join, keys in ((union, set(a) | set(b)), (inter, set(a) & set(b))):
+        got = [tuple(r) for r in np.array(join.coords).tolist()]
+        assert sorted(got) == got and set(got) == keys and len(got) == len(keys)
+        assert np.array(join.a_rows).tolist() == [rows_a.get(r, -1) for r in got]
+        assert np.array(join.b_rows).tolist() == [rows_b.get(r, -1) for r in got]
+    assert np.array(found).tolist() == [rows_a.get(r, -1) for r in b]
+
+
+@fuzz(
+    150,
+    n=st.integers(0, 5),
+    width=st.integers(0, 5),
+    channels=st.integers(0, 3),
+    coord_dtype=st.sampled_from(DTYPES),
+    feat_dtype=st.sampled_from(["float32", "float16", "bfloat16", "int32", "bool_"]),
+    feat_rows=st.integers(0, 6),
+    transpose=st.booleans(),
+)
+def test_sparse_tensor_constructor(n, width, channels, coord_dtype, feat_dtype, feat_rows,
+                                   transpose):
+    """SparseTensor(coords, feats) with any shapes, dtypes and (non-)
+    contiguous arrays holds exactly the given coordinates and features, or
+    raises MlxLatticeError."""
+    coords = (np.arange(n * width).reshape(n, width) % 3).astype(coord_dtype)
+    if transpose:
+        coords = np.ascontiguousarray(coords.T).T  # a Fortran-ordered view
+    feats = mx.arange(feat_rows * channels).reshape(feat_rows, channels).astype(
+        getattr(mx, feat_dtype)
+    )
+    try:
+        st_ = SparseTensor(coords, feats)
+    except MlxLatticeError:
+        return
+    assert width == 4 and feat_rows == n
+    np.testing.assert_array_equal(np.array(st_.coords), coords.astype(np.int64))
+    assert st_.feats.shape == feats.shape
+    assert mx.array_equal(st_.feats, feats).item()
+
+
+def _conv_ref(feats: np.ndarray, weight: np.ndarray, edges, n_out: int) -> np.ndarray:
+    """out[o] = sum over edges (i, o, k) of feats[i] @ weight[k], in float64."""
+    out = np.zeros((n_out, weight.shape[2]))
+    for i, o, k in edges:
+        out[o] += feats[i].astype(np.float64) @ weight[k].astype(np.float64)
+    return out
+
+
+def _pool_ref(feats: np.ndarray, edges, n_out: int, mode: str) -> np.ndarray:
+    out = np.zeros((n_out, feats.shape[1]))
+    groups: dict[int, list[int]] = {}
+    for i, o, _ in edges:
+        groups.setdefault(o, []).append(i)
+    for o, rows in groups.items():
+        vals = feats[rows].astype(np.float64)
+        out[o] = vals.max(0) if mode == "max" else vals.sum(0) / (len(rows) if mode == "avg" else 1)
+    return out
+
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
+
+
+@fuzz(
+    100,
+    rows=st.lists(st.tuples(st.just(0), *[st.integers(0, 3)] * 3), unique=True, max_size=8),
+    channels=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    dtype=st.sampled_from(["float32", "float16", "bfloat16", "int32"]),
+    weight_kernels=st.sampled_from([27, 26, 1]),
+    weight_cin_delta=st.sampled_from([0, 0, 1]),
+    feat_rows_delta=st.sampled_from([0, 0, 0, -1, 1]),
+    layout=st.sampled_from(["contiguous", "transposed", "strided"]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_conv_and_pool_match_brute_force(rows, channels, dtype, weight_kernels, weight_cin_delta,
+                                         feat_rows_delta, layout, data_seed):
+    """sparse_conv_features_from_relation and sparse_pool_features_from_relation
+    (max/avg/sum) on a 3x3x3 relation with any dtype, mismatched weight or
+    feature shapes, empty sets and channels, transposed or strided
+    (non-contiguous) feature arrays equal the float64 brute force over the relation's
+    edges within the dtype's rounding, or raise MlxLatticeError."""
+    from mlx_lattice.core import ops as core_ops
+
+    cin, cout = channels
+    coords = np.array(rows, np.int32).reshape(-1, 4)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    rng = np.random.default_rng(data_seed)
+    n = max(len(coords) + feat_rows_delta, 0)
+    f_np = rng.standard_normal((n, cin)).astype(np.float32)
+    w_np = rng.standard_normal((weight_kernels, cin + weight_cin_delta, cout)).astype(np.float32)
+    f = mx.array(f_np).astype(getattr(mx, dtype))
+    if layout == "transposed":
+        f = mx.array(np.ascontiguousarray(f_np.T)).astype(getattr(mx, dtype)).T
+    w = mx.array(w_np).astype(getattr(mx, dtype))
+    if layout == "strided":
+        wide = np.repeat(f_np, 2, axis=1)
+        f = mx.array(wide).astype(getattr(mx, dtype))[:, ::2]
+    edges = sorted(_edge_set(rel))
+    f_exact = np.array(f.astype(mx.float32))
+    w_exact = np.array(w.astype(mx.float32))
+    tol = TOLERANCE.get(dtype, 0.0)
+    try:
+        out = core_ops.sparse_conv_features_from_relation(f, w, rel)
+        mx.eval(out)
+    except MlxLatticeError:
+        out = None
+    if out is not None:
+        assert dtype in TOLERANCE and n == len(coords) and weight_kernels == 27
+        assert weight_cin_delta == 0 and out.dtype == f.dtype
+        ref = _conv_ref(f_exact, w_exact, edges, len(coords))
+        scale = _conv_ref(np.abs(f_exact), np.abs(w_exact), edges, len(coords))
+        got = np.array(out.astype(mx.float32))
+        assert got.shape == ref.shape
+        assert (np.abs(got - ref) <= tol * (scale + 1) * max(cin, 1) * 4).all()
+    for mode in ("max", "avg", "sum"):
+        try:
+            pooled = core_ops.sparse_pool_features_from_relation(
+                f, rel, input_exclusive=False, mode=mode
+            )
+            mx.eval(pooled)
+        except MlxLatticeError:
+            continue
+        assert dtype in TOLERANCE and n == len(coords)
+        ref = _pool_ref(f_exact, edges, len(coords), mode)
+        got = np.array(pooled.astype(mx.float32))
+        assert got.shape == ref.shape
+        bound = tol * (_pool_ref(np.abs(f_exact), edges, len(coords), "sum") + 1) * 2
+        assert (np.abs(got - ref) <= bound).all(), mode

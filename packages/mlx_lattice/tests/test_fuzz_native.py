@@ -1,0 +1,33 @@
+"""Runs each fuzz target of fuzz_mlx_lattice.py in a child process.
+
+A segfault or abort in the native layer fails the matching test here with
+the seed and the input that was running (``tools/fuzzing.py: run_child``)
+instead of killing the test runner.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+TARGETS = Path(__file__).with_name("fuzz_mlx_lattice.py")
+_spec = importlib.util.spec_from_file_location(
+    "quantlattice_fuzzing", Path(__file__).parents[3] / "tools" / "fuzzing.py"
+)
+fuzzing = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fuzzing)
+
+NAMES = sorted(
+    line.split("(")[0].removeprefix("def ")
+    for line in TARGETS.read_text().splitlines()
+    if line.startswith("def test_")
+)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_fuzz_target_in_child(name: str) -> None:
+    """The fuzz target ``name`` passes at the configured budget, and its
+    process neither crashes nor aborts."""
+    fuzzing.run_child(TARGETS, name)

@@ -16,7 +16,7 @@ load("//tools:version.bzl", "VERSION")
 # (the Bazel 4.2 lane on bookworm: 2_36). Bazel names outputs before it builds
 # them, so the level is declared here rather than read back;
 # //:wheel_audit_test fails when the symbols need a newer one.
-MANYLINUX_GLIBC_MINOR = 39
+MANYLINUX_GLIBC_MINOR = 35
 
 def native_tag(tag = NATIVE_TAG, glibc_minor = MANYLINUX_GLIBC_MINOR):
     """A native wheel tag with its manylinux level capped.

@@ -10,6 +10,11 @@ the wheel references (its ELF version needs: GLIBC_*, GLIBCXX_*, CXXABI_*,
 GCC_*) is checked against the symbol versions auditwheel's own policy file
 (`manylinux-policy.json`) allows for the tag the wheel carries; the check is
 first run on synthetic version lists, which it must accept and refuse.
+And no symbol may be taken unversioned from a system library that exports
+it versioned on the test's machine: a reference the library linked against
+did not define (say __cxa_call_terminate, CXXABI_1.3.15, which GCC 14 and
+newer emit, against GCC 12's libstdc++) keeps no version, escapes both
+checks above, and fails to load where the library is that old.
 
     wheel_audit_test.py WHEEL...
 """
@@ -25,7 +30,8 @@ import zipfile
 from importlib import resources
 
 from elftools.elf.elffile import ELFFile
-from elftools.elf.gnuversions import GNUVerNeedSection
+from elftools.elf.gnuversions import GNUVerNeedSection, GNUVerSymSection
+from elftools.elf.sections import SymbolTableSection
 
 ALLOWED_EXTERNAL = {"libmlx.so"}
 # The version namespaces of the system libraries a manylinux policy covers
@@ -51,6 +57,15 @@ def policy_symbol_versions(tag: str, arch: str) -> dict[str, set[str]]:
     raise ValueError(f"auditwheel's manylinux policy has no {tag!r}")
 
 
+def policy_libraries(tag: str) -> set[str]:
+    """The system libraries auditwheel's policy for `tag` lets a wheel use."""
+    text = resources.files("auditwheel.policy").joinpath("manylinux-policy.json").read_text()
+    for policy in json.loads(text):
+        if tag == policy["name"] or tag in policy["aliases"]:
+            return set(policy["lib_whitelist"])
+    raise ValueError(f"auditwheel's manylinux policy has no {tag!r}")
+
+
 def disallowed_versions(referenced: set[str], allowed: dict[str, set[str]]) -> list[str]:
     """The versions in `referenced` ("GLIBC_2.38", ...) of a checked namespace
     that `allowed` (policy_symbol_versions) does not list, sorted."""
@@ -72,6 +87,73 @@ def referenced_versions(elf_bytes: bytes) -> set[str]:
     return found
 
 
+# Where the test's machine keeps the system libraries (x86_64 Debian and others).
+LIBRARY_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64")
+
+
+def dynamic_symbols(elf: ELFFile) -> list[tuple[str, bool, bool, str | None]]:
+    """(name, undefined, weak, version or None) of each dynamic symbol."""
+    dynsym = elf.get_section_by_name(".dynsym")
+    if not isinstance(dynsym, SymbolTableSection):
+        return []
+    versym = next((s for s in elf.iter_sections() if isinstance(s, GNUVerSymSection)), None)
+    names = {}
+    for section in elf.iter_sections():
+        if isinstance(section, GNUVerNeedSection):
+            for _needed, auxiliaries in section.iter_versions():
+                names.update({aux["vna_other"]: aux.name for aux in auxiliaries})
+    symbols = []
+    for index, symbol in enumerate(dynsym.iter_symbols()):
+        if not symbol.name:
+            continue
+        version = None
+        if versym is not None:
+            ndx = versym.get_symbol(index)["ndx"]
+            version = names.get(ndx) if isinstance(ndx, int) else None
+        undefined = symbol["st_shndx"] == "SHN_UNDEF"
+        symbols.append((symbol.name, undefined, symbol["st_info"]["bind"] == "STB_WEAK", version))
+    return symbols
+
+
+def exported_versioned(path: str) -> set[str]:
+    """The names a system library exports with a symbol version."""
+    with open(path, "rb") as stream:
+        elf = ELFFile(stream)
+        dynsym = elf.get_section_by_name(".dynsym")
+        versym = next((s for s in elf.iter_sections() if isinstance(s, GNUVerSymSection)), None)
+        if not isinstance(dynsym, SymbolTableSection) or versym is None:
+            return set()
+        return {
+            symbol.name
+            for index, symbol in enumerate(dynsym.iter_symbols())
+            if symbol.name
+            and symbol["st_shndx"] != "SHN_UNDEF"
+            and versym.get_symbol(index)["ndx"] not in ("VER_NDX_LOCAL", "VER_NDX_GLOBAL", 0, 1)
+        }
+
+
+def unversioned_from_system(unversioned: set[str], system: dict[str, set[str]]) -> list[str]:
+    """The names in `unversioned` (strong undefined references without a
+    version) that a system library exports versioned, as "name (library)"."""
+    return sorted(f"{name} ({library})" for library, names in system.items() for name in unversioned & names)
+
+
+def system_libraries(needed: list[str], whitelist: set[str]) -> dict[str, set[str]]:
+    """library -> versioned exports, for the policy's libraries in `needed`
+    found on this machine."""
+    found = {}
+    for library in needed:
+        if library in whitelist:
+            for directory in LIBRARY_DIRS:
+                path = f"{directory}/{library}"
+                try:
+                    found[library] = exported_versioned(path)
+                    break
+                except FileNotFoundError:
+                    continue
+    return found
+
+
 def check_symbol_versions(wheel: str, platform: str) -> list[str]:
     """Each shared library of `wheel` against the policy of its tag `platform`."""
     found = re.fullmatch(r"(manylinux_2_\d+)_(\w+)", platform)
@@ -84,7 +166,19 @@ def check_symbol_versions(wheel: str, platform: str) -> list[str]:
         if not libraries:
             problems.append(f"{wheel}: a native wheel without a shared library")
         for name in libraries:
-            referenced = referenced_versions(archive.read(name))
+            data = archive.read(name)
+            elf = ELFFile(io.BytesIO(data))
+            needed = [tag.needed for tag in elf.get_section_by_name(".dynamic").iter_tags() if tag.entry.d_tag == "DT_NEEDED"]
+            system = system_libraries(needed, policy_libraries(found.group(1)))
+            unversioned = {n for n, undefined, weak, v in dynamic_symbols(elf) if undefined and not weak and v is None}
+            print(f"{wheel}: {name}: {len(unversioned)} unversioned references checked against {sorted(system)}")
+            escaped = unversioned_from_system(unversioned, system)
+            if escaped:
+                problems.append(
+                    f"{wheel}: {name} takes {escaped} without a symbol version: the libraries it was "
+                    "linked against lack them, older systems of its tag will not load it"
+                )
+            referenced = referenced_versions(data)
             checked = sorted(v for v in referenced if v.partition("_")[0] in CHECKED_PREFIXES)
             print(f"{wheel}: {name} references {', '.join(checked)}")
             bad = disallowed_versions(referenced, allowed)
@@ -110,6 +204,10 @@ def self_check() -> list[str]:
         got = disallowed_versions(referenced, policy_symbol_versions(tag, "x86_64"))
         if got != sorted(expected):
             problems.append(f"self-check: {sorted(referenced)} at {tag}: refused {got}, expected {sorted(expected)}")
+    system = {"libstdc++.so.6": {"__cxa_call_terminate", "_Znwm"}, "libc.so.6": {"strtol"}}
+    escaped = unversioned_from_system({"__cxa_call_terminate", "PyList_New", "_ZN3mlx4core4evalEv"}, system)
+    if escaped != ["__cxa_call_terminate (libstdc++.so.6)"]:
+        problems.append(f"self-check: unversioned references: {escaped}, expected __cxa_call_terminate")
     if glibc_minor("manylinux_2_39_x86_64") != 39:
         problems.append("self-check: glibc_minor('manylinux_2_39_x86_64') is not 39")
     return problems

@@ -6,9 +6,15 @@ directories and declares a Linux x86_64 `cc_toolchain` with C++20 and the
 flags of tools/cc_flags.bzl. The runtime ABI is libstdc++'s C++11 ABI, the
 one `libmlx.so` in the mlx wheel is built with (checked by the extension
 loading and running in the tests).
+
+It compiles and links against the bookworm sysroot of tools/cc_flags.bzl
+(`--sysroot`): bookworm's glibc headers and libraries, and GCC 12's libstdc++
+headers (`-nostdinc++` drops GCC 16's) and libraries (`-L` its directory
+comes before the compiler's own), so the extension references no symbol
+version a manylinux_2_35 system lacks; //:wheel_audit_test checks that.
 """
 
-load("//tools:cc_flags.bzl", "CXX_STANDARD", "GCC_MAJOR", "GCC_PACKAGE")
+load("//tools:cc_flags.bzl", "CXX_STANDARD", "GCC_MAJOR", "GCC_PACKAGE", "SYSROOT", "SYSROOT_GCC_MAJOR")
 
 _BUILD = """\
 load("@bazel_tools//tools/cpp:unix_cc_toolchain_config.bzl", "cc_toolchain_config")
@@ -34,13 +40,14 @@ cc_toolchain_config(
     dbg_compile_flags = ["-g"],
     conly_flags = [],
     cxx_flags = {cxx_flags},
-    link_flags = ["-fuse-ld=bfd", "-Wl,-no-as-needed", "-Wl,-z,relro,-z,now", "-pass-exit-codes"],
+    link_flags = {sysroot_link_flags} + ["-fuse-ld=bfd", "-Wl,-no-as-needed", "-Wl,-z,relro,-z,now", "-pass-exit-codes"],
     link_libs = ["-Wl,--push-state,-as-needed", "-lstdc++", "-Wl,--pop-state", "-Wl,--push-state,-as-needed", "-lm", "-Wl,--pop-state"],
     opt_link_flags = ["-Wl,--gc-sections"],
     unfiltered_compile_flags = ["-fno-canonical-system-headers"],
     coverage_compile_flags = ["--coverage"],
     coverage_link_flags = ["--coverage"],
     supports_start_end_lib = False,
+    builtin_sysroot = {sysroot},
 )
 
 cc_toolchain(
@@ -89,7 +96,17 @@ def _cc_impl(rctx):
     if version.split(".")[0] != GCC_MAJOR:
         fail("quantlattice_cc: %s is version %s; the toolchain expects GCC %s (Debian package %s)." %
              (gxx, version, GCC_MAJOR, GCC_PACKAGE))
-    probe = rctx.execute([gxx, "-E", "-xc++", "-v", "/dev/null"] + CXX_STANDARD)
+    sysroot = rctx.path(SYSROOT)
+    if not sysroot.get_child(".complete").exists:
+        fail("quantlattice_cc: the sysroot %s is missing; ./bazelw's modern lane extracts it (bookworm's libc6-dev, libstdc++-%s-dev)." %
+             (SYSROOT, SYSROOT_GCC_MAJOR))
+    cxx_std_headers = ["-nostdinc++"]
+    for d in ["c++/{v}", "x86_64-linux-gnu/c++/{v}", "c++/{v}/backward"]:
+        cxx_std_headers += ["-isystem", "%s/usr/include/%s" % (SYSROOT, d.format(v = SYSROOT_GCC_MAJOR))]
+    cxx_flags = CXX_STANDARD + cxx_std_headers
+    probe = rctx.execute([gxx, "-E", "-xc++", "-v", "/dev/null", "--sysroot=" + SYSROOT] + cxx_flags)
+    if probe.return_code != 0:
+        fail("quantlattice_cc: %s cannot preprocess against the sysroot %s:\n%s" % (gxx, SYSROOT, probe.stderr))
     includes, inside = [], False
     for line in probe.stderr.splitlines():
         if line.startswith("#include <...> search starts here:"):
@@ -114,7 +131,10 @@ def _cc_impl(rctx):
         major = GCC_MAJOR,
         includes = repr(includes),
         tools = repr(tools),
-        cxx_flags = repr(CXX_STANDARD),
+        cxx_flags = repr(cxx_flags),
+        sysroot = repr(SYSROOT),
+        # GCC 12's libstdc++.so and libgcc_s.so before GCC 16's own.
+        sysroot_link_flags = repr(["-L%s/usr/lib/gcc/x86_64-linux-gnu/%s" % (SYSROOT, SYSROOT_GCC_MAJOR)]),
     ))
 
 quantlattice_cc = repository_rule(

@@ -1,11 +1,10 @@
 """Compare two sets of wheels (e.g. the modern and the Bazel 4.2 lane's //:wheels).
 
-Wheels match when their names, member lists and .dist-info METADATA and
-WHEEL files are equal, up to the manylinux platform tag (tools/wheel.bzl
-tags manylinux_2_39, or the glibc of the build where that is older: the Bazel
-4.2 lane on bookworm tags 2_36); compiled members may
-differ in bytes (different compilers), everything else must be
-byte-identical. Exits 1 on a difference.
+Wheels match when their names (platform tag included: both lanes tag the
+manylinux level of tools/wheel.bzl, manylinux_2_35), member lists and
+.dist-info METADATA and WHEEL files are equal; compiled members may differ in
+bytes (different compilers), everything else must be byte-identical. Exits 1
+on a difference.
 
     python3 tools/compare_wheels.py DIR_A DIR_B
 """
@@ -13,15 +12,8 @@ byte-identical. Exits 1 on a difference.
 from __future__ import annotations
 
 import pathlib
-import re
 import sys
 import zipfile
-
-_MANYLINUX = re.compile(rb"manylinux_2_\d+_")
-
-
-def _untagged(name: str) -> str:
-    return _MANYLINUX.sub(b"manylinux_2_N_", name.encode()).decode()
 
 
 def describe(wheel: pathlib.Path) -> dict[str, bytes | None]:
@@ -29,15 +21,15 @@ def describe(wheel: pathlib.Path) -> dict[str, bytes | None]:
     with zipfile.ZipFile(wheel) as archive:
         return {
             name: None if name.endswith((".so", ".dylib", ".pyd", "/RECORD"))
-            else _MANYLINUX.sub(b"manylinux_2_N_", archive.read(name))
+            else archive.read(name)
             for name in sorted(archive.namelist())
         }  # fmt: skip
 
 
 def compare(a: pathlib.Path, b: pathlib.Path) -> list[str]:
     problems = []
-    wheels_a = {_untagged(w.name): w for w in sorted(a.glob("*.whl"))}
-    wheels_b = {_untagged(w.name): w for w in sorted(b.glob("*.whl"))}
+    wheels_a = {w.name: w for w in sorted(a.glob("*.whl"))}
+    wheels_b = {w.name: w for w in sorted(b.glob("*.whl"))}
     if not wheels_a:
         problems.append(f"no wheels in {a}")
     if wheels_a.keys() != wheels_b.keys():

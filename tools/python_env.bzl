@@ -44,8 +44,8 @@ toolchain(
 
 cc_library(
     name = "python_headers",
-    hdrs = glob(["python_include/**/*.h"]),
-    includes = ["python_include"],
+    hdrs = glob(["python_include/**/*.h", "python_multiarch_include/**/*.h"]),
+    includes = ["python_include", "python_multiarch_include"],
 )
 
 cc_import(
@@ -161,6 +161,17 @@ def _python_env_impl(rctx):
     # Bazel 4 labels cannot contain spaces; no installed code needs such files.
     _run(rctx, ["find", "venv", "-name", "* *", "-prune", "-exec", "rm", "-rf", "{}", "+"], "pruning")
     rctx.symlink(include, "python_include")
+
+    # Debian's pyconfig.h includes <x86_64-linux-gnu/python3.X/pyconfig.h>,
+    # found in /usr/include, which a --sysroot build (tools/cc_toolchain.bzl)
+    # does not search: that one folder is linked beside the headers.
+    inc = rctx.path(include)
+    multiarch = _run(rctx, [python, "-c", "import sysconfig; print(sysconfig.get_config_var('MULTIARCH') or '')"], "probing MULTIARCH").stdout.strip()
+    arch_include = rctx.path("%s/%s/%s" % (inc.dirname, multiarch, inc.basename))
+    if multiarch and arch_include.exists:
+        rctx.symlink(arch_include, "python_multiarch_include/%s/%s" % (multiarch, inc.basename))
+    else:
+        rctx.file("python_multiarch_include/README", "The interpreter's pyconfig.h needs no multiarch folder.\n")
     site = _SITE.format(version = version)
     rctx.symlink(site, "site")
     rctx.symlink(venv_python, "venv_python")

@@ -13,8 +13,8 @@
 #   jax env: jax, jaxlib and flax at their minimums, qwix at the lock's pin;
 #            quantrules and taktiny_ops tests.
 #
-# WHEEL_DIR holds //:wheels of a lane whose extension runs on the host (the
-# Bazel 4.2 lane's on bookworm; the modern lane's needs glibc 2.38). Needs
+# WHEEL_DIR holds //:wheels of either lane (both are manylinux_2_35: their
+# extension runs on a glibc 2.35 host or newer, bookworm's among them). Needs
 # PyPI. Each test prints its closing pytest line; exits non-zero on a failure.
 set -euo pipefail
 cd "$(dirname "$0")/.."

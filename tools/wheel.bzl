@@ -11,13 +11,15 @@ siblings in `sibling_requires` are pinned to this repository's own version.
 load("@py_env//:tags.bzl", "NATIVE_TAG")
 load("//tools:version.bzl", "VERSION")
 
-# The glibc level of native Linux wheels: manylinux_2_39, the policy auditwheel
-# reports as the minimum for the extension as the modern lane builds it (GCC 16
-# on forky's glibc 2.43 headers), or the build's own glibc where that is older
-# (the Bazel 4.2 lane on bookworm: 2_36). Bazel names outputs before it builds
+# The glibc level of native Linux wheels: manylinux_2_35, MLX's own (mlx's
+# Linux wheels are manylinux_2_35) and the policy auditwheel reports for the
+# extension from both lanes: the modern lane's g++-16 compiles and links
+# against a bookworm sysroot (tools/cc_toolchain.bzl), the Bazel 4.2 lane
+# builds with bookworm's own GCC 12, and neither references a symbol version
+# newer than GLIBC_2.35 / GLIBCXX_3.4.30. Bazel names outputs before it builds
 # them, so the level is declared here rather than read back;
 # //:wheel_audit_test fails when the symbols need a newer one.
-MANYLINUX_GLIBC_MINOR = 39
+MANYLINUX_GLIBC_MINOR = 35
 
 def native_tag(tag = NATIVE_TAG, glibc_minor = MANYLINUX_GLIBC_MINOR):
     """A native wheel tag with its manylinux level capped.
@@ -36,7 +38,7 @@ def native_tag(tag = NATIVE_TAG, glibc_minor = MANYLINUX_GLIBC_MINOR):
     return "-".join([python, abi, platform])
 
 def _dist_impl(ctx, sdist):
-    # cpXY-cpXY-manylinux_2_39_x86_64 on Linux, the interpreter's platform elsewhere.
+    # cpXY-cpXY-manylinux_2_35_x86_64 on Linux, the interpreter's platform elsewhere.
     tag = native_tag() if ctx.attr.platform_specific else "py3-none-any"
     if sdist:
         out = ctx.actions.declare_file("%s-%s.tar.gz" % (ctx.attr.distribution, VERSION))

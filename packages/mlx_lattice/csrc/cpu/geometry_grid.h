@@ -76,12 +76,15 @@ inline double dist2(const double* q, const double* s) {
 
 // A candidate, ordered by (squared distance, row). Distances are >= +0 (and
 // never NaN: points are finite), so their bit patterns order as the values
-// do: integer comparisons, without the branches of floating ones.
+// do: integer comparisons, without the branches of floating ones. The
+// builtin rather than std::bit_cast: GCC 12's <bit> (the libstdc++ of the
+// wheel's bookworm sysroot, tools/cc_flags.bzl) spells its constraint with a
+// trait newer GCCs refuse to mangle.
 struct Cand {
   double d2;
   int32_t row;
   bool operator<(const Cand& o) const {
-    const auto a = std::bit_cast<uint64_t>(d2), b = std::bit_cast<uint64_t>(o.d2);
+    const auto a = __builtin_bit_cast(uint64_t, d2), b = __builtin_bit_cast(uint64_t, o.d2);
     return a < b || (a == b && row < o.row);
   }
 };

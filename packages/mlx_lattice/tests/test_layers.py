@@ -443,3 +443,21 @@ def test_dense_linear_matches_numpy_and_matmul_gradients(seeded):
     assert fused.dense_linear(x[:0], w, b).shape == (0, 16)
     with pytest.raises(ValueError, match=r"weight \(Cout, Cin\)"):
         fused.dense_linear(x, w.T)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(3, 1), (0, 1), (2, 3)])
+def test_batch_norm_rejects_another_channel_count(training, shape):
+    """Regression (fuzz): a BatchNorm(2) broadcast its statistics over
+    1-channel features ((N, 1) -> (N, 2)) instead of raising."""
+    from mlx_lattice import MlxLatticeError
+
+    norm = nn.BatchNorm(2)
+    norm.train(training)
+    n = shape[0]
+    coords = np.stack([np.zeros(n), np.arange(n), np.zeros(n), np.zeros(n)], 1).astype(np.int32)
+    x = SparseTensor(coords, mx.ones(shape))
+    with pytest.raises(MlxLatticeError, match=r"BatchNorm weight has shape \(2,\), the features"):
+        norm(x)
+    with pytest.raises(MlxLatticeError, match="BatchNorm weight"):
+        norm.relu(x)

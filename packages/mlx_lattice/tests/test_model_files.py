@@ -117,7 +117,7 @@ def test_model_file_error_is_in_the_error_family(tmp_path):
     the package's MlxLatticeError family."""
     assert issubclass(ModelFileError, mlx_lattice.MlxLatticeError)
     (tmp_path / "empty.safetensors").write_bytes(b"")
-    with pytest.raises(mlx_lattice.MlxLatticeError, match="empty.safetensors: not a readable"):
+    with pytest.raises(mlx_lattice.MlxLatticeError, match=r"empty\.safetensors: not a readable"):
         load_model(tmp_path / "empty.safetensors")
 
 

@@ -461,3 +461,19 @@ def test_batch_norm_rejects_another_channel_count(training, shape):
         norm(x)
     with pytest.raises(MlxLatticeError, match="BatchNorm weight"):
         norm.relu(x)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("rows", [0, 1])
+def test_batch_norm_training_on_fewer_than_two_rows(affine, rows):
+    """Regression (fuzz): training on one row raised mlx.nn's plain
+    ValueError instead of the package's error."""
+    from mlx_lattice import MlxLatticeError
+
+    norm = nn.BatchNorm(2, affine=affine)
+    coords = np.zeros((rows, 4), np.int32)
+    x = SparseTensor(coords, mx.ones((rows, 2)))
+    with pytest.raises(MlxLatticeError, match=f"at least two rows .* got {rows}"):
+        norm(x)
+    norm.eval()  # running statistics: any row count
+    assert norm(x).feats.shape == (rows, 2)

@@ -659,7 +659,22 @@ def batch_norm_features(norm: mlx_nn.BatchNorm, f: mx.array, *, relu: bool = Fal
 
     >>> batch_norm_features(mlx_nn.BatchNorm(1), mx.array([[1.0], [3.0]]), relu=True).round(4).tolist()
     [[0.0], [1.0]]
+
+    A norm built for another channel count raises :class:`MlxLatticeError`
+    (instead of broadcasting its statistics over the features), and so does
+    training on fewer than two rows (no batch statistics).
     """
+    channels = int(f.shape[-1]) if f.ndim else 0
+    for name in ("weight", "bias", "running_mean", "running_var"):
+        if name in norm and tuple(norm[name].shape) != (channels,):
+            raise MlxLatticeError(
+                f"BatchNorm {name} has shape {tuple(norm[name].shape)}, the features have "
+                f"{channels} channels (shape {tuple(f.shape)})."
+            )
+    if norm.training and f.ndim == 2 and int(f.shape[0]) < 2:
+        raise MlxLatticeError(
+            f"BatchNorm training needs at least two rows (points) per channel, got {f.shape[0]}."
+        )
     if (
         norm.training
         and f.dtype in (mx.float32, mx.float16, mx.bfloat16)

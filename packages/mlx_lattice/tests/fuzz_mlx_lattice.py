@@ -15,12 +15,20 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from hypothesis import event
 from hypothesis import strategies as st
 
 from mlx_lattice import MlxLatticeError, SparseTensor
 from mlx_lattice.coords import intersection_coords, lookup_coords, union_coords
 from mlx_lattice.core import build_kernel_relation
-from mlx_lattice.geometry import knn_relation, quantize_points, radius_relation
+from mlx_lattice.geometry import (
+    devoxelize,
+    knn_relation,
+    point_voxel_map,
+    quantize_points,
+    radius_relation,
+    voxelize,
+)
 
 
 def _load(path: Path, name: str):
@@ -31,6 +39,7 @@ def _load(path: Path, name: str):
 
 
 fuzz = _load(Path(__file__).parents[3] / "tools" / "fuzzing.py", "quantlattice_fuzzing").fuzz
+geometry_refs = _load(Path(__file__).with_name("geometry_refs.py"), "geometry_refs")
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 # Small values, and values at the int32 limits (neighbours there overflow).
@@ -339,3 +348,364 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, weight_kernels, 
         assert got.shape == ref.shape
         bound = tol * (_pool_ref(np.abs(f_exact), edges, len(coords), "sum") + 1) * 2
         assert (np.abs(got - ref) <= bound).all(), mode
+
+
+FLOAT_DTYPES = ["float32", "float16", "bfloat16"]
+POINT_DTYPES = [np.float64, np.float32, np.float16, np.float64, np.int32]
+# Mostly finite points (so most examples reach the reference), sometimes the
+# NaN/inf/huge values of ``points``.
+finite_points = st.lists(
+    st.tuples(*[st.integers(-4, 4).map(float) | st.sampled_from([0.5, -0.25, 1e-3, 2.75])] * 3),
+    max_size=10,
+)
+any_points = finite_points | finite_points | points
+batches = st.lists(st.integers(0, 3), min_size=10, max_size=10) | st.lists(
+    st.integers(-1, 3), min_size=10, max_size=10
+)
+
+
+def _reduce_ref(f: np.ndarray, p2v: np.ndarray, n_voxels: int, mode: str) -> np.ndarray:
+    """Per-voxel sum/mean/max/first of the point rows, in float64."""
+    out = np.zeros((n_voxels, f.shape[1]))
+    for v in range(n_voxels):
+        rows = np.flatnonzero(p2v == v)
+        vals = f[rows].astype(np.float64)
+        if mode == "sum":
+            out[v] = vals.sum(0)
+        elif mode == "mean":
+            out[v] = vals.mean(0)
+        elif mode == "max":
+            out[v] = vals.max(0)
+        else:
+            out[v] = vals[0]
+    return out
+
+
+@fuzz(
+    300,
+    pts=any_points,
+    point_dtype=st.sampled_from(POINT_DTYPES),
+    voxel_size=st.sampled_from([0.25, 1.0, 3.0, 0.5])
+    | st.sampled_from([0.0, -1.0, float("nan"), 1e-30])
+    | st.tuples(*[st.sampled_from([0.5, 1.0, 2.0, 0.0])] * 3),
+    batch=batches,
+    channels=st.integers(0, 3),
+    feat_dtype=st.sampled_from([*FLOAT_DTYPES, "int32"]),
+    feat_rows_delta=st.sampled_from([0, 0, 0, 1, -1]),
+    reduce=st.sampled_from(["sum", "mean", "max", "first", "median"]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_voxelize_matches_numpy(pts, point_dtype, voxel_size, batch, channels, feat_dtype,
+                                feat_rows_delta, reduce, data_seed):
+    """quantize_points + voxelize on points with NaN/inf/huge values,
+    duplicates, batches in any order (or negative), every point dtype and
+    every feature dtype: per voxel the float64 NumPy sum, mean, max or first
+    point row (the voxel of each point being floor(p / size) in float64) in
+    the features' dtype within its rounding, or MlxLatticeError (non-finite
+    points, size <= 0, negative batch, voxels outside int32, integer points
+    or features, a feature row count other than P, an unknown reduce)."""
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/huge values in a narrow dtype
+        p = np.array(pts, np.float64).reshape(-1, 3).astype(point_dtype)
+    b = np.array(batch[: len(p)], np.int64)
+    try:
+        vox = quantize_points(p, voxel_size, batch=b)
+    except MlxLatticeError:
+        event("quantize_points: error")
+        vox = None
+    p64 = p.astype(np.float64)
+    size = np.broadcast_to(np.asarray(voxel_size, np.float64), (3,))
+    if vox is None:
+        return
+    assert np.issubdtype(p.dtype, np.floating) and np.isfinite(p64).all()
+    assert (size > 0).all() and (b >= 0).all()
+    idx = np.floor(p64 / size)
+    assert (np.abs(idx) <= 2**31).all()
+    coords = np.array(vox.coords).astype(np.int64)
+    p2v = np.array(vox.point_to_voxel)
+    want = np.concatenate([b[:, None], idx.astype(np.int64)], axis=1).reshape(-1, 4)
+    np.testing.assert_array_equal(coords[p2v], want)
+    assert sorted(map(tuple, coords.tolist())) == list(map(tuple, coords.tolist()))
+    rng = np.random.default_rng(data_seed)
+    n = max(len(p) + feat_rows_delta, 0)
+    f = mx.array(rng.standard_normal((n, channels)).astype(np.float32)).astype(
+        getattr(mx, feat_dtype)
+    )
+    try:
+        out = voxelize(f, vox, reduce)
+        mx.eval(out)
+    except MlxLatticeError:
+        event("voxelize: error")
+        return
+    event(f"voxelize: checked {reduce}")
+    assert feat_dtype in FLOAT_DTYPES and n == len(p) and reduce != "median"
+    assert out.dtype == f.dtype
+    f_exact = np.array(f.astype(mx.float32)).astype(np.float64)
+    ref = _reduce_ref(f_exact, p2v, len(coords), reduce)
+    scale = _reduce_ref(np.abs(f_exact), p2v, len(coords), "sum" if reduce == "sum" else "max")
+    got = np.array(out.astype(mx.float32))
+    assert got.shape == ref.shape
+    # float32 accumulation of <= 10 rows, then one rounding to the dtype.
+    tol = TOLERANCE[feat_dtype]
+    assert (np.abs(got - ref) <= tol * scale).all(), reduce
+
+
+@fuzz(
+    300,
+    pts=any_points,
+    point_dtype=st.sampled_from(POINT_DTYPES),
+    vox_rows=st.lists(
+        st.tuples(st.integers(0, 1), *[st.integers(-2, 2)] * 3), max_size=16, unique=True
+    )
+    | st.lists(st.tuples(st.integers(0, 1), *[st.integers(-1, 1)] * 3), max_size=6),
+    voxel_size=st.sampled_from([0.25, 1.0, 2.0, 0.5])
+    | st.sampled_from([0.0, -1.0, float("inf"), 1e-30])
+    | st.tuples(*[st.sampled_from([0.5, 1.0, 2.0])] * 3),
+    origin=st.none()
+    | st.tuples(*[st.sampled_from([0.0, -0.5, 0.3])] * 3)
+    | st.tuples(*[st.sampled_from([0.0, float("nan")])] * 3),
+    batch=st.lists(st.integers(0, 1), min_size=10, max_size=10)
+    | st.lists(st.integers(-1, 1), min_size=10, max_size=10),
+    channels=st.integers(0, 3),
+    feat_dtype=st.sampled_from([*FLOAT_DTYPES, "int32"]),
+    out_dtype=st.sampled_from([None, None, *FLOAT_DTYPES, "int32"]),
+    feat_rows_delta=st.sampled_from([0, 0, 0, 1, -1]),
+    interpolation=st.sampled_from(["linear", "nearest", "cubic"]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_point_voxel_map_and_devoxelize_match_numpy(
+    pts, point_dtype, vox_rows, voxel_size, origin, batch, channels, feat_dtype, out_dtype,
+    feat_rows_delta, interpolation, data_seed,
+):
+    """point_voxel_map on points with NaN/inf/huge values, duplicate or
+    out-of-order voxel coordinates and batches: the rows, trilinear weights
+    (renormalised over present voxels) and nearest voxel of the documented
+    float64 formulas; devoxelize (linear, nearest) in every float dtype: the
+    float64 interpolation within the output dtype's rounding. Otherwise
+    MlxLatticeError (non-finite points, bad size or origin, negative batch,
+    duplicate coordinates, integer features, wrong row count, unknown
+    interpolation or dtype)."""
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/huge values in a narrow dtype
+        p = np.array(pts, np.float64).reshape(-1, 3).astype(point_dtype)
+    coords = np.array(vox_rows, np.int32).reshape(-1, 4)
+    b = np.array(batch[: len(p)], np.int64)
+    try:
+        pvm = point_voxel_map(p, coords, voxel_size, origin=origin, batch=b)
+    except MlxLatticeError:
+        event("point_voxel_map: error")
+        return
+    event("point_voxel_map: checked")
+    p64 = p.astype(np.float64)
+    size = np.broadcast_to(np.asarray(voxel_size, np.float64), (3,))
+    assert np.issubdtype(p.dtype, np.floating) and np.isfinite(p64).all()
+    assert (size > 0).all() and np.isfinite(size).all() and (b >= 0).all()
+    assert origin is None or np.isfinite(origin).all()
+    assert len(set(vox_rows)) == len(vox_rows), "duplicate coordinates were accepted"
+    rows, weights, nearest = geometry_refs.pvm_ref(p64, coords, size, origin, b)
+    got_rows = np.array(pvm.rows)
+    np.testing.assert_array_equal(got_rows, rows)
+    got_w = np.array(pvm.weights)
+    np.testing.assert_allclose(got_w, weights, atol=1e-6)
+    got_near = np.array(pvm.nearest)
+    for i in np.flatnonzero(got_near != nearest):
+        # Only a tie of weights (within float32 rounding) may pick another corner.
+        w_got = weights[i][rows[i] == got_near[i]]
+        w_ref = weights[i][rows[i] == nearest[i]]
+        assert len(w_got) and len(w_ref) and abs(w_got.max() - w_ref.max()) <= 1e-6, f"nearest of point {i}"
+    rng = np.random.default_rng(data_seed)
+    n = max(len(coords) + feat_rows_delta, 0)
+    vf = mx.array(rng.standard_normal((n, channels)).astype(np.float32)).astype(
+        getattr(mx, feat_dtype)
+    )
+    dtype = None if out_dtype is None else getattr(mx, out_dtype)
+    try:
+        out = devoxelize(vf, pvm, interpolation, dtype=dtype)
+        mx.eval(out)
+    except MlxLatticeError:
+        event("devoxelize: error")
+        return
+    event(f"devoxelize: checked {interpolation}")
+    assert feat_dtype in FLOAT_DTYPES and n == len(coords) and interpolation != "cubic"
+    assert out_dtype in (None, *FLOAT_DTYPES)
+    assert out.dtype == (vf.dtype if dtype is None else dtype)
+    f = np.array(vf.astype(mx.float32)).astype(np.float64)
+    f_pad = np.concatenate([f, np.zeros((1, channels))])  # row -1: zeros
+    if interpolation == "linear":
+        ref = np.einsum("pc,pck->pk", got_w, f_pad[got_rows])
+        scale = np.einsum("pc,pck->pk", got_w, np.abs(f_pad[got_rows]))
+    else:
+        ref = f_pad[got_near]
+        scale = np.abs(ref)
+    got = np.array(out.astype(mx.float32))
+    assert got.shape == ref.shape
+    tol = TOLERANCE[out_dtype or feat_dtype]
+    assert (np.abs(got - ref) <= tol * scale + 1e-30).all(), interpolation
+
+
+_MODEL_FILE: dict[str, bytes] = {}
+
+
+def _saved_model_bytes(tmp: Path) -> bytes:
+    """The bytes of a small saved MinkUNet (built and written once per process)."""
+    if "bytes" not in _MODEL_FILE:
+        from mlx_lattice.models import MinkUNet, save_model
+
+        mx.random.seed(0)
+        model = MinkUNet(2, 3, widths=(4, 8))
+        path = tmp / "original.safetensors"
+        save_model(path, model, voxel_size=0.5, class_names=["a", "b", "c"])
+        _MODEL_FILE["bytes"] = path.read_bytes()
+        _MODEL_FILE["arrays"] = dict(mx.load(str(path)))
+    return _MODEL_FILE["bytes"]
+
+
+@fuzz(
+    150,
+    cut=st.none() | st.integers(0, 2**31),
+    edits=st.lists(
+        st.tuples(
+            st.integers(0, 2**31),  # position (mod file length), biased to the header below
+            st.booleans(),
+            st.integers(0, 255),
+        ),
+        max_size=4,
+    ),
+)
+def test_load_model_on_damaged_files(tmp_path_factory, cut, edits):
+    """load_model on a saved model file with bytes replaced (in the length
+    prefix, the JSON header or the arrays) and/or truncated anywhere: the
+    model loads with every array bit-identical to the saved one, or
+    ModelFileError (an MlxLatticeError) is raised; never another exception
+    or a crash."""
+    from mlx.utils import tree_flatten
+
+    from mlx_lattice.models import ModelFileError, load_model
+
+    assert issubclass(ModelFileError, MlxLatticeError)
+    tmp = tmp_path_factory.mktemp("model")
+    data = bytearray(_saved_model_bytes(tmp))
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    for pos, in_header, value in edits:
+        where = pos % (header_end if in_header else len(data))
+        data[where] = value
+    if cut is not None:
+        data = data[: cut % (len(data) + 1)]
+    path = tmp / "damaged.safetensors"
+    path.write_bytes(bytes(data))
+    try:
+        loaded = load_model(path)
+    except ModelFileError:
+        event("load_model: error")
+        return
+    event("load_model: loaded")
+    got = dict(tree_flatten(loaded.model.parameters()))
+    want = _MODEL_FILE["arrays"]
+    assert set(got) == set(want)
+    for name, array in want.items():
+        assert got[name].dtype == array.dtype and got[name].shape == array.shape, name
+        assert np.array_equal(np.array(got[name]).view(np.uint8), np.array(array).view(np.uint8)), name
+    assert loaded.architecture == "MinkUNet" and loaded.class_names == ("a", "b", "c")
+    assert loaded.voxel_size == 0.5
+
+
+def _norm_ref(kind, x, w, b, eps, training, relu):
+    """The documented norm in float64: batch norm over rows (biased variance
+    in training, running statistics 0 and 1 in eval), layer norm and RMS norm
+    over each row's channels; then the affine map and the optional ReLU."""
+    if kind == "batch":
+        mean, var = (x.mean(0), x.var(0)) if training else (0.0, 1.0)
+        y = (x - mean) / np.sqrt(var + eps)
+    elif kind == "layer":
+        y = (x - x.mean(1, keepdims=True)) / np.sqrt(x.var(1, keepdims=True) + eps)
+    else:
+        y = x / np.sqrt((x * x).mean(1, keepdims=True) + eps)
+    y = y * (1.0 if w is None else w) + (0.0 if b is None else b)
+    return np.maximum(y, 0.0) if relu else y
+
+
+@fuzz(
+    200,
+    kind=st.sampled_from(["batch", "layer", "rms"]),
+    rows=st.integers(0, 6),
+    channels=st.integers(0, 4),
+    layer_channels_delta=st.sampled_from([0, 0, 0, 1]),
+    dtype=st.sampled_from(FLOAT_DTYPES),
+    affine=st.booleans(),
+    training=st.booleans(),
+    relu=st.booleans(),
+    feat_scale=st.sampled_from([1.0, 1e-3, 1e3]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_norm_layers_match_numpy(kind, rows, channels, layer_channels_delta, dtype, affine,
+                                 training, relu, feat_scale, data_seed):
+    """nn.BatchNorm (training and eval, with its fused ReLU), nn.LayerNorm and
+    nn.RMSNorm on sparse tensors with any row and channel count (empty
+    included), every float dtype and affine or not: the float64 NumPy norm
+    of the features' exact values in the features' dtype, within float32
+    rounding amplified by 1/sqrt(var + eps) plus one rounding to the dtype;
+    BatchNorm's running statistics move by the documented momentum
+    (unbiased variance). A layer built for another channel count, and
+    BatchNorm training on fewer than two rows, raise MlxLatticeError."""
+    from mlx_lattice import nn as lnn
+
+    rng = np.random.default_rng(data_seed)
+    width = channels + layer_channels_delta
+    eps = 1e-5
+    if kind == "batch":
+        layer = lnn.BatchNorm(width, affine=affine) if width else None
+    elif kind == "layer":
+        layer = lnn.LayerNorm(width, affine=affine)
+    else:
+        layer = lnn.RMSNorm(width)
+        affine = True
+    if layer is None:
+        return  # mlx.nn.BatchNorm(0) is MLX's own constructor
+    if kind == "layer" and not affine:
+        layer_channels_delta = 0  # no parameters: any channel count fits
+    w = b = None
+    if affine:
+        # Multiples of 1/8: exact in every float dtype (the layers cast them).
+        w = rng.integers(-8, 9, width) / 8.0
+        layer.weight = mx.array(w.astype(np.float32))
+        if kind != "rms":
+            b = rng.integers(-8, 9, width) / 8.0
+            layer.bias = mx.array(b.astype(np.float32))
+    layer.train(training)
+    coords = np.stack([np.zeros(rows), np.arange(rows), np.zeros(rows), np.zeros(rows)], 1)
+    feats = mx.array((rng.standard_normal((rows, channels)) * feat_scale).astype(np.float32))
+    feats = feats.astype(getattr(mx, dtype))
+    x = SparseTensor(coords.astype(np.int32), feats)
+    use_relu = relu and kind == "batch"
+    try:
+        out = layer.relu(x) if use_relu else layer(x)
+        mx.eval(out.feats)
+    except MlxLatticeError:
+        event("norm: error")
+        assert layer_channels_delta != 0 or channels == 0 or (kind == "batch" and training and rows < 2)
+        return
+    assert layer_channels_delta == 0
+    event(f"norm: checked {kind}")
+    f = np.array(feats.astype(mx.float32)).astype(np.float64)
+    got = np.array(out.feats.astype(mx.float32))
+    assert out.feats.dtype == feats.dtype and got.shape == f.shape
+    if rows == 0 or channels == 0:
+        return
+    stats_training = training and kind == "batch"
+    ref = _norm_ref(kind, f, w, b, eps, stats_training, use_relu)
+    if kind == "batch":
+        var = f.var(0) if stats_training else np.ones(channels)
+    elif kind == "layer":
+        var = f.var(1, keepdims=True)
+    else:
+        var = (f * f).mean(1, keepdims=True)
+    amplify = np.abs(f).max() / np.sqrt(var + eps) * (1.0 if w is None else np.abs(w).max())
+    # Half-precision norms apply weight and bias in the features' dtype: a
+    # rounding relative to each term, not to their (cancelling) sum.
+    terms = np.abs(_norm_ref(kind, f, None, None, eps, stats_training, False))
+    terms = terms * (1.0 if w is None else np.abs(w)) + (0.0 if b is None else np.abs(b))
+    bound = TOLERANCE[dtype] * (terms + np.abs(ref)) + 1e-6 * (amplify + 1)
+    assert (np.abs(got - ref) <= bound).all(), (np.abs(got - ref) - bound).max()
+    if stats_training and rows > 1:
+        mean_ref = 0.1 * f.mean(0)
+        var_ref = 0.9 + 0.1 * f.var(0, ddof=1)
+        np.testing.assert_allclose(np.array(layer.running_mean), mean_ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(np.array(layer.running_var), var_ref, rtol=1e-5, atol=1e-6)

@@ -443,3 +443,37 @@ def test_dense_linear_matches_numpy_and_matmul_gradients(seeded):
     assert fused.dense_linear(x[:0], w, b).shape == (0, 16)
     with pytest.raises(ValueError, match=r"weight \(Cout, Cin\)"):
         fused.dense_linear(x, w.T)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("shape", [(3, 1), (0, 1), (2, 3)])
+def test_batch_norm_rejects_another_channel_count(training, shape):
+    """Regression (fuzz): a BatchNorm(2) broadcast its statistics over
+    1-channel features ((N, 1) -> (N, 2)) instead of raising."""
+    from mlx_lattice import MlxLatticeError
+
+    norm = nn.BatchNorm(2)
+    norm.train(training)
+    n = shape[0]
+    coords = np.stack([np.zeros(n), np.arange(n), np.zeros(n), np.zeros(n)], 1).astype(np.int32)
+    x = SparseTensor(coords, mx.ones(shape))
+    with pytest.raises(MlxLatticeError, match=r"BatchNorm weight has shape \(2,\), the features"):
+        norm(x)
+    with pytest.raises(MlxLatticeError, match="BatchNorm weight"):
+        norm.relu(x)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+@pytest.mark.parametrize("rows", [0, 1])
+def test_batch_norm_training_on_fewer_than_two_rows(affine, rows):
+    """Regression (fuzz): training on one row raised mlx.nn's plain
+    ValueError instead of the package's error."""
+    from mlx_lattice import MlxLatticeError
+
+    norm = nn.BatchNorm(2, affine=affine)
+    coords = np.zeros((rows, 4), np.int32)
+    x = SparseTensor(coords, mx.ones((rows, 2)))
+    with pytest.raises(MlxLatticeError, match=f"at least two rows .* got {rows}"):
+        norm(x)
+    norm.eval()  # running statistics: any row count
+    assert norm(x).feats.shape == (rows, 2)

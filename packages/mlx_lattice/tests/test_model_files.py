@@ -112,6 +112,15 @@ def test_save_rejects_mismatches(tmp_path):
         )
 
 
+def test_model_file_error_is_in_the_error_family(tmp_path):
+    """Regression (fuzz): load_model's errors were plain ValueErrors, outside
+    the package's MlxLatticeError family."""
+    assert issubclass(ModelFileError, mlx_lattice.MlxLatticeError)
+    (tmp_path / "empty.safetensors").write_bytes(b"")
+    with pytest.raises(mlx_lattice.MlxLatticeError, match=r"empty\.safetensors: not a readable"):
+        load_model(tmp_path / "empty.safetensors")
+
+
 def test_load_rejects_damaged_and_edited_files(tmp_path):
     model = trained_like(MinkUNet(2, 5, widths=(8, 16)))
     path = tmp_path / "m.safetensors"

@@ -9,7 +9,7 @@ version. :func:`load_model` rebuilds the model from that alone.
 
 The metadata also holds a SHA-256 digest over the configuration and every
 array (name, dtype, shape, bytes): an edited configuration, a changed array
-or a truncated file raises :class:`ModelFileError` (a ``ValueError``) instead
+or a truncated file raises :class:`ModelFileError` (an ``MlxLatticeError``) instead
 of loading a different model. (The digest detects accidents and edits, it
 is not a signature.)
 """
@@ -31,6 +31,7 @@ import numpy as np
 from mlx.utils import tree_flatten
 
 import quantrules as qr
+from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._version import __version__
 from mlx_lattice.data.segmentation import HEIGHT_SCALE
 from mlx_lattice.models.minkunet import MinkUNet
@@ -48,8 +49,12 @@ INPUT_FEATURES = "occupancy,height"
 _ARCHITECTURES: dict[str, type[MinkUNet]] = {"MinkUNet": MinkUNet, "SPVCNN": SPVCNN}
 
 
-class ModelFileError(ValueError):
-    """A model file that is missing, truncated, edited or does not match its configuration."""
+class ModelFileError(MlxLatticeError):
+    """A model file that is missing, truncated, edited or does not match its configuration.
+
+    Part of the package's error family (an :class:`~mlx_lattice.MlxLatticeError`,
+    itself a ``ValueError``).
+    """
 
 
 def point_features(points: np.ndarray) -> np.ndarray:

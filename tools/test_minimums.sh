@@ -7,8 +7,9 @@
 #
 #   tools/test_minimums.sh WHEEL_DIR
 #
-#   mlx env: numpy at its minimum, mlx/mlx-cpu/nanobind at the lock's exact
-#            pins; quantrules and mlx_lattice tests (not the Metal harness and
+#   mlx env: numpy at its minimum, mlx/mlx-cpu/nanobind and the `las`
+#            extra's laspy/lazrs at the lock's exact pins; quantrules and
+#            mlx_lattice tests (not the Metal harness and
 #            the two-process tests, whose extra targets the wheel lacks).
 #   jax env: jax, jaxlib and flax at their minimums, qwix at the lock's pin;
 #            quantrules and taktiny_ops tests.
@@ -68,7 +69,7 @@ run_tests() {  # run_tests ENV PACKAGE PATH... (test paths under packages/PACKAG
 echo "=== minimums: mlx env ==="
 extra_wheels=()
 env_with "$work/mlx" "$(pin numpy $mins)" "$(pin mlx $lock)" "$(pin mlx-cpu $lock)" \
-  "$(pin nanobind $lock)" pytest hypothesis scipy
+  "$(pin nanobind $lock)" "$(pin laspy $lock)" "$(pin lazrs $lock)" pytest hypothesis scipy
 site=$("$work/mlx/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 "$work/mlx/bin/python" -m zipfile -e "$(ls "$wheels"/*mlx_lattice-*.whl)" "$site"
 run_tests "$work/mlx" mlx_lattice tests --ignore=tests/test_metal_harness.py \

@@ -5,6 +5,7 @@
 #include <limits>
 #include <optional>
 #include <sstream>
+#include <string>
 #include <vector>
 
 #if defined(__linux__)
@@ -379,7 +380,15 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       int32_t* c = scratch.data() + 4 * r;
       c[0] = in_c[4 * r];
       for (int a = 0; a < 3; ++a) {
-        c[a + 1] = static_cast<int32_t>(floor_to(in_c[4 * r + a + 1], step[a]));
+        // Flooring a coordinate near INT32_MIN can leave int32 (e.g.
+        // -2^31 to a stride of 3): no output coordinate can hold it.
+        const int64_t floored = floor_to(in_c[4 * r + a + 1], step[a]);
+        if (floored < std::numeric_limits<int32_t>::min()) {
+          fail(op, "in_coords row " + std::to_string(r) + " floored to the stride " +
+                       std::to_string(step[a]) + " is " + std::to_string(floored) +
+                       ", outside int32.");
+        }
+        c[a + 1] = static_cast<int32_t>(floored);
       }
     }
     // Unique in order of first appearance.

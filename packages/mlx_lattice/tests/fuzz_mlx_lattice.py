@@ -709,3 +709,236 @@ def test_norm_layers_match_numpy(kind, rows, channels, layer_channels_delta, dty
         var_ref = 0.9 + 0.1 * f.var(0, ddof=1)
         np.testing.assert_allclose(np.array(layer.running_mean), mean_ref, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(np.array(layer.running_var), var_ref, rtol=1e-5, atol=1e-6)
+
+
+def _offset_triples(size, dilation, tensor_stride):
+    """x-major kernel offsets ``(i - (size - 1) // 2) * dilation * tensor_stride``."""
+    return [
+        tuple((i[a] - (size[a] - 1) // 2) * dilation[a] * tensor_stride[a] for a in range(3))
+        for i in itertools.product(*(range(s) for s in size))
+    ]
+
+
+def _triple(value):
+    return (value,) * 3 if isinstance(value, int) else tuple(value)
+
+
+@fuzz(
+    150,
+    rows=coordinate_rows,
+    out_rows=st.none() | coordinate_rows,
+    kind=st.sampled_from(["forward", "target"]),
+    kernel_size=st.integers(1, 3) | st.tuples(*[st.integers(1, 3)] * 3),
+    stride=st.integers(1, 3) | st.tuples(*[st.integers(1, 3)] * 3),
+    dilation=st.integers(1, 2),
+    tensor_stride=st.sampled_from([1, 1, 2, (1, 2, 1)]),
+)
+def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, kernel_size,
+                                                        stride, dilation, tensor_stride):
+    """build_kernel_relation(kind='forward') (strides 1-3, kernel sizes 1-3,
+    dilations 1-2, given or computed outputs) and kind='target' (the
+    transpose, onto given outputs) on coordinates that are empty, duplicated
+    or at the int32 limits: the computed outputs are the inputs floored to
+    multiples of tensor_stride * stride in order of first appearance (the
+    inputs themselves with stride 1), and
+    the edges are exactly the brute-force set (forward: p == q + offset,
+    target: p == q - offset, same batch, int64 arithmetic), or
+    MlxLatticeError (duplicate rows, target without outputs)."""
+    given = np.array(rows, np.int64).reshape(-1, 4).astype(np.int32)
+    outs = None if out_rows is None else np.array(out_rows, np.int64).reshape(-1, 4).astype(np.int32)
+    strides = stride if kind == "forward" else 1
+    try:
+        rel = build_kernel_relation(given, outs, kernel_size=kernel_size, stride=strides,
+                                    dilation=dilation, tensor_stride=tensor_stride, kind=kind)
+        mx.eval(rel.edges.in_rows, rel.edges.out_rows, rel.edges.kernel_ids, rel.out_coords)
+    except MlxLatticeError:
+        event(f"{kind}: error")
+        return
+    event(f"{kind}: checked ({'given' if outs is not None else 'computed'} outputs)")
+    assert len(set(rows)) == len(rows), "duplicate inputs were accepted"
+    size, dil, ts = _triple(kernel_size), _triple(dilation), _triple(tensor_stride)
+    step = [t * s for t, s in zip(ts, _triple(strides), strict=True)]
+    if outs is None:
+        assert kind == "forward", "target without outputs was accepted"
+        want_out: list[tuple[int, ...]] = []
+        # Stride 1: the outputs are the inputs (not floored to tensor_stride).
+        for r in rows if step != list(ts) else []:
+            q = (r[0], *(r[1 + a] // step[a] * step[a] for a in range(3)))
+            if q not in want_out:
+                want_out.append(q)
+        if step == list(ts):
+            want_out = list(rows)
+    else:
+        assert len(set(out_rows)) == len(out_rows), "duplicate outputs were accepted"
+        want_out = list(out_rows)
+    got_out = [tuple(r) for r in np.array(rel.out_coords).astype(np.int64).tolist()]
+    assert got_out == want_out
+    sign = 1 if kind == "forward" else -1
+    expected = set()
+    for k, off in enumerate(_offset_triples(size, dil, ts)):
+        for i, p in enumerate(rows):
+            for o, q in enumerate(want_out):
+                if p[0] == q[0] and all(p[1 + a] == q[1 + a] + sign * off[a] for a in range(3)):
+                    expected.add((i, o, k))
+    assert _edge_set(rel) == expected
+    assert rel.n_out_capacity == len(want_out) and rel.n_kernels == len(_offset_triples(size, dil, ts))
+
+
+# Fields of a KernelRelation the native ops read (validated unless built).
+RELATION_FIELDS = [
+    "in_rows", "out_rows", "kernel_ids",
+    "output_offsets", "input_offsets", "input_edge_ids", "kernel_offsets", "kernel_edge_ids",
+]
+
+
+def _corrupt(array: mx.array, how: str, where: int, bound: int) -> mx.array:
+    """``array`` with one defect: a value out of range, another dtype, or
+    one element too few or too many."""
+    a = np.array(array).astype(np.int64)
+    if how == "dtype":
+        return mx.array(a.astype([np.int64, np.float32, np.uint32, np.int16][where % 4]))
+    if how == "shorter":
+        return mx.array(a[:-1].astype(np.int32)) if len(a) else mx.array(np.array([0], np.int32))
+    if how == "longer":
+        return mx.array(np.append(a, a[-1] if len(a) else 0).astype(np.int32))
+    if how == "2d":
+        return mx.array(a.astype(np.int32).reshape(1, -1))
+    value = {"negative": -1, "bound": bound, "big": bound + 1000, "min": I32_MIN, "max": I32_MAX}[how]
+    if not len(a):
+        return mx.array(np.array([value], np.int32))
+    a[where % len(a)] = value
+    return mx.array(a.astype(np.int32))
+
+
+@fuzz(
+    200,
+    rows=st.lists(st.tuples(st.just(0), *[st.integers(0, 2)] * 3), unique=True, min_size=1,
+                  max_size=8),
+    kind=st.sampled_from(["submanifold", "forward"]),
+    field_name=st.sampled_from(RELATION_FIELDS),
+    how=st.sampled_from(["negative", "bound", "big", "min", "max", "dtype", "shorter", "longer",
+                         "2d"]),
+    where=st.integers(0, 2**16),
+    op=st.sampled_from(["conv", "pool", "quantized"]),
+)
+def test_corrupted_relation_raises(rows, kind, field_name, how, where, op):
+    """A valid relation with one index array corrupted (a negative, out of
+    range or int32-limit value, another dtype, one element too few or too
+    many, a 2-D array), rebuilt with dataclasses.replace, makes the float
+    convolution, the pooling and the quantized convolution raise
+    MlxLatticeError: never a result, never a crash."""
+    import dataclasses
+
+    from mlx_lattice.core import QuantizedWeight
+    from mlx_lattice.core import ops as core_ops
+
+    coords = np.array(rows, np.int32).reshape(-1, 4)
+    rel = build_kernel_relation(coords, kernel_size=3, stride=2 if kind == "forward" else 1,
+                                kind=kind)
+    n_out, n_edges = int(rel.n_out_capacity), rel.n_edges
+    csr = {"output": rel.output_csr, "input": rel.input_csr, "kernel": rel.kernel_csr}
+    bounds = {
+        "in_rows": len(coords), "out_rows": n_out, "kernel_ids": 27,
+        "output_offsets": n_edges + 1, "input_offsets": n_edges + 1, "kernel_offsets": n_edges + 1,
+        "input_edge_ids": n_edges, "kernel_edge_ids": n_edges,
+    }
+    if field_name in ("in_rows", "out_rows", "kernel_ids"):
+        bad = _corrupt(getattr(rel.edges, field_name), how, where, bounds[field_name])
+        changes = {"edges": dataclasses.replace(rel.edges, **{field_name: bad})}
+    else:
+        group, part = field_name.split("_", 1)
+        old = csr[group]
+        key = "row_offsets" if part == "offsets" else "edge_ids"
+        bad = _corrupt(getattr(old, key), how, where, bounds[field_name])
+        changes = {f"{group}_csr": dataclasses.replace(old, **{key: bad})}
+    broken = dataclasses.replace(rel, **changes)
+    feats = mx.ones((len(coords), 32))
+    try:
+        if op == "conv":
+            out = core_ops.sparse_conv_features_from_relation(feats, mx.ones((27, 32, 4)), broken)
+        elif op == "pool":
+            out = core_ops.sparse_pool_features_from_relation(
+                feats, broken, input_exclusive=False, mode="max"
+            )
+        else:
+            qw = QuantizedWeight.from_float(mx.ones((27, 32, 4)), bits=8, group_size=32)
+            out = core_ops.sparse_quantized_conv_features_from_relation(feats, qw, broken)
+        mx.eval(out)
+    except MlxLatticeError:
+        event(f"corrupt {field_name}: error")
+        return
+    raise AssertionError(f"{op} returned a result on a relation with {field_name} corrupted ({how})")
+
+
+@fuzz(
+    150,
+    rows=st.lists(st.tuples(st.just(0), *[st.integers(0, 2)] * 3), unique=True, max_size=6),
+    cin=st.integers(1, 40),
+    cout=st.integers(1, 3),
+    bits=st.sampled_from([2, 4, 8]),
+    group_size=st.sampled_from([32, 64]),
+    field_name=st.sampled_from(["none", "bits", "group_size", "in_channels", "out_channels",
+                                "storage_in_channels", "scales", "biases", "weight"]),
+    new_bits=st.integers(0, 9),
+    new_size=st.sampled_from([0, 16, 32, 64, 128, 256]),
+    delta=st.sampled_from([-1, 1, 32, -32]),
+    array_change=st.sampled_from(["shape", "dtype", "transpose"]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_quantized_weight_with_inconsistent_fields(rows, cin, cout, bits, group_size, field_name,
+                                                   new_bits, new_size, delta, array_change,
+                                                   data_seed):
+    """A QuantizedWeight whose bits, group size, channel counts, packed
+    weight, scales or biases do not match one another (another value,
+    shape, dtype or layout) either raises MlxLatticeError (at construction
+    or in sparse_quantized_conv_features_from_relation), or the convolution
+    equals the float64 convolution with mx.dequantize of the accepted
+    fields, within float32 rounding."""
+    from mlx_lattice.core import QuantizedWeight
+    from mlx_lattice.core import ops as core_ops
+
+    rng = np.random.default_rng(data_seed)
+    good = QuantizedWeight.from_float(
+        mx.array(rng.standard_normal((27, cin, cout)).astype(np.float32)),
+        bits=bits, group_size=group_size,
+    )
+    fields = {f: getattr(good, f) for f in ("weight", "scales", "biases", "in_channels",
+                                             "out_channels", "storage_in_channels", "group_size",
+                                             "bits")}
+    if field_name == "bits":
+        fields["bits"] = new_bits
+    elif field_name == "group_size":
+        fields["group_size"] = new_size
+    elif field_name in ("in_channels", "out_channels", "storage_in_channels"):
+        fields[field_name] = fields[field_name] + delta
+    elif field_name in ("scales", "biases", "weight"):
+        a = fields[field_name]
+        if array_change == "shape":
+            a = a[:, :, :-1] if a.shape[2] > 1 else mx.concatenate([a, a], axis=2)
+        elif array_change == "dtype":
+            a = a.astype(mx.float16 if field_name != "weight" else mx.int32)
+        else:
+            a = mx.swapaxes(a, 0, 1)
+        fields[field_name] = a
+    coords = np.array(rows, np.int32).reshape(-1, 4)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    feats_np = rng.standard_normal((len(coords), max(fields["in_channels"], 0))).astype(np.float32)
+    try:
+        qw = QuantizedWeight(**fields)
+        out = core_ops.sparse_quantized_conv_features_from_relation(mx.array(feats_np), qw, rel)
+        mx.eval(out)
+    except MlxLatticeError:
+        event(f"quantized {field_name}: error")
+        return
+    event(f"quantized {field_name}: checked")
+    full = mx.dequantize(qw.weight, qw.scales, qw.biases, group_size=qw.group_size, bits=qw.bits)
+    w = np.array(full.astype(mx.float32))[:, :, : qw.in_channels].transpose(0, 2, 1)
+    # Features are cast to the scales' dtype (exact for float32 scales).
+    f = np.array(mx.array(feats_np).astype(qw.scales.dtype).astype(mx.float32))
+    edges = sorted(_edge_set(rel))
+    ref = _conv_ref(f, w, edges, len(coords))
+    scale = _conv_ref(np.abs(f), np.abs(w), edges, len(coords))
+    got = np.array(out.astype(mx.float32))
+    assert got.shape == ref.shape
+    tol = TOLERANCE[str(qw.scales.dtype).removeprefix("mlx.core.")]
+    assert (np.abs(got - ref) <= tol * (scale + 1) * 4).all()

@@ -4,6 +4,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from mlx_lattice import MlxLatticeError
 from mlx_lattice.core import build_kernel_relation, check_coordinates, kernel_offsets
 from mlx_lattice.core.relations import SORTED_TILE_ROWS
 
@@ -483,6 +484,23 @@ def test_strided_relations_at_coordinate_limits_and_empty(ref):
     ):
         check_groupings(rel)
         assert rel.n_edges == 0
+
+
+def test_strided_forward_outputs_outside_int32_raise():
+    """int32's minimum floored to an odd stride (or a stride times
+    tensor_stride that does not divide 2^31) lies below int32: the computed
+    forward outputs raise, naming the row, instead of wrapping around to
+    the other end of the grid (found by fuzzing)."""
+    low = -(2**31)
+    rows = np.array([[0, 5, 5, 5], [0, 0, 0, low]], np.int32)
+    for stride, tensor_stride in ((3, 1), ((1, 1, 3), 1), (2, (1, 1, 3))):
+        with pytest.raises(MlxLatticeError, match=r"in_coords row 1 .* outside int32"):
+            build_kernel_relation(
+                rows, kernel_size=1, stride=stride, tensor_stride=tensor_stride, kind="forward"
+            )
+    # Strides dividing 2^31 floor it to itself.
+    rel = build_kernel_relation(rows, kernel_size=1, stride=4, kind="forward")
+    assert np.array(rel.out_coords).tolist() == [[0, 4, 4, 4], [0, 0, 0, low]]
 
 
 @pytest.mark.parametrize("kind", ["forward", "target", "submanifold"])

@@ -16,7 +16,9 @@ Conventions (fixed, relied on by the weight layout and by every kernel):
   with ``tensor_stride`` the *output's* (finer) stride. Batches never mix.
 * A ``forward`` relation without given outputs produces the input coordinates
   floored to multiples of ``tensor_stride * stride``, in order of first
-  appearance; its output tensor stride is ``tensor_stride * stride``.
+  appearance (with stride 1: the input coordinates themselves); its output
+  tensor stride is ``tensor_stride * stride``. A floored coordinate below
+  int32 (int32's minimum and a step that does not divide 2^31) raises.
 * Edges are grouped by output row, offsets ascending within a row
   (``output_csr.edge_ids`` is the identity); the input and kernel CSR views
   list edge ids grouped by input row / offset, ascending.

@@ -535,10 +535,12 @@ std::vector<int32_t> decode_table(Coder coder, const uint8_t* data, size_t size,
   });
 }
 
-std::vector<uint8_t> encode_cdfs(Coder coder, const int64_t* symbols, int64_t n,
-                                 const int32_t* cdfs, int64_t n_rows, int64_t width,
-                                 const int64_t* indexes, int bits) {
-  check_count(n);
+namespace {
+
+// The CDF table and the row each of n symbols is coded under: row indexes[i],
+// or row i without indexes (then one row per symbol).
+void check_cdf_rows(const int32_t* cdfs, int64_t n_rows, int64_t width, const int64_t* indexes,
+                    int64_t n, int bits) {
   check_cdfs(cdfs, n_rows, width, bits);
   if (indexes) {
     check_indexes(indexes, n, n_rows);
@@ -546,6 +548,15 @@ std::vector<uint8_t> encode_cdfs(Coder coder, const int64_t* symbols, int64_t n,
     fail("cdfs must have one row per symbol (" + std::to_string(n) + ") without indexes, got " +
          std::to_string(n_rows) + ".");
   }
+}
+
+}  // namespace
+
+std::vector<uint8_t> encode_cdfs(Coder coder, const int64_t* symbols, int64_t n,
+                                 const int32_t* cdfs, int64_t n_rows, int64_t width,
+                                 const int64_t* indexes, int bits) {
+  check_count(n);
+  check_cdf_rows(cdfs, n_rows, width, indexes, n, bits);
   check_symbols(symbols, n, width - 1);
   auto row_of = [&](int64_t i) { return cdfs + (indexes ? indexes[i] : i) * width; };
   for (int64_t i = 0; i < n; ++i) {
@@ -566,13 +577,7 @@ std::vector<int32_t> decode_cdfs(Coder coder, const uint8_t* data, size_t size,
                                  const int32_t* cdfs, int64_t n_rows, int64_t width,
                                  const int64_t* indexes, int64_t n, int bits) {
   check_count(n);
-  check_cdfs(cdfs, n_rows, width, bits);
-  if (indexes) {
-    check_indexes(indexes, n, n_rows);
-  } else if (n_rows != n) {
-    fail("cdfs must have one row per symbol (" + std::to_string(n) + ") without indexes, got " +
-         std::to_string(n_rows) + ".");
-  }
+  check_cdf_rows(cdfs, n_rows, width, indexes, n, bits);
   return decode_symbols(coder, data, size, n, bits, [&](int64_t i, uint32_t target) {
     const int32_t* row = cdfs + (indexes ? indexes[i] : i) * width;
     // row[0] = 0 <= target < row[width - 1], so s is in [0, width - 2] and

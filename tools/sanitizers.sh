@@ -8,15 +8,14 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 pkg=//packages/mlx_lattice
-# The mlx_lattice test suite, but for five targets: soak_tests and
-# memory_tests bound resident memory, which ASan's quarantine and shadow
-# memory inflate (their leak question is LeakSanitizer's here); unit_tests
-# and distributed_tests, whose processes lose a few CPython objects (floats,
-# tuples, strings made by interpreter code, no native frame of ours or
-# MLX's) that are not yet explained; metal_harness_tests (the Metal kernels
-# through the MSL CPU harness), 7 minutes instrumented: by hand
+# The leak check's own test, then the mlx_lattice test suite but for three
+# targets: soak_tests and memory_tests bound resident memory, which ASan's
+# quarantine and shadow memory inflate (their leak question is
+# LeakSanitizer's here); metal_harness_tests (the Metal kernels through the
+# MSL CPU harness) takes 7 minutes instrumented: by hand
 # (docs/topics/sanitizers.rst).
 ASAN_TARGETS=(
+  //tools:sanitizer_hook_test
   "$pkg:gemm_test"
   "$pkg:gemm_half_test"
   "$pkg:relation_tests"
@@ -42,6 +41,8 @@ ASAN_TARGETS=(
   "$pkg:validation_thread_tests"
   "$pkg:thread_stress_tests"
   "$pkg:concurrency_tests"
+  "$pkg:unit_tests"
+  "$pkg:distributed_tests"
 )
 # The targets whose kernels run on several threads at once; of the weight
 # gradient's tests (4 minutes whole under TSan on 2 cores) those that run

@@ -16,9 +16,11 @@ and libstdc++ (loaded when the runtime starts, so that its ``__cxa_throw``
 interceptor finds the real one); this entry re-executes the interpreter with
 them in ``LD_PRELOAD`` (Bazel's test wrapper does not run under them) and
 the suppression files of ``tools/sanitizers`` in ``LSAN_OPTIONS``/
-``UBSAN_OPTIONS``/``TSAN_OPTIONS``. pytest then captures ``sys.stdout``/
-``sys.stderr`` only, so a report written to file descriptor 2 reaches the
-test log.
+``UBSAN_OPTIONS``/``TSAN_OPTIONS``, and ``tools/sanitizers/site`` first on
+``PYTHONPATH`` (its ``sitecustomize`` runs LeakSanitizer's check at exit
+while the interpreter is still whole, in pytest and in every Python child).
+pytest then captures ``sys.stdout``/``sys.stderr`` only, so a report written
+to file descriptor 2 reaches the test log.
 """
 
 from __future__ import annotations
@@ -88,6 +90,10 @@ def _preload_sanitizer() -> None:
         path = os.path.join(here, file)
         if os.path.exists(path):
             env[name] = ":".join(o for o in (env.get(name, ""), f"suppressions={path}") if o)
+    # Every Python process of the test imports site/sitecustomize.py first:
+    # LeakSanitizer's check then runs at exit before CPython finalizes.
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (os.path.join(here, "site"), env.get("PYTHONPATH", "")) if p)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)  # noqa: S606 - this very interpreter
 

@@ -8,20 +8,41 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 pkg=//packages/mlx_lattice
-# The native layer's main paths: relations, convolutions (forward, gradients,
-# integer and half precision), the user API, validation, the thread pool,
-# plus the C++ kernel tests. (geometry_tests, layer_tests and
-# weight_grad_tests take over 5 minutes each under ASan on 2 cores: run them
-# by hand, docs/topics/sanitizers.rst.)
+# The leak check's own test, then the mlx_lattice test suite but for three
+# targets: soak_tests and memory_tests bound resident memory, which ASan's
+# quarantine and shadow memory inflate (their leak question is
+# LeakSanitizer's here); metal_harness_tests (the Metal kernels through the
+# MSL CPU harness) takes 7 minutes instrumented: by hand
+# (docs/topics/sanitizers.rst).
 ASAN_TARGETS=(
+  //tools:sanitizer_hook_test
   "$pkg:gemm_test"
   "$pkg:gemm_half_test"
   "$pkg:relation_tests"
   "$pkg:conv_tests"
+  "$pkg:conv_padding_tests"
+  "$pkg:half_conv_tests"
+  "$pkg:mixed_precision_tests"
   "$pkg:int8_tests"
+  "$pkg:quantized_pool_tests"
+  "$pkg:quantize_model_tests"
+  "$pkg:weight_grad_tests"
+  "$pkg:geometry_tests"
+  "$pkg:knn_path_tests"
+  "$pkg:layer_tests"
+  "$pkg:norm_path_tests"
+  "$pkg:model_tests"
+  "$pkg:model_file_tests"
+  "$pkg:data_label_tests"
+  "$pkg:io_tests"
+  "$pkg:coding_tests"
+  "$pkg:export_tests"
   "$pkg:user_api_tests"
   "$pkg:validation_thread_tests"
   "$pkg:thread_stress_tests"
+  "$pkg:concurrency_tests"
+  "$pkg:unit_tests"
+  "$pkg:distributed_tests"
 )
 # The targets whose kernels run on several threads at once; of the weight
 # gradient's tests (4 minutes whole under TSan on 2 cores) those that run

@@ -288,24 +288,27 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
     rows=st.lists(st.tuples(st.just(0), *[st.integers(0, 3)] * 3), unique=True, max_size=8),
     channels=st.tuples(st.integers(0, 3), st.integers(0, 3)),
     dtype=st.sampled_from(["float32", "float16", "bfloat16", "int32"]),
-    weight_kernels=st.sampled_from([27, 26, 1]),
+    kernel_size=st.sampled_from([3, 3, 1, 2, 4, 5, 7]),
+    weight_kernels_delta=st.sampled_from([0, 0, 0, -1, 1]),
     weight_cin_delta=st.sampled_from([0, 0, 1]),
     feat_rows_delta=st.sampled_from([0, 0, 0, -1, 1]),
     layout=st.sampled_from(["contiguous", "transposed", "strided"]),
     data_seed=st.integers(0, 2**32 - 1),
 )
-def test_conv_and_pool_match_brute_force(rows, channels, dtype, weight_kernels, weight_cin_delta,
-                                         feat_rows_delta, layout, data_seed):
+def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, weight_kernels_delta,
+                                         weight_cin_delta, feat_rows_delta, layout, data_seed):
     """sparse_conv_features_from_relation and sparse_pool_features_from_relation
-    (max/avg/sum) on a 3x3x3 relation with any dtype, mismatched weight or
-    feature shapes, empty sets and channels, transposed or strided
-    (non-contiguous) feature arrays equal the float64 brute force over the relation's
-    edges within the dtype's rounding, or raise MlxLatticeError."""
+    (max/avg/sum) on a k x k x k relation (k 1 to 5 or 7) with any dtype,
+    mismatched weight or feature shapes, empty sets and channels, transposed
+    or strided (non-contiguous) feature arrays equal the float64 brute force
+    over the relation's edges within the dtype's rounding, or raise
+    MlxLatticeError."""
     from mlx_lattice.core import ops as core_ops
 
     cin, cout = channels
     coords = np.array(rows, np.int32).reshape(-1, 4)
-    rel = build_kernel_relation(coords, kernel_size=3)
+    rel = build_kernel_relation(coords, kernel_size=kernel_size)
+    weight_kernels = kernel_size**3 + weight_kernels_delta
     rng = np.random.default_rng(data_seed)
     n = max(len(coords) + feat_rows_delta, 0)
     f_np = rng.standard_normal((n, cin)).astype(np.float32)
@@ -327,7 +330,7 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, weight_kernels, 
     except MlxLatticeError:
         out = None
     if out is not None:
-        assert dtype in TOLERANCE and n == len(coords) and weight_kernels == 27
+        assert dtype in TOLERANCE and n == len(coords) and weight_kernels_delta == 0
         assert weight_cin_delta == 0 and out.dtype == f.dtype
         ref = _conv_ref(f_exact, w_exact, edges, len(coords))
         scale = _conv_ref(np.abs(f_exact), np.abs(w_exact), edges, len(coords))
@@ -728,14 +731,14 @@ def _triple(value):
     rows=coordinate_rows,
     out_rows=st.none() | coordinate_rows,
     kind=st.sampled_from(["forward", "target"]),
-    kernel_size=st.integers(1, 3) | st.tuples(*[st.integers(1, 3)] * 3),
+    kernel_size=st.integers(1, 3) | st.integers(4, 7) | st.tuples(*[st.integers(1, 7)] * 3),
     stride=st.integers(1, 3) | st.tuples(*[st.integers(1, 3)] * 3),
     dilation=st.integers(1, 2),
     tensor_stride=st.sampled_from([1, 1, 2, (1, 2, 1)]),
 )
 def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, kernel_size,
                                                         stride, dilation, tensor_stride):
-    """build_kernel_relation(kind='forward') (strides 1-3, kernel sizes 1-3,
+    """build_kernel_relation(kind='forward') (strides 1-3, kernel sizes 1-7,
     dilations 1-2, given or computed outputs) and kind='target' (the
     transpose, onto given outputs) on coordinates that are empty, duplicated
     or at the int32 limits: the computed outputs are the inputs floored to

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,30 +30,93 @@ __all__ = ["conv_general_dilated"]
 _PADDINGS = ("VALID", "SAME", "SAME_LOWER")
 
 
-def _check(lhs: Any, rhs: Any, window_strides: Any, padding: Any) -> None:
+def _positive_ints(name: str, values: Any, count: int) -> tuple[int, ...]:
+    """``values`` as ``count`` integers >= 1, else TaktinyOpsError naming ``name``."""
+    try:
+        out = tuple(operator.index(v) for v in values)
+    except TypeError:
+        raise TaktinyOpsError(f"{name}: expected {count} positive integers, got {values!r}") from None
+    if len(out) != count or any(v < 1 for v in out):
+        raise TaktinyOpsError(f"{name}: expected {count} positive integers, got {values!r}")
+    return out
+
+
+def _check(lhs: Any, rhs: Any, window_strides: Any, padding: Any, lhs_dilation: Any,
+           rhs_dilation: Any, dimension_numbers: Any, feature_group_count: Any,
+           batch_group_count: Any) -> None:
+    """Every argument JAX would reject (some only when lowering, in XLA's
+    words) as a TaktinyOpsError naming it."""
     if len(lhs.shape) != len(rhs.shape) or len(lhs.shape) < 3:
         raise TaktinyOpsError(
             f"rhs: lhs and rhs need the same rank (>= 3), got {tuple(lhs.shape)} and "
             f"{tuple(rhs.shape)}"
         )
     spatial = len(lhs.shape) - 2
-    if len(tuple(window_strides)) != spatial:
-        raise TaktinyOpsError(
-            f"window_strides: expected {spatial} strides, got {tuple(window_strides)}"
-        )
+    _positive_ints("window_strides", window_strides, spatial)
+    dilated = False
+    if lhs_dilation is not None:
+        dilated = any(v != 1 for v in _positive_ints("lhs_dilation", lhs_dilation, spatial))
+    if rhs_dilation is not None:
+        _positive_ints("rhs_dilation", rhs_dilation, spatial)
     if isinstance(padding, str):
         if padding.upper() not in _PADDINGS:
             raise TaktinyOpsError(
                 f"padding: expected one of {_PADDINGS} or (low, high) pairs, got {padding!r}"
             )
-        return
+        if dilated:
+            raise TaktinyOpsError(
+                f"padding: {padding!r} is not defined with lhs_dilation={tuple(lhs_dilation)} "
+                "(a transposed convolution); give one (low, high) pair per spatial dimension"
+            )
+    else:
+        try:
+            pairs = [tuple(operator.index(v) for v in p) for p in padding]
+        except TypeError:
+            raise TaktinyOpsError(
+                f"padding: expected (low, high) integer pairs, got {padding!r}") from None
+        if len(pairs) != spatial or any(len(p) != 2 for p in pairs):
+            raise TaktinyOpsError(
+                f"padding: expected {spatial} (low, high) pairs, got {padding!r}"
+            )
     try:
-        pairs = [tuple(int(v) for v in p) for p in padding]
-    except (TypeError, ValueError):
-        raise TaktinyOpsError(f"padding: expected (low, high) integer pairs, got {padding!r}") from None
-    if len(pairs) != spatial or any(len(p) != 2 for p in pairs):
+        dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+    except (TypeError, ValueError) as err:
+        raise TaktinyOpsError(f"dimension_numbers: {err}") from None
+    groups = {}
+    for name, value in (("feature_group_count", feature_group_count),
+                        ("batch_group_count", batch_group_count)):
+        try:
+            groups[name] = operator.index(value)
+        except TypeError:
+            groups[name] = 0
+        if groups[name] < 1:
+            raise TaktinyOpsError(f"{name}: expected a positive integer, got {value!r}")
+    features, batches = groups["feature_group_count"], groups["batch_group_count"]
+    if features > 1 and batches > 1:
         raise TaktinyOpsError(
-            f"padding: expected {spatial} (low, high) pairs, got {padding!r}"
+            f"batch_group_count: at most one of feature_group_count ({features}) and "
+            f"batch_group_count ({batches}) may exceed 1"
+        )
+    lhs_n, lhs_c = lhs.shape[dn.lhs_spec[0]], lhs.shape[dn.lhs_spec[1]]
+    rhs_o, rhs_i = rhs.shape[dn.rhs_spec[0]], rhs.shape[dn.rhs_spec[1]]
+    if lhs_c % features:
+        raise TaktinyOpsError(
+            f"feature_group_count: lhs's {lhs_c} input features do not divide into "
+            f"{features} groups"
+        )
+    if lhs_c // features != rhs_i:
+        raise TaktinyOpsError(
+            f"rhs: lhs has {lhs_c} input features, so with feature_group_count={features} "
+            f"rhs needs {lhs_c // features} input features per group, got {rhs_i}"
+        )
+    for name, count in (("feature_group_count", features), ("batch_group_count", batches)):
+        if rhs_o % count:
+            raise TaktinyOpsError(
+                f"{name}: rhs's {rhs_o} output features do not divide into {count} groups"
+            )
+    if lhs_n % batches:
+        raise TaktinyOpsError(
+            f"batch_group_count: lhs's batch of {lhs_n} does not divide into {batches} groups"
         )
 
 
@@ -109,7 +173,12 @@ def conv_general_dilated(
     ``conv_general_dilated`` dequantizes existing QArrays, then applies
     ``act_qtype`` to ``lhs`` and ``weight_qtype`` to ``rhs`` (weight-only
     works here, unlike Qwix's ``PtqProvider``). Tiled convolution
-    quantization, static activation scales and QT stochastic rounding raise.
+    quantization, different activation and weight qtypes, static activation
+    scales and QT stochastic rounding raise ``NotImplementedError``; empty
+    operands or results are computed exactly, without quantization. Every
+    argument JAX would reject (including string padding with
+    ``lhs_dilation``, which needs explicit pairs) raises
+    :class:`TaktinyOpsError` naming it.
 
     >>> conv_general_dilated(
     ...     jnp.ones((1, 8, 2)), jnp.ones((3, 2, 4)), (1,), 'SAME',
@@ -117,7 +186,8 @@ def conv_general_dilated(
     ... ).shape
     (1, 8, 4)
     """
-    _check(lhs, rhs, window_strides, padding)
+    _check(lhs, rhs, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+           feature_group_count, batch_group_count)
     res = select_rule(quant, module_path, "conv_general_dilated")
     dtype = result_dtype((lhs, rhs), quant_set=quant is not None,
                          preferred_element_type=preferred_element_type)
@@ -141,6 +211,24 @@ def conv_general_dilated(
                 "quantization is not supported for conv_general_dilated"
             )
         lhs, rhs = dequantize(lhs), dequantize(rhs)
+        if (rule.act_qtype and rule.weight_qtype
+                and qwix_qtype(rule.act_qtype) != qwix_qtype(rule.weight_qtype)):
+            raise NotImplementedError(
+                f"quant: rule #{res.index} quantizes activations to {rule.act_qtype} and weights "
+                f"to {rule.weight_qtype}; jax.lax.conv_general_dilated needs both operands of "
+                "one integer type, so give them the same qtype (or quantize weights only)"
+            )
+        def dense(a: Any, b: Any) -> jax.Array:
+            return jax.lax.conv_general_dilated(
+                a, b, window_strides, padding, precision=precision,
+                preferred_element_type=preferred_element_type, out_sharding=out_sharding,
+                **common)
+
+        if 0 in lhs.shape or 0 in rhs.shape or 0 in jax.eval_shape(dense, lhs, rhs).shape:
+            # An empty operand has no scale and an empty result no windows
+            # (Qwix reshapes both to one): the exact result is empty or
+            # zeros, so nothing is quantized.
+            return finish(dense(lhs, rhs), dtype, out_sharding)
         if res.mode == "qt":
             out = P.conv_general_qt(lhs, rhs, _qt_config(rule), window_strides, padding,
                                     lhs_dilation, rhs_dilation, dimension_numbers,

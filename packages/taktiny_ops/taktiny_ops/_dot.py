@@ -104,6 +104,11 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
         # An empty operand has no scale (Qwix divides by its size); the exact
         # result is empty or zeros, so nothing is quantized.
         return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
+    if rule.tile_size is not None and not dnums[0][0]:
+        raise TaktinyOpsError(
+            f"quant: rule #{res.index} sets tile_size={rule.tile_size} but dimension_numbers "
+            f"{dnums!r} contract no axis to tile"
+        )
     if res.mode == "qt":
         return P.dot_general_qt(lhs, rhs, dnums, _qt_config(rule, lhs_weight, rhs_weight))
     ndims = (len(lhs.shape), len(rhs.shape))

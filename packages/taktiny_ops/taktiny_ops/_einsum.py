@@ -46,6 +46,7 @@ def _check_subscripts(subscripts: Any, operands: tuple) -> None:
             "were given"
         )
     sizes: dict[str, int] = {}
+    ellipses: list[tuple[int, tuple[int, ...]]] = []
     for i, (term, op) in enumerate(zip(terms, operands, strict=True)):
         if not _TERM.fullmatch(term):
             raise TaktinyOpsError(f"subscripts: term {term!r} of {subscripts!r} is not valid")
@@ -58,14 +59,67 @@ def _check_subscripts(subscripts: Any, operands: tuple) -> None:
         head = term.split("...")[0]
         tail = term.split("...")[1] if "..." in term else ""
         dims = list(op.shape[:len(head)]) + (list(op.shape[ndim - len(tail):]) if tail else [])
+        if "..." in term:
+            ellipses.append((i, tuple(op.shape[len(head):ndim - len(tail)])))
         for letter, dim in zip(head + tail, dims, strict=True):
             if sizes.setdefault(letter, dim) != dim and 1 not in (dim, sizes[letter]):
                 raise TaktinyOpsError(
                     f"subscripts: index {letter!r} has size {sizes[letter]} in one operand and "
                     f"{dim} in operand {i}"
                 )
+    width = max((len(shape) for _, shape in ellipses), default=0)
+    for k in range(1, width + 1):  # NumPy broadcasting, from the right
+        if len({shape[-k] for _, shape in ellipses if len(shape) >= k} - {1}) > 1:
+            shown = ", ".join(f"{shape} in operand {i}" for i, shape in ellipses)
+            raise TaktinyOpsError(
+                f"subscripts: the dimensions '...' stands for do not broadcast: {shown}"
+            )
     if output and not _TERM.fullmatch(output):
         raise TaktinyOpsError(f"subscripts: output {output!r} of {subscripts!r} is not valid")
+
+
+def _sum_private_indices(subscripts: str, act: jax.Array,
+                         weight: jax.Array) -> tuple[str, jax.Array, jax.Array]:
+    """Sum out each index that only one operand has and the output lacks.
+
+    Qwix's einsum contracts two operands without such a reduction and returns
+    the wrong shape (``'ab,b->'`` gives shape ``(a,)``), and jnp.einsum's own
+    pre-reduction hides the operands from the QT path; reduced first (in
+    float, before quantization) both are the two-operand contraction they
+    expect. An implicit output (no ``->``) has no such index.
+    """
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    if not arrow:
+        return subscripts, act, weight
+    terms = inputs.split(",")
+    operands = [act, weight]
+    changed = False
+    for i, term in enumerate(terms):
+        other = terms[1 - i]
+        head, _, tail = term.partition("...")
+        ndim = len(operands[i].shape)
+        positions = {**{c: k for k, c in enumerate(head)},
+                     **{c: ndim - len(tail) + k for k, c in enumerate(tail)}}
+        private = [c for c in dict.fromkeys(head + tail)
+                   if c not in other and c not in output and (head + tail).count(c) == 1]
+        if private:
+            operands[i] = jnp.sum(operands[i], axis=tuple(positions[c] for c in private))
+            terms[i] = "".join(c for c in term if c not in private)
+            changed = True
+    if not changed:
+        return subscripts, act, weight
+    return f"{','.join(terms)}->{output}", operands[0], operands[1]
+
+
+def _contracted(subscripts: str) -> set[str]:
+    """The indices both operands share that the output lacks."""
+    spec = subscripts.replace(" ", "")
+    inputs, arrow, output = spec.partition("->")
+    a, b = (set(t.replace("...", "")) for t in inputs.split(","))
+    if not arrow:
+        return a & b
+    return (a & b) - set(output)
 
 
 def _qt_einsum(subscripts: str, act: jax.Array, weight: jax.Array, rule: Any,
@@ -112,9 +166,11 @@ def einsum(
     dense einsum runs. ``quant`` rules match op ``einsum`` or ``dot_general``.
     In two-operand expressions the first operand is the activation and the
     second the weight, whatever order JAX contracts them in. With a rule,
-    at most two operands are allowed; unary expressions stay plain JAX. Note
-    that Qwix's own providers ignore an activation-only rule; here it
-    quantizes the activation.
+    at most two operands are allowed; unary expressions stay plain JAX. An
+    index that only one operand has and the output lacks is summed out of
+    that operand (in float) before quantization. Note that Qwix's own
+    providers ignore an activation-only rule; here it quantizes the
+    activation.
 
     >>> einsum('...i,io->...o', jnp.ones((2, 3)), jnp.ones((3, 4))).shape
     (2, 4)
@@ -146,6 +202,13 @@ def einsum(
         act, weight = map(dequantize, operands)
         rule = res.rule
         check_backend_support(rule, False, True)
+        given = subscripts
+        subscripts, act, weight = _sum_private_indices(subscripts, act, weight)
+        if rule.tile_size is not None and not _contracted(subscripts):
+            raise TaktinyOpsError(
+                f"quant: rule #{res.index} sets tile_size={rule.tile_size} but {given!r} "
+                "contracts no index to tile"
+            )
         if 0 in act.shape or 0 in weight.shape:
             # An empty operand has no scale: the exact result is empty or zeros.
             out = jnp.einsum(subscripts, act, weight, precision=precision)

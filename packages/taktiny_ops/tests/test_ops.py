@@ -351,7 +351,7 @@ def test_stateless_limits_raise_not_implemented():
         (
             lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 2, 4), (1, 1), "SAME"),
             ValueError,
-            "window_strides: expected 1 strides",
+            "window_strides: expected 1 positive integers",
         ),
         (
             lambda: tk.conv_general_dilated(arr(1, 8, 2), arr(3, 4), (1,), "SAME"),
@@ -438,3 +438,96 @@ def test_empty_operands_give_the_exact_empty_or_zero_result(quant, x_shape, w_sh
         tk.dot_general(x, w, (((1,), (0,)), ((), ())), quant=quant),
     ):
         np.testing.assert_array_equal(np.asarray(out, np.float32), expected)
+
+
+@pytest.mark.parametrize(("spec", "x_shape", "w_shape"), [
+    ("ab,b->", (2, 3), (3,)),
+    ("ab,c->ca", (2, 3), (4,)),
+    ("a,->", (3,), ()),
+    ("...ab,...b->...", (5, 2, 3), (5, 3)),
+])
+@pytest.mark.parametrize("quant", ["int8", qr.Rule(weight_qtype="int8", act_qtype="int8"),
+                                   qr.QtProvider([qr.Rule(weight_qtype="int8")])])
+def test_index_summed_out_of_one_operand(spec, x_shape, w_shape, quant):
+    """Found by fuzzing: an index only one operand has and the output lacks
+    gave Qwix's einsum the wrong result shape ('ab,b->' returned shape (2,))
+    and the QT path a TaktinyOpsError; it is summed out first, and the result
+    matches NumPy within the int8 rounding bound."""
+    x, w = arr(*x_shape), arr(*w_shape)
+    out = tk.einsum(spec, x, w, quant=quant)
+    ref = np.einsum(spec, np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert out.shape == ref.shape
+    # Each of the (at most 3) summed products is off by at most
+    # dx |w| + dw (|x| + dx) with dx, dw <= max|.| / 254 (the summed
+    # operand's absmax grows at most 3x).
+    mx, mw = 3 * float(np.abs(x).max()), float(np.abs(w).max())
+    bound = 3 * (mx / 254 * mw + mw / 254 * (mx + mx / 254)) + 1e-5
+    np.testing.assert_allclose(np.asarray(out, np.float64), ref, rtol=0, atol=bound)
+
+
+def test_tile_without_a_contraction_is_taktiny_error():
+    """Found by fuzzing: a tiled rule on an outer product raised IndexError
+    inside Qwix (no contracting axis to tile)."""
+    x, w = arr(2, 3), arr(4)
+    with pytest.raises(tk.TaktinyOpsError, match="contract no axis to tile"):
+        tk.dot_general(x, w, (((), ()), ((), ())), quant="int4")
+    with pytest.raises(tk.TaktinyOpsError, match="'ab,c->abc' contracts no index to tile"):
+        tk.einsum("ab,c->abc", x, w, quant="int4")
+
+
+def test_ellipsis_dimensions_that_do_not_broadcast_are_taktiny_error():
+    """Found by fuzzing: '...' standing for (4,) in one operand and (3,) in
+    the other reached Qwix's and opt_einsum's own ValueErrors."""
+    with pytest.raises(tk.TaktinyOpsError, match=r"'\.\.\.' stands for do not broadcast"):
+        tk.einsum("...a,...a->...", arr(4, 2), arr(3, 2), quant="int8")
+    out = tk.einsum("...a,...a->...", arr(4, 2), arr(1, 2), quant="int8")  # 1 broadcasts
+    assert out.shape == (4,)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    (dict(window_strides=(0,)), r"window_strides: expected 1 positive integers"),
+    (dict(rhs_dilation=(0,)), r"rhs_dilation: expected 1 positive integers"),
+    (dict(lhs_dilation=(2,)), r"padding: 'SAME' is not defined with lhs_dilation=\(2,\)"),
+    (dict(feature_group_count=0), "feature_group_count: expected a positive integer"),
+    (dict(feature_group_count=3), "feature_group_count: lhs's 2 input features do not divide"),
+    (dict(feature_group_count=2, batch_group_count=2), "batch_group_count: at most one"),
+    (dict(dimension_numbers=("NCC", "OIW", "NCW")), "dimension_numbers: convolution"),
+    (dict(rhs_shape=(4, 3, 3)), "rhs: lhs has 2 input features, so with feature_group_count=1"),
+])
+def test_conv_arguments_jax_rejects_are_taktiny_errors(kwargs, message):
+    """Found by fuzzing: each of these reached JAX's TypeError/ValueError
+    (a zero stride only when XLA lowered it, as a verifier error)."""
+    args = dict(window_strides=(1,), padding="SAME")
+    args.update(kwargs)
+    rhs = arr(*args.pop("rhs_shape", (4, 2, 3)))
+    with pytest.raises(tk.TaktinyOpsError, match=message):
+        tk.conv_general_dilated(arr(1, 2, 8), rhs, **args)
+
+
+def test_conv_transposed_with_explicit_padding_matches_dense():
+    x, k = arr(1, 2, 5), arr(3, 2, 2)
+    out = tk.conv_general_dilated(x, k, (1,), [(1, 1)], lhs_dilation=(2,), quant=None)
+    ref = jax.lax.conv_general_dilated(x, k, (1,), [(1, 1)], lhs_dilation=(2,))
+    np.testing.assert_array_equal(out, ref)
+
+
+@pytest.mark.parametrize("quant", [qr.Rule(weight_qtype="int8", act_qtype="int8"),
+                                   qr.QtProvider([qr.Rule(weight_qtype="int8",
+                                                          act_qtype="int8")])])
+@pytest.mark.parametrize(("x_shape", "k_shape"), [((0, 2, 5), (3, 2, 2)),
+                                                  ((1, 2, 1), (3, 2, 2))])
+def test_conv_empty_input_or_result_is_exact(quant, x_shape, k_shape):
+    """Found by fuzzing: an empty batch, or a kernel wider than the input
+    (an empty result), made Qwix reshape a size-0 array into a scale; the
+    exact (empty) result comes back."""
+    out = tk.conv_general_dilated(jnp.ones(x_shape), jnp.ones(k_shape), (1,), "VALID", quant=quant)
+    expected = jax.lax.conv_general_dilated(jnp.ones(x_shape), jnp.ones(k_shape), (1,), "VALID")
+    assert out.shape == expected.shape and 0 in out.shape
+
+
+def test_conv_mixed_integer_qtypes_raise_not_implemented():
+    """Found by fuzzing: int8 activations with int4 weights reached JAX's
+    'requires arguments to have the same dtypes' TypeError."""
+    with pytest.raises(NotImplementedError, match="int8 and weights to int4"):
+        tk.conv_general_dilated(arr(1, 2, 8), arr(3, 2, 3), (1,), "SAME",
+                                quant=qr.Rule(weight_qtype="int4", act_qtype="int8"))

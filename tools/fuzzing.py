@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import functools
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import zlib
 from collections.abc import Callable
 from pathlib import Path
@@ -91,30 +93,66 @@ def fuzz(ci_budget: int, **strategies: Any) -> Callable[[Callable[..., Any]], Ca
     return decorate
 
 
+def _child_timeout(default: float) -> float:
+    """Seconds a child may run: ``default``, but never past the test's own
+    Bazel timeout (``TEST_TIMEOUT``, less a margin to report), so a hung
+    child is stopped and described before Bazel kills the whole test."""
+    budget = os.environ.get("TEST_TIMEOUT", "")
+    if not budget.isdigit():
+        return default
+    left = int(budget) - 30 - (time.monotonic() - _STARTED)
+    return max(min(default, left), 10.0)
+
+
+_STARTED = time.monotonic()
+
+
 def run_child(test_file: Path, test_name: str, *, timeout: float = 600) -> None:
     """Runs one fuzz test of ``test_file`` in a child pytest.
 
-    A crash of the child (a signal: segfault, abort) or any failure is
+    A crash of the child (a signal: segfault, abort), a hang (no result within
+    ``timeout`` seconds, or the test's Bazel timeout) or any failure is
     reported as an ``AssertionError`` naming the seed, the input that was
-    running (from the trace file) and the child's output.
+    running (from the trace file) and the child's output; for a hang, the
+    Python stack of every thread of the child (``faulthandler``, on SIGABRT).
     """
     trace = Path(os.environ.get("TEST_TMPDIR") or tempfile.gettempdir()) / f"fuzz_trace_{test_name}.txt"
     trace.unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONFAULTHANDLER="1")
     env[TRACE_ENV] = str(trace)
     for key in ("XML_OUTPUT_FILE", "TEST_SHARD_STATUS_FILE"):
         env.pop(key, None)
     main = sys.modules["__main__"].__file__
     cmd = [sys.executable, main, "-q", "-x", "--hypothesis-show-statistics",
            f"{test_file}::{test_name}"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    if proc.returncode == 0:
-        print(proc.stdout[-2000:])  # Hypothesis' statistics (shown with pytest -rP)
+    limit = _child_timeout(timeout)
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=limit)
+            hung = False
+        except subprocess.TimeoutExpired:
+            hung = True
+            proc.send_signal(signal.SIGABRT)  # faulthandler prints every thread's stack
+            try:
+                stdout, stderr = proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                stdout, stderr = proc.communicate()
+    if proc.returncode == 0 and not hung:
+        print(stdout[-2000:])  # Hypothesis' statistics (shown with pytest -rP)
         return
     last = trace.read_text() if trace.exists() else "(none recorded)"
-    how = f"was killed by signal {-proc.returncode}" if proc.returncode < 0 else "failed"
+    if hung:
+        how = f"hung (no result within {limit:.0f} s; stopped with SIGABRT)"
+    elif proc.returncode < 0:
+        how = f"was killed by signal {-proc.returncode}"
+    else:
+        how = "failed"
+    # faulthandler writes the innermost frames first: keep the head too.
+    err = stderr if len(stderr) <= 12000 else f"{stderr[:8000]}\n[...]\n{stderr[-4000:]}"
     raise AssertionError(
         f"fuzz child {test_name} {how}; last input: {last.strip()}\n"
         f"replay: {SEED_ENV}={fuzz_seed(test_name)}\n"
-        f"--- child output ---\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+        f"--- child output ---\n{stdout[-6000:]}\n{err}"
     )

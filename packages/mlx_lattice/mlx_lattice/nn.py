@@ -170,6 +170,8 @@ def fake_quantize_rows(x: mx.array, bits: int, *, scale: float | None = None) ->
         static = mx.array(check_act_scale(scale, "scale"), dtype=x.dtype)
         quantized = mx.clip(mx.round(x / static), -qmax, qmax) * static
         return x + mx.stop_gradient(quantized - x)
+    if x.size == 0:
+        return x  # no rows or no channels: nothing to quantize (an empty max can hang in MLX)
     scale = mx.max(mx.abs(x), axis=-1, keepdims=True) / qmax
     safe = mx.where(scale > 0, scale, mx.ones_like(scale))
     quantized = mx.clip(mx.round(x / safe), -qmax, qmax) * safe

@@ -872,6 +872,12 @@ def _norm_params(
             )
 
 
+# MLX 0.32's CPU reductions over an axis of size 0 into a non-empty result
+# (``mx.sum(mx.zeros((3, 0)), axis=-1)``, which the fast norms run) can spin
+# forever in ``reduction_op``'s loop, intermittently. Empty features never
+# reach one here: their norm is the empty array itself.
+
+
 def layer_norm(
     x: SparseTensor,
     weight: mx.array | None = None,
@@ -886,6 +892,8 @@ def layer_norm(
     [-1.0, 1.0]
     """
     _norm_params(x, weight, bias, "layer_norm")
+    if x.feats.size == 0:
+        return x.replace(x.feats)  # nothing to normalize (the note above)
     # mx.fast norms accumulate half inputs in float32 themselves; upcasting
     # first measured no faster (//benchmarks:sparse_layers).
     w = None if weight is None else weight.astype(x.dtype)
@@ -896,6 +904,8 @@ def layer_norm(
 def rms_norm(x: SparseTensor, weight: mx.array | None = None, *, eps: float = 1e-5) -> SparseTensor:
     """RMS normalization over each point's channels: ``x / sqrt(mean(x^2) + eps) * weight``."""
     _norm_params(x, weight, None, "rms_norm")
+    if x.feats.size == 0:
+        return x.replace(x.feats)  # nothing to normalize (the note above)
     w = mx.ones((x.num_channels,), x.dtype) if weight is None else weight.astype(x.dtype)
     return x.replace(mx.fast.rms_norm(x.feats, w, eps))
 

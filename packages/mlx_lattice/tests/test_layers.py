@@ -477,3 +477,28 @@ def test_batch_norm_training_on_fewer_than_two_rows(affine, rows):
         norm(x)
     norm.eval()  # running statistics: any row count
     assert norm(x).feats.shape == (rows, 2)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize(("rows", "channels"), [(1, 0), (3, 0), (0, 0), (0, 2)])
+def test_norms_and_fake_quantization_of_empty_features_never_reduce(monkeypatch, dtype, rows,
+                                                                   channels):
+    """Regression (fuzz): LayerNorm on one row of zero channels hung in about
+    one run in six. MLX 0.32's CPU reduction over an empty axis into a
+    non-empty result (what mx.fast.layer_norm/rms_norm and an empty row max
+    run) can loop forever; empty features now return the empty array
+    itself, without calling any MLX reduction (patched here to fail)."""
+
+    def no_reduction(*args, **kwargs):
+        raise AssertionError("an MLX reduction ran on empty features")
+
+    monkeypatch.setattr(mx.fast, "layer_norm", no_reduction)
+    monkeypatch.setattr(mx.fast, "rms_norm", no_reduction)
+    monkeypatch.setattr(mx, "max", no_reduction)
+    coords = np.stack([np.zeros(rows), np.arange(rows), np.zeros(rows), np.zeros(rows)], 1)
+    x = SparseTensor(coords.astype(np.int32), mx.zeros((rows, channels), dtype))
+    for out in (nn.LayerNorm(channels, affine=False)(x), ops.layer_norm(x), ops.rms_norm(x),
+                nn.RMSNorm(channels)(x)):
+        assert out.feats.shape == (rows, channels) and out.feats.dtype == dtype
+    quantized = nn.fake_quantize_rows(x.feats, 8)
+    assert quantized.shape == (rows, channels) and quantized.dtype == dtype

@@ -292,7 +292,7 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
     weight_kernels_delta=st.sampled_from([0, 0, 0, -1, 1]),
     weight_cin_delta=st.sampled_from([0, 0, 1]),
     feat_rows_delta=st.sampled_from([0, 0, 0, -1, 1]),
-    layout=st.sampled_from(["contiguous", "transposed", "strided"]),
+    layout=st.sampled_from(["contiguous", "transposed", "strided", "aliased", "donated"]),
     data_seed=st.integers(0, 2**32 - 1),
 )
 def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, weight_kernels_delta,
@@ -300,7 +300,9 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
     """sparse_conv_features_from_relation and sparse_pool_features_from_relation
     (max/avg/sum) on a k x k x k relation (k 1 to 5 or 7) with any dtype,
     mismatched weight or feature shapes, empty sets and channels, transposed
-    or strided (non-contiguous) feature arrays equal the float64 brute force
+    or strided (non-contiguous) feature arrays, features and weights that are
+    overlapping views of one buffer, or features only the graph holds (a
+    buffer MLX may donate to the output) equal the float64 brute force
     over the relation's edges within the dtype's rounding, or raise
     MlxLatticeError."""
     from mlx_lattice.core import ops as core_ops
@@ -320,12 +322,22 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
     if layout == "strided":
         wide = np.repeat(f_np, 2, axis=1)
         f = mx.array(wide).astype(getattr(mx, dtype))[:, ::2]
+    if layout == "aliased":
+        # Features and weights are overlapping views of one buffer.
+        base = mx.array(rng.standard_normal(f_np.size + w_np.size).astype(np.float32))
+        base = base.astype(getattr(mx, dtype))
+        start = f_np.size // 2
+        f = base[: f_np.size].reshape(f_np.shape)
+        w = base[start : start + w_np.size].reshape(w_np.shape)
     edges = sorted(_edge_set(rel))
     f_exact = np.array(f.astype(mx.float32))
     w_exact = np.array(w.astype(mx.float32))
     tol = TOLERANCE.get(dtype, 0.0)
     try:
-        out = core_ops.sparse_conv_features_from_relation(f, w, rel)
+        # "donated": the features are a temporary only the graph holds, whose
+        # buffer MLX may hand to an output.
+        out = core_ops.sparse_conv_features_from_relation(
+            f * 1 if layout == "donated" else f, w, rel)
         mx.eval(out)
     except MlxLatticeError:
         out = None
@@ -340,7 +352,7 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
     for mode in ("max", "avg", "sum"):
         try:
             pooled = core_ops.sparse_pool_features_from_relation(
-                f, rel, input_exclusive=False, mode=mode
+                f * 1 if layout == "donated" else f, rel, input_exclusive=False, mode=mode
             )
             mx.eval(pooled)
         except MlxLatticeError:

@@ -18,8 +18,20 @@ version = release = quantrules.__version__
 extensions = ["sphinx.ext.autodoc"]
 exclude_patterns = ["_build"]
 
-html_theme = "alabaster"
-html_theme_options = {"description": "quantization rules, quantized JAX ops, sparse 3-D convolution on MLX"}
+# The theme of MLX's and JAX's docs (sphinx-book-theme, in the lock). No
+# repository button, launch buttons or version switcher: each would link to
+# a place this offline build cannot check. ``_static/custom.css`` wraps code
+# examples at the content column's width (no horizontal scroll at 1280 px;
+# tools/docs_screenshot.sh checks it).
+html_theme = "sphinx_book_theme"
+html_title = "quantlattice"
+html_theme_options = {
+    "home_page_in_toc": True,
+    "show_toc_level": 2,
+    "navigation_with_keys": False,
+}
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
 html_show_sourcelink = False
 html_copy_source = False
 

@@ -110,3 +110,15 @@ def test_a_warning_fails_the_build(tmp_path):
     assert (tmp_path / "ok" / "index.html").is_file()
     (src / "index.rst").write_text("Title\n=====\n\nSee :doc:`missing_page`.\n")
     assert build_site.build(str(tmp_path / "bad"), sources=str(src)) != 0
+
+
+def test_taktiny_ops_guide_shows_the_shipped_loader():
+    """The plain-JAX loader in the guide is, line for line, taktiny_ops.LOADER."""
+    import taktiny_ops
+
+    with open(os.path.join(HERE, "guides", "taktiny_ops.rst")) as f:
+        guide = f.read()
+    start = guide.index("    import json\n    import jax\n")
+    end = guide.index("    y = load(", start)
+    shown = "\n".join(line[4:] for line in guide[start:end].rstrip().splitlines()) + "\n"
+    assert shown == taktiny_ops.LOADER

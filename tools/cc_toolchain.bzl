@@ -1,20 +1,20 @@
 """The declared C++ toolchain of the modern lane (no auto-detection).
 
-`quantlattice_cc` names the compiler it expects (Debian's `g++-16`, see
-tools/cc_flags.bzl), checks its version, asks it for its built-in include
-directories and declares a Linux x86_64 `cc_toolchain` with C++20 and the
-flags of tools/cc_flags.bzl. The runtime ABI is libstdc++'s C++11 ABI, the
+`quantlattice_cc` names the compiler it expects (Debian bookworm's `g++-12`
+in the bookworm sysroot, see tools/cc_flags.bzl), checks its version, asks it
+for its built-in include directories and declares a Linux x86_64
+`cc_toolchain` with C++20 and the flags of tools/cc_flags.bzl. The runtime ABI is libstdc++'s C++11 ABI, the
 one `libmlx.so` in the mlx wheel is built with (checked by the extension
 loading and running in the tests).
 
-It compiles and links against the bookworm sysroot of tools/cc_flags.bzl
-(`--sysroot`): bookworm's glibc headers and libraries, and GCC 12's libstdc++
-headers (`-nostdinc++` drops GCC 16's) and libraries (`-L` its directory
-comes before the compiler's own), so the extension references no symbol
-version a manylinux_2_35 system lacks; //:wheel_audit_test checks that.
+The compiler runs from that sysroot and compiles and links against it
+(`--sysroot`): bookworm's glibc headers and libraries, and its own GCC 12
+libstdc++ and libgcc, so the C++ runtime the extension links is the one its
+compiler was built for, and the extension references no symbol version a
+manylinux_2_35 system lacks; //:wheel_audit_test checks both.
 """
 
-load("//tools:cc_flags.bzl", "CXX_STANDARD", "GCC_MAJOR", "GCC_PACKAGE", "SYSROOT", "SYSROOT_GCC_MAJOR")
+load("//tools:cc_flags.bzl", "COMPILER_BIN", "CXX_STANDARD", "GCC_MAJOR", "GCC_PACKAGE", "SYSROOT")
 
 _BUILD = """\
 load("@bazel_tools//tools/cpp:unix_cc_toolchain_config.bzl", "cc_toolchain_config")
@@ -40,7 +40,7 @@ cc_toolchain_config(
     dbg_compile_flags = ["-g"],
     conly_flags = [],
     cxx_flags = {cxx_flags},
-    link_flags = {sysroot_link_flags} + ["-fuse-ld=bfd", "-Wl,-no-as-needed", "-Wl,-z,relro,-z,now", "-pass-exit-codes"],
+    link_flags = ["-fuse-ld=bfd", "-Wl,-no-as-needed", "-Wl,-z,relro,-z,now", "-pass-exit-codes"],
     link_libs = ["-Wl,--push-state,-as-needed", "-lstdc++", "-Wl,--pop-state", "-Wl,--push-state,-as-needed", "-lm", "-Wl,--pop-state"],
     opt_link_flags = ["-Wl,--gc-sections"],
     unfiltered_compile_flags = ["-fno-canonical-system-headers"],
@@ -75,6 +75,12 @@ toolchain(
 """
 
 def _which(rctx, name):
+    # The compiler's own programs from the sysroot; binutils (which add no
+    # runtime code) from the root's PATH, as bookworm's link the root's
+    # missing libbfd-2.40.
+    own = rctx.path("%s/%s" % (COMPILER_BIN, name))
+    if name.endswith("-" + GCC_MAJOR) and own.exists:
+        return str(own)
     path = rctx.which(name)
     if path == None:
         fail("quantlattice_cc: `%s` is not on PATH; install Debian's %s (./bazelw's modern lane does)." %
@@ -87,8 +93,8 @@ def _cc_impl(rctx):
         return
 
     # Our modern lane turns auto-detection off and must get this toolchain; a
-    # consumer's build without g++-16 keeps Bazel's auto-detected one.
-    if rctx.which("g++-" + GCC_MAJOR) == None and rctx.os.environ.get("BAZEL_DO_NOT_DETECT_CPP_TOOLCHAIN") != "1":
+    # consumer's build without the sysroot's g++-12 keeps Bazel's auto-detected one.
+    if not rctx.path("%s/g++-%s" % (COMPILER_BIN, GCC_MAJOR)).exists and rctx.os.environ.get("BAZEL_DO_NOT_DETECT_CPP_TOOLCHAIN") != "1":
         rctx.file("BUILD.bazel", "# No %s here: Bazel's auto-detected C++ toolchain is used.\n" % GCC_PACKAGE)
         return
     gxx = _which(rctx, "g++-" + GCC_MAJOR)
@@ -98,12 +104,9 @@ def _cc_impl(rctx):
              (gxx, version, GCC_MAJOR, GCC_PACKAGE))
     sysroot = rctx.path(SYSROOT)
     if not sysroot.get_child(".complete").exists:
-        fail("quantlattice_cc: the sysroot %s is missing; ./bazelw's modern lane extracts it (bookworm's libc6-dev, libstdc++-%s-dev)." %
-             (SYSROOT, SYSROOT_GCC_MAJOR))
-    cxx_std_headers = ["-nostdinc++"]
-    for d in ["c++/{v}", "x86_64-linux-gnu/c++/{v}", "c++/{v}/backward"]:
-        cxx_std_headers += ["-isystem", "%s/usr/include/%s" % (SYSROOT, d.format(v = SYSROOT_GCC_MAJOR))]
-    cxx_flags = CXX_STANDARD + cxx_std_headers
+        fail("quantlattice_cc: the sysroot %s is missing; ./bazelw's modern lane extracts it (bookworm's libc6-dev, %s)." %
+             (SYSROOT, GCC_PACKAGE))
+    cxx_flags = CXX_STANDARD
     probe = rctx.execute([gxx, "-E", "-xc++", "-v", "/dev/null", "--sysroot=" + SYSROOT] + cxx_flags)
     if probe.return_code != 0:
         fail("quantlattice_cc: %s cannot preprocess against the sysroot %s:\n%s" % (gxx, SYSROOT, probe.stderr))
@@ -114,7 +117,11 @@ def _cc_impl(rctx):
         elif line.startswith("End of search list."):
             inside = False
         elif inside:
+            # As GCC prints it (relative to its own directory) and resolved.
             includes.append(line.strip())
+            resolved = str(rctx.path(line.strip()).realpath)
+            if resolved not in includes:
+                includes.append(resolved)
     tools = {
         "gcc": _which(rctx, "gcc-" + GCC_MAJOR),
         "cpp": _which(rctx, "cpp-" + GCC_MAJOR),
@@ -133,8 +140,6 @@ def _cc_impl(rctx):
         tools = repr(tools),
         cxx_flags = repr(cxx_flags),
         sysroot = repr(SYSROOT),
-        # GCC 12's libstdc++.so and libgcc_s.so before GCC 16's own.
-        sysroot_link_flags = repr(["-L%s/usr/lib/gcc/x86_64-linux-gnu/%s" % (SYSROOT, SYSROOT_GCC_MAJOR)]),
     ))
 
 quantlattice_cc = repository_rule(

@@ -39,7 +39,6 @@ def nanobind_extension(name, srcs, deps = [], mlx_rpath = "$$ORIGIN/../../mlx/li
         }),
         linkshared = True,
         deps = deps + [
-            "//tools:cxx_runtime_compat",
             "@py_env//:mlx",
             "@py_env//:nanobind",
         ],

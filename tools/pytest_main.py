@@ -9,6 +9,10 @@ seed that is stable per test (derived from the test's id), and a failing
 test prints its seed. ``TEST_SEED=<int>`` replays one seed everywhere;
 ``TEST_SEED=fresh`` draws a new seed per test (still printed on failure).
 
+Targets with ``shard_count`` run in shards: Bazel starts one process per
+shard with ``TEST_TOTAL_SHARDS``/``TEST_SHARD_INDEX``, and each runs every
+``TEST_TOTAL_SHARDS``-th test of the collection (``ShardPlugin``).
+
 Under ``--config=asan``/``--config=tsan`` (.bazelrc) the instrumented
 extension needs its sanitizer runtime loaded first in the interpreter, which
 is not instrumented. ``QUANTLATTICE_SANITIZER_PRELOAD`` names that runtime
@@ -18,7 +22,10 @@ them in ``LD_PRELOAD`` (Bazel's test wrapper does not run under them) and
 the suppression files of ``tools/sanitizers`` in ``LSAN_OPTIONS``/
 ``UBSAN_OPTIONS``/``TSAN_OPTIONS``, and ``tools/sanitizers/site`` first on
 ``PYTHONPATH`` (its ``sitecustomize`` runs LeakSanitizer's check at exit
-while the interpreter is still whole, in pytest and in every Python child).
+while the interpreter is still whole, in pytest and in every Python child)
+and ``tools/sanitizers/bin`` first on ``PATH`` (the ``g++`` that MLX runs
+for ``mx.compile``'s CPU kernels starts without the runtime: the compiler
+is not under test).
 pytest then captures ``sys.stdout``/``sys.stderr`` only, so a report written
 to file descriptor 2 reaches the test log.
 """
@@ -70,6 +77,49 @@ class SeedPlugin:
             )
 
 
+class ShardPlugin:
+    """Bazel's test sharding (``shard_count`` on the target): shard ``index``
+    of ``total`` runs every ``total``-th selected test from ``index`` on, in
+    collection order, so the shards together run each test exactly once.
+
+    A shard left without tests (more shards than tests, or a ``-k`` that
+    keeps few) passes instead of pytest's "no tests ran" status.
+    """
+
+    def __init__(self, index: int, total: int) -> None:
+        self.index, self.total = index, total
+        self.kept = 0
+        self.selected = 0
+
+    @pytest.hookimpl(trylast=True)  # after -k/-m have deselected theirs
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        self.selected = len(items)
+        kept = [item for i, item in enumerate(items) if i % self.total == self.index]
+        dropped = [item for i, item in enumerate(items) if i % self.total != self.index]
+        if dropped:
+            config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+        self.kept = len(kept)
+
+    def pytest_report_header(self) -> str:
+        return f"shard {self.index + 1} of {self.total}"
+
+
+def _shard_plugin() -> ShardPlugin | None:
+    """The sharding plugin when Bazel runs this test in shards.
+
+    Bazel sets ``TEST_TOTAL_SHARDS``/``TEST_SHARD_INDEX`` and expects the
+    runner to touch ``TEST_SHARD_STATUS_FILE`` to say it shards.
+    """
+    status = os.environ.get("TEST_SHARD_STATUS_FILE")
+    if status:
+        open(status, "w").close()
+    total = int(os.environ.get("TEST_TOTAL_SHARDS", "0") or 0)
+    if total <= 1:
+        return None
+    return ShardPlugin(int(os.environ.get("TEST_SHARD_INDEX", "0")), total)
+
+
 _SUPPRESSIONS = {
     "LSAN_OPTIONS": "lsan.supp",
     "UBSAN_OPTIONS": "ubsan.supp",
@@ -94,6 +144,8 @@ def _preload_sanitizer() -> None:
     # LeakSanitizer's check then runs at exit before CPython finalizes.
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.path.join(here, "site"), env.get("PYTHONPATH", "")) if p)
+    # mx.compile's C++ compiler (a child process) runs without the runtime.
+    env["PATH"] = os.pathsep.join(p for p in (os.path.join(here, "bin"), env.get("PATH", "")) if p)
     sys.stdout.flush()
     os.execve(sys.executable, [sys.executable, *sys.argv], env)  # noqa: S606 - this very interpreter
 
@@ -107,10 +159,13 @@ def main() -> int:
     xml = os.environ.get("XML_OUTPUT_FILE")
     if xml:
         args.append(f"--junitxml={xml}")
-    # Bazel's test sharding protocol is not implemented; declare it unsupported.
-    if "TEST_SHARD_STATUS_FILE" in os.environ:
-        open(os.environ["TEST_SHARD_STATUS_FILE"], "w").close()
-    code = pytest.main(args + sys.argv[1:], plugins=[SeedPlugin()])
+    shards = _shard_plugin()
+    plugins: list[object] = [SeedPlugin()]
+    if shards is not None:
+        plugins.append(shards)
+    code = pytest.main(args + sys.argv[1:], plugins=plugins)
+    if code == pytest.ExitCode.NO_TESTS_COLLECTED and shards is not None and shards.selected:
+        return 0  # the other shards ran this target's tests
     return int(code)
 
 

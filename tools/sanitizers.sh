@@ -18,6 +18,8 @@ ASAN_TARGETS=(
   //tools:sanitizer_hook_test
   "$pkg:gemm_test"
   "$pkg:gemm_half_test"
+  "$pkg:amx_int8_test"
+  "$pkg:amx_bf16_test"
   "$pkg:relation_tests"
   "$pkg:conv_tests"
   "$pkg:conv_padding_tests"
@@ -31,6 +33,7 @@ ASAN_TARGETS=(
   "$pkg:knn_path_tests"
   "$pkg:layer_tests"
   "$pkg:norm_path_tests"
+  "$pkg:norm_eval_tests"
   "$pkg:model_tests"
   "$pkg:model_file_tests"
   "$pkg:data_label_tests"
@@ -50,6 +53,8 @@ ASAN_TARGETS=(
 TSAN_TARGETS=(
   "$pkg:gemm_test"
   "$pkg:gemm_half_test"
+  "$pkg:amx_int8_test"
+  "$pkg:amx_bf16_test"
   "$pkg:validation_thread_tests"
   "$pkg:thread_stress_tests"
 )
@@ -62,25 +67,33 @@ ASAN_FUZZ=("$pkg:fuzz_tests" --test_env=QUANTLATTICE_FUZZ_EXAMPLES=40)
 
 failures=0
 run() {  # run CONFIG TARGET|OPTION...: test the targets under one sanitizer config
-  local config=$1 t0=$SECONDS rc target log
+  local config=$1 t0=$SECONDS rc target log dir found logs
   shift
   echo "=== --config=$config ==="
-  ./bazelw test --config="$config" "$@"
+  ./bazelw test --config="$config" ${QUANTLATTICE_TEST_JOBS:+--local_test_jobs=$QUANTLATTICE_TEST_JOBS} "$@"
   rc=$?
   echo "=== pytest summaries (--config=$config) ==="
   for target in "$@"; do
     [[ $target == //* ]] || continue
-    log=bazel-testlogs/${target#//}
-    log=${log/://}/test.log
+    dir=bazel-testlogs/${target#//}
+    dir=${dir/://}
+    # A sharded target (shard_count) has one log per shard.
+    logs=("$dir"/test.log "$dir"/shard_*_of_*/test.log)
     echo "$target"
-    [ -f "$log" ] || { echo "  (no test log)"; continue; }
-    grep -aE '^(=+ )?[0-9]+ (passed|failed)|^[0-9]+ passed, [0-9]+ failed|no tests ran' "$log" | tail -n 1
-    # A report in a test that still passed (e.g. in a child process whose
-    # exit status the test ignores) fails the step as well.
-    if grep -aqE '^(==[0-9]+==)?(ERROR|WARNING): (Address|Leak|Thread)Sanitizer|runtime error: ' "$log"; then
-      echo "  sanitizer report in $log"
-      rc=1
-    fi
+    found=0
+    for log in "${logs[@]}"; do
+      [ -f "$log" ] || continue
+      found=1
+      [ "$log" = "$dir/test.log" ] || echo "  ${log#"$dir"/}" | sed 's|/test.log$||'
+      grep -aE '^(=+ )?[0-9]+ (passed|failed|deselected)|^[0-9]+ passed, [0-9]+ failed|no tests ran' "$log" | tail -n 1
+      # A report in a test that still passed (e.g. in a child process whose
+      # exit status the test ignores) fails the step as well.
+      if grep -aqE '^(==[0-9]+==)?(ERROR|WARNING): (Address|Leak|Thread)Sanitizer|runtime error: ' "$log"; then
+        echo "  sanitizer report in $log"
+        rc=1
+      fi
+    done
+    [ "$found" = 1 ] || echo "  (no test log)"
   done
   echo "=== --config=$config: exit $rc after $((SECONDS - t0)) s ==="
   [ "$rc" = 0 ] || failures=$((failures + 1))

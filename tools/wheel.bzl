@@ -13,9 +13,9 @@ load("//tools:version.bzl", "VERSION")
 
 # The glibc level of native Linux wheels: manylinux_2_35, MLX's own (mlx's
 # Linux wheels are manylinux_2_35) and the policy auditwheel reports for the
-# extension from both lanes: the modern lane's g++-16 compiles and links
-# against a bookworm sysroot (tools/cc_toolchain.bzl), the Bazel 4.2 lane
-# builds with bookworm's own GCC 12, and neither references a symbol version
+# extension from both lanes: the modern lane runs bookworm's own GCC 12 from
+# a bookworm sysroot (tools/cc_toolchain.bzl), the Bazel 4.2 lane builds with
+# the host's bookworm GCC 12, and neither references a symbol version
 # newer than GLIBC_2.35 / GLIBCXX_3.4.30. Bazel names outputs before it builds
 # them, so the level is declared here rather than read back;
 # //:wheel_audit_test fails when the symbols need a newer one.

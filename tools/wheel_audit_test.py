@@ -15,6 +15,10 @@ it versioned on the test's machine: a reference the library linked against
 did not define (say __cxa_call_terminate, CXXABI_1.3.15, which GCC 14 and
 newer emit, against GCC 12's libstdc++) keeps no version, escapes both
 checks above, and fails to load where the library is that old.
+Nor may a library define a symbol of the C++ runtime's own namespace
+(__cxa_*, __gxx_*, in .symtab or .dynsym, hidden or not): the runtime
+belongs to the compiler's libstdc++, and a copy in the product means the
+extension was built by a compiler whose runtime is not the one it links.
 
     wheel_audit_test.py WHEEL...
 """
@@ -132,6 +136,33 @@ def exported_versioned(path: str) -> set[str]:
         }
 
 
+# The C++ runtime's own namespace (the Itanium C++ ABI's entry points and
+# GCC's personality routine); "DW.ref.__gxx_personality_v0", the per-object
+# pointer to the personality routine, is not a definition of it.
+RUNTIME_SYMBOL = re.compile(r"__(cxa|gxx)_\w+")
+
+
+def runtime_definitions(symbols: list[tuple[str, bool]]) -> list[str]:
+    """The names among (name, defined) pairs that define a C++ runtime symbol, sorted."""
+    return sorted({name for name, defined in symbols if defined and RUNTIME_SYMBOL.fullmatch(name)})
+
+
+def defined_symbols(elf: ELFFile) -> tuple[list[tuple[str, bool]], bool]:
+    """(name, defined) of every symbol in .symtab and .dynsym, and whether
+    the library still has its .symtab (local and hidden symbols)."""
+    symbols = []
+    has_symtab = False
+    for section_name in (".symtab", ".dynsym"):
+        section = elf.get_section_by_name(section_name)
+        if not isinstance(section, SymbolTableSection):
+            continue
+        has_symtab = has_symtab or section_name == ".symtab"
+        for symbol in section.iter_symbols():
+            if symbol.name and symbol["st_info"]["type"] != "STT_FILE":
+                symbols.append((symbol.name, symbol["st_shndx"] != "SHN_UNDEF"))
+    return symbols, has_symtab
+
+
 def unversioned_from_system(unversioned: set[str], system: dict[str, set[str]]) -> list[str]:
     """The names in `unversioned` (strong undefined references without a
     version) that a system library exports versioned, as "name (library)"."""
@@ -172,6 +203,18 @@ def check_symbol_versions(wheel: str, platform: str) -> list[str]:
             system = system_libraries(needed, policy_libraries(found.group(1)))
             unversioned = {n for n, undefined, weak, v in dynamic_symbols(elf) if undefined and not weak and v is None}
             print(f"{wheel}: {name}: {len(unversioned)} unversioned references checked against {sorted(system)}")
+            symbols, has_symtab = defined_symbols(elf)
+            runtime = runtime_definitions(symbols)
+            print(
+                f"{wheel}: {name}: {len(symbols)} symbols checked for C++ runtime definitions"
+                + ("" if has_symtab else " (no .symtab: exported symbols only)")
+            )
+            if runtime:
+                problems.append(
+                    f"{wheel}: {name} defines C++ runtime symbols {runtime}: the runtime is the "
+                    "compiler's libstdc++, never the product's (build with a compiler whose runtime "
+                    "is the libstdc++ it links)"
+                )
             escaped = unversioned_from_system(unversioned, system)
             if escaped:
                 problems.append(
@@ -208,6 +251,17 @@ def self_check() -> list[str]:
     escaped = unversioned_from_system({"__cxa_call_terminate", "PyList_New", "_ZN3mlx4core4evalEv"}, system)
     if escaped != ["__cxa_call_terminate (libstdc++.so.6)"]:
         problems.append(f"self-check: unversioned references: {escaped}, expected __cxa_call_terminate")
+    runtime = runtime_definitions(
+        [
+            ("__cxa_call_terminate", True),
+            ("__gxx_personality_v0", False),
+            ("DW.ref.__gxx_personality_v0", True),
+            ("__cxa_throw", False),
+            ("_ZN3mlx4core4evalEv", True),
+        ]
+    )
+    if runtime != ["__cxa_call_terminate"]:
+        problems.append(f"self-check: runtime definitions: {runtime}, expected __cxa_call_terminate")
     if glibc_minor("manylinux_2_39_x86_64") != 39:
         problems.append("self-check: glibc_minor('manylinux_2_39_x86_64') is not 39")
     return problems

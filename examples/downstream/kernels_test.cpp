@@ -3,7 +3,8 @@
 #include <cstdio>
 #include <vector>
 
-#include "mlx_lattice/kernels.h"
+#include "mlx_lattice/conv_forward.h"
+#include "mlx_lattice/group_by.h"
 
 int main() {
   namespace k = mlx_lattice::kernels;

@@ -70,7 +70,7 @@ cxx=(aarch64-linux-gnu-g++ -std=c++20 -fPIC -fvisibility=hidden -fno-strict-alia
   -isystem "$build/pyinc")
 srcs=()
 for src in $pkg/csrc/*.cpp $pkg/csrc/cpu/*.cpp; do
-  case $src in */gemm_test.cpp) continue ;; esac
+  case $src in */*_test.cpp) continue ;; esac # test programs, not the extension
   srcs+=("$src")
 done
 export build
@@ -128,11 +128,25 @@ deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bit
   --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted
   --deselect tests/test_int8_conv.py::test_gradients_compile_and_vmap)
 subset=${MLX_LATTICE_ARM64_SUBSET:-}
-(cd "$run" && "${py[@]}" pytest_main.py -q tests/test_relations.py \
-  tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
-  tests/test_bf16_conv.py tests/test_half_conv.py \
-  "tests/test_validation_threads.py::test_every_micro_kernel_path" \
-  "tests/test_validation_threads.py::test_half_conversions_round_trip_exactly" \
-  "tests/test_validation_threads.py::test_isa_list_is_ordered_and_ends_in_scalar" \
-  ${subset:+-k "$subset"} "${deselect[@]}")
+# Two shards side by side (tools/pytest_main.py's sharding, every second
+# test each): qemu runs a process's Python on one core.
+shards=${MLX_LATTICE_ARM64_SHARDS:-2}
+pids=()
+for ((i = 0; i < shards; i++)); do
+  (cd "$run" && TEST_TOTAL_SHARDS=$shards TEST_SHARD_INDEX=$i "${py[@]}" pytest_main.py -q tests/test_relations.py \
+    tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
+    tests/test_bf16_conv.py tests/test_half_conv.py \
+    "tests/test_validation_threads.py::test_every_micro_kernel_path" \
+    "tests/test_validation_threads.py::test_half_conversions_round_trip_exactly" \
+    "tests/test_validation_threads.py::test_isa_list_is_ordered_and_ends_in_scalar" \
+    ${subset:+-k "$subset"} "${deselect[@]}") >"$build/shard$i.log" 2>&1 &
+  pids+=("$!")
+done
+failed=0
+for ((i = 0; i < shards; i++)); do
+  wait "${pids[$i]}" || failed=1
+  echo "--- shard $((i + 1)) of $shards"
+  cat "$build/shard$i.log"
+done
+[ "$failed" = 0 ] || { echo "FAIL: the aarch64 Python subset"; exit 1; }
 stamp "aarch64 Python subset passed"

@@ -7,17 +7,12 @@ instead of killing the test runner.
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import fuzzing
 import pytest
 
 TARGETS = Path(__file__).with_name("fuzz_mlx_lattice.py")
-_spec = importlib.util.spec_from_file_location(
-    "quantlattice_fuzzing", Path(__file__).parents[3] / "tools" / "fuzzing.py"
-)
-fuzzing = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(fuzzing)
 
 NAMES = sorted(
     line.split("(")[0].removeprefix("def ")

@@ -796,6 +796,25 @@ def test_batch_norm_train_forward_and_backward(rng, seed, harness, n, c, dtype, 
         )
 
 
+@pytest.mark.parametrize(("n", "c"), [(1, 1), (7, 130), (257, 33), (600, 64)])
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+@pytest.mark.parametrize("relu", [False, True])
+def test_batch_norm_eval(rng, seed, harness, n, c, dtype, relu):
+    """The eval-mode map (given statistics) against the CPU primitive: the
+    same float32 expression per element, rounded once to the dtype (one ulp
+    of the format at most where the two compilers round differently)."""
+    x, w, b, _ = _bn_inputs(rng, n, c, dtype)
+    mean = mx.array(rng.uniform(-40, 40, c).astype(np.float32))
+    var = mx.array(rng.uniform(0.25, 9.0, c).astype(np.float32))
+
+    def run():
+        return [fused.batch_norm_eval(x, mean, var, w, b, eps=1e-5, relu=relu)]
+
+    cpu, gpu = harness(run)
+    assert gpu[0].dtype == dtype
+    _bn_assert_close(gpu, cpu, _BN_TOL[dtype], "metal vs cpu", seed, names=("y",))
+
+
 def test_batch_norm_train_under_compile(rng, seed, harness):
     """mx.compile of the forward and backward gives the eager bits on the
     Metal kernels (the compiled function is traced afresh on each route)."""

@@ -276,9 +276,10 @@ def test_half_conversions_round_trip_exactly(rng, dtype):
     nan = np.isnan(np.array(feats.astype(mx.float32)))
     a, b = np.array(out.view(mx.uint16)), np.array(feats.view(mx.uint16))
     b = np.where(b == 0x8000, 0, b)  # -0 (also from tiny negatives) -> +0
-    # vdpbf16ps (the bf16 path on AVX512-BF16 CPUs) flushes subnormal inputs
-    # and results to zero, as bf16 dot-product hardware does.
-    ftz = dtype == mx.bfloat16 and ext.bf16_isa() == "avx512-bf16"
+    # vdpbf16ps and TDPBF16PS (the bf16 paths on AVX512-BF16 and AMX-BF16
+    # CPUs) flush subnormal inputs and results to zero, as bf16 dot-product
+    # hardware does.
+    ftz = dtype == mx.bfloat16 and ext.bf16_isa() in ("avx512-bf16", "amx-bf16")
     subnormal = ((b & 0x7F80) == 0) & ((b & 0x7F) != 0)
     if ftz:
         b = np.where(subnormal, 0, b)

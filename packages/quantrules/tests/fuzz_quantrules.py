@@ -8,26 +8,14 @@ result checked against a reference, or a ``QuantRulesError``.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import re
-from pathlib import Path
 
+from fuzzing import fuzz
 from hypothesis import strategies as st
 
 import quantrules as qr
 from quantrules import Rule
-
-
-def _load_fuzzing():
-    path = Path(__file__).parents[3] / "tools" / "fuzzing.py"
-    spec = importlib.util.spec_from_file_location("quantlattice_fuzzing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzing().fuzz
 
 SEGMENTS = ["enc", "dec", "block0", "b.1", "conv", "head", "a-b", "x*y", ""]
 OPS = ["dot_general", "einsum", "conv_general_dilated", "sparse_conv"]

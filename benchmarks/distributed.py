@@ -18,16 +18,31 @@ optimizer). Other jobs on the machine move it by tens of percent.
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import json
 import os
 import platform
 import sys
 from collections.abc import Sequence
 
+from absl import flags
+
+from benchmarks.host_class import host_class_line
+from examples import cli
 from mlx_lattice import distributed
 
 SIZES_MB = (0.25, 1.0, 4.0, 16.0)
+
+_STEPS = flags.DEFINE_integer("steps", 5, "timed training steps per configuration", lower_bound=1)
+_GLOBAL_BATCH = flags.DEFINE_integer(
+    "global-batch", 2, "scans per step over all processes", lower_bound=1
+)
+_VOXEL = flags.DEFINE_float("voxel", 0.2, "voxel size in metres")
+_WIDTHS = flags.DEFINE_string("widths", "16,32,48", "U-Net channel widths per level")
+_TIMEOUT = flags.DEFINE_float("timeout", 300, "seconds each launch of the processes may take")
+_ALLREDUCE_WORKER = flags.DEFINE_boolean(
+    "allreduce-worker", False, "internal: run as one rank of the all-reduce measurement"
+)
 
 
 def _allreduce_worker(sizes_mb: Sequence[float]) -> None:
@@ -62,48 +77,43 @@ def _env(threads: int) -> dict[str, str]:
     return env
 
 
-def _train(ranks: int, threads: int, args: argparse.Namespace) -> dict:
-    import examples.train_distributed as example
-
+def _train(ranks: int, threads: int) -> dict:
+    # The example runs as a child process only: imported here, its flags
+    # (--steps, --voxel, ...) would clash with this program's.
+    script = importlib.util.find_spec("examples.train_distributed").origin
     argv = [
-        example.__file__,
-        "--steps", str(args.steps), "--warmup", "2", "--global-batch", str(args.global_batch),
-        "--voxel", str(args.voxel), "--widths", args.widths, "--threads", str(threads), "--json",
+        script,
+        "--steps", str(_STEPS.value), "--warmup", "2", "--global-batch", str(_GLOBAL_BATCH.value),
+        "--voxel", str(_VOXEL.value), "--widths", _WIDTHS.value, "--threads", str(threads), "--json",
     ]  # fmt: skip
     print(f"  training: {ranks} process(es) x {threads} thread(s) ...", flush=True)
-    run = distributed.spawn_local(argv, ranks, timeout_s=args.timeout, env=_env(threads))
+    run = distributed.spawn_local(argv, ranks, timeout_s=_TIMEOUT.value, env=_env(threads))
     if not run.ok:
         sys.exit(f"training with {ranks} process(es) failed:\n{run.stdout}\n{run.stderr}")
     return _json_line(run.stdout[0])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--global-batch", type=int, default=2)
-    p.add_argument("--voxel", type=float, default=0.2)
-    p.add_argument("--widths", default="16,32,48")
-    p.add_argument("--timeout", type=float, default=300)
-    p.add_argument("--allreduce-worker", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    if args.allreduce_worker:
+    cli.parsed(argv)
+    if _ALLREDUCE_WORKER.value:
         _allreduce_worker(SIZES_MB)
         return 0
 
+    print(host_class_line())
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, load average "
         f"{os.getloadavg()[0]:.1f}; ring back-end on 127.0.0.1; "
-        f"U-Net widths {args.widths}, voxel {args.voxel} m, global batch {args.global_batch} "
-        f"scans, {args.steps} timed steps (timings are noisy while other jobs run)"
+        f"U-Net widths {_WIDTHS.value}, voxel {_VOXEL.value} m, global batch {_GLOBAL_BATCH.value} "
+        f"scans, {_STEPS.value} timed steps (timings are noisy while other jobs run)"
     )
     runs = {
-        "1 proc x 2 threads": _train(1, 2, args),
-        "1 proc x 1 thread": _train(1, 1, args),
-        "2 procs x 1 thread": _train(2, 1, args),
+        "1 proc x 2 threads": _train(1, 2),
+        "1 proc x 1 thread": _train(1, 1),
+        "2 procs x 1 thread": _train(2, 1),
     }
     print("  all-reduce: 2 processes ...", flush=True)
     run = distributed.spawn_local(
-        [__file__, "--allreduce-worker"], 2, timeout_s=args.timeout, env=_env(1)
+        [__file__, "--allreduce-worker"], 2, timeout_s=_TIMEOUT.value, env=_env(1)
     )
     if not run.ok:
         sys.exit(f"all-reduce benchmark failed:\n{run.stdout}\n{run.stderr}")
@@ -145,4 +155,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

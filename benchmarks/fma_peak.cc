@@ -1,7 +1,13 @@
 // Measured peak arithmetic rate of this machine's vector units: a loop of
 // independent multiply-accumulates per instruction set, on one thread and on
 // every core. Prints one JSON object; benchmarks use it as the roofline.
+// AMX tile loops (TDPBSSD, TDPBF16PS on 16 x 64-byte tiles) run where the
+// CPU has AMX, the OS enables its state (XCR0) and grants the process the
+// tile permission; otherwise one line on stderr says they were skipped.
+#include <cpuid.h>
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -77,6 +83,70 @@ __attribute__((target("avx512f,avx512bf16"))) double bf16_avx512(int64_t iters) 
   return s;
 }
 
+// AMX: CPUID.(7,0):EDX bits 24 (AMX-TILE), 25 (AMX-INT8), 22 (AMX-BF16);
+// XCR0 bits 17 and 18; arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
+// Returns "" when usable, else why not.
+const char* amx_missing(int feature_bit) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !((d >> 24) & 1u) || !((d >> feature_bit) & 1u)) {
+    return "the CPU has no AMX (CPUID)";
+  }
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return "no OSXSAVE";
+  unsigned lo = 0, hi = 0;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return "the OS does not enable the tile state (XCR0)";
+  static const bool granted = syscall(SYS_arch_prctl, 0x1023L, 18L) == 0;
+  if (!granted) return "the OS refused the tile permission (ARCH_REQ_XCOMP_PERM)";
+  return "";
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Six 16 x 64-byte tiles: four accumulators, A and B; four independent
+// products per iteration.
+__attribute__((target("amx-tile"))) void amx_configure() {
+  TileConfig cfg;
+  for (int t = 0; t < 6; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("ldtilecfg %0" ::"m"(cfg));
+  alignas(64) static const uint8_t ones[16 * 64] = {1};
+  asm volatile("tileloadd (%0,%1,1), %%tmm4" ::"r"(ones), "r"(64L));
+  asm volatile("tileloadd (%0,%1,1), %%tmm5" ::"r"(ones), "r"(64L));
+  asm volatile("tilezero %tmm0\n\ttilezero %tmm1\n\ttilezero %tmm2\n\ttilezero %tmm3");
+}
+
+__attribute__((target("amx-tile,amx-int8"))) double amx_int8(int64_t iters) {
+  amx_configure();
+  for (int64_t i = 0; i < iters; ++i) {
+    asm volatile(
+        "tdpbssd %tmm5, %tmm4, %tmm0\n\ttdpbssd %tmm5, %tmm4, %tmm1\n\t"
+        "tdpbssd %tmm5, %tmm4, %tmm2\n\ttdpbssd %tmm5, %tmm4, %tmm3");
+  }
+  alignas(64) int32_t c[16 * 16];
+  asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(c), "r"(64L) : "memory");
+  asm volatile("tilerelease");
+  return c[0];
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) double amx_bf16(int64_t iters) {
+  amx_configure();
+  for (int64_t i = 0; i < iters; ++i) {
+    asm volatile(
+        "tdpbf16ps %tmm5, %tmm4, %tmm0\n\ttdpbf16ps %tmm5, %tmm4, %tmm1\n\t"
+        "tdpbf16ps %tmm5, %tmm4, %tmm2\n\ttdpbf16ps %tmm5, %tmm4, %tmm3");
+  }
+  alignas(64) float c[16 * 16];
+  asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(c), "r"(64L) : "memory");
+  asm volatile("tilerelease");
+  return c[0];
+}
+
 struct Loop {
   const char* name;
   const char* unit;       // "GFLOP/s" or "GOP/s" (int8 multiply-adds count 2 ops)
@@ -119,7 +189,15 @@ int main() {
        vnni_avx512},
       {"bf16_dot_avx512", "GFLOP/s", 12 * 32 * 2, __builtin_cpu_supports("avx512bf16") != 0,
        bf16_avx512},
+      // Per iteration 4 tile products: int8 16 x 16 x 64 multiply-adds each,
+      // bf16 16 x 16 x 32.
+      {"int8_amx_tdpbssd", "GOP/s", 4 * 16 * 16 * 64 * 2, *amx_missing(25) == 0, amx_int8},
+      {"bf16_amx_tdpbf16ps", "GFLOP/s", 4 * 16 * 16 * 32 * 2, *amx_missing(22) == 0, amx_bf16},
   };
+  if (*amx_missing(25) || *amx_missing(22)) {
+    std::fprintf(stderr, "fma_peak: AMX tile loops skipped: %s\n",
+                 *amx_missing(25) ? amx_missing(25) : amx_missing(22));
+  }
   std::string out = "{\"cores\": " + std::to_string(cores) + ", \"loops\": {";
   bool first = true;
   for (const auto& loop : loops) {

@@ -30,6 +30,7 @@ import numpy as np
 from scipy.spatial import cKDTree
 
 import mlx_lattice
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import median_s
 from mlx_lattice.coords import intersection_coords, union_coords
 from mlx_lattice.data import synthetic_lidar_scan
@@ -96,6 +97,7 @@ def _numpy_voxelize(points: np.ndarray, feats: np.ndarray) -> np.ndarray:
 
 
 def main() -> None:
+    print(host_class_line())
     rng = np.random.default_rng(0)
     pts = synthetic_lidar_scan(seed=0).points
     pts64 = pts.astype(np.float64)

@@ -28,6 +28,7 @@ import zlib
 
 import numpy as np
 
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import median_s
 from mlx_lattice import coding, io
 from mlx_lattice.data import synthetic_lidar_scan
@@ -221,6 +222,7 @@ def readers(rng: np.random.Generator, folder: str) -> None:
 
 
 def main() -> None:
+    print(host_class_line())
     rng = np.random.default_rng(0)
     table_coders(rng)
     cdf_coders(rng)

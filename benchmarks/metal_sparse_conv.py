@@ -18,6 +18,7 @@ import platform
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import median_s
 from mlx_lattice.core import build_kernel_relation, ops, use_dataflow
 from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
@@ -26,6 +27,7 @@ CHANNELS = 64
 
 
 def main() -> None:
+    print(host_class_line())
     on_gpu = mx.metal.is_available()
     device = mx.gpu if on_gpu else mx.cpu
     rel = build_kernel_relation(voxelize_points(synthetic_lidar_scan(seed=0).points, 0.05))

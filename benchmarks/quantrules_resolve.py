@@ -10,6 +10,7 @@ from __future__ import annotations
 import platform
 
 import quantrules as qr
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import best_us
 from quantrules import _resolve
 
@@ -38,6 +39,7 @@ def _rules() -> list[qr.Rule]:
 
 
 def main() -> None:
+    print(host_class_line())
     rules = _rules()
     paths = [f"encoder/{i}/mlp/fc{j}" for i in range(16) for j in range(4)]
     ops = ("dot_general", "einsum")

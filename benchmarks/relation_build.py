@@ -20,6 +20,7 @@ import statistics
 import mlx.core as mx
 import numpy as np
 
+from benchmarks.host_class import host_class_line
 from benchmarks.scans import surface_coords
 from benchmarks.timing import median_s
 from mlx_lattice.core import build_kernel_relation, ops
@@ -163,6 +164,7 @@ def measure(name: str, coords_np: np.ndarray, rng: np.random.Generator) -> None:
 
 
 def main() -> None:
+    print(host_class_line())
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"load average: {load}; threads: {os.environ.get('MLX_LATTICE_NUM_THREADS', 'default')}")
     rng = np.random.default_rng(0)

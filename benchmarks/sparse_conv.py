@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 
 import mlx_lattice
+from benchmarks.host_class import host_class_line
 from benchmarks.scans import surface_coords
 from benchmarks.timing import median_s
 from benchmarks.yardstick import sgemm_reference, vector_peak
@@ -76,6 +77,7 @@ def _large_case(rng: np.random.Generator) -> tuple[int, int, float, float]:
 
 
 def main() -> None:
+    print(host_class_line())
     rng = np.random.default_rng(0)
     scan = synthetic_lidar_scan(seed=0)
     coords = mx.array(voxelize_points(scan.points, 0.05))
@@ -107,6 +109,7 @@ def main() -> None:
 
     f16, w16 = feats.astype(mx.float16), weight.astype(mx.float16)
     bf16, wb16 = feats.astype(mx.bfloat16), weight.astype(mx.bfloat16)
+    cotangent_b16 = cotangent.astype(mx.bfloat16)
     q8 = QuantizedWeight.from_float(w16, bits=8, group_size=64)
     q4 = QuantizedWeight.from_float(w16, bits=4, group_size=64)
     q8f = QuantizedWeight.from_float(weight, bits=8, group_size=64)
@@ -137,6 +140,16 @@ def main() -> None:
         ),
         "fp16 forward": (lambda: mx.eval(conv(f16, w16)), "fp32"),
         "bf16 forward": (lambda: mx.eval(conv(bf16, wb16)), "bf16"),
+        # amx-bf16 runs the bf16 gradients on the tile drivers; elsewhere rows
+        # widen to fp32.
+        "bf16 feature grad": (
+            lambda: mx.eval(mx.vjp(lambda f: conv(f, wb16), [bf16], [cotangent_b16])[1]),
+            "bf16",
+        ),
+        "bf16 weight grad": (
+            lambda: mx.eval(mx.vjp(lambda w: conv(bf16, w), [wb16], [cotangent_b16])[1]),
+            "bf16",
+        ),
         # Weight-only: float16 features (as before) and float32 features; every
         # call after a weight's first reuses its cached dequantized weight.
         "int8 w-only forward": (lambda: mx.eval(qconv(f16, q8)), "fp32"),
@@ -170,7 +183,9 @@ def main() -> None:
     print(
         f"machine: {platform.machine()} {platform.processor() or ''}, {os.cpu_count()} cores, "
         f"load {os.getloadavg()[0]:.1f}; mlx_lattice threads {mlx_lattice.get_num_threads()}, "
-        f"micro-kernels fp32 {ext.gemm_isa()}, int8 {ext.int8_isa()}, bf16 {ext.bf16_isa()}"
+        f"micro-kernels fp32 {ext.gemm_isa()}, int8 {ext.int8_isa()}, bf16 {ext.bf16_isa()}, "
+        f"fp16 {ext.fp16_isa()}; AMX int8 {'usable' if ext.isa_supported('amx-int8') else 'absent'}, "
+        f"AMX bf16 {'usable' if ext.isa_supported('amx-bf16') else 'absent'}"
     )
     print(
         f"scan: {n} voxels at 5 cm, {edges} edges ({edges / n:.2f} per voxel), 3x3x3 submanifold, C{CHANNELS}"

@@ -11,19 +11,25 @@ Also the quantized linear layer with and without activation fake-quantization.
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as mnn
 import numpy as np
+from absl import flags
 
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import median_s
+from examples import cli
 from mlx_lattice import SparseTensor, nn, ops
 
 N, C = 100_000, 64
+
+_POINTS = flags.DEFINE_integer(
+    "points", N, "random points (before duplicates are merged)", lower_bound=1
+)
 
 
 def _fwd_bwd(fn: Callable[[mx.array], mx.array], feats: mx.array) -> Callable[[], None]:
@@ -48,15 +54,15 @@ def _direct(name: str) -> Callable[[mx.array], mx.array]:
     }[name]
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--points", type=int, default=N)
-    args = parser.parse_args()
+def main(argv: Sequence[str] | None = None) -> None:
+    cli.parsed(argv)
+    print(host_class_line())
+    points = _POINTS.value
     rng = np.random.default_rng(0)
-    side = round((args.points * 8) ** (1 / 3))
+    side = round((points * 8) ** (1 / 3))
     coords = np.unique(
         np.concatenate(
-            [np.zeros((args.points, 1), np.int64), rng.integers(0, side, (args.points, 3))], 1
+            [np.zeros((points, 1), np.int64), rng.integers(0, side, (points, 3))], 1
         ),
         axis=0,
     ).astype(np.int32)
@@ -154,4 +160,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -23,7 +23,10 @@ One run, one machine, ~100k voxels:
 * the same steps through the previous, unfused layer paths (``mlx.nn``
   BatchNorm then ReLU, ``mx.matmul`` point layers, a scatter-add gradient for
   SPVCNN's voxel rows), timed in the same rounds;
-* forward throughput (voxels/s) for float32, float16, int8 and int4.
+* forward throughput (voxels/s) of MinkUNet in eval mode for float32,
+  float16, bfloat16, int8 and int4 in ``--rounds`` interleaved rounds, each
+  against float32's in the same round (``--forward-only`` skips the
+  training rows).
 
 The run first calls :func:`mlx_lattice.retain_freed_memory` (``--no-retain``
 leaves glibc's malloc as it is): without it every large array of a step is a
@@ -34,20 +37,23 @@ Pass ``--quick`` for a small scan (a smoke run).
 
 from __future__ import annotations
 
-import argparse
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import mlx.core as mx
 import mlx.nn as mlx_nn
 import mlx.optimizers as optim
 import numpy as np
+from absl import flags
+from tqdm import tqdm
 
 import mlx_lattice
 import quantrules as qr
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import median_s
+from examples import cli
 from mlx_lattice import SparseTensor, geometry, nn
 from mlx_lattice._native import ext
 from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
@@ -64,6 +70,31 @@ from mlx_lattice.nn import is_sparse_conv
 WIDTHS = (32, 64, 96, 128)
 VOXEL = 0.05
 CLASSES = 5
+
+_QUICK = flags.DEFINE_boolean("quick", False, "a small scan and model (smoke run)")
+_ROUNDS = flags.DEFINE_integer(
+    "rounds", 3, "interleaved timing rounds (training rows and forward rows)", lower_bound=1
+)
+_NO_FORWARD = flags.DEFINE_boolean("no-forward", False, "training steps only")
+_FORWARD_ONLY = flags.DEFINE_boolean("forward-only", False, "forward throughput only")
+_MODELS = flags.DEFINE_string("models", "MinkUNet,SPVCNN", "comma-separated training rows to run")
+flags.register_validator(
+    "models",
+    lambda value: {m.strip().lower() for m in value.split(",")} <= {"minkunet", "spvcnn"},
+    message="--models: choose from MinkUNet, SPVCNN",
+)
+_NO_RETAIN = flags.DEFINE_boolean(
+    "no-retain",
+    False,
+    "leave glibc's malloc as it is (by default the run calls "
+    "mlx_lattice.retain_freed_memory(), as a training process should)",
+)
+_CACHE_LIMIT_MB = flags.DEFINE_integer(
+    "cache-limit-mb",
+    None,
+    "mx.set_cache_limit for the run (default: MLX's own, printed at the start; "
+    "arrays larger than the cache are fresh allocations each time)",
+)
 
 
 def _model(kind: str, widths: tuple[int, ...], cls: type = MinkUNet) -> MinkUNet:
@@ -265,7 +296,9 @@ def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target:
         ]
         setups[kind] = (step, cold, convs + linears, len(convs))
     rows: dict[str, list[list[float]]] = {k: [] for k in setups}
-    for r in range(rounds + 1):
+    # A bar of rounds on a terminal (between the timed calls; silent otherwise).
+    for r in tqdm(range(rounds + 1), desc=f"{name}: rounds (round 0 warms up)", unit="round",
+                  leave=False, disable=None):  # fmt: skip
         for kind, (step, cold, calls, _) in setups.items():
             times = [_seconds(step), _seconds(cold)] + [_seconds(c) for c in calls]
             if r:  # round 0 warms up
@@ -300,39 +333,17 @@ def _spread(values: np.ndarray, fmt: str) -> str:
     return f"{mid:{fmt}} ({lo:{fmt}}-{hi:{fmt}})".replace("%-", "-")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small scan and model (smoke run)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds")
-    parser.add_argument("--no-forward", action="store_true", help="training steps only")
-    parser.add_argument(
-        "--models", default="MinkUNet,SPVCNN", help="comma-separated training rows to run"
-    )
-    parser.add_argument(
-        "--no-retain",
-        action="store_true",
-        help="leave glibc's malloc as it is (by default the run calls "
-        "mlx_lattice.retain_freed_memory(), as a training process should)",
-    )
-    parser.add_argument(
-        "--cache-limit-mb",
-        type=int,
-        default=None,
-        help="mx.set_cache_limit for the run (default: MLX's own, printed at the start; "
-        "arrays larger than the cache are fresh allocations each time)",
-    )
-    args = parser.parse_args()
-    chosen = {m.strip().lower() for m in args.models.split(",")}
-    unknown = chosen - {"minkunet", "spvcnn"}
-    if unknown:
-        parser.error(f"--models: unknown {sorted(unknown)}; choose from MinkUNet, SPVCNN")
-    if args.cache_limit_mb is not None:
-        mx.set_cache_limit(args.cache_limit_mb << 20)
-    retained = False if args.no_retain else mlx_lattice.retain_freed_memory()
-    widths = (8, 16, 16) if args.quick else WIDTHS
-    config = SceneConfig(beams=16, azimuth_steps=512) if args.quick else None
+def main(argv: Sequence[str] | None = None) -> None:
+    cli.parsed(argv)
+    print(host_class_line())
+    chosen = {m.strip().lower() for m in _MODELS.value.split(",")}
+    if _CACHE_LIMIT_MB.value is not None:
+        mx.set_cache_limit(_CACHE_LIMIT_MB.value << 20)
+    retained = False if _NO_RETAIN.value else mlx_lattice.retain_freed_memory()
+    widths = (8, 16, 16) if _QUICK.value else WIDTHS
+    config = SceneConfig(beams=16, azimuth_steps=512) if _QUICK.value else None
     scan = labelled_scans(1, 0, seed=0, config=config).train[0]
-    voxel = 0.25 if args.quick else VOXEL
+    voxel = 0.25 if _QUICK.value else VOXEL
     batch = make_batch([scan], voxel)
     base, labels = batch.tensor, batch.labels
     n = base.num_points
@@ -361,7 +372,15 @@ def main() -> None:
         f"{CLASSES} classes"
     )
 
-    print(f"\ntraining step (forward + backward + Adam update; {args.rounds} interleaved rounds)")
+    if not _FORWARD_ONLY.value:
+        _training(widths, fresh, fresh_points, labels, point_labels, chosen)
+    if not _NO_FORWARD.value:
+        _forward(widths, fresh, n, _ROUNDS.value)
+
+
+def _training(widths: tuple, fresh: object, fresh_points: object, labels: mx.array,
+              point_labels: mx.array, chosen: set) -> None:
+    print(f"\ntraining step (forward + backward + Adam update; {_ROUNDS.value} interleaved rounds)")
     print(
         f"{'model':<25}{'warm ms':>9}{'cold ms':>9}{'convs ms':>10}{'outside convs':>17}"
         f"{'linears ms':>12}{'outside both':>17}{'cold / float32':>18}{'warm / float32':>18}"
@@ -373,7 +392,7 @@ def main() -> None:
     for name, cls, make_input, target in cases:
         if name.lower() not in chosen:
             continue
-        _train_rows(name, cls, widths, make_input, target, args.rounds)
+        _train_rows(name, cls, widths, make_input, target, _ROUNDS.value)
     print(
         "warm, cold, convs, linears: the best round; cold: relations (and SPVCNN's point-voxel "
         "maps) built inside the step, as for a new scan each step;\noutside convs: 1 - convs / "
@@ -385,30 +404,47 @@ def main() -> None:
         "rounds (mlx.nn BatchNorm + ReLU, mx.matmul point layers, a scatter-add voxel-row "
         "gradient; convs as the fused row)"
     )
-    if args.no_forward:
-        return
 
-    print("\nforward")
+
+def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
+    print(f"\nforward (MinkUNet, eval mode; {rounds} interleaved rounds)")
     print(
-        f"{'model':<9}{'forward vox/s':>15}{'cold fwd ms':>13}{'warm fwd ms':>13}{'relations':>11}"
+        f"{'model':<10}{'forward vox/s':>15}{'warm / float32':>20}{'cold fwd ms':>13}"
+        f"{'warm fwd ms':>13}{'relations':>11}"
     )
-    for kind in ("float32", "float16", "int8", "int4"):
+    kinds = ("float32", "float16", "bfloat16", "int8", "int4")
+    runs = {}
+    for kind in kinds:
         model = _model(kind, widths)
         model.eval()
-        dtype = mx.float16 if kind == "float16" else mx.float32
-        warm_input = fresh(dtype)
+        dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(kind, mx.float32)
 
         def forward(x: SparseTensor, model: MinkUNet = model) -> None:
             mx.eval(model(x).feats)
 
-        cold = median_s(lambda dtype=dtype, forward=forward: forward(fresh(dtype)), repeats=5)
-        warm = median_s(lambda forward=forward, x=warm_input: forward(x), repeats=5)
+        runs[kind] = (dtype, forward, fresh(dtype))
+    # Per round and kind: (cold, warm) medians of 3; the host's speed drifts
+    # between rounds, so ratios are taken within a round.
+    times = np.zeros((rounds, len(kinds), 2))
+    for r in range(rounds):
+        for k, kind in enumerate(kinds):
+            dtype, forward, warm_input = runs[kind]
+            times[r, k, 0] = median_s(lambda d=dtype, f=forward: f(fresh(d)), repeats=3)
+            times[r, k, 1] = median_s(lambda f=forward, x=warm_input: f(x), repeats=3)
+    for k, kind in enumerate(kinds):
+        cold, warm = times[:, k, 0].min(), times[:, k, 1].min()
         share = max(cold - warm, 0.0) / cold
-        print(f"{kind:<9}{n / warm:>15,.0f}{cold * 1e3:>13.1f}{warm * 1e3:>13.1f}{share:>10.0%}")
+        ratio = _spread(times[:, 0, 1] / times[:, k, 1], ".2f")
+        print(
+            f"{kind:<10}{n / warm:>15,.0f}{ratio:>20}{cold * 1e3:>13.1f}"
+            f"{warm * 1e3:>13.1f}{share:>10.0%}"
+        )
     print(
-        "relations: share of a cold forward (fresh coordinate manager) spent building kernel relations"
+        "forward vox/s, cold, warm: the best round; relations: share of a cold forward (fresh "
+        "coordinate manager) spent building kernel relations;\nwarm / float32: voxels/s against "
+        "float32's warm forward of the same round, median (range) over the rounds"
     )
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

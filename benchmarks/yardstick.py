@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from benchmarks.host_class import host_class_line
+
 __all__ = ["SgemmReference", "VectorPeak", "sgemm_reference", "vector_peak"]
 
 _HANDICAP = ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")
@@ -129,6 +131,7 @@ def vector_peak() -> VectorPeak:
 
 def main() -> None:
     """``bazel run //benchmarks:yardstick``: print both yardsticks."""
+    print(host_class_line())
     ref = sgemm_reference()
     print(
         f"numpy sgemm 2048^3: {ref.gflops:.1f} GFLOP/s with OpenBLAS core {ref.core} "

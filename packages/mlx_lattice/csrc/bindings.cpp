@@ -21,7 +21,9 @@
 #include "cpu/gemm.h"
 #include "cpu/gemm_bf16.h"
 #include "cpu/gemm_int8.h"
-#include "cpu/kernels.h"
+#include "cpu/float_formats.h"
+#include "cpu/isa.h"
+#include "cpu/sorted_conv.h"
 #include "cpu/parallel.h"
 #include "ops.h"
 #include "primitives.h"
@@ -198,14 +200,41 @@ void bind_ops(nb::module_& m) {
         "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
   m.def(
       "bf16_isa", [] { return kernels::half_isa(kernels::FloatFormat::kBF16); },
-      "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps), 'neon-bf16' "
-      "(BFMLALB/T) or 'float32' (converted to float32).");
+      "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps; not on Intel CPUs, "
+      "where it is slower than float32), 'neon-bf16' (BFMLALB/T) or 'float32' (converted to "
+      "float32).");
   m.def(
       "fp16_isa", [] { return kernels::half_isa(kernels::FloatFormat::kF16); },
       "The float16 forward convolution's kernel: 'neon-fhm' (FMLAL/FMLAL2) or 'float32' "
       "(converted to float32).");
   m.def("int8_isa", &kernels::int8_isa,
-        "The int8 micro-kernel in use: 'avx512-vnni', 'avx-vnni' or 'scalar'.");
+        "The int8 micro-kernel in use: 'amx-int8', 'avx512-vnni', 'avx-vnni' or 'scalar'.");
+  m.def(
+      "set_isa_ceiling",
+      [](const std::optional<std::string>& name) {
+        if (!name) {
+          isa::reset_isa_ceiling();
+          return;
+        }
+        isa::Isa level;
+        if (!isa::isa_from_name(name->c_str(), level)) {
+          throw ::mlx_lattice::InputError("set_kernel_isa: unknown ISA level '" + *name + "'.");
+        }
+        isa::set_isa_ceiling(level);
+      },
+      "name"_a.none(),
+      "Cap the CPU micro-kernels at ISA level ``name`` (cpu/isa.h's names; the int8 family "
+      "follows at once, the others choose at first use); None: back to MLX_LATTICE_GEMM_ISA.");
+  m.def(
+      "isa_ceiling", [] { return std::string(isa::isa_name(isa::isa_ceiling())); },
+      "The current ISA ceiling's name.");
+  m.def(
+      "isa_supported",
+      [](const std::string& name) {
+        isa::Isa level;
+        return isa::isa_from_name(name.c_str(), level) && isa::isa_supported(level);
+      },
+      "name"_a, "Whether this CPU and OS can run ISA level ``name`` (False when unknown).");
   m.def("gemm_isa", &gemm_isa,
         "The GEMM micro-kernel in use: 'avx512f', 'avx2-fma', 'neon-fma' or 'scalar'.");
   m.def("gemm_isas", &gemm_isas,
@@ -396,6 +425,29 @@ rounded once to ``x``'s dtype. Differentiable (closed-form backward, its own
 primitive) in ``x``, ``weight`` and ``bias``; ``mean`` and ``var`` carry no
 gradient. On GPU streams (Apple GPUs) the Metal kernels sum the same row
 blocks in compensated float32.
+)pbdoc");
+
+  m.def(
+      "batch_norm_eval",
+      [](const mx::array& x, const mx::array& mean, const mx::array& var,
+         const std::optional<mx::array>& weight, const std::optional<mx::array>& bias, float eps,
+         bool relu, mx::StreamOrDevice s) {
+        nb::gil_scoped_release unlocked;
+        return batch_norm_eval(x, mean, var, weight, bias, eps, relu, s);
+      },
+      "x"_a, "mean"_a, "var"_a, "weight"_a.none(), "bias"_a.none(), nb::kw_only(), "eps"_a,
+      "relu"_a, "stream"_a = nb::none(),
+      R"pbdoc(
+Eval-mode batch norm of ``(N, C)`` features ``x`` (float32, float16 or
+bfloat16; ``N >= 0``) with given statistics ``mean`` and ``var`` (``(C,)``,
+e.g. running averages), then a ReLU if ``relu``:
+``y = (x - mean) * scale + bias`` with ``scale = weight * rsqrt(var + eps)``
+(``weight`` and ``bias`` may be ``None``: 1 and 0). ``scale`` is formed in
+float32 with MLX ops; the map is one native pass in float32 per element,
+rounded once to ``x``'s dtype (no casts or half-precision MLX ops around
+it). Differentiable in every argument (``vjp`` and ``jvp``, float32 MLX ops);
+``vmap`` raises; ``mx.compile`` works. On GPU streams (Apple GPUs) a Metal
+kernel computes the same expression.
 )pbdoc");
 }
 

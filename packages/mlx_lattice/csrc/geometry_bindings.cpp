@@ -20,7 +20,7 @@
 #include "bindings.h"
 #include "cpu/geometry_detail.h"
 #include "cpu/geometry_kernels.h"
-#include "cpu/kernels.h"
+#include "cpu/group_by.h"
 #include "cpu/parallel.h"
 #include "ops.h"
 #include "primitives.h"

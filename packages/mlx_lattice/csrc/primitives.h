@@ -5,7 +5,7 @@
 //
 // Where each part of a primitive lives (see csrc/README.md):
 //   graph builders, vjp / jvp / vmap   transforms.cpp (geometry: transforms_geometry.cpp)
-//   eval_cpu                           cpu/<op>.cpp (kernels in cpu/kernels.cpp)
+//   eval_cpu                           cpu/<op>.cpp or cpu/<op>_eval.cpp (kernels: README.md)
 //   eval_gpu                           metal/eval.cpp (macOS) or no_metal.cpp
 //   Metal encode bodies                metal/<op>.cpp (kernels in metal/*.metal)
 //
@@ -18,7 +18,7 @@
 #include <utility>
 #include <vector>
 
-#include "cpu/kernels.h"
+#include "cpu/pool.h"
 #include "mlx/mlx.h"
 #include "mlx/primitives.h"
 #include "relation.h"
@@ -357,6 +357,36 @@ class FeatureAdd : public mx::UnaryPrimitive {
 // naming the argument for a bad dtype or shape.
 array feature_add(const array& a, const array& b, mx::StreamOrDevice s = {});
 
+// ------------------------------------------------------- eval-mode norm
+// The affine map of a batch norm with given (running) statistics, + optional
+// ReLU: (x, mean, scale, bias) -> y = [relu]((x - mean) * scale + bias) in
+// x's dtype (float32, float16 or bfloat16; (N, C), N >= 0), computed in
+// float32 and rounded once; mean, scale and bias (C,) float32. Graph code in
+// norm.cpp (batch_norm_eval folds weight / sqrt(var + eps) into scale with
+// MLX ops, so gradients reach weight and the statistics through them), CPU
+// evaluation in cpu/norm_eval.cpp (kernel batch_norm_affine of cpu/norm.h),
+// Metal kernels in metal/norm.metal. vjp and jvp as MLX ops in float32;
+// vmap raises.
+class BatchNormEval : public mx::UnaryPrimitive {
+ public:
+  BatchNormEval(mx::Stream stream, bool relu) : mx::UnaryPrimitive(stream), relu_(relu) {}
+  void eval_cpu(const std::vector<array>& inputs, array& out) override;
+  void eval_gpu(const std::vector<array>& inputs, array& out) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(BatchNormEval)
+  bool is_equivalent(const mx::Primitive& other) const override {
+    return relu_ == static_cast<const BatchNormEval&>(other).relu_;
+  }
+  std::vector<mx::Shape> output_shapes(const std::vector<array>& inputs) override {
+    return {inputs[0].shape()};
+  }
+  bool relu() const { return relu_; }
+
+ private:
+  bool relu_;
+};
+
 // Every primitive class, for the files that define one method per primitive
 // by build choice (metal/eval.cpp, no_metal.cpp, harness/eval.cpp). A new
 // primitive is added here (multi-output ones to the second list).
@@ -366,7 +396,8 @@ array feature_add(const array& a, const array& b, mx::StreamOrDevice s = {});
   X(SparseQuantizedConv)          \
   X(SparseDenominator)            \
   X(SparsePool)                   \
-  X(FeatureAdd)
+  X(FeatureAdd)                   \
+  X(BatchNormEval)
 
 // Primitives with several outputs (eval signatures take a vector of outputs).
 #define MLX_LATTICE_MULTI_OUTPUT_PRIMITIVES(X) \
@@ -477,5 +508,13 @@ class BatchNormTrainGrad : public mx::Primitive {
 // or eps.
 std::vector<array> batch_norm_train(const array& x, const array& weight, const array& bias,
                                     float eps, bool relu, mx::StreamOrDevice s = {});
+
+// Validates and builds BatchNormEval (norm.cpp): y = [relu]((x - mean) *
+// weight / sqrt(var + eps) + bias) with the given statistics; weight and
+// bias optional (absent: 1 and 0). Raises std::invalid_argument naming the
+// argument for a bad rank, shape, dtype or eps.
+array batch_norm_eval(const array& x, const array& mean, const array& var,
+                      const std::optional<array>& weight, const std::optional<array>& bias,
+                      float eps, bool relu, mx::StreamOrDevice s = {});
 
 }  // namespace mlx_lattice

@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "common.h"
-#include "cpu/kernels.h"
+#include "cpu/sorted_conv.h"
 #include "validate.h"
 
 namespace mlx_lattice {

@@ -572,8 +572,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
                     k_edge_ids.data);
   } else {
     in_edge_ids = Int32Buffer(n_edges);
-    group_by(in_rows.data, n_edges, n_in, in_offsets.data, in_edge_ids.data);
-    group_by(kernel_ids.data, n_edges, n_kernels, k_offsets.data, k_edge_ids.data);
+    group_by(n_edges, {in_rows.data, n_in, in_offsets.data, in_edge_ids.data},
+             {kernel_ids.data, n_kernels, k_offsets.data, k_edge_ids.data});
   }
 
   std::map<std::string, mx::array> result;

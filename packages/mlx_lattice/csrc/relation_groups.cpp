@@ -1,6 +1,8 @@
 #include "relation_groups.h"
 
 #include <algorithm>
+#include <array>
+#include <cstddef>
 #include <vector>
 
 #include "cpu/parallel.h"
@@ -9,49 +11,77 @@ namespace mlx_lattice {
 
 namespace {
 
-// A stable counting sort in `chunks` parallel parts: count(c, counts) adds
-// part c's members of each group to counts[g]; scatter(c, next) writes part
-// c's ids, each at next[g]++ for its group g. Groups are laid out group by
-// group, parts in order within a group, so the result is the one stable
-// order whatever the number of parts (and so of threads).
-template <class Count, class Scatter>
-void counting_sort(int64_t chunks, int64_t groups, int32_t* offsets, Count&& count,
-                   Scatter&& scatter) {
-  // cursor[c * groups + g]: part c's count of g, then its first slot for g.
-  std::vector<int32_t> cursor(chunks * groups, 0);
-  parallel_for(chunks, [&](int64_t c) { count(c, cursor.data() + c * groups); });
-  int32_t total = 0;
-  for (int64_t g = 0; g < groups; ++g) {
-    offsets[g] = total;
-    for (int64_t c = 0; c < chunks; ++c) {
-      const int32_t n = cursor[c * groups + g];
-      cursor[c * groups + g] = total;
-      total += n;
+// Where one grouping's ids go: groups, offsets (groups + 1), ids.
+struct Target {
+  int64_t groups;
+  int32_t* offsets;
+  int32_t* ids;
+};
+
+// Stable counting sorts of the same items into N groupings at once, in
+// `chunks` parallel parts. walk(c, visit) calls visit(id, keys) for part c's
+// items in order, keys[s] being the item's group in grouping s; it runs
+// twice per part (count, then scatter), so each grouping costs no pass of
+// its own. Groups are laid out group by group, parts in order within a
+// group, so the result is the one stable order whatever the number of parts
+// (and so of threads).
+template <size_t N, class Walk>
+void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& walk) {
+  // cursor[s][c * groups + g]: part c's count of g, then its first slot for g.
+  std::array<std::vector<int32_t>, N> cursor;
+  for (size_t s = 0; s < N; ++s) cursor[s].assign(chunks * targets[s].groups, 0);
+  parallel_for(chunks, [&](int64_t c) {
+    std::array<int32_t*, N> count;
+    for (size_t s = 0; s < N; ++s) count[s] = cursor[s].data() + c * targets[s].groups;
+    walk(c, [&](int32_t, const std::array<int32_t, N>& keys) {
+      for (size_t s = 0; s < N; ++s) ++count[s][keys[s]];
+    });
+  });
+  for (size_t s = 0; s < N; ++s) {
+    const int64_t groups = targets[s].groups;
+    int32_t total = 0;
+    for (int64_t g = 0; g < groups; ++g) {
+      targets[s].offsets[g] = total;
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int32_t n = cursor[s][c * groups + g];
+        cursor[s][c * groups + g] = total;
+        total += n;
+      }
     }
+    targets[s].offsets[groups] = total;
   }
-  offsets[groups] = total;
-  parallel_for(chunks, [&](int64_t c) { scatter(c, cursor.data() + c * groups); });
+  parallel_for(chunks, [&](int64_t c) {
+    std::array<int32_t*, N> next;
+    std::array<int32_t*, N> ids;
+    for (size_t s = 0; s < N; ++s) {
+      next[s] = cursor[s].data() + c * targets[s].groups;
+      ids[s] = targets[s].ids;
+    }
+    walk(c, [&](int32_t id, const std::array<int32_t, N>& keys) {
+      for (size_t s = 0; s < N; ++s) ids[s][next[s][keys[s]]++] = id;
+    });
+  });
 }
 
 }  // namespace
 
-// Counting sort of edge ids by key, in chunks of edges.
-void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, int32_t* offsets,
-              int32_t* edge_ids) {
+// Counting sort of edge ids by both keys, in chunks of edges.
+void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& second) {
   constexpr int64_t kMinChunk = int64_t{1} << 16;
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(get_num_threads(), n_edges / kMinChunk));
   const int64_t per = (n_edges + chunks - 1) / chunks;
-  counting_sort(
-      chunks, groups, offsets,
-      [&](int64_t c, int32_t* count) {
-        for (int64_t e = c * per; e < std::min(n_edges, (c + 1) * per); ++e) ++count[keys[e]];
-      },
-      [&](int64_t c, int32_t* next) {
-        for (int64_t e = c * per; e < std::min(n_edges, (c + 1) * per); ++e) {
-          edge_ids[next[keys[e]]++] = static_cast<int32_t>(e);
-        }
-      });
+  const int32_t* a = first.keys;
+  const int32_t* b = second.keys;
+  counting_sort<2>(chunks,
+                   {Target{first.groups, first.offsets, first.edge_ids},
+                    Target{second.groups, second.offsets, second.edge_ids}},
+                   [&](int64_t c, auto&& visit) {
+                     const int64_t e1 = std::min(n_edges, (c + 1) * per);
+                     for (int64_t e = c * per; e < e1; ++e) {
+                       visit(static_cast<int32_t>(e), std::array<int32_t, 2>{a[e], b[e]});
+                     }
+                   });
 }
 
 // The kernel grouping from each output row's offset mask (bit k: the row has
@@ -60,21 +90,17 @@ void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, int32_t* off
 void group_by_offset(const uint32_t* masks, const int32_t* out_offsets, int64_t n_out,
                      int64_t n_kernels, int32_t* k_offsets, int32_t* k_edge_ids) {
   constexpr int64_t kTile = 8192;
-  counting_sort(
-      (n_out + kTile - 1) / kTile, n_kernels, k_offsets,
-      [&](int64_t t, int32_t* count) {
-        for (int64_t o = t * kTile; o < std::min(n_out, (t + 1) * kTile); ++o) {
-          for (uint32_t m = masks[o]; m != 0; m &= m - 1) ++count[__builtin_ctz(m)];
-        }
-      },
-      [&](int64_t t, int32_t* next) {
-        for (int64_t o = t * kTile; o < std::min(n_out, (t + 1) * kTile); ++o) {
-          int32_t e = out_offsets[o];
-          for (uint32_t m = masks[o]; m != 0; m &= m - 1) {
-            k_edge_ids[next[__builtin_ctz(m)]++] = e++;
-          }
-        }
-      });
+  counting_sort<1>((n_out + kTile - 1) / kTile, {Target{n_kernels, k_offsets, k_edge_ids}},
+                   [&](int64_t t, auto&& visit) {
+                     const int64_t o1 = std::min(n_out, (t + 1) * kTile);
+                     for (int64_t o = t * kTile; o < o1; ++o) {
+                       int32_t e = out_offsets[o];
+                       for (uint32_t m = masks[o]; m != 0; m &= m - 1) {
+                         visit(e++, std::array<int32_t, 1>{
+                                        static_cast<int32_t>(__builtin_ctz(m))});
+                       }
+                     }
+                   });
 }
 
 }  // namespace mlx_lattice

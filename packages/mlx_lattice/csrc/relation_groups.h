@@ -7,12 +7,20 @@
 
 namespace mlx_lattice {
 
-// Edge ids grouped by keys[e] in [0, groups): offsets (groups + 1) and
+// One grouping of edges by keys[e] in [0, groups): offsets (groups + 1) and
 // edge_ids (n_edges), ids ascending within a group.
-void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, int32_t* offsets,
-              int32_t* edge_ids);
+struct EdgeGrouping {
+  const int32_t* keys;
+  int64_t groups;
+  int32_t* offsets;
+  int32_t* edge_ids;
+};
 
-// The same grouping by kernel offset for edges stored by output row with
+// Both groupings of the same n_edges edges (by input row and by kernel
+// offset) in one counting pass and one scatter pass over the edges.
+void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& second);
+
+// The grouping by kernel offset for edges stored by output row with
 // ascending offsets, from each row's offset mask (bit k: an edge at offset
 // k, n_kernels <= 32) and the rows' edge offsets.
 void group_by_offset(const uint32_t* masks, const int32_t* out_offsets, int64_t n_out,

@@ -14,6 +14,11 @@ ops for its norms); on other devices the same closed form runs as MLX ops on
 float32 copies.
 ``//benchmarks:sparse_unet`` measures the training step it serves.
 
+:func:`batch_norm_eval` is the eval-mode norm (given running statistics)
+as one native map in the features' own dtype: through MLX ops a float16
+network's norms cost two casts and several float32 passes each, more than
+its float16 convolutions save.
+
 :func:`add` sums two same-shaped arrays in their own dtype natively: on the
 CPU MLX's float16 and bfloat16 elementwise ops are many times slower than
 float32 ones (autodiff's sum of the two gradients of a half-precision skip
@@ -37,7 +42,7 @@ from mlx_lattice._native import ext
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.relations import KernelRelation, build_kernel_relation
 
-__all__ = ["add", "batch_norm_train", "dense_linear", "identity_relation"]
+__all__ = ["add", "batch_norm_eval", "batch_norm_train", "dense_linear", "identity_relation"]
 
 _F32 = mx.float32
 
@@ -140,7 +145,7 @@ def batch_norm_train(
             raise MlxLatticeError(f"{name} must be float32, float16 or bfloat16, got {p.dtype}.")
     if not (isinstance(eps, int | float) and 0 <= eps < float("inf")):
         raise MlxLatticeError(f"eps must be a finite number >= 0, got {eps!r}.")
-    if mx.default_device() == mx.cpu or mx.metal.is_available():
+    if native_norms():
         y, mean, var = ext.batch_norm_train(x, weight, bias, eps=float(eps), relu=bool(relu))
         return y, mx.stop_gradient(mean), mx.stop_gradient(var)
     key = (float(eps), bool(relu))
@@ -149,6 +154,53 @@ def batch_norm_train(
         fn = _FUSED[key] = _make(*key)
     y, mean, var = fn(x.astype(_F32), weight, bias)  # type: ignore[operator]
     return y.astype(x.dtype), mx.stop_gradient(mean), mx.stop_gradient(var)
+
+
+def native_norms() -> bool:
+    """Whether the native batch norm primitives run on the default device
+    (the CPU, or an Apple GPU through Metal)."""
+    return mx.default_device() == mx.cpu or mx.metal.is_available()
+
+
+def batch_norm_eval(
+    x: mx.array,
+    mean: mx.array,
+    var: mx.array,
+    weight: mx.array | None = None,
+    bias: mx.array | None = None,
+    *,
+    eps: float = 1e-5,
+    relu: bool = False,
+) -> mx.array:
+    """Eval-mode batch norm of ``(N, C)`` features with given statistics
+    (running averages), then a ReLU if ``relu``:
+    ``y = max((x - mean) * weight / sqrt(var + eps) + bias, 0)``, ``weight``
+    and ``bias`` optional.
+
+    ``scale = weight * rsqrt(var + eps)`` is formed in float32 (as
+    ``mlx.nn.BatchNorm`` forms its factors); the map runs as one native pass
+    (``ext.batch_norm_eval``) in float32 per element and is rounded once to
+    ``x``'s dtype (float32, float16 or bfloat16), so half-precision features
+    pay no casts and no half-precision MLX ops. Differentiable in every
+    argument; on devices without the native kernels (neither the CPU nor
+    Metal) the same expression runs as MLX ops on float32 copies. Bad
+    arguments raise ``ValueError`` naming them.
+
+    >>> x = mx.array([[1.0, 0.0], [3.0, 4.0]])
+    >>> batch_norm_eval(x, mx.array([2.0, 2.0]), mx.array([1.0, 4.0]), eps=0.0, relu=True).tolist()
+    [[0.0, 0.0], [1.0, 1.0]]
+    """
+    if native_norms():
+        return ext.batch_norm_eval(x, mean, var, weight, bias, eps=float(eps), relu=bool(relu))
+    scale = mx.rsqrt(var.astype(_F32) + eps)
+    if weight is not None:
+        scale = weight.astype(_F32) * scale
+    y = (x.astype(_F32) - mean.astype(_F32)) * scale
+    if bias is not None:
+        y = y + bias.astype(_F32)
+    if relu:
+        y = mx.maximum(y, 0)
+    return y.astype(x.dtype)
 
 
 _IDENTITY: OrderedDict[int, KernelRelation] = OrderedDict()

@@ -656,8 +656,11 @@ def batch_norm_features(norm: mlx_nn.BatchNorm, f: mx.array, *, relu: bool = Fal
     norm that tracks running statistics and at least two rows, this is
     :func:`mlx_lattice.fused.batch_norm_train` for float32, float16 and
     bfloat16 features alike (statistics once, closed-form backward; on the
-    CPU native kernels that read and write the features' own dtype);
-    otherwise ``mlx.nn.BatchNorm`` itself on float32 features.
+    CPU native kernels that read and write the features' own dtype). In
+    eval mode with running statistics it is
+    :func:`mlx_lattice.fused.batch_norm_eval` (one native map in the
+    features' dtype, the ReLU fused); otherwise ``mlx.nn.BatchNorm`` itself
+    on float32 features.
 
     >>> batch_norm_features(mlx_nn.BatchNorm(1), mx.array([[1.0], [3.0]]), relu=True).round(4).tolist()
     [[0.0], [1.0]]
@@ -691,6 +694,21 @@ def batch_norm_features(norm: mlx_nn.BatchNorm, f: mx.array, *, relu: bool = Fal
         norm.running_mean = ((1 - mu) * rm + mu * mean).astype(rm.dtype)
         norm.running_var = ((1 - mu) * rv + mu * var * (n / (n - 1))).astype(rv.dtype)
         return y
+    if (
+        not norm.training
+        and f.dtype in (mx.float32, mx.float16, mx.bfloat16)
+        and "running_mean" in norm
+        and f.ndim == 2
+    ):
+        return fused.batch_norm_eval(
+            f,
+            norm.running_mean,
+            norm.running_var,
+            norm.get("weight"),
+            norm.get("bias"),
+            eps=norm.eps,
+            relu=relu,
+        )
     if f.dtype in (mx.float16, mx.bfloat16):
         stats = {k: norm[k].dtype for k in ("running_mean", "running_var") if k in norm}
         y = mlx_nn.BatchNorm.__call__(norm, f.astype(mx.float32))
@@ -713,8 +731,10 @@ class BatchNorm(mlx_nn.BatchNorm):
     comes back in the input dtype and running statistics keep their dtype. In
     training (affine, running statistics tracked) the norm runs as
     :func:`mlx_lattice.fused.batch_norm_train` for every float dtype: the
-    statistics computed once and a closed-form backward pass. :meth:`relu`
-    fuses the ReLU that usually follows (see :func:`batch_norm_features`).
+    statistics computed once and a closed-form backward pass; in eval mode
+    (running statistics) :func:`mlx_lattice.fused.batch_norm_eval`, one
+    native map in the features' dtype. :meth:`relu` fuses the ReLU that
+    usually follows (see :func:`batch_norm_features`).
 
     >>> x = SparseTensor(mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32),
     ...                  mx.array([[1.0, -2.0], [3.0, 2.0]]))

@@ -65,6 +65,10 @@ needs_bf16 = pytest.mark.skipif(
 
 
 @needs_bf16
+@pytest.mark.skipif(
+    ext.bf16_isa() == "amx-bf16",
+    reason="amx-bf16 sums in TDPBF16PS's order: amx_bf16_test checks it, the bound test below too",
+)
 @pytest.mark.parametrize(("cin", "cout"), [(64, 64), (19, 70), (32, 16), (7, 33)])
 def test_matches_emulation_bit_for_bit(rng, cin, cout):
     rel, f, w = make_case(rng, cin, cout)
@@ -77,7 +81,7 @@ def test_matches_emulation_bit_for_bit(rng, cin, cout):
 
 @pytest.mark.parametrize(("cin", "cout"), [(64, 64), (19, 70)])
 def test_within_bf16_rounding_of_float64(rng, cin, cout):
-    """Every path (vdpbf16ps or float32): |out - exact| <= one bf16 rounding
+    """Every path (TDPBF16PS, vdpbf16ps or float32): |out - exact| <= one bf16 rounding
     of the result (2^-8 relative) plus float32 accumulation error bounded by
     n * eps * sum|terms| (n = K * Cin terms)."""
     rel, f, w = make_case(rng, cin, cout)

@@ -286,8 +286,8 @@ np.savez(sys.argv[1], **results)
 # The int8 micro-kernels by architecture, best first (cpu/isa.h's names);
 # "scalar" is every platform's fallback.
 _INT8_PATHS = {
-    "x86_64": ("avx512-vnni", "avx-vnni"),
-    "AMD64": ("avx512-vnni", "avx-vnni"),
+    "x86_64": ("amx-int8", "avx512-vnni", "avx-vnni"),
+    "AMD64": ("amx-int8", "avx512-vnni", "avx-vnni"),
     "aarch64": ("neon-i8mm", "neon-dotprod"),
     "arm64": ("neon-i8mm", "neon-dotprod"),
 }.get(platform.machine(), ())
@@ -543,3 +543,42 @@ def test_static_scale_whole_vectors_every_isa_and_thread_count(tmp_path, seed, i
                 got = r[f"bad{cin}_t{threads}"]
                 assert np.isnan(got[touched]).all(), msg
                 np.testing.assert_array_equal(got[rest], want_bad[rest], err_msg=msg)
+
+
+def test_set_kernel_isa_forces_each_int8_path_in_process(rng):
+    """mlx_lattice.set_kernel_isa caps the int8 kernels at once (no child
+    process): each path this CPU has runs when forced (the AMX-INT8 tile
+    driver where the host has AMX: CPUID, XCR0 and the OS permission; it
+    prints which ran) and all give the NumPy reference's bits, dynamic and
+    static scales, 8- and 4-bit codes, 70 output columns (a partial tile)."""
+    rel, feats, qw8 = make_case(rng, 700, 40, 70, 8, 32)
+    _, _, qw4 = make_case(rng, 700, 40, 70, 4, 32)
+    f = mx.array(feats)
+    scale = np.float32(np.abs(feats).max() / 127)
+    want = {
+        (bits, static): int8_conv_ref(feats, qw, rel, static=scale if static else None)
+        for bits, qw in ((8, qw8), (4, qw4))
+        for static in (False, True)
+    }
+    ran = []
+    try:
+        for isa in (*_INT8_PATHS, "scalar"):
+            mlx_lattice.set_kernel_isa(isa)
+            assert mlx_lattice.get_kernel_isa() == isa
+            if ext.isa_supported(isa) or isa == "scalar":
+                assert ext.int8_isa() == isa
+            ran.append(ext.int8_isa())
+            for (bits, static), ref in want.items():
+                qw = qw8 if bits == 8 else qw4
+                out = ops.sparse_quantized_conv_features_from_relation(
+                    f, qw, rel, act_bits=8, act_scale=scale if static else None
+                )
+                np.testing.assert_array_equal(np.array(out), ref, err_msg=f"{isa} w{bits} {static}")
+    finally:
+        mlx_lattice.set_kernel_isa(None)
+    print("int8 paths run:", ran, "(amx-int8 tiles on the hardware)" if "amx-int8" in ran else
+          "(no AMX here: the tile driver runs on the model in //packages/mlx_lattice:amx_int8_test)")
+    with pytest.raises(mlx_lattice.MlxLatticeError, match="unknown ISA level"):
+        mlx_lattice.set_kernel_isa("avx9")
+    with pytest.raises(mlx_lattice.MlxLatticeTypeError, match="name must be a str"):
+        mlx_lattice.set_kernel_isa(3)  # type: ignore[arg-type]

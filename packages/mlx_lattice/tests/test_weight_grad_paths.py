@@ -283,12 +283,43 @@ def bits(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint32 if a.dtype == mx.float32 else mx.uint16))
 
 
+# On AMX-BF16 hosts bfloat16 dW runs on the tile driver
+# (cpu/amx_bf16_wgrad.h): its own order, so a bound instead of bits.
+AMX_BF16 = ext.bf16_isa() == "amx-bf16"
+
+
+def assert_amx_bf16_weight_grad(f, g, w, rel, seed, threads, expected):
+    """The amx-bf16 dW: the same bits at every thread count, within the
+    driver's bound (n u sum |products|, n the offset's edges; plus one bf16
+    rounding for a bf16 weight) of float64."""
+    k = w.shape[0]
+    dw, mag = reference_add_at(f.astype(mx.float32), g.astype(mx.float32), rel, k)
+    n = np.bincount(np.asarray(edges_of(rel)[2]), minlength=k)[:, None, None] + 32
+    bound = 1.01 * n * 2.0**-24 * mag + 1e-30
+    first = {}
+    for t in threads:
+        for name, weight in (("mixed", w), ("half", w.astype(f.dtype))):
+            got = with_threads(t, lambda weight=weight: weight_grad_array(f, g, weight, rel))
+            assert got.dtype == weight.dtype, f"seed {seed}: {name} dW is {got.dtype}"
+            got64 = np.array(got.astype(mx.float32)).astype(np.float64)
+            limit = bound
+            if name == "half":
+                limit = (1 + 2.0**-8) * bound + 2.0**-8 * np.abs(dw)
+            assert np.all(np.abs(got64 - dw) <= limit), f"seed {seed}: {name}, {t} threads"
+            if name in first:
+                np.testing.assert_array_equal(bits(got), first[name], err_msg=f"seed {seed}")
+            first[name] = bits(got)
+    return expected
+
+
 def assert_half_path_is_the_widened_float32_path(f, g, w, rel, seed, threads=(1, 2, 3)):
     """Mixed (float32 weight) and all-half (weight in f's dtype) weight
     gradients of half f, g at every thread count against the float32 path on
     f, g cast to float32 (float32 dW, rounded once for a half weight)."""
     f32, g32 = f.astype(mx.float32), g.astype(mx.float32)
     expected = with_threads(1, lambda: weight_grad_array(f32, g32, w, rel))
+    if AMX_BF16 and f.dtype == mx.bfloat16:
+        return assert_amx_bf16_weight_grad(f, g, w, rel, seed, threads, expected)
     expected_half = expected.astype(f.dtype)
     for n in threads:
         mixed = with_threads(n, lambda: weight_grad_array(f, g, w, rel))

@@ -9,7 +9,7 @@
 #include "../primitives.h"
 #include "eval.h"
 #include "parallel.h"
-#include "tiles.h"
+#include "float_formats.h"
 
 namespace mlx_lattice {
 

@@ -7,9 +7,14 @@
 #include "../primitives.h"
 #include "../weight_cache.h"
 #include "eval.h"
+#include "conv_forward.h"
+#include "float_formats.h"
 #include "gemm_bf16.h"
 #include "gemm_int8.h"
-#include "kernels.h"
+#include "group_by.h"
+#include "quantized_weight.h"
+#include "sorted_conv.h"
+#include "weight_gradient.h"
 
 namespace mlx_lattice {
 
@@ -107,6 +112,19 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                }
                return wt;
              };
+             if (mode == Mode::kInputGrad && half &&
+                 kernels::half_conv_transposed_available(format)) {
+               // The feature gradient on the bf16 row driver (amx-bf16,
+               // cpu/amx_bf16.h): the input CSR with each offset's weight
+               // transposed, float32 tiles rounded once.
+               kernels::Csr csr{idx(r.in_offsets), idx(r.in_edge_ids), r.n_in};
+               kernels::half_conv_transposed(
+                   format, a.size() ? a.data<uint16_t>() : nullptr, a.shape(0), b.shape(2),
+                   mixed ? rounded->bits.data() : b.data<uint16_t>(), r.n_kernels, b.shape(1),
+                   csr, idx(r.out_rows), idx(r.kernel_ids),
+                   o.size() ? o.data<uint16_t>() : nullptr);
+               return;
+             }
              if (mode == Mode::kInputGrad && a.dtype() == o.dtype() && a.dtype() != mx::float32) {
                // Half-precision cotangent rows widened per tile by the
                // forward's half driver (no float32 copy of G, one rounding
@@ -118,6 +136,21 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                                      wt.data(), r.n_kernels, b.shape(1), csr, idx(r.out_rows),
                                      idx(r.in_rows), idx(r.kernel_ids),
                                      o.size() ? o.data<void>() : nullptr);
+               return;
+             }
+             if (mode == Mode::kWeightGrad && a.dtype() == b.dtype() && a.dtype() != mx::float32 &&
+                 kernels::half_weight_grad_available(format)) {
+               // bf16 features and cotangents on the amx-bf16 weight-gradient
+               // driver (cpu/amx_bf16_wgrad.h): float32 dW, rounded once to
+               // a half weight's dtype.
+               FloatOut out32(o);
+               kernels::Csr csr{idx(r.k_offsets), idx(r.k_edge_ids), r.n_kernels};
+               kernels::half_weight_grad(format, a.size() ? a.data<uint16_t>() : nullptr,
+                                         a.shape(0), a.shape(1),
+                                         b.size() ? b.data<uint16_t>() : nullptr, b.shape(0),
+                                         b.shape(1), csr, idx(r.in_rows), idx(r.out_rows),
+                                         out32.get());
+               out32.finish();
                return;
              }
              if (mode == Mode::kWeightGrad) {

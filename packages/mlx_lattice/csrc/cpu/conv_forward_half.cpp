@@ -13,6 +13,7 @@
 #include "gemm.h"
 #include "isa.h"
 #include "parallel.h"
+#include "float_formats.h"
 #include "tiles.h"
 
 namespace mlx_lattice::kernels {

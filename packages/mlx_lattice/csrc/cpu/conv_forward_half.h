@@ -5,7 +5,8 @@
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "float_formats.h"
+#include "group_by.h"
 
 namespace mlx_lattice::kernels {
 

@@ -1,28 +1,49 @@
-// CPU evaluation of SparseDenominator.
+#include "denominator.h"
+
+#include <algorithm>
 #include <vector>
 
-#include "../primitives.h"
-#include "eval.h"
-#include "kernels.h"
+#include "group_by.h"
+#include "parallel.h"
 
-namespace mlx_lattice {
+namespace mlx_lattice::kernels {
 
-void SparseDenominator::eval_cpu(const std::vector<array>& inputs, array& out) {
-  cpu::dispatch(stream(), inputs, out, [mode = mode_, rel = rel_](std::vector<array>& in, array& o) {
-    const auto& x = in[0];
-    const Relation& r = *rel;
-    cpu::FloatIn x32(x, 0);
-    cpu::FloatOut out32(o);
-    if (mode == Mode::kDenominator) {
-      kernels::normalization_denominator(x32.get(), r.n_kernels, x.shape(1), x.shape(2),
-                                         cpu::idx(r.kernel_ids), cpu::idx(r.out_offsets), r.n_out,
-                                         out32.get());
-    } else {
-      kernels::denominator_gradient(x32.get(), x.shape(1), cpu::idx(r.kernel_ids),
-                                    cpu::idx(r.out_offsets), r.n_out, r.n_kernels, out32.get());
+void normalization_denominator(const float* weight, int64_t n_kernels, int64_t cin,
+                               int64_t cout, const int32_t* kernel_ids, const int32_t* out_offsets,
+                               int64_t n_out, float* out) {
+  std::vector<float> colsum(n_kernels * cout, 0.0f);
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    for (int64_t i = 0; i < cin; ++i) {
+      for (int64_t x = 0; x < cout; ++x) colsum[k * cout + x] += weight[(k * cin + i) * cout + x];
     }
-    out32.finish();
+  }
+  parallel_for(ceil_div(n_out, kTileRows), [&](int64_t tile) {
+    const int64_t o1 = std::min(n_out, (tile + 1) * kTileRows);
+    for (int64_t o = tile * kTileRows; o < o1; ++o) {
+      float* row = out + o * cout;
+      std::fill(row, row + cout, 0.0f);
+      for (int64_t e = out_offsets[o]; e < out_offsets[o + 1]; ++e) {
+        const float* s = colsum.data() + static_cast<int64_t>(kernel_ids[e]) * cout;
+        for (int64_t x = 0; x < cout; ++x) row[x] += s[x];
+      }
+    }
   });
 }
 
-}  // namespace mlx_lattice
+void denominator_gradient(const float* grad, int64_t cout, const int32_t* kernel_ids,
+                          const int32_t* out_offsets, int64_t n_out, int64_t n_kernels,
+                          float* out) {
+  std::fill(out, out + n_kernels * cout, 0.0f);
+  parallel_for(ceil_div(cout, kChannelBlock), [&](int64_t block) {
+    const int64_t x0 = block * kChannelBlock;
+    const int64_t x1 = std::min(cout, x0 + kChannelBlock);
+    for (int64_t o = 0; o < n_out; ++o) {
+      for (int64_t e = out_offsets[o]; e < out_offsets[o + 1]; ++e) {
+        float* dst = out + static_cast<int64_t>(kernel_ids[e]) * cout;
+        for (int64_t x = x0; x < x1; ++x) dst[x] += grad[o * cout + x];
+      }
+    }
+  });
+}
+
+}  // namespace mlx_lattice::kernels

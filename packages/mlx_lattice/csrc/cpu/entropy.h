@@ -6,7 +6,8 @@
 // (bits <= 16). Errors are std::invalid_argument with a message naming the
 // argument; every symbol, table entry and stream byte is validated before it
 // indexes memory, so malformed tables or streams raise instead of reading
-// out of bounds. Stream formats are documented in entropy.cpp.
+// out of bounds. Stream formats are documented in entropy_coders.h
+// (rANS, range) and entropy_occupancy.cpp.
 #pragma once
 
 #include <cstddef>

@@ -6,7 +6,7 @@
 #include <utility>
 #include <vector>
 
-#include "kernels.h"
+#include "float_formats.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 

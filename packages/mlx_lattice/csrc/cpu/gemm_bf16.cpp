@@ -12,6 +12,8 @@
 #include <arm_neon.h>
 #endif
 
+#include "amx_bf16.h"
+#include "amx_bf16_wgrad.h"
 #include "isa.h"
 #include "parallel.h"
 #include "tiles.h"
@@ -137,16 +139,23 @@ __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
 #include "gemm_half_neon.inc"  // AArch64 BFMLALB/T and FMLAL/FMLAL2 blocks
 
 // The half-precision blocks by ISA level (cpu/isa.h), best first; the last
-// entry (no kernel) sends callers to the float32 path.
+// entry (no kernel) sends callers to the float32 path. An entry runs either
+// per register block of edges (block, round) or per block of output rows
+// (rows: the AMX output-stationary driver, cpu/amx_bf16.h).
 using BlockFn = void (*)(const Block& blk, const PackedBf16& w, int64_t k, int64_t cout);
 using RoundFn = void (*)(const float* src, int64_t n, uint16_t* dst);
 struct HalfEntry {
   isa::Isa isa;
   BlockFn block;
   RoundFn round;  // the float32 tile to the storage format
+  Bf16RowsFn rows = nullptr;
+  Bf16WgradFn wgrad = nullptr;  // the weight gradient (row-driver entries)
 };
-constexpr HalfEntry kBf16Table[] = {
+// Not constexpr: the AMX entry's driver is defined in its own translation
+// unit (a constant-initialized pointer, so set before this table).
+const HalfEntry kBf16Table[] = {
 #ifdef MLX_LATTICE_X86
+    {isa::Isa::kAmxBf16, nullptr, nullptr, kAmxBf16RowsHw, kAmxBf16WgradHw},
     {isa::Isa::kAvx512Bf16, block_bf16, tile_to_bf16},
 #endif
 #if defined(__aarch64__)
@@ -159,11 +168,60 @@ constexpr HalfEntry kFp16Table[] = {
 #endif
     {isa::Isa::kScalar, nullptr, nullptr}};
 
-// The entry picked for a storage format (kBF16 or kF16) at first use.
+// The bf16 entry, host-aware ("never slower than float32"): vdpbf16ps
+// (avx512-bf16) runs at the FMA instruction's rate on AMD Zen 4/5, where
+// the bf16 block beats the float32 path (1.5x in //benchmarks:sparse_conv),
+// but at half of it on Intel cores (fma_peak on an AMX Xeon: 228 against
+// 456 GFLOP/s; the bf16 forward ran at 0.69x float32 there), so on Intel
+// CPUs the avx512-bf16 entry is skipped: AMX-BF16 where usable, else the
+// conversion to float32 and the FMA kernels. The rule is CPUID's vendor,
+// not a timing, so a host's choice (and its bits) is the same in every run;
+// ext.bf16_isa() reports it. An entry whose driver this build lacks is
+// skipped.
+const HalfEntry& pick_bf16() {
+  constexpr size_t n = sizeof(kBf16Table) / sizeof(kBf16Table[0]);
+  for (size_t i = 0; i + 1 < n; ++i) {
+    const HalfEntry& e = kBf16Table[i];
+    if (!isa::isa_usable(e.isa) || (e.block == nullptr && e.rows == nullptr)) continue;
+#ifdef MLX_LATTICE_X86
+    if (e.isa == isa::Isa::kAvx512Bf16 && isa::cpu_is_intel()) continue;
+#endif
+    return e;
+  }
+  return kBf16Table[n - 1];
+}
+
+// The entry picked for a storage format (kBF16 or kF16) at first use (once:
+// a caller's half_conv_available and half_conv must agree).
 const HalfEntry& entry_for(FloatFormat format) {
-  static const HalfEntry& bf16 = isa::pick(kBf16Table);
+  static const HalfEntry& bf16 = pick_bf16();
   static const HalfEntry& fp16 = isa::pick(kFp16Table);
   return format == FloatFormat::kBF16 ? bf16 : fp16;
+}
+
+// Output rows per parallel task of the row driver (16-row blocks inside).
+constexpr int64_t kAmxTileRows = 256;
+
+// The row driver over every output row of `csr`: the weight packed once per
+// call into TDPBF16PS's layout (this thread's buffer, read by the workers).
+void rows_conv(Bf16RowsFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
+               const uint16_t* weight, int64_t n_kernels, int64_t cout, bool transpose_weight,
+               const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
+               uint16_t* out) {
+  thread_local amx_bf16::PackedWeight packed;
+  amx_bf16::PackedWeight& p = packed;
+  // The driver's channels: rows of `row_ch`, outputs of `out_ch`.
+  const int64_t row_ch = transpose_weight ? cout : cin;
+  const int64_t out_ch = transpose_weight ? cin : cout;
+  amx_bf16::pack_weight(weight, n_kernels, row_ch, out_ch, transpose_weight, p);
+  const amx_bf16::Weights w = amx_bf16::view(p, n_kernels, out_ch);
+  const amx_bf16::Rows rows{feats, n_in, row_ch};
+  const int64_t tiles = ceil_div(csr.groups, kAmxTileRows);
+  parallel_for(tiles, [&](int64_t tile) {
+    const int64_t g0 = tile * kAmxTileRows;
+    const int64_t g1 = std::min(csr.groups, g0 + kAmxTileRows);
+    fn(rows, w, csr, a_index, kernel_ids, g0, g1, out);
+  });
 }
 
 struct Scratch {
@@ -249,7 +307,16 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
 }  // namespace
 
 bool half_conv_available(FloatFormat format) {
-  return format != FloatFormat::kF32 && entry_for(format).block != nullptr;
+  return format != FloatFormat::kF32 &&
+         (entry_for(format).block != nullptr || entry_for(format).rows != nullptr);
+}
+
+bool half_weight_grad_available(FloatFormat format) {
+  return format != FloatFormat::kF32 && entry_for(format).wgrad != nullptr;
+}
+
+bool half_conv_transposed_available(FloatFormat format) {
+  return format != FloatFormat::kF32 && entry_for(format).rows != nullptr;
 }
 
 const char* half_isa(FloatFormat format) {
@@ -261,8 +328,48 @@ void half_conv(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t 
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                uint16_t* out) {
   if (!half_conv_available(format)) return;
+  const HalfEntry& entry = entry_for(format);
+  if (entry.rows) {
+    rows_conv(entry.rows, feats, n_in, cin, weight, n_kernels, cout, false, csr, a_index,
+              kernel_ids, out);
+    return;
+  }
   conv_tiles(entry_for(format), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
              kernel_ids, out);
+}
+
+void half_conv_transposed(FloatFormat format, const uint16_t* grad, int64_t n_out, int64_t cout,
+                          const uint16_t* weight, int64_t n_kernels, int64_t cin, const Csr& csr,
+                          const int32_t* g_index, const int32_t* kernel_ids, uint16_t* out) {
+  if (!half_conv_transposed_available(format)) return;
+  rows_conv(entry_for(format).rows, grad, n_out, cin, weight, n_kernels, cout, true, csr, g_index,
+            kernel_ids, out);
+}
+
+void bf16_conv_rows(Bf16RowsFn rows, const uint16_t* feats, int64_t n_in, int64_t cin,
+                    const uint16_t* weight, int64_t n_kernels, int64_t cout, bool transpose_weight,
+                    const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
+                    uint16_t* out) {
+  rows_conv(rows, feats, n_in, cin, weight, n_kernels, cout, transpose_weight, csr, a_index,
+            kernel_ids, out);
+}
+
+void bf16_weight_grad_rows(Bf16WgradFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
+                           const uint16_t* grad, int64_t n_out, int64_t cout,
+                           const Csr& kernel_csr, const int32_t* in_rows,
+                           const int32_t* out_rows, float* dweight) {
+  const amx_bf16::WgradArgs args{feats,      n_in,    cin,     grad,
+                                 n_out,      cout,    kernel_csr, in_rows,
+                                 out_rows};
+  parallel_for(kernel_csr.groups, [&](int64_t k) { fn(args, k, k + 1, dweight); });
+}
+
+void half_weight_grad(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t cin,
+                      const uint16_t* grad, int64_t n_out, int64_t cout, const Csr& kernel_csr,
+                      const int32_t* in_rows, const int32_t* out_rows, float* dweight) {
+  if (!half_weight_grad_available(format)) return;
+  bf16_weight_grad_rows(entry_for(format).wgrad, feats, n_in, cin, grad, n_out, cout, kernel_csr,
+                        in_rows, out_rows, dweight);
 }
 
 }  // namespace mlx_lattice::kernels

@@ -1,7 +1,10 @@
 // Half-precision sparse convolution forward: bf16 or fp16 features and
 // weights, float32 accumulation in a tile, rounded once per tile. One tile
 // driver (cpu/gemm_bf16.cpp) with blocks by ISA level (cpu/isa.h):
-//   bf16: avx512-bf16 (vdpbf16ps), neon-bf16 (BFMLALT/BFMLALB,
+//   bf16: amx-bf16 (TDPBF16PS, the output-stationary row driver of
+//         cpu/amx_bf16.h, which states its own order and error bound; it
+//         also runs the feature gradient, half_conv_transposed),
+//         avx512-bf16 (vdpbf16ps), neon-bf16 (BFMLALT/BFMLALB,
 //         cpu/gemm_half_neon.inc);
 //   fp16: neon-fhm (FMLAL/FMLAL2).
 //
@@ -21,7 +24,8 @@
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "float_formats.h"
+#include "group_by.h"
 
 namespace mlx_lattice::kernels {
 
@@ -30,7 +34,7 @@ namespace mlx_lattice::kernels {
 // float32 path. Always false for kF32.
 bool half_conv_available(FloatFormat format);
 
-// The block's ISA name for `format` ("avx512-bf16", "neon-bf16" for bf16;
+// The block's ISA name for `format` ("amx-bf16", "avx512-bf16", "neon-bf16" for bf16;
 // "neon-fhm" for fp16), or "float32".
 const char* half_isa(FloatFormat format);
 
@@ -43,5 +47,72 @@ void half_conv(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t 
                const uint16_t* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                uint16_t* out);
+
+// Whether the feature gradient of a `format` convolution runs in `format`
+// here (half_conv_transposed): only the amx-bf16 row driver offers it;
+// elsewhere callers widen to the float32 path.
+bool half_conv_transposed_available(FloatFormat format);
+
+// The feature gradient: out (n_in, cin) in `format`, overwritten: out[i] =
+// sum over edges e of input row i of G[g_index[e]] @ W[kernel_ids[e]]^T,
+// G (n_out, cout) and W (K, cin, cout) stored in `format`; csr is the
+// input-side CSR of the relation (edge_ids into the edge arrays). Does
+// nothing where half_conv_transposed_available(format) is false.
+void half_conv_transposed(FloatFormat format, const uint16_t* grad, int64_t n_out, int64_t cout,
+                          const uint16_t* weight, int64_t n_kernels, int64_t cin, const Csr& csr,
+                          const int32_t* g_index, const int32_t* kernel_ids, uint16_t* out);
+
+// Whether the weight gradient of a convolution with `format` features and
+// cotangents runs on a half-precision kernel here (half_weight_grad): only
+// the amx-bf16 driver offers it; elsewhere callers use the float32 path.
+bool half_weight_grad_available(FloatFormat format);
+
+// dW (K, cin, cout) float32, overwritten: dW[k] = sum over edges e of
+// offset k (kernel_csr, edge_ids into the edge arrays) of F[in_rows[e]]^T
+// G[out_rows[e]], F (n_in, cin) and G (n_out, cout) stored in `format`
+// (cpu/amx_bf16_wgrad.h states the order and bound). Does nothing where
+// half_weight_grad_available(format) is false.
+void half_weight_grad(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t cin,
+                      const uint16_t* grad, int64_t n_out, int64_t cout, const Csr& kernel_csr,
+                      const int32_t* in_rows, const int32_t* out_rows, float* dweight);
+
+namespace amx_bf16 {
+struct Rows;
+struct Weights;
+struct WgradArgs;
+}  // namespace amx_bf16
+
+// A bf16 row-block driver (cpu/amx_bf16.h's run_rows instantiated with a
+// tile policy): output rows [g0, g1) of `csr`, out the whole output.
+using Bf16RowsFn = void (*)(const amx_bf16::Rows& a, const amx_bf16::Weights& w, const Csr& csr,
+                            const int32_t* a_index, const int32_t* kernel_ids, int64_t g0,
+                            int64_t g1, uint16_t* out);
+
+// The bf16 convolution with a given row-block driver instead of the chosen
+// kernel (tests run the driver on the tile model this way): out (n_rows,
+// cout') = per edge F[a_index[e]] @ W'[kernel_ids[e]] over the rows of
+// `csr`, with W' = W (K, cin, cout) or, transpose_weight, each offset's
+// W^T (K, cout, cin) (then the feature rows have cout channels and out has
+// cin).
+void bf16_conv_rows(Bf16RowsFn rows, const uint16_t* feats, int64_t n_in, int64_t cin,
+                    const uint16_t* weight, int64_t n_kernels, int64_t cout, bool transpose_weight,
+                    const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
+                    uint16_t* out);
+
+// A bf16 weight-gradient driver (cpu/amx_bf16_wgrad.h's run_wgrad with a
+// tile policy): offsets [k0, k1) of dweight.
+using Bf16WgradFn = void (*)(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1,
+                             float* dweight);
+
+// half_weight_grad with a given driver (tests run it on the tile model).
+void bf16_weight_grad_rows(Bf16WgradFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
+                           const uint16_t* grad, int64_t n_out, int64_t cout,
+                           const Csr& kernel_csr, const int32_t* in_rows,
+                           const int32_t* out_rows, float* dweight);
+
+// The AMX-BF16 drivers on the hardware (cpu/gemm_bf16_amx.cpp); nullptr
+// where this build has none. Only call where isa_supported(kAmxBf16).
+extern const Bf16RowsFn kAmxBf16RowsHw;
+extern const Bf16WgradFn kAmxBf16WgradHw;
 
 }  // namespace mlx_lattice::kernels

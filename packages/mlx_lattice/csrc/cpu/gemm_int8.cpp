@@ -15,8 +15,10 @@
 #include <arm_neon.h>
 #endif
 
+#include "amx_int8.h"
 #include "isa.h"
 #include "parallel.h"
+#include "quantized_weight.h"
 #include "tiles.h"
 
 // GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
@@ -391,14 +393,18 @@ __attribute__((target("avx2,fma,avxvnni"))) void block_avx_vnni(const Block& blk
 
 #include "gemm_int8_neon.inc"  // AArch64 SDOT/USDOT blocks
 
-// The int8 micro-kernels, best first (cpu/isa.h); the last is scalar.
+// The int8 micro-kernels, best first (cpu/isa.h); the last is scalar. An
+// entry runs either per offset (offset) or per block of output rows (rows:
+// the AMX output-stationary driver).
 struct Int8Entry {
   isa::Isa isa;
   OffsetFn offset;
+  Int8RowsFn rows = nullptr;
 };
 
-constexpr Int8Entry kInt8Table[] = {
+const Int8Entry kInt8Table[] = {
 #ifdef MLX_LATTICE_X86
+    {isa::Isa::kAmxInt8, nullptr, kAmxInt8RowsHw},
     {isa::Isa::kAvx512Vnni, offset_avx512_vnni},
     {isa::Isa::kAvxVnni, padded_blocks<block_avx_vnni>},
 #endif
@@ -409,8 +415,11 @@ constexpr Int8Entry kInt8Table[] = {
     {isa::Isa::kScalar, padded_blocks<block_scalar>},
 };
 
+// Picked per call: set_isa_ceiling() takes effect at once. The AMX entry
+// is usable only where its driver was built.
 const Int8Entry& selected() {
-  static const Int8Entry& entry = isa::pick(kInt8Table);
+  const Int8Entry& entry = isa::pick(kInt8Table);
+  if (entry.offset == nullptr && entry.rows == nullptr) return kInt8Table[1];
   return entry;
 }
 
@@ -476,11 +485,13 @@ struct Buffers {
 
 }  // namespace
 
-void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
-               int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
-               int64_t cout, int64_t storage_in, int64_t group, int bits, float act_scale,
-               const Csr& csr, const int32_t* a_index, const int32_t* c_index,
-               const int32_t* kernel_ids, float* out) {
+namespace {
+
+void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats, int64_t n_in,
+                   int64_t cin, const uint8_t* packed, int64_t row_bytes, const float* scales,
+                   const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
+                   int64_t group, int bits, float act_scale, const Csr& csr,
+                   const int32_t* a_index, const int32_t* kernel_ids, float* out) {
   // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
   // more in page faults than the quantization itself).
   // (A reference: the worker threads below must see this thread's buffers,
@@ -504,11 +515,19 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
               act_scale, buf.weight);
   const PackedWeight& w = buf.weight;
-  const OffsetFn run_offset = selected().offset;
-
-  // An edge's output row is its CSR group (c_index repeats it; unread).
-  static_cast<void>(c_index);
   const int64_t tiles = ceil_div(csr.groups, kInt8TileRows);
+  if (run_rows) {
+    const amx_int8::Rows rows_view{buf.q.data(), buf.scale.data(), buf.gsum.data(), storage_in,
+                                   static_scale};
+    const amx_int8::Weights w_view{w.codes.data(), w.scales.data(), w.biases.data(), w.quads,
+                                   w.groups, w.cout_pad, n_kernels, cout};
+    parallel_for(tiles, [&](int64_t tile) {
+      const int64_t g0 = tile * kInt8TileRows;
+      const int64_t g1 = std::min(csr.groups, g0 + kInt8TileRows);
+      run_rows(rows_view, w_view, group, csr, a_index, kernel_ids, g0, g1, out);
+    });
+    return;
+  }
   parallel_for(tiles, [&](int64_t tile) {
     const int64_t g0 = tile * kInt8TileRows;
     const int64_t g1 = std::min(csr.groups, g0 + kInt8TileRows);
@@ -543,6 +562,30 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
       if (job.count > 0) run_offset(job, w, k, cout);
     }
   });
+}
+
+}  // namespace
+
+void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
+               int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
+               int64_t cout, int64_t storage_in, int64_t group, int bits, float act_scale,
+               const Csr& csr, const int32_t* a_index, const int32_t* c_index,
+               const int32_t* kernel_ids, float* out) {
+  // An edge's output row is its CSR group (c_index repeats it; unread).
+  static_cast<void>(c_index);
+  const Int8Entry& entry = selected();
+  run_int8_conv(entry.offset, entry.rows, feats, n_in, cin, packed, row_bytes, scales, biases,
+                n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids,
+                out);
+}
+
+void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t cin,
+                    const uint8_t* packed, int64_t row_bytes, const float* scales,
+                    const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
+                    int64_t group, int bits, float act_scale, const Csr& csr,
+                    const int32_t* a_index, const int32_t* kernel_ids, float* out) {
+  run_int8_conv(nullptr, rows, feats, n_in, cin, packed, row_bytes, scales, biases, n_kernels,
+                cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids, out);
 }
 
 const char* int8_isa() { return isa::isa_name(selected().isa); }

@@ -31,7 +31,7 @@
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "group_by.h"
 
 namespace mlx_lattice::kernels {
 
@@ -59,7 +59,32 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                float* out);
 
-// Name of the int8 micro-kernel in use ("avx512-vnni", "avx-vnni", "scalar").
+// Name of the int8 micro-kernel in use ("amx-int8", "avx512-vnni",
+// "avx-vnni", "scalar"; AArch64's "neon-i8mm", "neon-dotprod"), chosen per
+// call under the ISA ceiling (cpu/isa.h).
 const char* int8_isa();
+
+namespace amx_int8 {
+struct Rows;
+struct Weights;
+}  // namespace amx_int8
+
+// A row-block driver (cpu/amx_int8.h's run_rows instantiated with a tile
+// policy): output rows [g0, g1) of `csr`, out the whole output.
+using Int8RowsFn = void (*)(const amx_int8::Rows& a, const amx_int8::Weights& w,
+                            int64_t group, const Csr& csr, const int32_t* a_index,
+                            const int32_t* kernel_ids, int64_t g0, int64_t g1, float* out);
+
+// int8_conv with a given row-block driver instead of the chosen kernel:
+// tests and the AMX check run the drivers with the tile model this way.
+void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t cin,
+                    const uint8_t* packed, int64_t row_bytes, const float* scales,
+                    const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
+                    int64_t group, int bits, float act_scale, const Csr& csr,
+                    const int32_t* a_index, const int32_t* kernel_ids, float* out);
+
+// The AMX-INT8 driver on the hardware (cpu/gemm_int8_amx.cpp); nullptr
+// where this build has none. Only call where isa_supported(kAmxInt8).
+extern const Int8RowsFn kAmxInt8RowsHw;
 
 }  // namespace mlx_lattice::kernels

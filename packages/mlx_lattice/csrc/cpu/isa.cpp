@@ -2,8 +2,18 @@
 
 #include "gemm_arm.h"
 
+#include <atomic>
 #include <cstdlib>
+#include <cstring>
 #include <string>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
 
 namespace mlx_lattice::isa {
 
@@ -11,8 +21,48 @@ namespace {
 
 constexpr Isa kLevels[] = {Isa::kScalar,     Isa::kAvx2,       Isa::kAvxVnni,
                            Isa::kAvx512,     Isa::kAvx512Vnni, Isa::kAvx512Bf16,
+                           Isa::kAmxInt8,    Isa::kAmxBf16,
                            Isa::kNeon,       Isa::kNeonDot,    Isa::kNeonFhm,
                            Isa::kNeonI8mm,   Isa::kNeonBf16};
+
+#if defined(__x86_64__) || defined(_M_X64)
+// CPUID.(EAX=7,ECX=0):EDX bit `bit` (AMX-BF16 22, AMX-TILE 24, AMX-INT8 25).
+bool cpuid7_edx(int bit) {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  return (d >> bit) & 1u;
+}
+
+// XCR0 bits 17 (XTILECFG) and 18 (XTILEDATA): the OS saves the tile state.
+// xgetbv needs OSXSAVE (CPUID.1:ECX bit 27).
+bool os_tile_state() {
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1u)) return false;
+  unsigned lo = 0, hi = 0;
+  asm volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (lo & (3u << 17)) == (3u << 17);
+}
+
+// Linux's per-process permission to use the tile data state (XFEATURE 18),
+// requested once however many threads ask first (a function-local static's
+// initialisation is thread-safe). Other OSes: no AMX here.
+bool tile_permission() {
+#if defined(__linux__)
+  static const bool granted = [] {
+    constexpr long kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
+    constexpr long kXfeatureXtiledata = 18;     // XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return granted;
+#else
+  return false;
+#endif
+}
+
+bool amx_usable(int feature_bit) {
+  return cpuid7_edx(24) && cpuid7_edx(feature_bit) && os_tile_state() && tile_permission();
+}
+#endif
 
 bool detect(Isa isa) {
   switch (isa) {
@@ -30,6 +80,10 @@ bool detect(Isa isa) {
              __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
     case Isa::kAvx512Bf16:
       return detect(Isa::kAvx512Vnni) && __builtin_cpu_supports("avx512bf16");
+    case Isa::kAmxInt8:
+      return detect(Isa::kAvx512Vnni) && amx_usable(25);
+    case Isa::kAmxBf16:
+      return detect(Isa::kAvx512Bf16) && amx_usable(22);
 #endif
 #if defined(__aarch64__)
     case Isa::kNeon:
@@ -72,6 +126,8 @@ const char* isa_name(Isa isa) {
     case Isa::kAvx512: return "avx512f";
     case Isa::kAvx512Vnni: return "avx512-vnni";
     case Isa::kAvx512Bf16: return "avx512-bf16";
+    case Isa::kAmxInt8: return "amx-int8";
+    case Isa::kAmxBf16: return "amx-bf16";
     case Isa::kNeon: return "neon-fma";
     case Isa::kNeonDot: return "neon-dotprod";
     case Isa::kNeonFhm: return "neon-fhm";
@@ -81,18 +137,54 @@ const char* isa_name(Isa isa) {
   return "unknown";
 }
 
-Isa isa_ceiling() {
-  static const Isa ceiling = [] {
-    const Isa top = kLevels[sizeof(kLevels) / sizeof(kLevels[0]) - 1];
-    const char* env = std::getenv("MLX_LATTICE_GEMM_ISA");
-    if (!env) return top;
-    const std::string want(env);
-    for (Isa level : kLevels) {
-      if (want == isa_name(level)) return level;
+namespace {
+// set_isa_ceiling's level, or -1 for "the environment's".
+std::atomic<int> override_ceiling{-1};
+}  // namespace
+
+bool cpu_is_intel() {
+#if defined(__x86_64__) || defined(_M_X64)
+  static const bool intel = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(0, &a, &b, &c, &d)) return false;
+    char v[13];
+    std::memcpy(v, &b, 4);
+    std::memcpy(v + 4, &d, 4);
+    std::memcpy(v + 8, &c, 4);
+    v[12] = 0;
+    return std::string(v) == "GenuineIntel";
+  }();
+  return intel;
+#else
+  return false;
+#endif
+}
+
+bool isa_from_name(const char* name, Isa& isa) {
+  if (!name) return false;
+  const std::string want(name);
+  for (Isa level : kLevels) {
+    if (want == isa_name(level)) {
+      isa = level;
+      return true;
     }
-    return top;
+  }
+  return false;
+}
+
+Isa isa_ceiling() {
+  const int forced = override_ceiling.load(std::memory_order_relaxed);
+  if (forced >= 0) return static_cast<Isa>(forced);
+  static const Isa ceiling = [] {
+    Isa level = kLevels[sizeof(kLevels) / sizeof(kLevels[0]) - 1];
+    isa_from_name(std::getenv("MLX_LATTICE_GEMM_ISA"), level);
+    return level;
   }();
   return ceiling;
 }
+
+void set_isa_ceiling(Isa isa) { override_ceiling.store(static_cast<int>(isa)); }
+
+void reset_isa_ceiling() { override_ceiling.store(-1); }
 
 }  // namespace mlx_lattice::isa

@@ -11,8 +11,17 @@
 //
 // Levels are ordered within one architecture only. On x86-64:
 //   scalar < avx2-fma < avx-vnni < avx512f < avx512-vnni < avx512-bf16
+//          < amx-int8 < amx-bf16
 // MLX_LATTICE_GEMM_ISA=avx512f, for example, keeps every family at or below
 // AVX-512F (fp32 keeps its AVX-512 kernel, int8 falls back to AVX-VNNI).
+// set_isa_ceiling() does the same from code (mlx_lattice.set_kernel_isa);
+// kernel families that pick per call (int8) follow it at once.
+//
+// The AMX levels need three things, all checked once: CPUID (AMX-TILE and
+// AMX-INT8 / AMX-BF16), the OS enabling the tile state in XCR0 (bits 17 and
+// 18) and the process's permission to use it, requested once with
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) (cpu/amx_tiles.h).
+// Anything missing: the level is unsupported and the families fall back.
 //
 // ARM64 plugs in here: add levels (e.g. kNeon, kNeonDot for SDOT/UDOT,
 // kSve), answer them in `isa_supported()` (isa.cpp, from getauxval(AT_HWCAP)
@@ -34,6 +43,8 @@ enum class Isa : int {
   kAvx512 = 30,      // AVX-512F
   kAvx512Vnni = 40,  // AVX-512F/BW/VL + AVX512_VNNI
   kAvx512Bf16 = 50,  // AVX-512 + AVX512_BF16 (vdpbf16ps)
+  kAmxInt8 = 60,     // AVX-512 VNNI + AMX-TILE + AMX-INT8 (TDPBSUD), OS permission
+  kAmxBf16 = 70,     // AVX-512 BF16 + AMX-TILE + AMX-BF16 (TDPBF16PS), OS permission
   // ARM64 (cpu/gemm_arm.h reads the feature bits)
   kNeon = 100,      // Advanced SIMD, fp32 FMLA (every AArch64 CPU)
   kNeonDot = 110,   // + FEAT_DotProd (SDOT/UDOT)
@@ -48,9 +59,24 @@ bool isa_supported(Isa isa);
 // The name used in MLX_LATTICE_GEMM_ISA and reported by benchmarks.
 const char* isa_name(Isa isa);
 
-// The ceiling from MLX_LATTICE_GEMM_ISA (read once), or the highest level
-// when unset or unknown.
+// The ceiling: the last set_isa_ceiling() if any, else MLX_LATTICE_GEMM_ISA
+// (read once), else the highest level (also when the name is unknown).
 Isa isa_ceiling();
+
+// Sets the ceiling for the whole process (thread-safe), overriding
+// MLX_LATTICE_GEMM_ISA; reset_isa_ceiling() returns to the environment's.
+// Families that cache their choice at first use (the fp32 GEMM) see it
+// only before that use.
+void set_isa_ceiling(Isa isa);
+void reset_isa_ceiling();
+
+// Whether the CPU's vendor string (CPUID leaf 0) is "GenuineIntel"; false
+// off x86-64. Kernel families use it where a level's speed differs by vendor
+// (cpu/gemm_bf16.cpp).
+bool cpu_is_intel();
+
+// The level named `name` (isa_name's spelling); false when unknown.
+bool isa_from_name(const char* name, Isa& isa);
 
 // Whether a kernel of level `isa` may run: supported and under the ceiling.
 inline bool isa_usable(Isa isa) {

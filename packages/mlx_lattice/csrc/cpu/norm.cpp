@@ -10,7 +10,7 @@
 
 #include "isa.h"
 #include "parallel.h"
-#include "tiles.h"
+#include "float_formats.h"
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
@@ -536,13 +536,18 @@ void batch_norm_forward(const void* x, FloatFormat format, int64_t n, int64_t c,
     mean[j] = static_cast<float>(mu[j]);
     var[j] = static_cast<float>(v);
   }
-  const int64_t blocks = (n + kNormBlockRows - 1) / kNormBlockRows;
-  parallel_for(blocks, [&](int64_t b) {
+  batch_norm_affine(x, format, n, c, mean, scale.data(), bias, relu, y);
+}
+
+void batch_norm_affine(const void* x, FloatFormat format, int64_t n, int64_t c, const float* mean,
+                       const float* scale, const float* bias, bool relu, void* y) {
+  const NormPath path = norm_path(format, c);
+  parallel_for((n + kNormBlockRows - 1) / kNormBlockRows, [&](int64_t b) {
     const int64_t r0 = b * kNormBlockRows;
     const int64_t m = std::min(kNormBlockRows, n - r0);
-    const void* xr = load_rows(x, format, path.rows, r0, m, c, 0);
     void* yr = out_rows(y, format, path.rows, r0, c, m);
-    path.affine_rows(xr, m * c, c, mean, scale.data(), bias, relu, yr);
+    path.affine_rows(load_rows(x, format, path.rows, r0, m, c, 0), m * c, c, mean, scale, bias,
+                     relu, yr);
     store_rows(yr, y, format, path.rows, r0, m, c);
   });
 }

@@ -12,7 +12,7 @@
 
 #include <cstdint>
 
-#include "kernels.h"
+#include "float_formats.h"
 
 namespace mlx_lattice::kernels {
 
@@ -25,6 +25,13 @@ inline constexpr int64_t kNormBlockRows = 256;
 void batch_norm_forward(const void* x, FloatFormat format, int64_t n, int64_t c,
                         const float* weight, const float* bias, float eps, bool relu, void* y,
                         float* mean, float* var);
+
+// The affine map alone (batch_norm_forward's last pass; eval-mode batch norm
+// with running statistics): y = [relu]((x - mean) * scale + bias) per
+// element in float32, rounded once to `format`. Each element has one
+// writer, so any thread count gives the same bits. n >= 0.
+void batch_norm_affine(const void* x, FloatFormat format, int64_t n, int64_t c, const float* mean,
+                       const float* scale, const float* bias, bool relu, void* y);
 
 // The gradient of batch_norm_forward for the cotangent g of y (mean and var
 // as it returned them; y only read when relu, where gradients pass through

@@ -9,7 +9,7 @@
 #include <stdexcept>
 #include <vector>
 
-#include "kernels.h"
+#include "group_by.h"
 
 namespace mlx_lattice::kernels {
 
@@ -96,10 +96,5 @@ void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* ke
     }
   }
 }
-
-// Serial conversions of n values (the parallel to_float32 / from_float32 of
-// kernels.h split their arrays into these), for per-tile use.
-void convert_to_float32(const void* src, FloatFormat format, int64_t n, float* dst);
-void convert_from_float32(const float* src, int64_t n, FloatFormat format, void* dst);
 
 }  // namespace mlx_lattice::kernels

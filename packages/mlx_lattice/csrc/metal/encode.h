@@ -8,7 +8,7 @@
 #include <utility>
 #include <vector>
 
-#include "../cpu/kernels.h"
+#include "../cpu/float_formats.h"
 #include "../primitives.h"
 #include "plans.h"
 
@@ -70,10 +70,12 @@ void encode(const GeometryHash& p, KernelEncoder& enc, Operands& ops,
 void encode(const GeometryRadius& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
 
-// Training batch norm (norm.cpp): several outputs.
+// Batch norm (norm.cpp): training forward and backward (several outputs), eval.
 void encode(const BatchNormTrain& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
 void encode(const BatchNormTrainGrad& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, std::vector<mx::array>& out);
+void encode(const BatchNormEval& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, mx::array& out);
 
 }  // namespace mlx_lattice::gpu

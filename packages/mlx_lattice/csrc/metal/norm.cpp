@@ -1,5 +1,5 @@
-// GPU encode bodies of BatchNormTrain and BatchNormTrainGrad (kernels in
-// norm.metal). Features are bound in their own dtype (float32, float16 or
+// GPU encode bodies of BatchNormTrain, BatchNormTrainGrad and BatchNormEval
+// (kernels in norm.metal). Features are bound in their own dtype (float32, float16 or
 // bfloat16; the kernels convert), the statistics and parameters as float32.
 #include "encode.h"
 
@@ -32,6 +32,16 @@ void encode(const BatchNormTrainGrad& p, KernelEncoder& enc, Operands& ops,
                          ops.index(in[2]), ops.index(in[3]), ops.index(in[4]), ops.index(in[5]),
                          ops.index(out[0]), ops.index(out[1]), ops.index(out[2]),
                          u32(x.shape(0)), u32(x.shape(1)), p.eps(), p.relu());
+}
+
+// in = {x, mean, scale, bias}; out = y.
+void encode(const BatchNormEval& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, mx::array& out) {
+  const auto& x = in[0];
+  if (x.size() == 0) return;
+  encode_batch_norm_eval(enc, norm_format(x.dtype()), ops.index(x), ops.index(in[1]),
+                         ops.index(in[2]), ops.index(in[3]), ops.index(out), u32(x.shape(0)),
+                         u32(x.shape(1)), p.relu());
 }
 
 }  // namespace mlx_lattice::gpu

@@ -1,8 +1,9 @@
-// Training-mode batch norm (+ optional ReLU) over the rows of (n, c)
-// features: the forward pass (block sums, per-channel statistics, the
+// Batch norm (+ optional ReLU) over the rows of (n, c) features. Training
+// mode: the forward pass (block sums, per-channel statistics, the
 // normalize-affine map) and the closed-form backward pass (block sums of g
 // and g * (x - mean), per-channel coefficients, the fused map), as the CPU
-// kernels in ../cpu/norm.cpp compute them.
+// kernels in ../cpu/norm.cpp compute them. Eval mode: the normalize-affine
+// map alone, with given statistics.
 //
 // Storage: float32, float16 or bfloat16 (bfloat16 as its raw ushort bits,
 // converted here exactly as the CPU converts: widening by a shift, narrowing
@@ -173,14 +174,15 @@ kernel void mlxl_norm_stats(device const float* partial [[buffer(0)]],
 }
 
 // y = [relu]((x - mean) * scale + bias), one thread per element (the CPU's
-// float32 expression on the same float32 mean).
+// float32 expression on the same float32 mean): the training forward's last
+// pass (scale from its statistics) and the eval-mode norm (scale given).
 template <typename T>
-void mlxl_norm_map(device const T* x, device const float* stats, device const float* mean,
+void mlxl_norm_map(device const T* x, device const float* scale, device const float* mean,
                    device const float* bias, device T* y, constant NormDims& d, uint2 pos) {
   const uint j = pos.x, r = pos.y;
   if (j >= d.c || r >= d.n) return;
   const ulong i = ulong(r) * d.c + j;
-  const float v = (mlxl_norm_load(x[i]) - mean[j]) * stats[2 * d.c + j] + bias[j];
+  const float v = (mlxl_norm_load(x[i]) - mean[j]) * scale[j] + bias[j];
   mlxl_norm_store(y, i, d.relu ? max(v, 0.0f) : v);
 }
 
@@ -191,7 +193,7 @@ kernel void mlxl_norm_forward_f32(device const float* x [[buffer(0)]],
                                   device float* y [[buffer(4)]],
                                   constant NormDims& d [[buffer(5)]],
                                   uint2 pos [[thread_position_in_grid]]) {
-  mlxl_norm_map(x, stats, mean, bias, y, d, pos);
+  mlxl_norm_map(x, stats + 2 * d.c, mean, bias, y, d, pos);
 }
 
 kernel void mlxl_norm_forward_f16(device const half* x [[buffer(0)]],
@@ -201,7 +203,7 @@ kernel void mlxl_norm_forward_f16(device const half* x [[buffer(0)]],
                                   device half* y [[buffer(4)]],
                                   constant NormDims& d [[buffer(5)]],
                                   uint2 pos [[thread_position_in_grid]]) {
-  mlxl_norm_map(x, stats, mean, bias, y, d, pos);
+  mlxl_norm_map(x, stats + 2 * d.c, mean, bias, y, d, pos);
 }
 
 kernel void mlxl_norm_forward_bf16(device const ushort* x [[buffer(0)]],
@@ -211,7 +213,40 @@ kernel void mlxl_norm_forward_bf16(device const ushort* x [[buffer(0)]],
                                    device ushort* y [[buffer(4)]],
                                    constant NormDims& d [[buffer(5)]],
                                    uint2 pos [[thread_position_in_grid]]) {
-  mlxl_norm_map(x, stats, mean, bias, y, d, pos);
+  mlxl_norm_map(x, stats + 2 * d.c, mean, bias, y, d, pos);
+}
+
+// ------------------------------------------------------------ eval mode
+
+// BatchNormEval: the map above with the given mean and scale.
+kernel void mlxl_norm_eval_f32(device const float* x [[buffer(0)]],
+                               device const float* mean [[buffer(1)]],
+                               device const float* scale [[buffer(2)]],
+                               device const float* bias [[buffer(3)]],
+                               device float* y [[buffer(4)]],
+                               constant NormDims& d [[buffer(5)]],
+                               uint2 pos [[thread_position_in_grid]]) {
+  mlxl_norm_map(x, scale, mean, bias, y, d, pos);
+}
+
+kernel void mlxl_norm_eval_f16(device const half* x [[buffer(0)]],
+                               device const float* mean [[buffer(1)]],
+                               device const float* scale [[buffer(2)]],
+                               device const float* bias [[buffer(3)]],
+                               device half* y [[buffer(4)]],
+                               constant NormDims& d [[buffer(5)]],
+                               uint2 pos [[thread_position_in_grid]]) {
+  mlxl_norm_map(x, scale, mean, bias, y, d, pos);
+}
+
+kernel void mlxl_norm_eval_bf16(device const ushort* x [[buffer(0)]],
+                                device const float* mean [[buffer(1)]],
+                                device const float* scale [[buffer(2)]],
+                                device const float* bias [[buffer(3)]],
+                                device ushort* y [[buffer(4)]],
+                                constant NormDims& d [[buffer(5)]],
+                                uint2 pos [[thread_position_in_grid]]) {
+  mlxl_norm_map(x, scale, mean, bias, y, d, pos);
 }
 
 // -------------------------------------------------------------- backward

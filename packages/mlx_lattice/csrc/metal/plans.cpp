@@ -394,6 +394,21 @@ void encode_batch_norm(KernelEncoder& enc, NormFormat format, Buffer x, Buffer w
   dispatch_channels_rows(enc, c, n);
 }
 
+void encode_batch_norm_eval(KernelEncoder& enc, NormFormat format, Buffer x, Buffer mean,
+                            Buffer scale, Buffer bias, Buffer y, uint32_t n, uint32_t c,
+                            bool relu) {
+  if (n == 0 || c == 0) return;
+  const NormDims dims{n, c, ceil_div(n, kNormBlockRows), relu ? 1u : 0u, 0, 0.0f};
+  enc.kernel(std::string("mlxl_norm_eval") + norm_suffix(format));
+  enc.input(0, x);
+  enc.input(1, mean);
+  enc.input(2, scale);
+  enc.input(3, bias);
+  enc.output(4, y);
+  enc.value(5, dims);
+  dispatch_channels_rows(enc, c, n);
+}
+
 void encode_batch_norm_grad(KernelEncoder& enc, NormFormat format, Buffer g, Buffer x, Buffer y,
                             Buffer weight, Buffer mean, Buffer var, Buffer dx, Buffer dweight,
                             Buffer dbias, uint32_t n, uint32_t c, float eps, bool relu) {

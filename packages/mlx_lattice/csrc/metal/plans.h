@@ -102,7 +102,7 @@ void encode_coord_hash(KernelEncoder& enc, Buffer coords, Buffer queries, Buffer
                        Buffer rows, Buffer table, Buffer minrow, Buffer slot_of, uint32_t n,
                        uint32_t q, uint32_t slots);
 
-// Training batch norm (norm.metal). Features (n x c) in `format`'s storage
+// Batch norm (norm.metal). Features (n x c) in `format`'s storage
 // (x, y, g, dx); weight, bias, mean, var, dweight, dbias (c) float32. Row
 // blocks of kNormBlockRows, as the CPU kernels reduce them.
 enum class NormFormat { kF32, kF16, kBF16 };
@@ -118,5 +118,10 @@ void encode_batch_norm(KernelEncoder& enc, NormFormat format, Buffer x, Buffer w
 void encode_batch_norm_grad(KernelEncoder& enc, NormFormat format, Buffer g, Buffer x, Buffer y,
                             Buffer weight, Buffer mean, Buffer var, Buffer dx, Buffer dweight,
                             Buffer dbias, uint32_t n, uint32_t c, float eps, bool relu);
+
+// Eval-mode norm: y from x and the given mean, scale, bias (no reductions).
+void encode_batch_norm_eval(KernelEncoder& enc, NormFormat format, Buffer x, Buffer mean,
+                            Buffer scale, Buffer bias, Buffer y, uint32_t n, uint32_t c,
+                            bool relu);
 
 }  // namespace mlx_lattice::gpu

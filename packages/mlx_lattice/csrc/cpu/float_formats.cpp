@@ -1,0 +1,166 @@
+#include "float_formats.h"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
+
+#include "parallel.h"
+
+namespace mlx_lattice::kernels {
+
+namespace {
+
+float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  uint32_t bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);  // inf / nan
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: normalise
+    exp = 113;
+    while (!(man & 0x400u)) {
+      man <<= 1;
+      --exp;
+    }
+    bits = sign | (exp << 23) | ((man & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+uint16_t float_to_half(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint16_t sign = static_cast<uint16_t>((x >> 16) & 0x8000u);
+  const uint32_t abs = x & 0x7fffffffu;
+  if (abs >= 0x7f800000u) {  // inf / nan
+    return sign | 0x7c00u | (abs > 0x7f800000u ? 0x200u : 0u);
+  }
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to inf
+  if (abs < 0x38800000u) {                          // subnormal or zero in half
+    if (abs < 0x33000000u) return sign;
+    const uint32_t exp = abs >> 23;
+    const uint32_t man = (abs & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126 - exp;  // 14..24
+    uint32_t half_man = man >> shift;
+    const uint32_t rest = man & ((1u << shift) - 1);
+    const uint32_t halfway = 1u << (shift - 1);
+    if (rest > halfway || (rest == halfway && (half_man & 1u))) ++half_man;
+    return sign | static_cast<uint16_t>(half_man);
+  }
+  uint32_t bits = abs - 0x38000000u;  // rebias exponent
+  const uint32_t rest = bits & 0x1fffu;
+  uint32_t half = bits >> 13;
+  if (rest > 0x1000u || (rest == 0x1000u && (half & 1u))) ++half;
+  return sign | static_cast<uint16_t>(half);
+}
+
+uint16_t float_to_bfloat(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  if ((x & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((x >> 16) | 0x40u);
+  x += 0x7fffu + ((x >> 16) & 1u);
+  return static_cast<uint16_t>(x >> 16);
+}
+
+#ifdef MLX_LATTICE_X86
+__attribute__((target("avx2,f16c"))) void half_block_to_float(const uint16_t* src, int64_t n,
+                                                              float* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = half_to_float(src[i]);
+}
+
+__attribute__((target("avx2,f16c"))) void float_block_to_half(const float* src, int64_t n,
+                                                              uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = float_to_half(src[i]);
+}
+
+bool has_f16c() {
+  static const bool value = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return value;
+}
+#endif
+
+constexpr int64_t kConvertChunk = 1 << 16;
+
+}  // namespace
+
+void convert_to_float32(const void* src, FloatFormat format, int64_t n, float* dst) {
+  if (format == FloatFormat::kF32) {
+    std::memcpy(dst, src, sizeof(float) * n);
+    return;
+  }
+  const uint16_t* s = static_cast<const uint16_t*>(src);
+  if (format == FloatFormat::kBF16) {
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t bits = static_cast<uint32_t>(s[i]) << 16;
+      std::memcpy(dst + i, &bits, 4);
+    }
+    return;
+  }
+#ifdef MLX_LATTICE_X86
+  if (has_f16c()) {
+    half_block_to_float(s, n, dst);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) dst[i] = half_to_float(s[i]);
+}
+
+void convert_from_float32(const float* src, int64_t n, FloatFormat format, void* dst) {
+  if (format == FloatFormat::kF32) {
+    std::memcpy(dst, src, sizeof(float) * n);
+    return;
+  }
+  uint16_t* d = static_cast<uint16_t*>(dst);
+  if (format == FloatFormat::kBF16) {
+    for (int64_t i = 0; i < n; ++i) d[i] = float_to_bfloat(src[i]);
+    return;
+  }
+#ifdef MLX_LATTICE_X86
+  if (has_f16c()) {
+    float_block_to_half(src, n, d);
+    return;
+  }
+#endif
+  for (int64_t i = 0; i < n; ++i) d[i] = float_to_half(src[i]);
+}
+
+void to_float32(const void* src, FloatFormat format, int64_t n, float* dst) {
+  const int64_t width = format == FloatFormat::kF32 ? 4 : 2;
+  parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
+    const int64_t i0 = chunk * kConvertChunk;
+    const int64_t i1 = std::min(n, i0 + kConvertChunk);
+    convert_to_float32(static_cast<const char*>(src) + i0 * width, format, i1 - i0, dst + i0);
+  });
+}
+
+void from_float32(const float* src, int64_t n, FloatFormat format, void* dst) {
+  const int64_t width = format == FloatFormat::kF32 ? 4 : 2;
+  parallel_for(ceil_div(n, kConvertChunk), [&](int64_t chunk) {
+    const int64_t i0 = chunk * kConvertChunk;
+    const int64_t i1 = std::min(n, i0 + kConvertChunk);
+    convert_from_float32(src + i0, i1 - i0, format, static_cast<char*>(dst) + i0 * width);
+  });
+}
+
+}  // namespace mlx_lattice::kernels

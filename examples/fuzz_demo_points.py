@@ -5,25 +5,14 @@ Budget and replay: ``tools/fuzzing.py``.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 from pathlib import Path
 
 import numpy as np
+from fuzzing import fuzz
 from hypothesis import strategies as st
 
 from examples import demo
-
-
-def _load_fuzzing():
-    path = Path(__file__).parents[1] / "tools" / "fuzzing.py"
-    spec = importlib.util.spec_from_file_location("quantlattice_fuzzing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzing().fuzz
 
 PLY_TYPES = ["float", "double", "uchar", "int", "short", "float32", "bogus"]
 header_lines = st.lists(

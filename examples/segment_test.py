@@ -1,7 +1,10 @@
 """The segment command end to end: a tiny model trained on one synthetic scan
 and saved with save_model labels a generated KITTI .bin scan; the labels are
 the model's own voxel argmax per point, the stages are timed, the picture is
-a PNG, and a damaged model or scan is an error message, not a traceback."""
+a PNG with the classes' colours, and a damaged model or scan is an error
+message, not a traceback. The same model exported as an artifact; a model
+that declares intensity; SemanticKITTI .label files and a PLY read back by
+plyfile."""
 
 import contextlib
 import io
@@ -10,10 +13,15 @@ import mlx.core as mx
 import mlx.optimizers as optim
 import numpy as np
 import pytest
+from matplotlib.image import imread
 
 from examples import segment
+from examples.pictures import class_colours
+from mlx_lattice import export
 from mlx_lattice.data import CLASS_NAMES, SceneConfig, make_batch, synthetic_lidar_scan
-from mlx_lattice.models import MinkUNet, save_model, train_step
+from mlx_lattice.io.semantickitti import CLASS_NAMES as KITTI_NAMES
+from mlx_lattice.io.semantickitti import LEARNING_MAP_INV
+from mlx_lattice.models import MinkUNet, point_cloud_input, save_model, train_step
 
 SMALL = SceneConfig(beams=16, azimuth_steps=384)
 VOXEL = 0.4
@@ -62,8 +70,18 @@ def test_segment_a_kitti_scan(tmp_path, model_file):
         assert f"  {stage}" in out and " ms" in out
     assert f"{len(scan.points)} points, {batch.tensor.num_points} voxels" in out
     assert "voxel size 0.4 m, 5 classes" in out
-    png = (tmp_path / "scan.png").read_bytes()
-    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+    # The picture, read back by matplotlib: one 500-pixel panel over a legend
+    # of two rows (three classes a row at this width).
+    view = np.rint(imread(tmp_path / "scan.png")[..., :3] * 255).astype(np.uint8)
+    assert view.shape == (580, 520, 3)
+    colours = class_colours(len(CLASS_NAMES))
+    counts = np.bincount(labels, minlength=len(CLASS_NAMES))
+    for k, colour in enumerate(colours):
+        in_panel = np.all(view[:500] == colour, axis=2).sum()
+        in_legend = np.all(view[500:] == colour, axis=2).sum()
+        assert in_legend > 50, CLASS_NAMES[k]
+        if counts[k] > 200:  # a class the prediction has, in its own colour
+            assert in_panel > 20, CLASS_NAMES[k]
 
 
 def test_segment_errors(tmp_path, model_file):
@@ -87,3 +105,98 @@ def test_segment_errors(tmp_path, model_file):
             "--out",
             str(tmp_path / "l.txt"),
         )
+
+
+def _kitti_bin(tmp_path, seed=7):
+    scan = synthetic_lidar_scan(seed, SMALL)
+    rec = np.concatenate([scan.points, scan.intensity[:, None]], axis=1)
+    rec.astype("<f4").tofile(tmp_path / "scan.bin")
+    return scan, tmp_path / "scan.bin"
+
+
+def test_segment_with_an_artifact(tmp_path, model_file):
+    """The model exported as an artifact (the model classes are not needed to
+    run it): each point gets its voxel's argmax, as the model scores it."""
+    path, model = model_file
+    art = tmp_path / "tiny.mlxl"
+    export.export_model(model, art, voxel_size=VOXEL, features="occupancy,height",
+                        class_names=CLASS_NAMES)  # fmt: skip
+    scan, scan_path = _kitti_bin(tmp_path)
+    code, out, err = run("--model", str(art), "--points", str(scan_path),
+                         "--out", str(tmp_path / "a.npy"))  # fmt: skip
+    assert code == 0, err
+    assert "MinkUNet artifact (format version 2)" in out and "features occupancy,height" in out
+    labels = np.load(tmp_path / "a.npy")
+    feats = np.stack([np.ones(len(scan.points)), scan.points[:, 2] / 4.0], 1).astype(np.float32)
+    inp = point_cloud_input(scan.points, feats, VOXEL)
+    scores = model(inp.tensor).feats
+    expect = np.array(mx.argmax(scores, axis=1))[np.array(inp.voxels.point_to_voxel)]
+    np.testing.assert_array_equal(labels, expect)
+    # The save_model file labels the same scan the same way (its voxel means
+    # are taken in float64, the artifact's in float32: near-ties may differ).
+    code, _, _ = run("--model", str(path), "--points", str(scan_path),
+                     "--out", str(tmp_path / "s.npy"))  # fmt: skip
+    assert code == 0
+    assert np.mean(np.load(tmp_path / "s.npy") == labels) > 0.999
+    art.write_bytes(art.read_bytes()[:-40])
+    code, _, err = run("--model", str(art), "--points", str(scan_path),
+                       "--out", str(tmp_path / "a.npy"))  # fmt: skip
+    assert code == 2 and "tiny.mlxl" in err
+
+
+def test_segment_declared_intensity_labels_and_ply(tmp_path):
+    """A model declaring occupancy,height,intensity reads the .bin's
+    intensity (and a file without one is an error naming it); .label files
+    hold the raw SemanticKITTI ids of the classes by name; the PLY has the
+    points, class colours and labels."""
+    from plyfile import PlyData
+
+    mx.random.seed(1)
+    batch = make_batch([synthetic_lidar_scan(0, SMALL)], VOXEL,
+                       features=("occupancy", "height", "intensity"))  # fmt: skip
+    model = MinkUNet(3, 5, widths=(8, 16))
+    opt = optim.Adam(learning_rate=1e-2)
+    model.train()
+    for _ in range(5):
+        train_step(model, opt, batch.tensor, batch.labels)
+    model.eval()
+    names = ("road", "building", "car", "pole", "vegetation")  # SemanticKITTI class names
+    path = tmp_path / "intensity.safetensors"
+    save_model(path, model, voxel_size=VOXEL, class_names=names,
+               features="occupancy,height,intensity")  # fmt: skip
+    scan, scan_path = _kitti_bin(tmp_path)
+    code, out, err = run("--model", str(path), "--points", str(scan_path), "--out",
+                         str(tmp_path / "l.npy"), "--labels-out", str(tmp_path / "kitti"),
+                         "--ply-out", str(tmp_path / "scan.ply"))  # fmt: skip
+    assert code == 0, err
+    assert "features occupancy,height,intensity" in out
+    labels = np.load(tmp_path / "l.npy")
+    expect_batch = make_batch([scan], VOXEL, features=("occupancy", "height", "intensity"))
+    scores = model(expect_batch.tensor).feats
+    np.testing.assert_array_equal(
+        labels, np.array(mx.argmax(scores, axis=1))[expect_batch.point_to_voxel]
+    )
+    raw = np.fromfile(tmp_path / "kitti" / "scan.label", dtype="<u4")
+    ids = [LEARNING_MAP_INV[KITTI_NAMES.index(n) + 1] for n in names]
+    assert ids == [40, 50, 10, 80, 70]
+    np.testing.assert_array_equal(raw, np.array(ids, np.uint32)[labels])
+    ply = PlyData.read(str(tmp_path / "scan.ply"))
+    vertex = ply["vertex"]
+    np.testing.assert_array_equal(
+        np.stack([vertex["x"], vertex["y"], vertex["z"]], 1), scan.points
+    )
+    np.testing.assert_array_equal(vertex["label"], labels)
+    rgb = np.stack([vertex["red"], vertex["green"], vertex["blue"]], 1)
+    np.testing.assert_array_equal(rgb, class_colours(5)[labels])
+    # A scan without intensity: an error naming the feature and the file.
+    np.save(tmp_path / "xyz.npy", scan.points)
+    code, _, err = run("--model", str(path), "--points", str(tmp_path / "xyz.npy"),
+                       "--out", str(tmp_path / "m.npy"))  # fmt: skip
+    assert code == 2 and "xyz.npy: has no 'intensity' feature" in err
+    # Classes that are not SemanticKITTI's cannot be written as .label files.
+    other = tmp_path / "other.safetensors"
+    save_model(other, model, voxel_size=VOXEL, class_names=CLASS_NAMES,
+               features="occupancy,height,intensity")  # fmt: skip
+    code, _, err = run("--model", str(other), "--points", str(scan_path), "--out",
+                       str(tmp_path / "o.npy"), "--labels-out", str(tmp_path / "kitti"))  # fmt: skip
+    assert code == 2 and "class 'ground' is not a SemanticKITTI class" in err

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from fuzzing import fuzz
 from hypothesis import event
 from hypothesis import strategies as st
 
@@ -38,7 +39,6 @@ def _load(path: Path, name: str):
     return module
 
 
-fuzz = _load(Path(__file__).parents[3] / "tools" / "fuzzing.py", "quantlattice_fuzzing").fuzz
 geometry_refs = _load(Path(__file__).with_name("geometry_refs.py"), "geometry_refs")
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
@@ -464,6 +464,33 @@ def test_voxelize_matches_numpy(pts, point_dtype, voxel_size, batch, channels, f
     assert (np.abs(got - ref) <= tol * scale).all(), reduce
 
 
+# A length-prefixed file (model file or artifact) damaged by a few byte edits,
+# each in the length prefix and JSON header or anywhere, and a cut anywhere.
+_DAMAGE = dict(
+    cut=st.none() | st.integers(0, 2**31),
+    edits=st.lists(
+        st.tuples(
+            st.integers(0, 2**31),  # position (mod file length), biased to the header below
+            st.booleans(),
+            st.integers(0, 255),
+        ),
+        max_size=4,
+    ),
+)
+
+
+def _damaged(data: bytes, cut, edits) -> bytes:
+    """``data`` with ``edits`` (position, in the header?, byte) applied, then cut."""
+    data = bytearray(data)
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    for pos, in_header, value in edits:
+        where = pos % (header_end if in_header else len(data))
+        data[where] = value
+    if cut is not None:
+        data = data[: cut % (len(data) + 1)]
+    return bytes(data)
+
+
 @fuzz(
     300,
     pts=any_points,
@@ -573,18 +600,7 @@ def _saved_model_bytes(tmp: Path) -> bytes:
     return _MODEL_FILE["bytes"]
 
 
-@fuzz(
-    150,
-    cut=st.none() | st.integers(0, 2**31),
-    edits=st.lists(
-        st.tuples(
-            st.integers(0, 2**31),  # position (mod file length), biased to the header below
-            st.booleans(),
-            st.integers(0, 255),
-        ),
-        max_size=4,
-    ),
-)
+@fuzz(150, **_DAMAGE)
 def test_load_model_on_damaged_files(tmp_path_factory, cut, edits):
     """load_model on a saved model file with bytes replaced (in the length
     prefix, the JSON header or the arrays) and/or truncated anywhere: the
@@ -597,15 +613,9 @@ def test_load_model_on_damaged_files(tmp_path_factory, cut, edits):
 
     assert issubclass(ModelFileError, MlxLatticeError)
     tmp = tmp_path_factory.mktemp("model")
-    data = bytearray(_saved_model_bytes(tmp))
-    header_end = 8 + int.from_bytes(data[:8], "little")
-    for pos, in_header, value in edits:
-        where = pos % (header_end if in_header else len(data))
-        data[where] = value
-    if cut is not None:
-        data = data[: cut % (len(data) + 1)]
+    data = _damaged(_saved_model_bytes(tmp), cut, edits)
     path = tmp / "damaged.safetensors"
-    path.write_bytes(bytes(data))
+    path.write_bytes(data)
     try:
         loaded = load_model(path)
     except ModelFileError:
@@ -620,6 +630,70 @@ def test_load_model_on_damaged_files(tmp_path_factory, cut, edits):
         assert np.array_equal(np.array(got[name]).view(np.uint8), np.array(array).view(np.uint8)), name
     assert loaded.architecture == "MinkUNet" and loaded.class_names == ("a", "b", "c")
     assert loaded.voxel_size == 0.5
+
+
+_ARTIFACT: dict[str, object] = {}
+
+
+def _artifact_bytes(tmp: Path) -> bytes:
+    """The bytes of a small exported SPVCNN, int4 weight-only and w8a8 with a
+    calibrated static scale (built and written once per process)."""
+    if "bytes" not in _ARTIFACT:
+        import quantrules as qr
+        from mlx_lattice import calibrate_activation_scales, export, quantize
+        from mlx_lattice.models import SPVCNN, point_cloud_input
+
+        mx.random.seed(0)
+        model = SPVCNN(2, 3, widths=(4, 8)).eval()
+        rules = [
+            qr.Rule(module_path="encoder/.*", weight_qtype="int8", act_qtype="int8",
+                    act_static_scale=True, tile_size=32),
+            qr.Rule(weight_qtype="int4", tile_size=32),
+        ]
+        quantize(model, rules, allow_growth=True)
+        pts = np.random.default_rng(0).uniform(0, 2, (60, 3)).astype(np.float32)
+        calibrate_activation_scales(model, [point_cloud_input(pts, np.ones((60, 2), np.float32), 0.5)])
+        path = tmp / "original.mlxl"
+        export.export_model(model, path, voxel_size=0.5, features="occupancy,height")
+        _ARTIFACT["bytes"] = path.read_bytes()
+        loaded = export.load(path)
+        _ARTIFACT["tensors"] = loaded.tensors
+        _ARTIFACT["graph"] = loaded.graph
+        _ARTIFACT["points"] = pts
+        _ARTIFACT["scores"] = np.array(loaded.predict_points(pts, np.ones((60, 2), np.float32)))
+    return _ARTIFACT["bytes"]  # type: ignore[return-value]
+
+
+@fuzz(150, **_DAMAGE)
+def test_export_load_on_damaged_artifacts(tmp_path_factory, cut, edits):
+    """export.load on an exported artifact with bytes replaced (in the length
+    prefix, the JSON header with the graph, or the tensors) and/or truncated
+    anywhere: it loads with the same graph and every tensor bit-identical,
+    and scores points as the original did, or ExportError (an
+    MlxLatticeError) is raised; never another exception or a crash."""
+    from mlx_lattice import export
+
+    assert issubclass(export.ExportError, MlxLatticeError)
+    tmp = tmp_path_factory.mktemp("artifact")
+    data = _damaged(_artifact_bytes(tmp), cut, edits)
+    path = tmp / "damaged.mlxl"
+    path.write_bytes(data)
+    try:
+        net = export.load(path)
+    except export.ExportError:
+        event("export.load: error")
+        return
+    event("export.load: loaded")
+    want = _ARTIFACT["tensors"]
+    assert net.graph == _ARTIFACT["graph"]
+    assert set(net.tensors) == set(want)
+    for name, array in want.items():
+        got = net.tensors[name]
+        assert got.dtype == array.dtype and got.shape == array.shape, name
+        same = np.array(got.reshape(-1).view(mx.uint8)) == np.array(array.reshape(-1).view(mx.uint8))
+        assert same.all(), name
+    scores = net.predict_points(_ARTIFACT["points"], np.ones((60, 2), np.float32))
+    assert np.array_equal(np.array(scores), _ARTIFACT["scores"])
 
 
 def _norm_ref(kind, x, w, b, eps, training, relu):

@@ -1,11 +1,18 @@
-"""mlx_lattice.export: a trained MinkUNet saved, loaded in a fresh process
-that never imports the model classes, and run on other coordinates with the
-same bits as the model itself; what MLX's own export does with the
-extension's primitives; malformed artifacts."""
+"""mlx_lattice.export: MinkUNet and SPVCNN, float and in every form
+mlx_lattice.quantize produces, exported, loaded in a fresh process that never
+imports the model classes, and run on other points with the same bits as the
+model itself; predict_points; paths; the committed version-2 artifact; what
+MLX's own export does with the extension's primitives; malformed artifacts.
+
+Regenerate the committed artifact (only when the format's version changes,
+as a new file beside the old one): ``python tests/test_export.py`` from
+``packages/mlx_lattice`` with the package importable.
+"""
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +22,40 @@ import mlx.optimizers as optim
 import numpy as np
 import pytest
 
-from mlx_lattice import export, ops
+import quantrules as qr
+from mlx_lattice import calibrate_activation_scales, export, ops, quantize
 from mlx_lattice._native import ext
 from mlx_lattice.core import build_kernel_relation
-from mlx_lattice.models import MinkUNet, train_step
+from mlx_lattice.models import SPVCNN, MinkUNet, point_cloud_input, train_step
 from mlx_lattice.tensor import SparseTensor
 
-# Runs in a child Python: loads the artifact, runs it on the saved input,
-# writes the output's bits and the modules it imported.
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "export_v2_spvcnn.mlxl"
+GOLDEN_EXPECTED = DATA / "export_v2_spvcnn_expected.npz"
+VOXEL = 0.25
+
+#: Every form mlx_lattice.quantize produces (group 32; narrow layers too).
+FORMS: dict[str, list[qr.Rule] | None] = {
+    "float": None,
+    "int8": [qr.Rule(weight_qtype="int8", tile_size=32)],
+    "int4": [qr.Rule(weight_qtype="int4", tile_size=32)],
+    "w8a8": [qr.Rule(weight_qtype="int8", act_qtype="int8", tile_size=32)],
+    "w4a8": [qr.Rule(weight_qtype="int4", act_qtype="int8", tile_size=32)],
+    "w8a8-static": [
+        qr.Rule(
+            op_names=("sparse_conv",),
+            weight_qtype="int8",
+            act_qtype="int8",
+            act_static_scale=True,
+            tile_size=32,
+        ),
+        qr.Rule(weight_qtype="int8", act_qtype="int8", tile_size=32),
+    ],
+}
+
+# Runs in a child Python: loads each artifact, scores its case's points (and
+# for voxel models its sparse tensor), writes the outputs' bits and whether
+# any module of mlx_lattice.models was imported.
 _CHILD = """
 import sys
 import numpy as np
@@ -30,91 +63,293 @@ import mlx.core as mx
 from mlx_lattice import export
 from mlx_lattice.tensor import SparseTensor
 
-net = export.load(sys.argv[1])
-case = np.load(sys.argv[2])
-out = net(SparseTensor(mx.array(case["coords"]), mx.array(case["feats"])))
-mx.eval(out.feats)
-np.savez(
-    sys.argv[3],
-    bits=np.array(out.feats.view(mx.uint32)),
-    coords=np.array(out.coords),
-    models_imported=any(m.startswith("mlx_lattice.models") for m in sys.modules),
-    metadata=net.metadata["trained"],
-)
+out = {}
+for i in range(1, len(sys.argv) - 1, 2):
+    net = export.load(sys.argv[i])
+    case = np.load(sys.argv[i + 1])
+    key = case["key"].item()
+    for dtype in ("float32", "float16"):
+        feats = mx.array(case["feats"]).astype(getattr(mx, dtype))
+        scores = net.predict_points(case["points"], feats)
+        mx.eval(scores)
+        out[f"{key}/{dtype}/points"] = np.array(scores.view(mx.uint8))
+        if net.model_type == "MinkUNet":
+            y = net(SparseTensor(mx.array(case["coords"]), mx.array(case["vfeats"]).astype(
+                getattr(mx, dtype))))
+            mx.eval(y.feats)
+            out[f"{key}/{dtype}/voxels"] = np.array(y.feats.view(mx.uint8))
+out["models_imported"] = np.array(any(m.startswith("mlx_lattice.models") for m in sys.modules))
+np.savez(sys.argv[-1], **out)
 """
 
 
-def _scan(rng: np.random.Generator, n: int, extent: int) -> tuple[np.ndarray, np.ndarray]:
-    coords = np.unique(
-        np.concatenate([rng.integers(0, 2, (n, 1)), rng.integers(0, extent, (n, 3))], axis=1),
-        axis=0,
-    ).astype(np.int32)
-    feats = rng.standard_normal((len(coords), 3)).astype(np.float32)
-    return coords, feats
+def _points(rng: np.random.Generator, n: int, extent: float) -> tuple[np.ndarray, np.ndarray]:
+    pts = rng.uniform(0, extent, (n, 3)).astype(np.float32)
+    feats = rng.standard_normal((n, 3)).astype(np.float32)
+    return pts, feats
 
 
-def _trained(rng: np.random.Generator) -> MinkUNet:
-    model = MinkUNet(3, 4, widths=(8, 16, 16), depths=(1, 2, 1))
-    opt = optim.SGD(learning_rate=0.05)
-    coords, feats = _scan(rng, 600, 12)
-    labels = mx.array(rng.integers(0, 4, len(coords)).astype(np.int32))
-    x = SparseTensor(mx.array(coords), mx.array(feats))
-    model.train()
-    for _ in range(3):
-        train_step(model, opt, x, labels)
-    return model.eval()
+def _randomize_norms(model, rng: np.random.Generator) -> None:
+    """Running statistics and affine parameters away from their defaults,
+    so that every norm changes its input."""
+    import mlx.nn as mlx_nn
+
+    for _, m in model.named_modules():
+        if isinstance(m, mlx_nn.BatchNorm):
+            n = int(m.running_mean.shape[0])
+            m.running_mean = mx.array(rng.normal(0, 0.3, n).astype(np.float32))
+            m.running_var = mx.array(rng.uniform(0.5, 2.0, n).astype(np.float32))
+            m.weight = mx.array(rng.uniform(0.5, 1.5, n).astype(np.float32))
+            m.bias = mx.array(rng.normal(0, 0.2, n).astype(np.float32))
 
 
-def test_artifact_runs_in_a_fresh_process_bit_for_bit(
+def _model(arch: str, form: str, rng: np.random.Generator, calib) -> MinkUNet:
+    cls = MinkUNet if arch == "MinkUNet" else SPVCNN
+    model = cls(3, 5, widths=(16, 32, 32), depths=(1, 2, 1))
+    _randomize_norms(model, rng)
+    model.eval()
+    rules = FORMS[form]
+    if rules is not None:
+        quantize(model, rules, allow_growth=True)
+    if form.endswith("static"):
+        calibrate_activation_scales(model, [calib(model)])
+    return model
+
+
+def _inputs(arch: str, pts: np.ndarray, feats: np.ndarray, dtype):
+    inp = point_cloud_input(pts, mx.array(feats).astype(dtype), VOXEL)
+    return inp
+
+
+def _expected(model, arch: str, pts: np.ndarray, feats: np.ndarray, dtype) -> dict:
+    inp = _inputs(arch, pts, feats, dtype)
+    if arch == "SPVCNN":
+        return {"points": model(inp)}
+    scores = model(inp.tensor).feats
+    # The child's sparse tensor: the float32 voxel means cast to dtype.
+    f32 = _inputs(arch, pts, feats, mx.float32).tensor
+    voxels = model(f32.replace(f32.feats.astype(dtype))).feats
+    return {"points": mx.take(scores, inp.voxels.point_to_voxel, axis=0), "voxels": voxels}
+
+
+def test_every_model_and_form_bit_for_bit_in_a_fresh_process(
     tmp_path: Path, rng: np.random.Generator
 ) -> None:
-    model = _trained(rng)
-    path = tmp_path / "minkunet.safetensors"
-    export.export_model(model, path, metadata={"trained": "3 SGD steps"})
-    # Other coordinates than the training batch: relations are rebuilt.
-    coords, feats = _scan(rng, 900, 16)
-    np.savez(tmp_path / "case.npz", coords=coords, feats=feats)
-    expected = model(SparseTensor(mx.array(coords), mx.array(feats))).feats
-    subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _CHILD,
-            str(path),
-            str(tmp_path / "case.npz"),
-            str(tmp_path / "out.npz"),
-        ],
-        check=True,
-    )
+    """Each (model x quantization form) artifact, in a child process that
+    never imports mlx_lattice.models, gives the bits of the in-process
+    eval() model for float32 and float16 features (new points, not the
+    calibration ones)."""
+    calib_pts, calib_feats = _points(rng, 900, 4.0)
+    pts, feats = _points(rng, 1500, 5.0)
+    expected: dict[str, np.ndarray] = {}
+    argv: list[str] = []
+    for arch in ("MinkUNet", "SPVCNN"):
+        for form in FORMS:
+            key = f"{arch}-{form}"
+
+            def calib(model, arch=arch):
+                inp = _inputs(arch, calib_pts, calib_feats, mx.float32)
+                return inp if arch == "SPVCNN" else inp.tensor
+
+            model = _model(arch, form, rng, calib)
+            path = tmp_path / f"{key}.mlxl"
+            export.export_model(model, path, voxel_size=VOXEL)
+            vox = _inputs(arch, pts, feats, mx.float32).tensor
+            np.savez(
+                tmp_path / f"{key}.npz",
+                key=key,
+                points=pts,
+                feats=feats,
+                coords=np.array(vox.coords),
+                vfeats=np.array(vox.feats),
+            )
+            argv += [str(path), str(tmp_path / f"{key}.npz")]
+            for dtype in (mx.float32, mx.float16):
+                want = _expected(model, arch, pts, feats, dtype)
+                for what, array in want.items():
+                    # SPVCNN's point branch and head run in float32.
+                    want_dtype = mx.float32 if arch == "SPVCNN" else dtype
+                    assert array.dtype == want_dtype, (key, what, array.dtype)
+                    expected[f"{key}/{dtype_name(dtype)}/{what}"] = np.array(array.view(mx.uint8))
+    subprocess.run([sys.executable, "-c", _CHILD, *argv, str(tmp_path / "out.npz")], check=True)
     with np.load(tmp_path / "out.npz") as out:
         assert not bool(out["models_imported"])
-        assert str(out["metadata"]) == "3 SGD steps"
-        assert np.array_equal(out["coords"], coords)
-        assert np.array_equal(out["bits"], np.array(expected.view(mx.uint32)))
-    # In this process too, and with every node of the vocabulary present.
-    graph = export.load(path).graph
-    assert {n["op"] for n in graph["nodes"]} == {
-        "subm_conv",
-        "conv",
-        "conv_transpose",
-        "batch_norm",
-        "cat",
-        "linear",
+        assert set(out.files) - {"models_imported"} == set(expected)
+        differ = [k for k, v in expected.items() if not np.array_equal(out[k], v)]
+    assert not differ, f"outputs differ from the model's: {differ}"
+
+
+def dtype_name(dtype) -> str:
+    return "float16" if dtype == mx.float16 else "float32"
+
+
+def test_quantized_weights_stored_packed(tmp_path: Path) -> None:
+    """An int4 MinkUNet artifact holds packed codes: at most 0.45x the float
+    one (the issue's bound; group 32 int4 with float32 scales and biases is
+    6 bits per weight against 32)."""
+    model = MinkUNet(4, 20)
+    float_path, int4_path = tmp_path / "float.mlxl", tmp_path / "int4.mlxl"
+    export.export_model(model, float_path)
+    quantize(model, [qr.Rule(weight_qtype="int4", tile_size=32)])
+    export.export_model(model, int4_path)
+    ratio = int4_path.stat().st_size / float_path.stat().st_size
+    assert ratio <= 0.45, ratio
+    graph = export.load(int4_path).graph
+    packed = [n for n in graph["nodes"] if "quant" in n]
+    assert packed and all(n["quant"]["bits"] == 4 for n in packed)
+    tensors = export.load(int4_path).tensors
+    assert all(tensors[n["weight"]].dtype == mx.uint32 for n in packed)
+
+
+def test_predict_points_voxel_size_and_features(tmp_path: Path, rng: np.random.Generator) -> None:
+    """predict_points: the stored voxel size or the one passed; a MinkUNet's
+    points get their voxel's scores; declared features and classes."""
+    model = MinkUNet(2, 3, widths=(4, 8)).eval()
+    _randomize_norms(model, rng)
+    pts, feats = _points(rng, 300, 3.0)
+    feats = feats[:, :2]
+    stored = tmp_path / "stored"
+    export.export_model(
+        model, stored, voxel_size=0.5, features="occupancy,height", class_names=["a", "b", "c"]
+    )
+    net = export.load(stored)
+    assert net.features == ("occupancy", "height") and net.class_names == ("a", "b", "c")
+    got = net.predict_points(pts, feats)
+    # Independent voxel assignment: floor(p / size), NumPy's unique rows.
+    cells = np.floor(pts / 0.5).astype(np.int32)
+    uniq, inverse = np.unique(cells, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    means = np.zeros((len(uniq), 2), np.float64)
+    np.add.at(means, inverse, feats)
+    means /= np.bincount(inverse)[:, None]
+    coords = np.concatenate([np.zeros((len(uniq), 1), np.int32), uniq], axis=1)
+    ref = model(SparseTensor(mx.array(coords), mx.array(means.astype(np.float32)))).feats
+    np.testing.assert_allclose(np.array(got), np.array(ref)[inverse], rtol=1e-5, atol=1e-5)
+    assert mx.array_equal(net.predict_points(pts, feats, voxel_size=0.5), got)
+    with pytest.raises(export.ExportError, match=r"exported for voxel size 0\.5, got 0\.25"):
+        net.predict_points(pts, feats, voxel_size=0.25)
+    with pytest.raises(
+        export.ExportError, match=r"features has 3 feature channels.*occupancy,height"
+    ):
+        net.predict_points(pts, np.ones((300, 3), np.float32))
+    with pytest.raises(export.ExportError, match=r"features must be \(300, C\)"):
+        net.predict_points(pts, feats[:10])
+    bare = tmp_path / "bare.mlxl"
+    export.export_model(model, bare)
+    assert export.load(bare).voxel_size is None
+    with pytest.raises(export.ExportError, match="stores none; pass voxel_size"):
+        export.load(bare).predict_points(pts, feats)
+    assert mx.array_equal(export.load(bare).predict_points(pts, feats, voxel_size=0.5), got)
+    spv = tmp_path / "spv.mlxl"
+    export.export_model(SPVCNN(2, 3, widths=(4, 8)).eval(), spv, voxel_size=0.5)
+    with pytest.raises(export.ExportError, match="scores points; call predict_points"):
+        export.load(spv)(SparseTensor(mx.array(coords), mx.array(means.astype(np.float32))))
+    with pytest.raises(export.ExportError, match="features has 3 names, the model has 2"):
+        export.export_model(model, bare, features=["a", "b", "c"])
+
+
+def test_any_path_is_written_where_asked(tmp_path: Path) -> None:
+    model = MinkUNet(2, 3, widths=(4, 8))
+    for name in ("net.mlxl", "net", "net.safetensors", "dir.d/net.v2"):
+        path = tmp_path / name
+        path.parent.mkdir(exist_ok=True)
+        export.export_model(model, str(path) if name == "net" else path)
+        assert path.is_file(), name
+        assert export.load(path).model_type == "MinkUNet"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dir.d",
+        "net",
+        "net.mlxl",
+        "net.safetensors",
+    ]
+    with pytest.raises(export.ExportError, match="is a directory"):
+        export.export_model(model, tmp_path / "dir.d")
+    with pytest.raises(export.ExportError, match="does not exist"):
+        export.export_model(model, tmp_path / "missing" / "net.mlxl")
+    with pytest.raises(export.ExportError, match="does not exist"):
+        export.export_model(model, tmp_path / "net.mlxl" / "inside")
+    with pytest.raises(export.ExportError, match="is not a file"):
+        export.load(tmp_path / "dir.d")
+    with pytest.raises(export.ExportError, match="is not a file"):
+        export.load(tmp_path / "absent.mlxl")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only directories")
+def test_unwritable_directory(tmp_path: Path) -> None:
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        with pytest.raises(export.ExportError, match="not writable"):
+            export.export_model(MinkUNet(2, 3, widths=(4, 8)), locked / "net.mlxl")
+    finally:
+        locked.chmod(0o700)
+
+
+def _golden_model() -> tuple[SPVCNN, np.ndarray, np.ndarray]:
+    """A small SPVCNN with every kind of layer and several quantized forms:
+    w8a8 static convolutions in the encoder, int4 weight-only elsewhere,
+    w8a8 dynamic point MLPs, a float head."""
+    rng = np.random.default_rng(20261204)
+    mx.random.seed(20261204)
+    model = SPVCNN(3, 4, widths=(8, 16), depths=1)
+    _randomize_norms(model, rng)
+    model.eval()
+    rules = [
+        qr.Rule(module_path="head", weight_qtype=None),
+        qr.Rule(
+            module_path="encoder/.*",
+            weight_qtype="int8",
+            act_qtype="int8",
+            act_static_scale=True,
+            tile_size=32,
+        ),
+        qr.Rule(module_path="point/.*", weight_qtype="int8", act_qtype="int8", tile_size=32),
+        qr.Rule(weight_qtype="int4", tile_size=32),
+    ]
+    quantize(model, rules, allow_growth=True)
+    pts = rng.uniform(0, 2.0, (120, 3)).astype(np.float32)
+    feats = rng.standard_normal((120, 3)).astype(np.float32)
+    calibrate_activation_scales(model, [point_cloud_input(pts, feats, VOXEL)])
+    return model, pts, feats
+
+
+def _write_golden() -> None:
+    model, pts, feats = _golden_model()
+    DATA.mkdir(exist_ok=True)
+    export.export_model(
+        model,
+        GOLDEN,
+        voxel_size=VOXEL,
+        features="occupancy,height,intensity",
+        class_names=["road", "car", "tree", "other"],
+        metadata={"written_by": "mlx_lattice export format version 2"},
+    )
+    scores = model(point_cloud_input(pts, feats, VOXEL))
+    np.savez(GOLDEN_EXPECTED, points=pts, feats=feats, scores=np.array(scores))
+
+
+def test_committed_version_2_artifact() -> None:
+    """The artifact written by format version 2 (committed) still loads and
+    scores its stored points as recorded. Tolerance, not bits: the values
+    were recorded on one host, and other hosts' kernels (AMX, other SIMD
+    widths) may round the sums differently."""
+    assert GOLDEN.stat().st_size < 64_000
+    net = export.load(GOLDEN)
+    assert net.graph["version"] == 2 and net.model_type == "SPVCNN"
+    assert net.features == ("occupancy", "height", "intensity")
+    assert net.class_names == ("road", "car", "tree", "other") and net.voxel_size == VOXEL
+    assert net.metadata == {"written_by": "mlx_lattice export format version 2"}
+    forms = {
+        (n["quant"]["bits"], n["quant"]["act_bits"], n["quant"]["act_static"])
+        for n in net.graph["nodes"]
+        if "quant" in n
     }
-
-
-def test_artifact_half_precision_features(tmp_path: Path, rng: np.random.Generator) -> None:
-    """float16 features (float32 weights) take the same bits through the
-    artifact as through the model (its half-precision skip fork included)."""
-    model = _trained(rng)
-    path = tmp_path / "net.safetensors"
-    export.export_model(model, path)
-    coords, feats = _scan(rng, 700, 14)
-    half = mx.array(feats).astype(mx.float16)
-    expected = model(SparseTensor(mx.array(coords), half)).feats
-    got = export.load(path)(SparseTensor(mx.array(coords), half)).feats
-    assert got.dtype == mx.float16
-    assert np.array_equal(np.array(got.view(mx.uint16)), np.array(expected.view(mx.uint16)))
+    assert forms == {(4, None, False), (8, 8, True), (8, 8, False)}
+    with np.load(GOLDEN_EXPECTED) as case:
+        got = np.array(net.predict_points(case["points"], case["feats"]))
+        np.testing.assert_allclose(got, case["scores"], rtol=1e-4, atol=1e-4)
+        assert np.abs(case["scores"]).max() > 0.1  # not a degenerate all-zero reference
 
 
 def test_mlx_export_function_cannot_carry_the_extension(tmp_path: Path) -> None:
@@ -146,34 +381,85 @@ def test_mlx_export_function_cannot_carry_the_extension(tmp_path: Path) -> None:
     assert out.tolist() == [[2.0, 2.0], [2.0, 2.0]]
 
 
-def test_export_rejects_models_outside_the_vocabulary(tmp_path: Path) -> None:
-    from mlx_lattice.models import SPVCNN
+def test_trained_model_round_trip(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A MinkUNet after a few training steps (running statistics updated)
+    and its artifact agree bit for bit on other coordinates."""
+    model = MinkUNet(3, 4, widths=(8, 16, 16), depths=(1, 2, 1))
+    opt = optim.SGD(learning_rate=0.05)
+    pts, feats = _points(rng, 600, 3.0)
+    inp = point_cloud_input(pts, feats, VOXEL)
+    labels = mx.array(rng.integers(0, 4, inp.tensor.num_points).astype(np.int32))
+    model.train()
+    for _ in range(3):
+        train_step(model, opt, inp.tensor, labels)
+    model.eval()
+    path = tmp_path / "trained.mlxl"
+    export.export_model(model, path, metadata={"trained": "3 SGD steps"})
+    net = export.load(path)
+    assert net.metadata == {"trained": "3 SGD steps"}
+    x = point_cloud_input(*_points(rng, 900, 4.0), VOXEL).tensor
+    got, want = net(x), model(x)
+    assert np.array_equal(np.array(got.coords), np.array(want.coords))
+    assert np.array_equal(np.array(got.feats.view(mx.uint32)), np.array(want.feats.view(mx.uint32)))
 
-    path = tmp_path / "unused.safetensors"
-    with pytest.raises(export.ExportError, match="must be a MinkUNet, got SPVCNN"):
-        export.export_model(SPVCNN(), path)
+
+def test_export_rejects_layers_outside_the_vocabulary(tmp_path: Path) -> None:
+    from mlx_lattice import nn
+
+    path = tmp_path / "unused.mlxl"
     model = MinkUNet(2, 3, widths=(4, 8))
-    model.stem.conv = model.stem.conv.to_quantized(bits=4, group_size=32)
-    with pytest.raises(export.ExportError, match=r"stem\.conv: QuantizedConv"):
+    model.stem.conv = nn.NormalizedSubMConv3d(2, 4, bias=False)
+    with pytest.raises(export.ExportError, match=r"stem\.conv: NormalizedSubMConv3d is not in"):
+        export.export_model(model, path)
+    with pytest.raises(export.ExportError, match="must be a MinkUNet or an SPVCNN, got Linear"):
+        export.export_model(nn.Linear(2, 3), path)
+    model = MinkUNet(32, 3, widths=(32, 32))
+    quantize(
+        model,
+        qr.Rule(
+            weight_qtype="int8",
+            act_qtype="int8",
+            act_static_scale=True,
+            tile_size=32,
+            op_names=("sparse_conv",),
+        ),
+    )
+    with pytest.raises(export.ExportError, match=r"stem\.conv: its static activation scale"):
         export.export_model(model, path)
     assert not path.exists()
+    assert not list(tmp_path.iterdir())  # no temporary file left behind
 
 
-def _rewrite(path: Path, out: Path, edit) -> Path:
-    tensors, meta = mx.load(str(path), return_metadata=True)
+def _rewrite(path: Path, out: Path, edit, *, digest: bool = True) -> Path:
+    """``path`` with ``edit(tensors, graph)`` applied, written to ``out``
+    (a ``.safetensors`` name: MLX's writer appends the suffix otherwise),
+    with a matching digest unless ``digest`` is false."""
+    tensors, meta = mx.load(str(path), format="safetensors", return_metadata=True)
     graph = json.loads(meta[export.FORMAT])
     tensors, graph = edit(tensors, graph)
-    mx.save_safetensors(str(out), tensors, metadata={export.FORMAT: json.dumps(graph)})
+    text = json.dumps(graph)
+    meta = {export.FORMAT: text}
+    if digest:
+        meta[export.DIGEST_KEY] = export._digest(text, tensors)
+    mx.save_safetensors(str(out), tensors, metadata=meta)
     return out
 
 
 def test_load_rejects_malformed_artifacts(tmp_path: Path) -> None:
-    path = tmp_path / "net.safetensors"
-    export.export_model(MinkUNet(2, 3, widths=(4, 8)), path)
+    path = tmp_path / "net.mlxl"
+    model = SPVCNN(2, 3, widths=(32, 32))
+    quantize(model, qr.Rule(weight_qtype="int4", tile_size=32), allow_growth=True)
+    export.export_model(model, path)
+    graph = export.load(path).graph
+    first_quant = next(i for i, n in enumerate(graph["nodes"]) if "quant" in n)
+    first_add = next(i for i, n in enumerate(graph["nodes"]) if n["op"] == "add")
 
-    def unknown_op(t: dict, g: dict) -> tuple[dict, dict]:
-        g["nodes"][1]["op"] = "attention"
-        return t, g
+    def edit_node(i, **changes):
+        def edit(t: dict, g: dict) -> tuple[dict, dict]:
+            g["nodes"][i].update(changes)
+            return t, g
+
+        return edit
 
     def missing_tensor(t: dict, g: dict) -> tuple[dict, dict]:
         del t["head.weight"]
@@ -183,26 +469,92 @@ def test_load_rejects_malformed_artifacts(tmp_path: Path) -> None:
         g["version"] = 99
         return t, g
 
-    def dangling(t: dict, g: dict) -> tuple[dict, dict]:
-        g["nodes"][0]["inputs"] = ["nowhere"]
+    def bits(t: dict, g: dict) -> tuple[dict, dict]:
+        g["nodes"][first_quant]["quant"]["bits"] = 8
+        return t, g
+
+    def short_weight(t: dict, g: dict) -> tuple[dict, dict]:
+        t["stem.conv.weight"] = t["stem.conv.weight"][:, :1]
+        return t, g
+
+    def wrong_width(t: dict, g: dict) -> tuple[dict, dict]:
+        n = g["nodes"][2]  # the stem's norm
+        for key in ("weight", "bias", "running_mean", "running_var"):
+            t[n[key]] = t[n[key]][:-1]
+        n["num_features"] -= 1
         return t, g
 
     cases = [
-        (unknown_op, "node 1 has op 'attention'"),
+        (edit_node(1, op="attention"), "node 1 has op 'attention'"),
         (missing_tensor, "needs tensor 'head.weight'"),
-        (version, "version 99"),
-        (dangling, "reads 'nowhere' before"),
+        (version, "graph version 99; this mlx_lattice reads versions 1, 2"),
+        (edit_node(0, inputs=["nowhere"]), "reads 'nowhere' before"),
+        (bits, r"tensor 'stem\.conv\.weight' \(weight\) has shape"),
+        (short_weight, r"has shape \(27, 1, 4\), expected \(27, 32, 4\)"),
+        (wrong_width, r"node 2 \(batch_norm\): reads 32 channels, its tensors take 31"),
+        (
+            edit_node(first_add, inputs=[graph["nodes"][first_add]["inputs"][0], "v2"]),
+            "reads voxels, expected points",
+        ),
+        (edit_node(1, kernel_size=[3, 3, 9]), "kernel_size"),
     ]
     for i, (edit, match) in enumerate(cases):
         bad = _rewrite(path, tmp_path / f"bad{i}.safetensors", edit)
         with pytest.raises(export.ExportError, match=match):
             export.load(bad)
+    # A changed graph or tensor without a matching digest: damaged or edited.
+    bad = _rewrite(path, tmp_path / "edited.safetensors", edit_node(2, eps=0.5), digest=False)
+    with pytest.raises(export.ExportError, match="digest does not match"):
+        export.load(bad)
+    data = path.read_bytes()
+    (tmp_path / "flipped.mlxl").write_bytes(data[:-3] + bytes([data[-3] ^ 1]) + data[-2:])
+    with pytest.raises(export.ExportError, match="digest does not match"):
+        export.load(tmp_path / "flipped.mlxl")
+    (tmp_path / "cut.mlxl").write_bytes(data[: len(data) // 2])
+    with pytest.raises(export.ExportError, match="cannot read"):
+        export.load(tmp_path / "cut.mlxl")
     plain = tmp_path / "plain.safetensors"
     mx.save_safetensors(str(plain), {"w": mx.ones(2)})
     with pytest.raises(export.ExportError, match=r"no 'mlx_lattice\.graph' metadata"):
         export.load(plain)
-    (tmp_path / "junk.safetensors").write_bytes(b"not a file")
+    (tmp_path / "junk.mlxl").write_bytes(b"not a file")
     with pytest.raises(export.ExportError, match="cannot read"):
-        export.load(tmp_path / "junk.safetensors")
-    with pytest.raises(export.ExportError, match="reserved"):
-        export.export_model(MinkUNet(2, 3, widths=(4, 8)), path, metadata={export.FORMAT: "x"})
+        export.load(tmp_path / "junk.mlxl")
+    for key in (export.FORMAT, export.DIGEST_KEY):
+        with pytest.raises(export.ExportError, match="reserved"):
+            export.export_model(MinkUNet(2, 3, widths=(4, 8)), path, metadata={key: "x"})
+
+
+def test_reads_version_1_files(tmp_path: Path, rng: np.random.Generator) -> None:
+    """A version 1 graph (float MinkUNet, no digest, no channel counts) as
+    the previous release wrote it still loads and runs."""
+    model = MinkUNet(2, 3, widths=(4, 8)).eval()
+    path = tmp_path / "v2.mlxl"
+    export.export_model(model, path)
+
+    def as_v1(t: dict, g: dict) -> tuple[dict, dict]:
+        for key in (
+            "input_kind",
+            "in_channels",
+            "num_classes",
+            "voxel_size",
+            "features",
+            "class_names",
+        ):
+            del g[key]
+        for n in g["nodes"]:
+            n.pop("in_channels", None)
+            n.pop("out_channels", None)
+        g["version"] = 1
+        return t, g
+
+    v1 = _rewrite(path, tmp_path / "v1.safetensors", as_v1, digest=False)
+    x = point_cloud_input(
+        *[a[:, :2] if a.shape[1] == 3 and i else a for i, a in enumerate(_points(rng, 200, 2.0))],
+        VOXEL,
+    ).tensor
+    assert mx.array_equal(export.load(v1)(x).feats, model(x).feats)
+
+
+if __name__ == "__main__":
+    _write_golden()

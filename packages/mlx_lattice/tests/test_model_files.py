@@ -89,6 +89,36 @@ def test_spvcnn_round_trip(tmp_path, scan):
     np.testing.assert_array_equal(loaded.predict(inp), np.array(mx.argmax(model(inp), axis=1)))
 
 
+def test_declared_input_features(tmp_path, scan):
+    """A model saved with occupancy,height,intensity: the features come back
+    with it; prepare builds exactly those columns (voxel means of the
+    points' values, against NumPy); a source without intensity is an error
+    naming the feature and the source."""
+    from mlx_lattice.data import HEIGHT_SCALE
+
+    model = trained_like(MinkUNet(3, 5, widths=(8, 16)))
+    path = tmp_path / "i.safetensors"
+    save_model(path, model, voxel_size=0.5, class_names=NAMES, features="occupancy,height,intensity")
+    loaded = load_model(path)
+    assert loaded.features == ("occupancy", "height", "intensity")
+    assert scan.intensity is not None and scan.intensity.shape == (len(scan.points),)
+    inp = loaded.prepare(scan.points, {"intensity": scan.intensity}, source="scan.bin")
+    batch = make_batch([scan], 0.5, features=loaded.features)
+    assert mx.array_equal(inp.tensor.feats, batch.tensor.feats).item()
+    # NumPy: per voxel, the mean of (1, z / HEIGHT_SCALE, intensity).
+    cells = np.floor(scan.points.astype(np.float64) / 0.5).astype(np.int64)
+    _, inverse = np.unique(cells, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    cols = np.stack([np.ones(len(cells)), scan.points[:, 2] / HEIGHT_SCALE, scan.intensity], 1)
+    ref = np.stack([np.bincount(inverse, c) / np.bincount(inverse) for c in cols.T], 1)
+    np.testing.assert_allclose(np.array(batch.tensor.feats), ref, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(inp.point_to_voxel, batch.point_to_voxel)
+    with pytest.raises(mlx_lattice.MlxLatticeError, match=r"scan\.bin: has no 'intensity' feature"):
+        loaded.prepare(scan.points, {}, source="scan.bin")
+    with pytest.raises(ValueError, match="features has 2 names, the model takes 3"):
+        save_model(path, model, voxel_size=0.5, class_names=NAMES)
+
+
 def test_save_rejects_mismatches(tmp_path):
     model = MinkUNet(2, 5, widths=(8, 16))
     with pytest.raises(ValueError, match="class_names has 2 names, the model scores 5"):

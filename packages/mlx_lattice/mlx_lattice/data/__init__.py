@@ -10,6 +10,7 @@ from mlx_lattice.data.lidar import (
     voxelize_points,
 )
 from mlx_lattice.data.segmentation import (
+    DEFAULT_FEATURES,
     HEIGHT_SCALE,
     LabelledScans,
     SegmentationBatch,
@@ -18,11 +19,14 @@ from mlx_lattice.data.segmentation import (
     labelled_scans,
     make_batch,
     mean_iou,
+    parse_features,
+    point_feature_columns,
     voxel_labels,
 )
 
 __all__ = [
     "CLASS_NAMES",
+    "DEFAULT_FEATURES",
     "HEIGHT_SCALE",
     "LabelledScans",
     "LidarScan",
@@ -33,6 +37,8 @@ __all__ = [
     "labelled_scans",
     "make_batch",
     "mean_iou",
+    "parse_features",
+    "point_feature_columns",
     "synthetic_lidar_scan",
     "voxel_labels",
     "voxelize_points",

@@ -21,6 +21,8 @@ __all__ = ["CLASS_NAMES", "LidarScan", "SceneConfig", "synthetic_lidar_scan", "v
 
 #: The semantic class of each label index.
 CLASS_NAMES = ("ground", "building", "car", "pole", "vegetation")
+# Synthetic intensity of each class's surface (before the fall-off with range).
+_REFLECTIVITY = np.array([0.25, 0.45, 0.8, 0.6, 0.35])
 
 
 @dataclass(frozen=True)
@@ -43,11 +45,14 @@ class SceneConfig:
 
 @dataclass(frozen=True)
 class LidarScan:
-    """Points ``(M, 3)`` float32 in metres (sensor at the origin, z up) and a
-    class label per point (indices into ``CLASS_NAMES``)."""
+    """Points ``(M, 3)`` float32 in metres (sensor at the origin, z up), a
+    class label per point (indices into ``CLASS_NAMES``) and, when the
+    source has it, each return's ``intensity`` ``(M,)`` float32 (``None``:
+    not measured)."""
 
     points: np.ndarray
     labels: np.ndarray
+    intensity: np.ndarray | None = None
 
 
 def _boxes(rng: np.random.Generator, cfg: SceneConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -184,7 +189,13 @@ def synthetic_lidar_scan(seed: int = 0, config: SceneConfig | None = None) -> Li
     keep = best <= cfg.max_range
     rng_noise = rng.normal(0.0, cfg.range_noise, keep.sum())
     points = origin + d[keep] * (best[keep] + rng_noise)[:, None]
-    return LidarScan(points.astype(np.float32), label[keep].astype(np.int32))
+    labels = label[keep].astype(np.int32)
+    # Intensity: the class's reflectivity, fading with range, with noise (its
+    # own generator, so points and labels stay those of the seed).
+    noise = np.random.default_rng([seed, 1]).normal(0.0, 0.05, len(labels))
+    fade = 1.0 / (1.0 + 0.02 * best[keep])
+    intensity = np.clip(_REFLECTIVITY[labels] * fade + noise, 0.0, 1.0).astype(np.float32)
+    return LidarScan(points.astype(np.float32), labels, intensity)
 
 
 def voxelize_points(points: np.ndarray, voxel_size: float, batch: int = 0) -> np.ndarray:

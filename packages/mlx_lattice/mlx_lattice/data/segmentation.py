@@ -15,6 +15,7 @@ from mlx_lattice.data.lidar import CLASS_NAMES, LidarScan, SceneConfig, syntheti
 from mlx_lattice.tensor import SparseTensor, SparseTensorError
 
 __all__ = [
+    "DEFAULT_FEATURES",
     "HEIGHT_SCALE",
     "LabelledScans",
     "SegmentationBatch",
@@ -23,11 +24,88 @@ __all__ = [
     "labelled_scans",
     "make_batch",
     "mean_iou",
+    "parse_features",
+    "point_feature_columns",
     "voxel_labels",
 ]
 
 #: Metres per unit of the height feature (z / HEIGHT_SCALE).
 HEIGHT_SCALE = 4.0
+#: The input features of a model that declares none: occupancy and height.
+DEFAULT_FEATURES = ("occupancy", "height")
+# Short feature names and the point-file fields they read.
+_ALIASES = {"r": "red", "g": "green", "b": "blue"}
+
+
+def parse_features(spec: str | Sequence[str]) -> tuple[str, ...]:
+    """A list of input feature names from ``"occupancy,height,intensity"``
+    or a sequence; names are non-empty, without spaces, and distinct.
+
+    >>> parse_features("occupancy, height,r,g,b")
+    ('occupancy', 'height', 'r', 'g', 'b')
+    """
+    names = spec.split(",") if isinstance(spec, str) else list(spec)
+    names = [n.strip() if isinstance(n, str) else n for n in names]
+    if not names or not all(isinstance(n, str) and n and " " not in n for n in names):
+        raise SparseTensorError(f"features must be non-empty names without spaces, got {spec!r}.")
+    if len(set(names)) != len(names):
+        raise SparseTensorError(f"features must be distinct, got {spec!r}.")
+    return tuple(names)
+
+
+def point_feature_columns(
+    points: np.ndarray,
+    names: Sequence[str],
+    values: dict[str, np.ndarray] | None = None,
+    *,
+    source: str = "points",
+) -> np.ndarray:
+    """The ``(P, len(names))`` float32 input features of ``(P, 3)`` points,
+    one column per name, in order: ``occupancy`` (1), ``height``
+    (``z / HEIGHT_SCALE``), and any other name read as it is from
+    ``values`` (a point file's per-point fields by name, e.g.
+    ``intensity``, ``red``; ``r``, ``g``, ``b`` read ``red``, ``green``,
+    ``blue``).
+
+    A name ``values`` lacks raises :class:`~mlx_lattice.tensor.SparseTensorError`
+    naming the feature and ``source`` (the file).
+
+    >>> pts = np.array([[0.0, 0.0, 2.0], [1.0, 0.0, 4.0]], np.float32)
+    >>> point_feature_columns(pts, ["occupancy", "height", "intensity"],
+    ...                       {"intensity": np.array([0.5, 0.25])}).tolist()
+    [[1.0, 0.5, 0.5], [1.0, 1.0, 0.25]]
+    """
+    return _columns64(points, names, values, source).astype(np.float32)
+
+
+def _columns64(
+    points: np.ndarray, names: Sequence[str], values: dict | None, source: str
+) -> np.ndarray:
+    """:func:`point_feature_columns` in float64 (voxel means are taken in float64)."""
+    pts = np.asarray(points, np.float64)
+    given = dict(values or {})
+    columns = []
+    for name in names:
+        if name == "occupancy":
+            columns.append(np.ones(len(pts)))
+        elif name == "height":
+            columns.append(pts[:, 2] / HEIGHT_SCALE)
+        else:
+            field = _ALIASES.get(name, name)
+            if field not in given:
+                have = ", ".join(sorted(given)) or "none"
+                raise SparseTensorError(
+                    f"{source}: has no {name!r} feature"
+                    + (f" (field {field!r})" if field != name else "")
+                    + f"; the model takes {','.join(names)}; the file's per-point fields: {have}."
+                )
+            column = np.asarray(given[field], np.float64).reshape(-1)
+            if len(column) != len(pts):
+                raise SparseTensorError(
+                    f"{source}: feature {name!r} has {len(column)} values for {len(pts)} points."
+                )
+            columns.append(column)
+    return np.stack(columns, axis=1) if columns else np.zeros((len(pts), 0))
 
 
 @dataclass(frozen=True)
@@ -99,8 +177,9 @@ def voxel_labels(point_to_voxel: np.ndarray, labels: np.ndarray, num_voxels: int
 
 @dataclass(frozen=True)
 class SegmentationBatch:
-    """Model input for a batch of scans: voxel ``tensor`` (features: occupancy
-    and height ``z / HEIGHT_SCALE``, averaged over the voxel's points),
+    """Model input for a batch of scans: voxel ``tensor`` (features: by
+    default occupancy and height ``z / HEIGHT_SCALE``, averaged over the
+    voxel's points),
     ``labels`` per voxel (majority of its points), and per point its voxel
     row and label, to score predictions on the points."""
 
@@ -110,8 +189,15 @@ class SegmentationBatch:
     point_labels: np.ndarray
 
 
-def make_batch(scans: Sequence[LidarScan], voxel_size: float) -> SegmentationBatch:
-    """Voxelize labelled scans into one batch (scan ``i`` gets batch index ``i``).
+def make_batch(
+    scans: Sequence[LidarScan],
+    voxel_size: float,
+    features: Sequence[str] = DEFAULT_FEATURES,
+) -> SegmentationBatch:
+    """Voxelize labelled scans into one batch (scan ``i`` gets batch index
+    ``i``), each voxel's features the mean of its points'
+    (:func:`point_feature_columns` of ``features``; ``intensity`` is the
+    scans' own, and a scan without one raises ``SparseTensorError``).
 
     >>> scan = synthetic_lidar_scan(0, SceneConfig(beams=8, azimuth_steps=128))
     >>> b = make_batch([scan], 0.5)
@@ -122,24 +208,46 @@ def make_batch(scans: Sequence[LidarScan], voxel_size: float) -> SegmentationBat
         raise SparseTensorError(f"voxel_size must be a positive finite number, got {voxel_size!r}.")
     if not scans:
         raise SparseTensorError("scans must hold at least one scan.")
-    points = np.concatenate([s.points for s in scans]).astype(np.float64)
+    names = parse_features(features)
+    columns = [
+        _columns64(
+            s.points,
+            names,
+            {} if s.intensity is None else {"intensity": s.intensity},
+            f"scan {i}",
+        )
+        for i, s in enumerate(scans)
+    ]
     labels = np.concatenate([s.labels for s in scans]).astype(np.int32)
-    batch = np.concatenate([np.full(len(s.points), i) for i, s in enumerate(scans)])
-    cells = np.floor(points / voxel_size).astype(np.int64)
-    keys = np.concatenate([batch[:, None].astype(np.int64), cells], axis=1)
-    coords, inverse = np.unique(keys, axis=0, return_inverse=True)
-    inverse = inverse.reshape(-1)
-    n = len(coords)
-    counts = np.bincount(inverse, minlength=n).astype(np.float64)
-    height = np.bincount(inverse, weights=points[:, 2] / HEIGHT_SCALE, minlength=n) / counts
-    feats = np.stack([np.ones(n), height], axis=1).astype(np.float32)
-    tensor = SparseTensor(mx.array(coords.astype(np.int32)), mx.array(feats), check=False)
+    tensor, inverse = _voxel_means([s.points for s in scans], columns, voxel_size)
+    n = tensor.num_points
     return SegmentationBatch(
         tensor,
         mx.array(voxel_labels(inverse, labels, n)),
         inverse.astype(np.int32),
         labels,
     )
+
+
+def _voxel_means(
+    points: Sequence[np.ndarray], columns: Sequence[np.ndarray], voxel_size: float
+) -> tuple[SparseTensor, np.ndarray]:
+    """The voxels of the point sets (set ``i`` in batch ``i``) with the
+    float64 mean of each feature column over their points, and each point's
+    voxel row."""
+    pts = np.concatenate(points).astype(np.float64)
+    batch = np.concatenate([np.full(len(p), i) for i, p in enumerate(points)])
+    cells = np.floor(pts / voxel_size).astype(np.int64)
+    keys = np.concatenate([batch[:, None].astype(np.int64), cells], axis=1)
+    coords, inverse = np.unique(keys, axis=0, return_inverse=True)
+    inverse = inverse.reshape(-1)
+    n = len(coords)
+    counts = np.bincount(inverse, minlength=n).astype(np.float64)
+    per_point = np.concatenate(columns)
+    means = [np.bincount(inverse, weights=c, minlength=n) / counts for c in per_point.T]
+    feats = np.stack(means, axis=1).astype(np.float32) if means else np.zeros((n, 0), np.float32)
+    tensor = SparseTensor(mx.array(coords.astype(np.int32)), mx.array(feats), check=False)
+    return tensor, inverse
 
 
 def confusion_matrix(pred: np.ndarray, truth: np.ndarray, num_classes: int) -> np.ndarray:

@@ -19,7 +19,7 @@ import numpy as np
 from mlx_lattice.data.lidar import LidarScan
 from mlx_lattice.data.segmentation import SegmentationBatch, make_batch
 from mlx_lattice.io import semantickitti
-from mlx_lattice.io.readers import PointCloudFormatError, read_kitti, read_points
+from mlx_lattice.io.readers import PointCloud, PointCloudFormatError, read_kitti, read_points
 
 __all__ = [
     "PointCloudDataset",
@@ -64,11 +64,11 @@ class PointCloudDataset:
                 raise PointCloudFormatError(f"{path}: a SemanticKITTI scan needs its .label file.")
             cloud = read_kitti(path, label_path)
             raw = cloud.labels if cloud.labels is not None else np.zeros(0, np.int64)
-            return LidarScan(cloud.points, semantickitti.training_labels(raw))
+            return LidarScan(cloud.points, semantickitti.training_labels(raw), _intensity(cloud))
         cloud = read_points(path)
         if cloud.labels is None:
             raise PointCloudFormatError(f"{path}: no label field (a folder dataset needs labels).")
-        return LidarScan(cloud.points, self._map(path, cloud.labels))
+        return LidarScan(cloud.points, self._map(path, cloud.labels), _intensity(cloud))
 
     def _map(self, path: Path, raw: np.ndarray) -> np.ndarray:
         k = self.ignore_label
@@ -129,6 +129,13 @@ class PointCloudDataset:
             yield make_batch(
                 [self.scan(int(i)) for i in order[start : start + batch_size]], voxel_size
             )
+
+
+def _intensity(cloud: PointCloud) -> np.ndarray | None:
+    """The cloud's ``intensity`` field as float32 (``None``: it has none)."""
+    if cloud.features is None or "intensity" not in cloud.feature_names:
+        return None
+    return cloud.features[:, cloud.feature_names.index("intensity")].astype(np.float32)
 
 
 def semantickitti_dataset(

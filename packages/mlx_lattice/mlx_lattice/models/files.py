@@ -33,7 +33,12 @@ from mlx.utils import tree_flatten
 import quantrules as qr
 from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice._version import __version__
-from mlx_lattice.data.segmentation import HEIGHT_SCALE
+from mlx_lattice.data.segmentation import (
+    DEFAULT_FEATURES,
+    HEIGHT_SCALE,
+    parse_features,
+    point_feature_columns,
+)
 from mlx_lattice.models.minkunet import MinkUNet
 from mlx_lattice.models.spvcnn import SPVCNN, PointCloudInput, point_cloud_input
 from mlx_lattice.nn import QuantizedConv, QuantizedLinear
@@ -44,8 +49,8 @@ __all__ = ["FORMAT", "ModelFileError", "SavedModel", "load_model", "point_featur
 
 #: The metadata ``format`` value of files this module writes.
 FORMAT = "mlx_lattice.model/1"
-#: The input features every saved model takes (see :func:`point_features`).
-INPUT_FEATURES = "occupancy,height"
+#: The input features of a model saved without ``features`` (see :func:`point_features`).
+INPUT_FEATURES = ",".join(DEFAULT_FEATURES)
 _ARCHITECTURES: dict[str, type[MinkUNet]] = {"MinkUNet": MinkUNet, "SPVCNN": SPVCNN}
 
 
@@ -89,20 +94,32 @@ class SavedModel:
     rules: Any
     version: str
     metadata: dict[str, Any]
+    #: The input features the model takes, in channel order.
+    features: tuple[str, ...] = DEFAULT_FEATURES
 
-    def prepare(self, points: np.ndarray) -> _VoxelInput | PointCloudInput:
+    def prepare(
+        self,
+        points: np.ndarray,
+        values: dict[str, np.ndarray] | None = None,
+        *,
+        source: str = "points",
+    ) -> _VoxelInput | PointCloudInput:
         """The model's input for ``(P, 3)`` points of one scan (its ``tensor``
-        holds the voxels)."""
+        holds the voxels), with the declared :attr:`features` built by
+        :func:`~mlx_lattice.data.point_feature_columns` from the points and
+        ``values`` (the file's per-point fields by name; a missing one
+        raises naming the feature and ``source``)."""
         pts = np.asarray(points, np.float32)
         if pts.ndim != 2 or pts.shape[1] != 3 or len(pts) == 0:
             raise ValueError(f"points must be a non-empty (P, 3) array, got shape {pts.shape}.")
         if self.architecture == "SPVCNN":
-            return point_cloud_input(pts, point_features(pts), self.voxel_size)
-        from mlx_lattice.data.lidar import LidarScan
-        from mlx_lattice.data.segmentation import make_batch
+            feats = point_feature_columns(pts, self.features, values, source=source)
+            return point_cloud_input(pts, feats, self.voxel_size)
+        from mlx_lattice.data.segmentation import _columns64, _voxel_means
 
-        batch = make_batch([LidarScan(pts, np.zeros(len(pts), np.int32))], self.voxel_size)
-        return _VoxelInput(batch.tensor, batch.point_to_voxel)
+        columns = _columns64(pts, self.features, values, source)
+        tensor, inverse = _voxel_means([pts], [columns], self.voxel_size)
+        return _VoxelInput(tensor, inverse.astype(np.int32))
 
     def predict(self, inp: _VoxelInput | PointCloudInput) -> np.ndarray:
         """The class index (into ``class_names``) of every point, ``(P,)`` int32."""
@@ -157,8 +174,13 @@ def save_model(
     rules: Any = None,
     allow_growth: bool = False,
     metadata: Mapping[str, Any] | None = None,
+    features: str | Sequence[str] = DEFAULT_FEATURES,
 ) -> None:
     """Write ``model`` and its configuration to a ``.safetensors`` file.
+
+    ``features`` names the model's input channels in order
+    (``"occupancy,height,intensity"`` or a list; one per input channel; see
+    :func:`~mlx_lattice.data.point_feature_columns`).
 
     ``rules`` are the rules the model was quantized with
     (:func:`mlx_lattice.quantize`; with its ``allow_growth``), ``None`` for a
@@ -179,6 +201,15 @@ def save_model(
         raise ValueError(f"path must end in .safetensors, got {os.fspath(path)!r}.")
     if not (isinstance(voxel_size, int | float) and np.isfinite(voxel_size) and voxel_size > 0):
         raise ValueError(f"voxel_size must be a positive finite number, got {voxel_size!r}.")
+    try:
+        feature_names = parse_features(features)
+    except MlxLatticeError as e:
+        raise ValueError(str(e)) from None
+    if len(feature_names) != model.in_channels:
+        raise ValueError(
+            f"features has {len(feature_names)} names, the model takes {model.in_channels} "
+            "input channels."
+        )
     names = tuple(str(n) for n in class_names)
     if len(names) != model.num_classes:
         raise ValueError(
@@ -216,7 +247,7 @@ def save_model(
         "arguments": arguments,
         "voxel_size": float(voxel_size),
         "class_names": list(names),
-        "input_features": INPUT_FEATURES,
+        "input_features": ",".join(feature_names),
         "height_scale": HEIGHT_SCALE,
         "quantization": None
         if rules is None
@@ -285,9 +316,15 @@ def load_model(path: str | os.PathLike[str]) -> SavedModel:
             f"{name}: bad configuration ({len(class_names)} class names for "
             f"{arguments.get('num_classes') if isinstance(arguments, dict) else '?'} classes)."
         )
-    if features != INPUT_FEATURES or config.get("height_scale") != HEIGHT_SCALE:
+    try:
+        feature_names = parse_features(features)
+    except (MlxLatticeError, AttributeError) as e:
+        raise ModelFileError(f"{name}: bad input features {features!r} ({e}).") from None
+    if len(feature_names) != arguments.get("in_channels") or config.get("height_scale") != HEIGHT_SCALE:
         raise ModelFileError(
-            f"{name}: input features {features!r} are not this version's {INPUT_FEATURES!r}."
+            f"{name}: input features {features!r} (height scale {config.get('height_scale')!r}) do "
+            f"not fit the model's {arguments.get('in_channels')!r} input channels and this "
+            f"version's height scale {HEIGHT_SCALE}."
         )
     rules = None
     allow_growth = False
@@ -323,4 +360,5 @@ def load_model(path: str | os.PathLike[str]) -> SavedModel:
         rules,
         str(config.get("version", "")),
         dict(config.get("metadata", {})),
+        feature_names,
     )

@@ -7,13 +7,23 @@ For each op (w8a8 int8 PTQ, and quant=None against plain JAX), in one run:
   dominates: ours (one cached compiled call), the hand-written call op by
   op, and our overhead in µs over a compiled dispatch of the hand-written
   program (target < 20 µs).
+
+Then the Flax NNX layers (taktiny_ops.quantize, PTQ w8a8: kernel held
+quantized): eager per-call cost of a layer against a compiled dispatch of the
+hand-written Qwix call on the same prequantized kernel (target < 20 µs per
+layer). And a jax.export artifact of a quantized NNX model
+(taktiny_ops.export_model, loaded back with load_model) against the same
+model jitted in process, for int8 and int4 weight-only and w8a8 rules at two
+batch sizes (target: within 5%).
 """
 
 from __future__ import annotations
 
 import platform
 import re
+import tempfile
 import timeit
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +32,7 @@ import qwix
 
 import quantrules as qr
 import taktiny_ops as tk
+from benchmarks.host_class import host_class_line
 from benchmarks.timing import best_us
 
 W8A8 = qr.Rule(weight_qtype="int8", act_qtype="int8")
@@ -110,6 +121,7 @@ def _cases(rng, scale: int) -> list:
 
 
 def main() -> None:
+    print(host_class_line())
     rng = np.random.default_rng(0)
     big, small = _cases(rng, 8), _cases(rng, 1)
     print(
@@ -141,5 +153,159 @@ def main() -> None:
     )
 
 
+def _nnx_layers(rng) -> list:
+    """(name, quantized NNX layer, hand-written compiled call, its args) on small operands."""
+    from flax import nnx
+
+    x = jnp.asarray(rng.standard_normal((32, 64)), jnp.float32)
+    a = jnp.asarray(rng.standard_normal((1, 16, 8)), jnp.float32)
+
+    class Holder(nnx.Module):
+        def __init__(self) -> None:
+            rngs = nnx.Rngs(0)
+            self.linear = tk.Linear(64, 64, rngs=rngs)
+            self.einsum = tk.Einsum("bi,io->bo", (64, 64), (64,), rngs=rngs)
+            self.conv = tk.Conv(8, 8, (3,), rngs=rngs)
+
+    model = Holder()
+    tk.quantize(model, W8A8)
+    dn = jax.lax.conv_dimension_numbers(a.shape, (3, 8, 8), ("NWC", "WIO", "NWC"))
+
+    def hand_linear(x, wq, b):
+        return qwix.dot_general(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)), wq, DN) + b
+
+    def hand_einsum(x, wq, b):
+        xq = qwix.quantize(x, jnp.int8, channelwise_axes=(0,))
+        return qwix.einsum("bi,io->bo", xq, wq) + b.reshape(1, -1)
+
+    def hand_conv(a, kq, b):
+        aq = qwix.quantize(a, jnp.int8, channelwise_axes=(0,))
+        return qwix.conv_general_dilated(aq, kq, (1,), "SAME", dimension_numbers=dn) + b
+
+    def weights(layer):
+        return layer.kernel.get_value(), layer.bias[...]
+
+    return [
+        ("Linear w8a8", model.linear, jax.jit(hand_linear), (x, *weights(model.linear))),
+        ("Einsum w8a8", model.einsum, jax.jit(hand_einsum), (x, *weights(model.einsum))),
+        ("Conv w8a8", model.conv, jax.jit(hand_conv), (a, *weights(model.conv))),
+    ]
+
+
+def _artifact_model(rules):
+    from flax import nnx
+
+    class Head(nnx.Module):
+        def __init__(self) -> None:
+            rngs = nnx.Rngs(0)
+            self.fc1 = tk.Linear(256, 512, rngs=rngs)
+            self.mix = tk.Einsum("btd,dh->bth", (512, 256), (256,), rngs=rngs)
+            self.conv = tk.Conv(256, 128, (3,), rngs=rngs)
+            self.out = tk.Linear(128, 32, rngs=rngs)
+
+        def __call__(self, x):
+            h = self.mix(jax.nn.relu(self.fc1(x)))
+            return self.out(jax.nn.relu(self.conv(h)))
+
+    model = Head()
+    tk.quantize(model, rules)
+    return model
+
+
+def _loaded(model, x, folder: Path):
+    """The model written and loaded back (in memory if flatbuffers is missing)."""
+    from flax import nnx
+
+    path = folder / "model.tkjax"
+    try:
+        size = tk.export_model(model, x, path)
+        return tk.load_model(path), f"{size} B"
+    except ImportError:  # jax.export's serialization needs flatbuffers: same module, unserialized
+        graphdef, state = nnx.split(model)
+        leaves, treedef = jax.tree.flatten(state)
+
+        def forward(*args):
+            return nnx.merge(graphdef, jax.tree.unflatten(treedef, args[:-1]))(args[-1])
+
+        (b,) = jax.export.symbolic_shape("b")
+        exported = jax.export.export(jax.jit(forward))(
+            *leaves, jax.ShapeDtypeStruct((b, *x.shape[1:]), x.dtype))
+        run = jax.jit(exported.call)
+        return (lambda x: run(*leaves, x)), "not written (no flatbuffers)"
+
+
+def _interleaved_medians(fns, repeats: int = 31) -> list[float]:
+    """Median seconds of each blocking ``fn``, calls taken in turn (one warm-up each),
+    so that machine load drifts over all of them alike."""
+    import statistics
+
+    for fn in fns:
+        fn()
+    times = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times, strict=True):
+            start = timeit.default_timer()
+            fn()
+            out.append(timeit.default_timer() - start)
+    return [statistics.median(t) for t in times]
+
+
+def _artifact_rows(label: str, rules, rng, folder: Path) -> None:
+    from flax import nnx
+
+    model = _artifact_model(rules)
+    graphdef, state = nnx.split(model)
+    leaves, treedef = jax.tree.flatten(state)
+
+    @jax.jit
+    def forward(leaves, x):
+        return nnx.merge(graphdef, jax.tree.unflatten(treedef, leaves))(x)
+
+    model_jit = nnx.jit(lambda m, x: m(x))
+    loaded, size = _loaded(model, jnp.zeros((2, 16, 256), jnp.float32), folder)
+    for batch in (8, 64):
+        x = jnp.asarray(rng.standard_normal((batch, 16, 256)), jnp.float32)
+        same = bool((loaded(x) == forward(leaves, x)).all())
+        t_loaded, t_jit, t_nnx = _interleaved_medians([
+            lambda x=x: jax.block_until_ready(loaded(x)),
+            lambda x=x: jax.block_until_ready(forward(leaves, x)),
+            lambda x=x: jax.block_until_ready(model_jit(model, x)),
+        ])
+        print(f"{label:14s} {batch:6d} {size:>28s} {t_loaded * 1e3:10.3f} "
+              f"{t_jit * 1e3:8.3f} {t_nnx * 1e3:10.3f} {t_loaded / t_jit:10.3f} "
+              f"{'yes' if same else 'NO':>8s}")
+
+
+def nnx_section(rng) -> None:
+    print("\nFlax NNX layers (taktiny_ops.quantize, PTQ: kernel held quantized), eager, small operands")
+    print(f"{'layer':18s} {'eager layer µs':>15s} {'hand jit µs':>12s} {'overhead µs':>12s} "
+          f"{'noise µs':>9s}")
+    for name, layer, hand, args in _nnx_layers(rng):
+        x = args[0]
+        np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(hand(*args)), rtol=0,
+                                   atol=0)  # the same computation, so the same bits
+        e_layer = _dispatch_us(layer, x)
+        e_floor = _dispatch_us(hand, *args)
+        noise = abs(_dispatch_us(hand, *args) - e_floor)
+        print(f"{name:18s} {e_layer:15.1f} {e_floor:12.1f} {e_layer - e_floor:12.1f} {noise:9.1f}")
+    print("overhead: eager layer call minus a compiled call of the hand-written Qwix program on "
+          "the same prequantized kernel (target < 20 µs per layer)")
+
+    print("\njax.export artifact (export_model, load_model) vs the model jitted in process")
+    print(f"{'rules':14s} {'batch':>6s} {'artifact':>28s} {'loaded ms':>10s} {'jit ms':>8s} "
+          f"{'nnx.jit ms':>10s} {'loaded/jit':>10s} {'bitwise':>8s}")
+    rule_sets = {
+        "int8 weights": qr.Rule(weight_qtype="int8"),
+        "int4 weights": qr.Rule(weight_qtype="int4"),
+        "w8a8": W8A8,
+    }
+    with tempfile.TemporaryDirectory() as folder:
+        for label, rules in rule_sets.items():
+            _artifact_rows(label, rules, rng, Path(folder))
+    print("jit: jax.jit of the model as a function of its weights and input (what the artifact "
+          "holds); loaded/jit target: within 5% (<= 1.05); medians of 31 calls")
+
+
 if __name__ == "__main__":
     main()
+    nnx_section(np.random.default_rng(1))

@@ -3,35 +3,43 @@ set to two back-ends.
 
 1. A small MinkUNet (``mlx_lattice.models``) is trained for ``--steps`` steps
    on the built-in labelled LiDAR scans (seeded synthetic streets: ground,
-   building, car, pole, vegetation), with a progress bar of loss and steps/s.
-   It reports validation mIoU and per-class IoU, and writes a PNG loss curve
-   and a top-down PNG of one validation scan (prediction next to ground truth).
+   building, car, pole, vegetation), with a progress bar of loss and steps/s
+   (tqdm, on a terminal). It reports validation mIoU and per-class IoU, and
+   draws with matplotlib a PNG loss curve and a top-down PNG of one
+   validation scan (prediction next to ground truth, a class legend).
 2. One ``quantrules`` rule set (built in, or ``--rules rules.json``) is
    applied with ``mlx_lattice.quantize``: as written, and with its weight
    qtypes set to int8 and to int4. Side by side with the float model: mIoU,
    per-layer error, weight bytes and time (``--points FILE`` runs the
    per-layer comparison on your own point file instead).
-3. The same rule set drives a small dense JAX head (a per-voxel MLP on the
-   U-Net's features) through ``taktiny_ops.linear`` (op ``dot_general``).
+3. The same rule set quantizes a small dense JAX head (a per-voxel MLP on the
+   U-Net's features, a Flax NNX model: ``examples/jax_head.py``) with
+   ``taktiny_ops.quantize``; both models' layers are listed side by side with
+   the rule each got, and the quantized head is written as a ``jax.export``
+   artifact that plain JAX loads.
 
-Run with ``./bazelw run //examples:demo`` (``-- --help`` for options;
-``-- --quick`` for a seconds-long run).
+Run with ``./bazelw run //examples:demo`` (``-- --help`` for options,
+``-- --flagfile=FILE`` to read them from a file; ``-- --quick`` for a
+seconds-long run).
 """
 
 from __future__ import annotations
 
-import argparse
+import contextlib
 import dataclasses
-import itertools
 import os
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
+from absl import flags
+from tqdm import tqdm
+
+from examples import cli
 
 DEFAULT_RULES = {
     "provider": None,
@@ -77,43 +85,97 @@ class Setup:
 FULL = Setup(64, 1024, 0.15, (16, 32, 64, 96), 8, 2, 300, 5e-3)
 QUICK = Setup(16, 512, 0.25, (8, 16, 16), 3, 1, 40, 1e-2)
 
+_RULES = flags.DEFINE_string(
+    "rules", None, "quantrules JSON file (default: the built-in rule set)"
+)
+_POINTS = flags.DEFINE_string(
+    "points",
+    None,
+    "point cloud (.bin .ply .las .laz .pcd .npy .npz) for the per-layer comparison "
+    "(default: the first validation scan)",
+)
+_STEPS = flags.DEFINE_integer(
+    "steps", None, f"training steps (default {FULL.steps})", lower_bound=1
+)
+_SAVE = flags.DEFINE_string(
+    "save",
+    None,
+    "save the float model and the one quantized by the rules (.safetensors, with their "
+    "configuration: examples/segment.py runs them)",
+)
+flags.register_validator(
+    "save",
+    lambda path: path is None or Path(path).suffix == ".safetensors",
+    message="--save needs a .safetensors path",
+)
+_DATA = flags.DEFINE_string(
+    "data",
+    None,
+    "train on labelled scans on disk instead of the built-in streets (see --layout)",
+)
+_LAYOUT = flags.DEFINE_enum(
+    "layout",
+    "semantickitti",
+    ["semantickitti", "folder"],
+    "--data's layout: a SemanticKITTI tree (sequences/NN/velodyne, labels) or a folder "
+    "of labelled .ply/.las/.laz/.pcd/.npz files",
+)
+_OUT_DIR = flags.DEFINE_string("out-dir", None, "where the PNGs go (default: a temporary folder)")
+_RESULTS = flags.DEFINE_string(
+    "results",
+    None,
+    "where the scores go as a reStructuredText table (default: results.inc in the --out-dir "
+    "folder; the docs include docs/results/demo.inc)",
+)
+_SEED = flags.DEFINE_integer("seed", 0, "seed of the scans, the split, the weights and the training")
+_QUICK = flags.DEFINE_boolean("quick", False, "a small scene, model and run (tests)")
+_FEATURES = flags.DEFINE_string(
+    "features",
+    "occupancy,height",
+    "the model's input features, in order (occupancy, height, intensity, or a field of the "
+    "point files such as r,g,b); saved and exported with the model",
+)
+
+
+def _check_features(spec: str) -> bool:
+    from mlx_lattice import MlxLatticeError
+    from mlx_lattice.data import parse_features
+
+    try:
+        parse_features(spec)
+    except MlxLatticeError:
+        return False
+    return True
+
+
+flags.register_validator(
+    "features", _check_features, message="--features must be distinct names separated by commas"
+)
+
 
 class Progress:
-    """Step lines on stderr with elapsed time (a live counter on a terminal)."""
+    """The demo's stages on stderr, one tqdm line each with its detail and
+    elapsed time (silent when stderr is not a terminal)."""
 
-    def __init__(self, total: int, stream=None) -> None:
-        stream = stream or sys.stderr
-        self.total, self.count, self.stream = total, 0, stream
-        self.live = stream.isatty()
+    def __init__(self, total: int) -> None:
+        self.total, self.count = total, 0
 
-    def step(self, text: str):
+    @contextlib.contextmanager
+    def step(self, text: str) -> Iterator[_Stage]:
         self.count += 1
-        progress = self
+        with tqdm(desc=f"[{self.count}/{self.total}] {text}", bar_format="{desc}{postfix} [{elapsed}]",
+                  disable=None, file=sys.stderr) as bar:  # fmt: skip
+            yield _Stage(bar)
 
-        class _Step:
-            def __enter__(self_inner):
-                self_inner.start = time.perf_counter()
-                end = "" if progress.live else "\n"
-                progress.stream.write(f"[{progress.count}/{progress.total}] {text} ...{end}")
-                progress.stream.flush()
-                return self_inner
 
-            def update(self_inner, detail: str) -> None:
-                if progress.live:
-                    progress.stream.write(
-                        f"\r[{progress.count}/{progress.total}] {text} ... {detail}   "
-                    )
-                    progress.stream.flush()
+class _Stage:
+    """A running stage of :class:`Progress`: ``update(detail)`` shows what it is doing."""
 
-            def __exit__(self_inner, *exc) -> None:
-                took = time.perf_counter() - self_inner.start
-                prefix = "\r" if progress.live else ""
-                progress.stream.write(
-                    f"{prefix}[{progress.count}/{progress.total}] {text} done in {took:.2f} s\n"
-                )
-                progress.stream.flush()
+    def __init__(self, bar: tqdm) -> None:
+        self.bar = bar
 
-        return _Step()
+    def update(self, detail: str) -> None:
+        self.bar.set_postfix_str(detail)
 
 
 def read_points(path: Path) -> np.ndarray:
@@ -122,6 +184,19 @@ def read_points(path: Path) -> np.ndarray:
     from mlx_lattice.io import read_points as read
 
     return read(path).points
+
+
+def read_scan(path: Path):
+    """An unlabelled LidarScan of any point file (its intensity, if any)."""
+    from mlx_lattice.data import LidarScan
+    from mlx_lattice.io import read_points as read
+
+    cloud = read(path)
+    intensity = None
+    if cloud.features is not None and "intensity" in cloud.feature_names:
+        intensity = cloud.features[:, cloud.feature_names.index("intensity")].astype(np.float32)
+    # The zero labels only fill the batch; no mIoU is computed on it.
+    return LidarScan(cloud.points, np.zeros(len(cloud.points), np.int32), intensity)
 
 
 def dataset_scans(root: Path, layout: str, setup: Setup, seed: int):
@@ -162,84 +237,6 @@ def rel_error(a, b) -> float:
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def run_dense(rules, feats: np.ndarray, hidden: int, classes: int, seed: int, step) -> list[tuple]:
-    """A per-voxel MLP head (seeded weights) through taktiny_ops, float and
-    quantized, layer by layer; ``step`` shows the layer being run."""
-    import jax
-    import jax.numpy as jnp
-
-    import quantrules as qr
-    import taktiny_ops as tk
-
-    rng = np.random.default_rng(seed)
-    sizes = [feats.shape[1], hidden, hidden, classes]
-    names = ["mlp/fc1", "mlp/fc2", "head"]
-    weights = [
-        jnp.asarray(rng.standard_normal((a, b)) / np.sqrt(a), jnp.float32)
-        for a, b in itertools.pairwise(sizes)
-    ]
-    rows = []
-    x_float = x_quant = jnp.asarray(feats)
-    for i, (name, w) in enumerate(zip(names, weights, strict=True)):
-        step.update(name)
-        layer = jax.jit(
-            lambda x, w, quant, name=name: tk.linear(x, w, quant=quant, module_path=name),
-            static_argnums=2,
-        )
-        layer(x_float, w, None).block_until_ready()  # compile outside the timing
-        layer(x_quant, w, rules).block_until_ready()
-        start = time.perf_counter()
-        y_float = jax.block_until_ready(layer(x_float, w, None))
-        t_float = time.perf_counter() - start
-        start = time.perf_counter()
-        y_quant = jax.block_until_ready(layer(x_quant, w, rules))
-        t_quant = time.perf_counter() - start
-        res = qr.resolve(rules, module_path=name, op="dot_general")
-        summary = qr.explain(rules, module_path=name, op="dot_general").summary
-        bits = (
-            qr.get_qtype(res.rule.weight_qtype).bits
-            if res and not res.disabled and res.rule.weight_qtype
-            else 32
-        )
-        stored = w.size * bits // 8 + (4 * w.shape[1] if bits < 32 else 0)
-        rows.append(
-            (
-                name,
-                summary,
-                rel_error(y_quant, y_float),
-                t_float,
-                t_quant,
-                int(w.nbytes),
-                int(stored),
-            )
-        )
-        if i < len(names) - 1:
-            x_float, x_quant = jax.nn.relu(y_float), jax.nn.relu(y_quant)
-    return rows
-
-
-class TrainingBar:
-    """A progress bar of steps, loss and steps/s on stderr (a line every
-    tenth of the run when stderr is not a terminal)."""
-
-    def __init__(self, total: int, stream=None) -> None:
-        self.total, self.stream = total, stream or sys.stderr
-        self.live = self.stream.isatty()
-        self.start = time.perf_counter()
-        self.every = max(1, total // 10)
-
-    def update(self, step: int, loss: float, avg: float) -> None:
-        rate = step / max(time.perf_counter() - self.start, 1e-9)
-        filled = int(30 * step / self.total)
-        line = (
-            f"[{'#' * filled}{'-' * (30 - filled)}] step {step}/{self.total} "
-            f"loss {loss:.4f} (mean of last 10: {avg:.4f}) {rate:.1f} steps/s"
-        )
-        if self.live:
-            self.stream.write("\r" + line + ("\n" if step == self.total else ""))
-        elif step % self.every == 0 or step == self.total:
-            self.stream.write(line + "\n")
-        self.stream.flush()
 
 
 def train(model, batches, setup: Setup, seed: int, ignore: int | None = None) -> list[float]:
@@ -256,16 +253,19 @@ def train(model, batches, setup: Setup, seed: int, ignore: int | None = None) ->
         np.concatenate([np.array(b.labels) for b in batches]), model.num_classes
     )
     model.train()
-    bar = TrainingBar(setup.steps)
     losses: list[float] = []
-    for step in range(setup.steps):
+    # A bar of steps, steps/s and the loss on a terminal; silent otherwise.
+    bar = tqdm(range(setup.steps), desc="training", unit="step", leave=False, disable=None,
+               file=sys.stderr)  # fmt: skip
+    for step in bar:
         batch = batches[step % len(batches)]
         losses.append(
             train_step(
                 model, optimizer, batch.tensor, batch.labels, weights=weights, ignore_index=ignore
             )
         )
-        bar.update(step + 1, losses[-1], float(np.mean(losses[-10:])))
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", mean10=f"{np.mean(losses[-10:]):.4f}",
+                        refresh=False)  # fmt: skip
     model.eval()
     return losses
 
@@ -338,7 +338,7 @@ def compare_variants(model, rules, eval_tensor, val_batches, setup: Setup, progr
     results = {}
     for variant in VARIANTS:
         with progress.step(f"{variant}: quantize, score, trace"):
-            copy = MinkUNet(2, model.num_classes, setup.widths)
+            copy = MinkUNet(model.in_channels, model.num_classes, setup.widths)
             copy.update(model.parameters())
             report = None
             quant = variant_rules(rules, variant)
@@ -430,6 +430,61 @@ def print_table(title: str, rows: list[tuple], out=None) -> None:
     )
 
 
+def host_class() -> str:
+    """The CPU this run used, in words: model name, cores, vector extensions."""
+    import platform
+
+    model, flags = platform.machine(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and model == platform.machine():
+                    model = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = set(value.split())
+    except OSError:
+        pass
+    isa = [name for name, flag in (("AVX-512F", "avx512f"), ("AVX512_VNNI", "avx512_vnni"),
+                                   ("AVX512_BF16", "avx512_bf16"), ("AMX", "amx_tile"))
+           if flag in flags]  # fmt: skip
+    return f"{model}, {os.cpu_count()} cores" + (f", {', '.join(isa)}" if isa else "")
+
+
+def write_results(path: Path, results: dict, class_names: Sequence[str], setup: Setup,
+                  steps_per_s: float, data: str) -> Path:  # fmt: skip
+    """The scores of this run as a reStructuredText fragment the docs include
+    (``docs/results/demo.inc``): a table of mIoU, per-class IoU and weight
+    bytes per variant, under a line naming the run (date, host, load)."""
+    import datetime
+
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    rows = [["mIoU", *(f"{results[v]['miou']:.3f}" for v in VARIANTS)]]
+    rows += [[f"IoU {name}", *(f"{results[v]['ious'][k]:.3f}" for v in VARIANTS)]
+             for k, name in enumerate(class_names)]  # fmt: skip
+    rows.append(["weights (MB)", *(f"{results[v]['bytes'] / 1e6:.2f}" for v in VARIANTS)])
+    lines = [
+        ".. Written by examples/demo.py (--results); refresh with",
+        ".. ./bazelw run //examples:demo -- --results docs/results/demo.inc",
+        "",
+        f"Run of {when}: ``{setup.steps}`` training steps on {data} at {steps_per_s:.1f} steps/s, "
+        f"host {host_class()}, load average {load:.1f}.",
+        "",
+        ".. list-table::",
+        "   :header-rows: 1",
+        "",
+        "   * - score",
+        *(f"     - {v}" for v in VARIANTS),
+    ]
+    for row in rows:
+        lines.append(f"   * - {row[0]}")
+        lines.extend(f"     - {cell}" for cell in row[1:])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
 def output_dir(arg: str | None) -> Path:
     """``--out-dir``, else a folder in the system's temporary directory."""
     path = Path(arg) if arg else Path(tempfile.gettempdir()) / "mlx_lattice_demo"
@@ -440,60 +495,39 @@ def output_dir(arg: str | None) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rules", help="quantrules JSON file (default: the built-in rule set)")
-    parser.add_argument(
-        "--points",
-        type=Path,
-        help="point cloud (.bin .ply .las .laz .pcd .npy .npz) for the per-layer comparison "
-        "(default: the first validation scan)",
-    )
-    parser.add_argument("--steps", type=int, help=f"training steps (default {FULL.steps})")
-    parser.add_argument(
-        "--save",
-        type=Path,
-        help="save the float model and the one quantized by the rules (.safetensors, with their "
-        "configuration: examples/segment.py runs them)",
-    )
-    parser.add_argument(
-        "--data",
-        type=Path,
-        help="train on labelled scans on disk instead of the built-in streets (see --layout)",
-    )
-    parser.add_argument(
-        "--layout",
-        choices=("semantickitti", "folder"),
-        default="semantickitti",
-        help="--data's layout: a SemanticKITTI tree (sequences/NN/velodyne, labels) or a folder "
-        "of labelled .ply/.las/.laz/.pcd/.npz files",
-    )
-    parser.add_argument("--out-dir", help="where the PNGs go (default: a temporary folder)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="a small scene, model and run (tests)")
-    args = parser.parse_args(argv)
-    setup = QUICK if args.quick else FULL
-    if args.steps is not None:
-        if args.steps < 1:
-            parser.error("--steps must be >= 1")
-        setup = dataclasses.replace(setup, steps=args.steps)
-    if args.save is not None and args.save.suffix != ".safetensors":
-        parser.error("--save needs a .safetensors path")
+    """The demo with the flags ``argv`` (without the program name; ``None``:
+    the command line)."""
+    cli.parsed(argv)
+    setup = QUICK if _QUICK.value else FULL
+    if _STEPS.value is not None:
+        setup = dataclasses.replace(setup, steps=_STEPS.value)
+    data_dir = Path(_DATA.value) if _DATA.value is not None else None
+    points_path = Path(_POINTS.value) if _POINTS.value is not None else None
+    seed = _SEED.value
 
     import quantrules as qr
+    from examples import jax_head
     from examples.pictures import loss_curve_png, top_down_png
-    from mlx_lattice.data import CLASS_NAMES, LidarScan, SceneConfig, labelled_scans, make_batch
+    from mlx_lattice.data import (
+        CLASS_NAMES,
+        SceneConfig,
+        labelled_scans,
+        make_batch,
+        parse_features,
+    )
     from mlx_lattice.models import MinkUNet
 
-    rules = load_rules(args.rules)
-    out_dir = output_dir(args.out_dir)
-    progress = Progress(total=4 + len(VARIANTS) + 1)
-    if args.data is not None:
-        with progress.step(f"labelled scans: {args.layout} data in {args.data}, voxelized"):
-            data, class_names, ignore = dataset_scans(args.data, args.layout, setup, args.seed)
-            train_batches = [make_batch([s], setup.voxel_size) for s in data.train]
-            val_batches = [make_batch([s], setup.voxel_size) for s in data.validation]
+    features = parse_features(_FEATURES.value)
+    rules = load_rules(_RULES.value)
+    out_dir = output_dir(_OUT_DIR.value)
+    progress = Progress(total=4 + len(VARIANTS) + 2)
+    if data_dir is not None:
+        with progress.step(f"labelled scans: {_LAYOUT.value} data in {data_dir}, voxelized"):
+            data, class_names, ignore = dataset_scans(data_dir, _LAYOUT.value, setup, seed)
+            train_batches = [make_batch([s], setup.voxel_size, features) for s in data.train]
+            val_batches = [make_batch([s], setup.voxel_size, features) for s in data.validation]
         print(
-            f"data: {args.data} ({args.layout}): {len(data.train)} training scans, "
+            f"data: {data_dir} ({_LAYOUT.value}): {len(data.train)} training scans, "
             f"{len(data.validation)} validation scans (seeded split); voxels of "
             f"{setup.voxel_size} m: {train_batches[0].tensor.num_points} voxels in the first "
             f"scan; classes: {', '.join(class_names)}"
@@ -501,9 +535,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     else:
         with progress.step("labelled scans: seeded synthetic streets, voxelized"):
             config = SceneConfig(beams=setup.beams, azimuth_steps=setup.azimuth_steps)
-            data = labelled_scans(setup.n_train, setup.n_validation, seed=args.seed, config=config)
-            train_batches = [make_batch([s], setup.voxel_size) for s in data.train]
-            val_batches = [make_batch([s], setup.voxel_size) for s in data.validation]
+            data = labelled_scans(setup.n_train, setup.n_validation, seed=seed, config=config)
+            train_batches = [make_batch([s], setup.voxel_size, features) for s in data.train]
+            val_batches = [make_batch([s], setup.voxel_size, features) for s in data.validation]
             class_names, ignore = CLASS_NAMES, None
         print(
             f"data: {setup.n_train} training scans (seeds {data.train_seeds}), {setup.n_validation} "
@@ -518,81 +552,113 @@ def main(argv: Sequence[str] | None = None) -> int:
     # Freed arrays stay in the process for the next step: without this, glibc
     # maps (and page-faults) every large array of every step anew.
     mlx_lattice.retain_freed_memory()
-    mx.random.seed(args.seed)
-    model = MinkUNet(2, len(class_names), setup.widths)
+    mx.random.seed(seed)
+    model = MinkUNet(len(features), len(class_names), setup.widths)
     with progress.step(f"train MinkUNet widths {setup.widths} for {setup.steps} steps"):
         start = time.perf_counter()
-        losses = train(model, train_batches, setup, args.seed, ignore)
+        losses = train(model, train_batches, setup, seed, ignore)
         took = time.perf_counter() - start
     print(
         f"training: loss {np.mean(losses[:10]):.4f} -> {np.mean(losses[-10:]):.4f} (mean of the "
         f"first / last 10 steps), {setup.steps / took:.1f} steps/s"
     )
-    if args.points:
-        with progress.step(f"read {args.points}"):
-            points = read_points(args.points)
-            # Unlabelled: the zero labels only fill the batch; no mIoU is computed on it.
-            eval_tensor = make_batch(
-                [LidarScan(points, np.zeros(len(points), np.int32))], setup.voxel_size
-            ).tensor
-        source = f"{args.points} ({len(points)} points, {eval_tensor.num_points} voxels)"
+    if points_path:
+        with progress.step(f"read {points_path}"):
+            eval_scan = read_scan(points_path)
+            eval_tensor = make_batch([eval_scan], setup.voxel_size, features).tensor
+        source = f"{points_path} ({len(eval_scan.points)} points, {eval_tensor.num_points} voxels)"
     else:
         with progress.step("per-layer input: the first validation scan"):
             eval_tensor = val_batches[0].tensor
         first = data.validation_seeds[0] if data.validation_seeds else "on disk"
         source = f"validation scan {first} ({eval_tensor.num_points} voxels)"
     results = compare_variants(model, rules, eval_tensor, val_batches, setup, progress)
-    with progress.step("dense JAX head through taktiny_ops (float and quantized)") as step:
+    with progress.step("dense JAX head: an NNX model quantized by the rules") as step:
         feats = np.array(model.features(eval_tensor).feats).astype(np.float32)
-        dense_rows = run_dense(rules, feats, 64, model.num_classes, args.seed, step)
+        head, head_report, dense_rows = jax_head.run_head(
+            rules, feats, 64, model.num_classes, seed, step)
 
-    print(f"rules: {args.rules or 'built-in'} ({len(qr.as_rules(rules)[0])} rules)")
+    print(f"rules: {_RULES.value or 'built-in'} ({len(qr.as_rules(rules)[0])} rules)")
     print(f"per-layer input: {source}")
     print_summary(results, class_names)
     print_layers(results, rules)
-    print_table("dense JAX head on the U-Net features (taktiny_ops, op dot_general)", dense_rows)
+    print_table("dense JAX head on the U-Net features (NNX, taktiny_ops.quantize)", dense_rows)
     report = results["rules"]["report"]
     print(
         f"\nrules: conv weights {report.bytes_before} -> {report.bytes_after} bytes "
         f"({len(report.quantized)} of {len(report.layers)} conv layers quantized)"
     )
+    jax_head.side_by_side(rules, report, head_report, sys.stdout)
 
-    loss_png = loss_curve_png(
-        out_dir / "loss_curve.png", losses, title=f"MinkUNet training loss, {setup.steps} steps"
+    with progress.step("pictures (matplotlib): loss curve, validation scan from above"):
+        loss_png = loss_curve_png(
+            out_dir / "loss_curve.png", losses, title=f"MinkUNet training loss, {setup.steps} steps"
+        )
+        scan = data.validation[0]
+        view_png = top_down_png(
+            out_dir / "validation_scan.png",
+            scan.points,
+            [
+                (
+                    f"prediction (float, mIoU {results['float']['miou']:.2f})",
+                    results["float"]["preds"][0],
+                ),
+                ("ground truth", scan.labels),
+            ],
+            class_names,
+            extent=30.0,
+        )
+    results_path = Path(_RESULTS.value) if _RESULTS.value else out_dir / "results.inc"
+    if not results_path.is_absolute() and "BUILD_WORKING_DIRECTORY" in os.environ:
+        results_path = Path(os.environ["BUILD_WORKING_DIRECTORY"]) / results_path  # `bazel run`
+    data_name = f"{data_dir} ({_LAYOUT.value})" if data_dir is not None else "the built-in streets"
+    write_results(results_path, results, class_names, setup, setup.steps / took, data_name)
+    print(f"\nloss curve: {loss_png}\nvalidation scan, top-down: {view_png}\nscores: {results_path}")
+    with progress.step("export the float and the quantized model (mlx_lattice.export)"):
+        from mlx_lattice import export
+
+        artifacts = {}
+        for variant, stem in (("float", "minkunet"), ("rules", "minkunet-quantized")):
+            artifacts[variant] = out_dir / f"{stem}.mlxl"
+            export.export_model(
+                results[variant]["model"],
+                artifacts[variant],
+                voxel_size=setup.voxel_size,
+                features=features,
+                class_names=class_names,
+                metadata={"steps": str(setup.steps), "seed": str(seed)},
+            )
+    float_bytes = artifacts["float"].stat().st_size
+    quant_bytes = artifacts["rules"].stat().st_size
+    print(
+        f"artifacts (export_model; //examples:segment --model runs them without the model "
+        f"classes): float {float_bytes} bytes, quantized by the rules {quant_bytes} bytes "
+        f"({quant_bytes / float_bytes:.2f}x): {artifacts['float']}, {artifacts['rules']}"
     )
-    scan = data.validation[0]
-    view_png = top_down_png(
-        out_dir / "validation_scan.png",
-        scan.points,
-        [
-            (
-                f"prediction (float, mIoU {results['float']['miou']:.2f})",
-                results["float"]["preds"][0],
-            ),
-            ("ground truth", scan.labels),
-        ],
-        class_names,
-        extent=30.0,
-    )
-    print(f"\nloss curve: {loss_png}\nvalidation scan, top-down: {view_png}")
-    if args.save:
+    if _SAVE.value:
         from mlx_lattice.models import save_model
 
-        save_path = args.save
+        save_path = Path(_SAVE.value)
         if not save_path.is_absolute() and "BUILD_WORKING_DIRECTORY" in os.environ:
             save_path = Path(os.environ["BUILD_WORKING_DIRECTORY"]) / save_path
         q_path = save_path.with_name(save_path.stem + "-quantized" + save_path.suffix)
-        info = {"steps": setup.steps, "seed": args.seed, "data": str(args.data or "built-in")}
+        info = {"steps": setup.steps, "seed": seed, "data": str(data_dir or "built-in")}
         save_model(save_path, model, voxel_size=setup.voxel_size, class_names=class_names,
-                   metadata=info)  # fmt: skip
+                   metadata=info, features=features)  # fmt: skip
         save_model(q_path, results["rules"]["model"], voxel_size=setup.voxel_size,
-                   class_names=class_names, rules=rules, metadata=info)  # fmt: skip
+                   class_names=class_names, rules=rules, metadata=info,
+                   features=features)  # fmt: skip
         print(
             f"saved: {save_path} (float) and {q_path} (quantized by the rules), each with its "
             "configuration: run one with //examples:segment"
         )
+    head_path = (q_path.with_name(save_path.stem + "-jax-head.tkjax") if _SAVE.value
+                 else out_dir / "jax_head.tkjax")
+    size = jax_head.export_head(head, feats, head_path)
+    shown = f"{size} bytes" if isinstance(size, int) else size
+    print(f"JAX head (jax.export, loads with plain JAX): {head_path}, {shown}")
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

@@ -4,15 +4,15 @@ quantizes, draws, saves, and reads rule and point files."""
 import contextlib
 import io
 import json
-import struct
-import zlib
 
 import mlx.core as mx
 import numpy as np
 import pytest
+from matplotlib.image import imread
 
 import mlx_lattice
 from examples import demo
+from examples.pictures import CLASS_COLOURS
 from mlx_lattice.data import CLASS_NAMES
 from mlx_lattice.models import MinkUNet, load_model
 
@@ -38,24 +38,13 @@ def table(out: str, title: str) -> dict[str, list[str]]:
     return rows
 
 
-def read_png(path) -> np.ndarray:
-    """Decode an 8-bit RGB PNG written without filters (an independent reader)."""
-    raw = path.read_bytes()
-    assert raw[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, idat, width, height = 8, b"", 0, 0
-    while pos < len(raw):
-        (n,) = struct.unpack(">I", raw[pos : pos + 4])
-        kind, data = raw[pos + 4 : pos + 8], raw[pos + 8 : pos + 8 + n]
-        assert struct.unpack(">I", raw[pos + 8 + n : pos + 12 + n])[0] == zlib.crc32(kind + data)
-        if kind == b"IHDR":
-            width, height = struct.unpack(">II", data[:8])
-            assert data[8:10] == b"\x08\x02"
-        elif kind == b"IDAT":
-            idat += data
-        pos += 12 + n
-    rows = np.frombuffer(zlib.decompress(idat), np.uint8).reshape(height, 1 + 3 * width)
-    assert np.all(rows[:, 0] == 0)
-    return rows[:, 1:].reshape(height, width, 3)
+def read_rgb(path) -> np.ndarray:
+    """The PNG's ``(H, W, 3)`` uint8 pixels, read back by matplotlib."""
+    return np.rint(imread(path)[..., :3] * 255).astype(np.uint8)
+
+
+def pixels_of(image: np.ndarray, colour) -> int:
+    return int(np.all(image == colour, axis=2).sum())
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +71,32 @@ def test_quick_run_trains_and_reports_miou(quick):
     assert sizes[0] > sizes[1] > sizes[2]
 
 
+def test_quick_run_writes_the_scores_the_docs_include(quick):
+    """results.inc (the fragment docs/results/demo.inc is a copy of) holds
+    the printed table's scores and bytes, under a line naming the run."""
+    out, out_dir = quick
+    text = (out_dir / "results.inc").read_text()
+    assert f"scores: {out_dir / 'results.inc'}" in out
+    run_line = next(line for line in text.splitlines() if line.startswith("Run of "))
+    assert " UTC: ``40`` training steps on the built-in streets at " in run_line
+    assert ", host " in run_line and " cores" in run_line and ", load average " in run_line
+    summary = table(out, "on the validation scans")
+    rows: dict[str, list[str]] = {}
+    name = None
+    for line in text.splitlines():
+        if line.startswith("   * - "):
+            name = line.removeprefix("   * - ")
+            rows[name] = []
+        elif line.startswith("     - ") and name is not None:
+            rows[name].append(line.removeprefix("     - "))
+    assert rows["score"] == list(demo.VARIANTS)
+    assert rows["mIoU"] == [f"{float(v):.3f}" for v in summary["mIoU"][1:]]
+    for k, cls in enumerate(CLASS_NAMES):
+        printed = next(line.split() for line in out.splitlines() if line.startswith(f"IoU {cls} "))
+        assert rows[f"IoU {cls}"] == [f"{float(v):.3f}" for v in printed[2:]], k
+    assert rows["weights (MB)"] == [f"{int(v) / 1e6:.2f}" for v in summary["bytes"][1:]]
+
+
 def test_quick_run_applies_the_rule_set_per_layer(quick):
     out, _ = quick
     layers = table(out, "per layer (error")
@@ -103,16 +118,23 @@ def test_quick_run_writes_readable_pictures(quick):
     loss_png = out_dir / "loss_curve.png"
     view_png = out_dir / "validation_scan.png"
     assert f"loss curve: {loss_png}" in out and f"top-down: {view_png}" in out
-    curve = read_png(loss_png)
+    curve = read_rgb(loss_png)
     assert curve.shape == (440, 720, 3)
-    dark_blue = np.all(curve == (20, 60, 160), axis=2)
-    assert dark_blue.sum() > 500  # the smoothed curve (and its legend) is drawn
-    view = read_png(view_png)
-    # Both panels carry every class colour the scan has.
+    # The per-step curve (light) and its moving average (dark), each in the
+    # plot and in the legend, over axes, ticks and labels.
+    assert pixels_of(curve, (0x14, 0x3C, 0xA0)) > 500
+    assert pixels_of(curve, (0x96, 0xBE, 0xE6)) > 100
+    assert len(np.unique(curve.reshape(-1, 3), axis=0)) > 20
+    view = read_rgb(view_png)
+    assert view.shape == (555, 2 * 500 + 20, 3)
+    # Both panels carry the colours of the classes the scan has (ground,
+    # building, car at least); the legend below them carries all five.
     half = view.shape[1] // 2
-    for colour in ((150, 150, 150), (214, 96, 77), (33, 102, 172)):
-        for panel in (view[40:-50, :half], view[40:-50, half:]):
-            assert np.all(panel == colour, axis=2).sum() > 20, colour
+    for colour in CLASS_COLOURS[:3]:
+        for panel in (view[:500, :half], view[:500, half:]):
+            assert pixels_of(panel, colour) > 20, colour
+    for colour in CLASS_COLOURS:
+        assert pixels_of(view[500:], colour) > 50, colour
 
 
 def test_saved_weights_load_bit_exact(quick):
@@ -255,3 +277,78 @@ def test_read_points_malformed_files_name_the_file(tmp_path, name, blob):
     path.write_bytes(blob)
     with pytest.raises(ValueError, match=str(path)):
         demo.read_points(path)
+
+
+def test_quick_run_exports_float_and_quantized_artifacts(quick):
+    """The demo exports both models; the quantized artifact is the smaller,
+    both sizes are printed, and each loads without the model classes and
+    scores a validation voxel tensor with the bits of the saved model."""
+    from mlx_lattice import export
+    from mlx_lattice.data import SceneConfig, labelled_scans, make_batch
+
+    out, out_dir = quick
+    float_art, quant_art = out_dir / "minkunet.mlxl", out_dir / "minkunet-quantized.mlxl"
+    f_bytes, q_bytes = float_art.stat().st_size, quant_art.stat().st_size
+    assert q_bytes < 0.6 * f_bytes
+    assert f"float {f_bytes} bytes, quantized by the rules {q_bytes} bytes" in out
+    setup = demo.QUICK
+    scan = labelled_scans(0, 1, seed=5, config=SceneConfig(beams=setup.beams,
+                          azimuth_steps=setup.azimuth_steps)).validation[0]  # fmt: skip
+    x = make_batch([scan], setup.voxel_size).tensor
+    for art, saved in ((float_art, "model.safetensors"), (quant_art, "model-quantized.safetensors")):
+        net = export.load(art)
+        assert net.features == ("occupancy", "height") and net.voxel_size == setup.voxel_size
+        assert net.class_names == CLASS_NAMES
+        model = load_model(out_dir / saved).model
+        assert mx.array_equal(net(x).feats, model(x).feats).item(), art
+
+
+def test_quick_run_with_intensity(tmp_path):
+    """--features occupancy,height,intensity: the model takes three channels,
+    and its file and artifact declare them."""
+    out = run("--steps", "3", "--features", "occupancy,height,intensity",
+              "--out-dir", str(tmp_path), "--save", str(tmp_path / "m.safetensors"))  # fmt: skip
+    assert "artifacts (export_model" in out
+    saved = load_model(tmp_path / "m.safetensors")
+    assert saved.model.in_channels == 3
+    assert saved.features == ("occupancy", "height", "intensity")
+    from mlx_lattice import export
+
+    assert export.load(tmp_path / "minkunet-quantized.mlxl").features == saved.features
+
+def test_quick_run_lists_both_models_under_one_rule_list(quick):
+    out, _ = quick
+    section = out.split("both models' layers", 1)[1].splitlines()[2:]
+    rows = {}
+    for line in section:
+        if not line.strip():
+            break
+        model = "sparse" if line.startswith("sparse (mlx_lattice)") else "dense"
+        rows[(model, line.split(")", 1)[1].split()[0])] = line
+    assert ("sparse", "encoder/block1/conv") in rows and ("sparse", "stem/conv") in rows
+    assert [path for model, path in rows if model == "dense"] == ["head", "mlp/fc1", "mlp/fc2"]
+    # The dense head's layers got the rules their paths select, from the very same list.
+    assert "rule #4 (ptq): weight_qtype=int8, act_qtype=int8" in rows[("dense", "mlp/fc1")]
+    assert "int8    int8" in rows[("dense", "mlp/fc2")]
+    assert "rule #0 matched and disables" in rows[("dense", "head")]
+    assert "rule #0 matched and disables" in rows[("sparse", "head")]
+    assert "rule #2 (ptq): weight_qtype=int4" in rows[("sparse", "encoder/block1/conv")]
+
+
+def test_quick_run_writes_the_jax_head_artifact(quick):
+    out, out_dir = quick
+    path = out_dir / "model-jax-head.tkjax"
+    line = next(line for line in out.splitlines() if line.startswith("JAX head"))
+    assert f"{path}, {path.stat().st_size} bytes" in line
+    import jax.numpy as jnp
+
+    import taktiny_ops
+    from examples.jax_head import DenseHead
+
+    run_head = taktiny_ops.load_model(path)
+    with np.load(path) as z:  # the head's input width: the U-Net's feature channels
+        features = json.loads(z["meta"].tobytes())["input"]["shape"][1]
+    x = np.random.default_rng(7).standard_normal((9, features)).astype(np.float32)
+    head = DenseHead(x.shape[1], 64, len(CLASS_NAMES), seed=0)
+    taktiny_ops.quantize(head, demo.load_rules(None))
+    np.testing.assert_array_equal(np.asarray(run_head(x)), np.asarray(head(jnp.asarray(x))))

@@ -18,7 +18,6 @@ line (used by ``//benchmarks:distributed``).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import sys
@@ -29,9 +28,12 @@ import mlx.core as mx
 import mlx.nn as mnn
 import mlx.optimizers as optim
 import numpy as np
+from absl import flags
 from mlx.utils import tree_flatten
+from tqdm import tqdm
 
 import mlx_lattice
+from examples import cli
 from examples.sparse_unet import SparseUNet
 from mlx_lattice import SparseTensor, distributed, sparse_collate
 from mlx_lattice.data import CLASS_NAMES, SceneConfig, synthetic_lidar_scan
@@ -41,34 +43,27 @@ __all__ = ["load_scan", "main", "parse_args"]
 CLASSES = len(CLASS_NAMES)  # every label the built-in scans carry
 
 
-def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
-    p.add_argument("--warmup", type=int, default=2, help="untimed first steps (default 2)")
-    p.add_argument(
-        "--global-batch", type=int, default=4, help="scans per step over all ranks (default 4)"
-    )
-    p.add_argument("--scans", type=int, default=16, help="scans in the dataset (default 16)")
-    p.add_argument("--voxel", type=float, default=0.2, help="voxel size in metres (default 0.2)")
-    p.add_argument(
-        "--widths", default="16,32,48", help="U-Net channel widths per level (default 16,32,48)"
-    )
-    p.add_argument("--small-scene", action="store_true", help="a 16-beam sensor (fast tests)")
-    p.add_argument("--sync-bn", action="store_true", help="synchronised batch norm")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=None, help="mlx_lattice kernel threads")
-    p.add_argument(
-        "--timeout", type=float, default=120.0, help="seconds any one step may take (default 120)"
-    )
-    p.add_argument("--json", action="store_true", help="print a JSON summary line on rank 0")
-    args = p.parse_args(argv)
-    for name in ("steps", "global_batch", "scans"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.warmup < 0:
-        p.error("--warmup must be >= 0")
-    return args
+_STEPS = flags.DEFINE_integer("steps", 10, "training steps", lower_bound=1)
+_WARMUP = flags.DEFINE_integer("warmup", 2, "untimed first steps", lower_bound=0)
+_GLOBAL_BATCH = flags.DEFINE_integer(
+    "global-batch", 4, "scans per step over all ranks", lower_bound=1
+)
+_SCANS = flags.DEFINE_integer("scans", 16, "scans in the dataset", lower_bound=1)
+_VOXEL = flags.DEFINE_float("voxel", 0.2, "voxel size in metres")
+_WIDTHS = flags.DEFINE_string("widths", "16,32,48", "U-Net channel widths per level")
+_SMALL_SCENE = flags.DEFINE_boolean("small-scene", False, "a 16-beam sensor (fast tests)")
+_SYNC_BN = flags.DEFINE_boolean("sync-bn", False, "synchronised batch norm")
+_LR = flags.DEFINE_float("lr", 0.05, "SGD learning rate")
+_SEED = flags.DEFINE_integer("seed", 0, "seed of the weights and the scan order")
+_THREADS = flags.DEFINE_integer("threads", None, "mlx_lattice kernel threads")
+_TIMEOUT = flags.DEFINE_float("timeout", 120.0, "seconds any one step may take")
+_JSON = flags.DEFINE_boolean("json", False, "print a JSON summary line on rank 0")
+
+
+def parse_args(argv: Sequence[str] | None = None) -> None:
+    """Parse the flags ``argv`` (without the program name; ``None``: the
+    command line); a bad one exits with status 2."""
+    cli.parsed(argv)
 
 
 def load_scan(index: int, voxel: float, small: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -102,28 +97,28 @@ def _batch(scans: list) -> tuple[SparseTensor, mx.array]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+    parse_args(argv)
     # Freed arrays stay in the process for the next step (no fresh page faults).
     mlx_lattice.retain_freed_memory()
-    if args.threads is not None:
-        mlx_lattice.set_num_threads(args.threads)
-    group = distributed.init(timeout_s=args.timeout)
+    if _THREADS.value is not None:
+        mlx_lattice.set_num_threads(_THREADS.value)
+    group = distributed.init(timeout_s=_TIMEOUT.value)
     rank, size = group.rank(), group.size()
-    if args.global_batch % size:
+    if _GLOBAL_BATCH.value % size:
         print(
-            f"--global-batch {args.global_batch} must be a multiple of the {size} ranks",
+            f"--global-batch {_GLOBAL_BATCH.value} must be a multiple of the {size} ranks",
             file=sys.stderr,
         )
         return 2
-    per_rank = args.global_batch // size
+    per_rank = _GLOBAL_BATCH.value // size
 
-    mx.random.seed(args.seed)  # every rank starts from the same weights
-    widths = tuple(int(w) for w in args.widths.split(","))
+    mx.random.seed(_SEED.value)  # every rank starts from the same weights
+    widths = tuple(int(w) for w in _WIDTHS.value.split(","))
     model = SparseUNet(2, CLASSES, widths)
-    if args.sync_bn:
+    if _SYNC_BN.value:
         distributed.convert_sync_batchnorm(model)
     model.train()
-    opt = optim.SGD(learning_rate=args.lr, momentum=0.9)
+    opt = optim.SGD(learning_rate=_LR.value, momentum=0.9)
     scans = {}
 
     def loss_fn(m: SparseUNet, x: SparseTensor, y: mx.array, scale: mx.array) -> mx.array:
@@ -136,16 +131,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     voxels = 0
     grad_bytes = 0
     loss = float("nan")
-    order = _scan_order(args.scans, rank, size, args.seed)
-    total_steps = args.warmup + args.steps
-    for i in range(total_steps):
+    order = _scan_order(_SCANS.value, rank, size, _SEED.value)
+    total_steps = _WARMUP.value + _STEPS.value
+    # Rank 0's bar of steps on a terminal (silent otherwise and on other ranks).
+    bar = tqdm(range(total_steps), desc="training", unit="step", leave=False,
+               disable=None if rank == 0 else True, file=sys.stderr)  # fmt: skip
+    for i in bar:
         picked = [next(order) for _ in range(per_rank)]
         for j in picked:
             if j not in scans:
-                scans[j] = load_scan(j, args.voxel, args.small_scene)
+                scans[j] = load_scan(j, _VOXEL.value, _SMALL_SCENE.value)
         x, y = _batch([scans[j] for j in picked])
 
-        with distributed.deadline(args.timeout, f"training step {i}"):
+        with distributed.deadline(_TIMEOUT.value, f"training step {i}"):
             count = mx.distributed.all_sum(mx.array(float(x.num_points)), group=group)
             mx.eval(count)
             t0 = time.perf_counter()
@@ -162,28 +160,30 @@ def main(argv: Sequence[str] | None = None) -> int:
             opt.update(model, grads)
             mx.eval(model.state, opt.state)
             t3 = time.perf_counter()
-        if i >= args.warmup:
+        if i >= _WARMUP.value:
             compute_s += (t1 - t0) + (t3 - t2)
             wait_s += t1b - t1
             reduce_s += t2 - t1b
             voxels += x.num_points
         grad_bytes = sum(g.nbytes for _, g in tree_flatten(grads))
         if i == 0 or (i + 1) % max(1, total_steps // 5) == 0 or i + 1 == total_steps:
-            with distributed.deadline(args.timeout, "averaging the loss"):
+            with distributed.deadline(_TIMEOUT.value, "averaging the loss"):
                 loss = float((mx.distributed.all_sum(value, group=group) / size).item())
             if rank == 0:
-                print(f"step {i + 1}/{total_steps}  loss {loss:.4f}", flush=True)
+                bar.write(f"step {i + 1}/{total_steps}  loss {loss:.4f}", file=sys.stdout)
+                sys.stdout.flush()
+    bar.close()
 
     # Every rank's numbers, gathered (a tiny message).
     mine = mx.array([compute_s, wait_s, reduce_s, float(voxels)], dtype=mx.float32)
-    with distributed.deadline(args.timeout, "gathering throughput"):
+    with distributed.deadline(_TIMEOUT.value, "gathering throughput"):
         table = np.array(mx.distributed.all_gather(mine[None], group=group)).reshape(size, 4)
     if rank != 0:
         return 0
-    n = args.steps
+    n = _STEPS.value
     print(
         f"{size} rank(s), {mlx_lattice.get_num_threads()} kernel thread(s) each; "
-        f"global batch {args.global_batch} scans, {per_rank} per rank; sync-bn {args.sync_bn}"
+        f"global batch {_GLOBAL_BATCH.value} scans, {per_rank} per rank; sync-bn {_SYNC_BN.value}"
     )
     for r, (c, w, a, v) in enumerate(table):
         step_s = (c + w + a) / n
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"global: {1 / slowest:.2f} steps/s, {float(table[:, 3].sum()) / (slowest * n):.0f} voxels/s; "
         f"gradient {grad_bytes / 1e6:.2f} MB/step; final loss {loss:.4f}"
     )
-    if args.json:
+    if _JSON.value:
         print(
             "JSON "
             + json.dumps(
@@ -218,4 +218,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    cli.run(main)

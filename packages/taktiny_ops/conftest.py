@@ -7,3 +7,4 @@ import pytest
 @pytest.fixture(autouse=True)
 def _doctest_jnp(doctest_namespace: dict) -> None:
     doctest_namespace["jnp"] = jnp
+

@@ -10,13 +10,39 @@ from taktiny_ops._common import TaktinyOpsError
 from taktiny_ops._conv import conv_general_dilated
 from taktiny_ops._dot import dot_general, linear
 from taktiny_ops._einsum import einsum
+from taktiny_ops._export import FORMAT_VERSION, LOADER, ArtifactError, export_model, load_model
+from taktiny_ops._layers import (
+    Conv,
+    Einsum,
+    Linear,
+    QuantizedConv,
+    QuantizedEinsum,
+    QuantizedKernel,
+    QuantizedLinear,
+)
+from taktiny_ops._quantize import LayerQuantization, QuantizationReport, quantize
 from taktiny_ops._version import __version__
 
 __all__ = [
+    "FORMAT_VERSION",
+    "LOADER",
+    "ArtifactError",
+    "Conv",
+    "Einsum",
+    "LayerQuantization",
+    "Linear",
+    "QuantizationReport",
+    "QuantizedConv",
+    "QuantizedEinsum",
+    "QuantizedKernel",
+    "QuantizedLinear",
     "TaktinyOpsError",
     "__version__",
     "conv_general_dilated",
     "dot_general",
     "einsum",
+    "export_model",
     "linear",
+    "load_model",
+    "quantize",
 ]

@@ -10,27 +10,14 @@ rounding of the float product.
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import jax.numpy as jnp
 import numpy as np
+from fuzzing import fuzz
 from hypothesis import strategies as st
 from numpy.lib.stride_tricks import sliding_window_view
 
 import quantrules as qr
 import taktiny_ops as tk
-
-
-def _load_fuzzing():
-    path = Path(__file__).parents[3] / "tools" / "fuzzing.py"
-    spec = importlib.util.spec_from_file_location("quantlattice_fuzzing", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fuzz = _load_fuzzing().fuzz
 
 QMAX = {"int8": 127, "int4": 7}
 QUANTS = {

@@ -1,0 +1,574 @@
+"""Flax NNX layers on the taktiny_ops ops, float and quantized.
+
+The float layers (:class:`Linear`, :class:`Einsum`, :class:`Conv`) hold
+float parameters and call the ops without a rule. :func:`taktiny_ops.quantize`
+swaps them (or plain ``nnx.Linear``/``nnx.Einsum``/``nnx.Conv``) for the
+quantized forms, which know their module path: a PTQ form holds its kernel
+already quantized (a Qwix ``QArray`` of packed values and scales, in a
+:class:`QuantizedKernel` variable) and quantizes activations per call; a QT
+form keeps the float kernel and calls the op with the rule, so it trains
+through ``nnx.grad``. Either computes exactly what the stateless op computes
+for the same rule and inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import qwix
+from flax import nnx
+
+import quantrules
+from taktiny_ops import _qwix_private as P
+from taktiny_ops._common import (
+    TaktinyOpsError,
+    _eager_jit_enabled,
+    calibration,
+    check_backend_support,
+    dequantize,
+    finish,
+    prepare,
+    quantize_operand,
+    result_dtype,
+)
+from taktiny_ops._conv import conv_general_dilated
+from taktiny_ops._dot import linear
+from taktiny_ops._einsum import _check_subscripts, einsum
+
+__all__ = [
+    "Conv",
+    "Einsum",
+    "Linear",
+    "QuantizedConv",
+    "QuantizedEinsum",
+    "QuantizedKernel",
+    "QuantizedLinear",
+]
+
+_default_kernel_init = nnx.initializers.lecun_normal()
+_zeros = nnx.initializers.zeros_init()
+
+
+class QuantizedKernel(nnx.Variable):
+    """A PTQ layer's kernel: a Qwix ``QArray`` (packed integer values and scales).
+
+    Not an ``nnx.Param``: ``nnx.grad`` (which differentiates ``nnx.Param``)
+    leaves it alone, and ``nnx.split`` keeps its values and scales as the
+    leaves :func:`taktiny_ops.export_model` writes.
+    """
+
+
+def _value(var: Any) -> Any:
+    """A variable's value for a call. ``get_value`` copies the value's pytree
+    on every read (microseconds per variable, most of an eager layer call);
+    the layers' own variables carry no read hooks, so an array or QArray
+    (traced or not) is read as it is held."""
+    if var is None:
+        return None
+    raw = var.get_raw_value()
+    if isinstance(raw, jax.Array | qwix.QArray):
+        return raw
+    return var.get_value()
+
+
+def _as_tuple(value: int | Sequence[int] | None, count: int, name: str) -> tuple[int, ...]:
+    if value is None:
+        value = 1
+    if isinstance(value, int):
+        return (value,) * count
+    out = tuple(value)
+    if len(out) != count:
+        raise TaktinyOpsError(f"{name}: expected an int or {count} ints, got {value!r}")
+    return out
+
+
+def _conv_padding(padding: Any, spatial: int) -> str | tuple[tuple[int, int], ...]:
+    """nnx.Conv's padding forms the ops support; CIRCULAR, REFLECT and CAUSAL are not."""
+    if isinstance(padding, str):
+        if padding.upper() in ("SAME", "VALID", "SAME_LOWER"):
+            return padding.upper()
+        raise TaktinyOpsError(
+            f"padding: {padding!r} is not supported by taktiny_ops layers (use 'SAME', "
+            "'VALID', 'SAME_LOWER', an int or (low, high) pairs)"
+        )
+    try:
+        if isinstance(padding, int):
+            return ((padding, padding),) * spatial
+        items = list(padding)
+        if all(isinstance(p, int) for p in items):
+            pairs = tuple((operator.index(p), operator.index(p)) for p in items)
+        else:
+            pairs = tuple((operator.index(lo), operator.index(hi)) for lo, hi in items)
+    except (TypeError, ValueError):
+        raise TaktinyOpsError(f"padding: expected a string, an int or pairs, got {padding!r}") from None
+    if len(pairs) == 1 and spatial > 1:
+        pairs = pairs * spatial
+    if len(pairs) != spatial:
+        raise TaktinyOpsError(f"padding: expected {spatial} (low, high) pairs, got {padding!r}")
+    return pairs
+
+
+def _conv_numbers(spatial: int) -> tuple[str, str, str]:
+    """Channel-last layouts (NWC, NHWC, NDHWC) with an HWIO-style kernel."""
+    letters = "DHW"[-spatial:] if spatial <= 3 else "".join(chr(ord("a") + i) for i in range(spatial))
+    return (f"N{letters}C", f"{letters}IO", f"N{letters}C")
+
+
+def _einsum_bias_shape(einsum_str: str, kernel_shape: tuple[int, ...], out_ndim: int) -> tuple:
+    """The bias broadcast shape nnx.Einsum uses: kernel sizes at the kernel's output axes."""
+    inputs, _, output = einsum_str.partition("->")
+    rhs = inputs.split(",")[1]
+    sizes = dict(zip(rhs, kernel_shape, strict=True))
+    head, dots, tail = output.partition("...")
+    middle = out_ndim - len(head) - len(tail) if dots else 0
+    return tuple([sizes.get(c, 1) for c in head] + [1] * middle + [sizes.get(c, 1) for c in tail])
+
+
+# ---------------------------------------------------------------------------
+# Float layers.
+
+
+class Linear(nnx.Module):
+    """``x @ kernel + bias`` with Taktiny's ``(in_features, out_features)`` kernel.
+
+    The float layer of :func:`taktiny_ops.linear`; :func:`taktiny_ops.quantize`
+    turns it into a :class:`QuantizedLinear` where a rule matches its path.
+
+    >>> layer = Linear(3, 4, rngs=nnx.Rngs(0))
+    >>> layer.kernel.shape, layer(jnp.ones((2, 3))).shape
+    ((3, 4), (2, 4))
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = True,
+                 param_dtype: Any = jnp.float32, precision: Any = None,
+                 kernel_init: Any = _default_kernel_init, bias_init: Any = _zeros,
+                 rngs: nnx.Rngs) -> None:
+        self.kernel = nnx.Param(kernel_init(rngs.params(), (in_features, out_features),
+                                            param_dtype))
+        self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+                     if use_bias else nnx.data(None))
+        self.in_features, self.out_features = in_features, out_features
+        self.precision = precision
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _dispatch(_linear_forward, (x, _value(self.kernel), _value(self.bias)),
+                         (("quant", None), ("module_path", ""), ("precision", self.precision)))
+
+
+class Einsum(nnx.Module):
+    """``einsum(einsum_str, x, kernel) + bias``, as ``nnx.Einsum`` (explicit, two operands).
+
+    The bias, if any, broadcasts over the output axes the kernel does not
+    have, exactly as in ``nnx.Einsum``.
+
+    >>> layer = Einsum("btd,dh->bth", (3, 5), (5,), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((2, 4, 3))).shape
+    (2, 4, 5)
+    """
+
+    def __init__(self, einsum_str: str, kernel_shape: Sequence[int],
+                 bias_shape: Sequence[int] | None = None, *, param_dtype: Any = jnp.float32,
+                 precision: Any = None, kernel_init: Any = _default_kernel_init,
+                 bias_init: Any = _zeros, rngs: nnx.Rngs) -> None:
+        einsum_str = einsum_str.replace(" ", "")
+        if "->" not in einsum_str or einsum_str.count(",") != 1:
+            raise TaktinyOpsError(
+                f"einsum_str: expected an explicit two-operand equation 'x,kernel->out', got "
+                f"{einsum_str!r}"
+            )
+        self.kernel = nnx.Param(kernel_init(rngs.params(), tuple(kernel_shape), param_dtype))
+        self.bias = (nnx.Param(bias_init(rngs.params(), tuple(bias_shape), param_dtype))
+                     if bias_shape is not None else nnx.data(None))
+        self.einsum_str = einsum_str
+        self.kernel_shape = tuple(kernel_shape)
+        self.precision = precision
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _dispatch(_einsum_forward, (x, _value(self.kernel), _value(self.bias)), (
+            ("quant", None), ("module_path", ""), ("einsum_str", self.einsum_str),
+            ("kernel_shape", self.kernel_shape), ("precision", self.precision)))
+
+
+class Conv(nnx.Module):
+    """A channel-last convolution (``NWC``/``NHWC``/``NDHWC``), as ``nnx.Conv``.
+
+    The kernel is ``(*kernel_size, in_features // feature_group_count,
+    out_features)``. Padding is ``'SAME'``, ``'VALID'``, ``'SAME_LOWER'``, an
+    int or ``(low, high)`` pairs. Inputs with several (or no) batch axes are
+    flattened to one, as ``nnx.Conv`` does.
+
+    >>> layer = Conv(2, 4, (3, 3), rngs=nnx.Rngs(0))
+    >>> layer(jnp.ones((1, 5, 5, 2))).shape
+    (1, 5, 5, 4)
+    """
+
+    def __init__(self, in_features: int, out_features: int, kernel_size: int | Sequence[int],
+                 strides: int | Sequence[int] = 1, *, padding: Any = "SAME",
+                 input_dilation: int | Sequence[int] = 1,
+                 kernel_dilation: int | Sequence[int] = 1, feature_group_count: int = 1,
+                 use_bias: bool = True, param_dtype: Any = jnp.float32, precision: Any = None,
+                 kernel_init: Any = _default_kernel_init, bias_init: Any = _zeros,
+                 rngs: nnx.Rngs) -> None:
+        kernel_size = (kernel_size,) if isinstance(kernel_size, int) else tuple(kernel_size)
+        if in_features % feature_group_count:
+            raise TaktinyOpsError(
+                f"feature_group_count: {in_features} input features do not divide into "
+                f"{feature_group_count} groups"
+            )
+        shape = (*kernel_size, in_features // feature_group_count, out_features)
+        self.kernel = nnx.Param(kernel_init(rngs.params(), shape, param_dtype))
+        self.bias = (nnx.Param(bias_init(rngs.params(), (out_features,), param_dtype))
+                     if use_bias else nnx.data(None))
+        self.config = _conv_config(kernel_size, strides, padding, input_dilation,
+                                   kernel_dilation, feature_group_count, precision)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return _dispatch(_conv_call, (x, _value(self.kernel), _value(self.bias)),
+                         (("config", self.config), ("quant", None), ("module_path", "")))
+
+
+def _conv_config(kernel_size: tuple[int, ...], strides: Any, padding: Any, input_dilation: Any,
+                 kernel_dilation: Any, feature_group_count: int, precision: Any) -> tuple:
+    """The static conv arguments, checked: (spatial, strides, padding, lhs/rhs dilation, groups, precision)."""
+    spatial = len(kernel_size)
+    return (spatial, _as_tuple(strides, spatial, "strides"), _conv_padding(padding, spatial),
+            _as_tuple(input_dilation, spatial, "input_dilation"),
+            _as_tuple(kernel_dilation, spatial, "kernel_dilation"), int(feature_group_count),
+            precision)
+
+
+def _conv_call(x: jax.Array, kernel: Any, bias: Any, *, config: tuple, quant: Any,
+               module_path: str) -> jax.Array:
+    """nnx.Conv's batch flattening and bias around the stateless op (quant may be a
+    prequantized PTQ resolution: see QuantizedConv)."""
+    spatial, strides, padding, lhs_dil, rhs_dil, groups, precision = config
+    batch_axes = len(x.shape) - (spatial + 1)
+    if batch_axes < 0:
+        raise TaktinyOpsError(
+            f"x: expected (*batch, {spatial} spatial axes, features), got shape {tuple(x.shape)}"
+        )
+    batch_shape = x.shape[:batch_axes]
+    if batch_axes != 1:
+        x = jnp.reshape(x, (-1, *x.shape[batch_axes:]))
+    numbers = _conv_numbers(spatial)
+    if isinstance(quant, _Prequantized):
+        features = kernel.qvalue.shape[-2] * groups
+        if x.shape[-1] != features:
+            raise TaktinyOpsError(
+                f"x: expected {features} input features (the last axis), got shape "
+                f"{tuple(x.shape)}"
+            )
+        y = _ptq_conv(x, kernel, res=quant.res, strides=strides, padding=padding,
+                      lhs_dilation=lhs_dil, rhs_dilation=rhs_dil, numbers=numbers,
+                      groups=groups, precision=precision)
+    else:
+        y = conv_general_dilated(x, kernel, strides, padding, lhs_dil, rhs_dil, numbers, groups,
+                                 precision=precision, quant=quant, module_path=module_path)
+    if bias is not None:
+        y = y + bias.reshape((1,) * (y.ndim - bias.ndim) + bias.shape)
+    if batch_axes != 1:
+        y = jnp.reshape(y, (*batch_shape, *y.shape[1:]))
+    return y
+
+
+def _linear_forward(x: jax.Array, kernel: Any, bias: Any, *, quant: Any, module_path: str,
+                    precision: Any) -> jax.Array:
+    if isinstance(quant, _Prequantized):
+        return _ptq_linear(x, kernel, bias, res=quant.res, precision=precision)
+    return linear(x, kernel, bias, quant=quant, module_path=module_path, precision=precision)
+
+
+def _einsum_forward(x: jax.Array, kernel: Any, bias: Any, *, quant: Any, module_path: str,
+                    einsum_str: str, kernel_shape: tuple, precision: Any) -> jax.Array:
+    if isinstance(quant, _Prequantized):
+        y = _ptq_einsum(x, kernel, res=quant.res, einsum_str=einsum_str, precision=precision)
+    else:
+        y = einsum(einsum_str, x, kernel, quant=quant, module_path=module_path,
+                   precision=precision)
+    return _add_einsum_bias(y, bias, einsum_str, kernel_shape)
+
+
+def _add_einsum_bias(y: jax.Array, bias: Any, einsum_str: str, kernel_shape: tuple) -> jax.Array:
+    if bias is None:
+        return y
+    return y + jnp.reshape(bias, _einsum_bias_shape(einsum_str, kernel_shape, y.ndim))
+
+
+# ---------------------------------------------------------------------------
+# Quantized layers.
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prequantized:
+    """Marks a PTQ call whose kernel is already a QArray (the resolution travels along)."""
+
+    res: quantrules.Resolution
+
+
+class _QuantizedLayer(nnx.Module):
+    """Common state: where the layer sits, the rule it got, and the quant the ops see."""
+
+    module_path: str
+    resolution: quantrules.Resolution
+    quant: Any  # the rule set, as the ops accept it (QT forms call the ops with it)
+
+    def _init_quant(self, module_path: str, resolution: quantrules.Resolution,
+                    quant: Any) -> None:
+        self.module_path = module_path
+        self.resolution = resolution
+        self.quant = quant
+
+    @property
+    def mode(self) -> str:
+        """``'ptq'`` (kernel held quantized) or ``'qt'`` (float kernel, quantized per call)."""
+        return self.resolution.mode
+
+    @property
+    def prequantized(self) -> bool:
+        """True for a PTQ rule with a ``weight_qtype``: the kernel is held quantized."""
+        return self.resolution.mode == "ptq" and self.resolution.rule.weight_qtype is not None
+
+    def _kernel_for_call(self) -> tuple[Any, Any]:
+        """(kernel, quant) for the op: a QArray and a PTQ marker, or the float kernel and the rules."""
+        if isinstance(self.kernel, QuantizedKernel):
+            return _value(self.kernel), _Prequantized(self.resolution)
+        return _value(self.kernel), self.quant
+
+
+class QuantizedLinear(_QuantizedLayer):
+    """A :class:`Linear` with the rule its module path selected.
+
+    PTQ: the kernel is held quantized (``weight_qtype``, the rule's tile
+    size), activations take ``act_qtype`` per call; QT: the float kernel is
+    quantized per call by Qwix's training kernel. Either way the output is
+    bitwise what ``taktiny_ops.linear(x, kernel, bias, quant=rules,
+    module_path=path)`` returns for the float kernel.
+    """
+
+    def __init__(self, kernel: Any, bias: Any, *, module_path: str,
+                 resolution: quantrules.Resolution, quant: Any, precision: Any = None) -> None:
+        self._init_quant(module_path, resolution, quant)
+        self.precision = precision
+        self.in_features, self.out_features = kernel.shape
+        if not self.prequantized:
+            self.kernel = nnx.Param(kernel)
+        else:
+            dnums = (((1,), (0,)), ((), ()))
+            self.kernel = QuantizedKernel(_quantize_weight(
+                kernel, resolution, module_path,
+                lambda qtype, method, tile: P.dot_how(
+                    dimension_numbers=dnums, ndims=(2, 2), for_lhs=False, tile_size=tile,
+                    qtype=qtype, calibration_method=method)))
+        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel, quant = self._kernel_for_call()
+        return _dispatch(_linear_forward, (x, kernel, _value(self.bias)), (
+            ("quant", quant), ("module_path", self.module_path), ("precision", self.precision)))
+
+
+class QuantizedEinsum(_QuantizedLayer):
+    """An :class:`Einsum` with the rule its module path selected (see :class:`QuantizedLinear`)."""
+
+    def __init__(self, einsum_str: str, kernel: Any, bias: Any, *, module_path: str,
+                 resolution: quantrules.Resolution, quant: Any, precision: Any = None) -> None:
+        self._init_quant(module_path, resolution, quant)
+        self.einsum_str = einsum_str
+        self.kernel_shape = tuple(kernel.shape)
+        self.precision = precision
+        if not self.prequantized:
+            self.kernel = nnx.Param(kernel)
+        else:
+            act_term, weight_term = einsum_str.partition("->")[0].split(",")
+            output = einsum_str.partition("->")[2]
+            if "..." in weight_term:
+                raise TaktinyOpsError(
+                    f"{module_path}: einsum_str {einsum_str!r}: a PTQ kernel term cannot have '...'"
+                )
+            private = [c for c in weight_term if c not in act_term and c not in output]
+            if private:
+                raise TaktinyOpsError(
+                    f"{module_path}: einsum_str {einsum_str!r} sums kernel index "
+                    f"{private[0]!r} away before contracting; a PTQ layer stores its kernel "
+                    "quantized, so write the kernel without that axis"
+                )
+            if resolution.rule.tile_size is not None and not (set(act_term) & set(weight_term)
+                                                              - set(output) - {"."}):
+                raise TaktinyOpsError(
+                    f"{module_path}: rule #{resolution.index} sets tile_size="
+                    f"{resolution.rule.tile_size} but {einsum_str!r} contracts no index to tile"
+                )
+            ndims = (len(act_term.replace("...", "")), len(weight_term))
+            self.kernel = QuantizedKernel(_quantize_weight(
+                kernel, resolution, module_path,
+                lambda qtype, method, tile: P.einsum_how(
+                    einsum_str=einsum_str, ndims=ndims, for_lhs=False, tile_size=tile,
+                    qtype=qtype, calibration_method=method)))
+        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel, quant = self._kernel_for_call()
+        return _dispatch(_einsum_forward, (x, kernel, _value(self.bias)), (
+            ("quant", quant), ("module_path", self.module_path), ("einsum_str", self.einsum_str),
+            ("kernel_shape", self.kernel_shape), ("precision", self.precision)))
+
+
+class QuantizedConv(_QuantizedLayer):
+    """A :class:`Conv` with the rule its module path selected (see :class:`QuantizedLinear`).
+
+    Convolution quantization is channelwise (no ``tile_size``), and
+    activations and weights need one qtype when both are set.
+    """
+
+    def __init__(self, kernel: Any, bias: Any, config: tuple, *, module_path: str,
+                 resolution: quantrules.Resolution, quant: Any) -> None:
+        self._init_quant(module_path, resolution, quant)
+        self.config = config
+        rule = resolution.rule
+        if rule.tile_size is not None:
+            raise TaktinyOpsError(
+                f"{module_path}: rule #{resolution.index} sets tile_size={rule.tile_size}; "
+                "convolutions are quantized per channel only"
+            )
+        if (rule.act_qtype and rule.weight_qtype and quantrules.qwix_qtype(rule.act_qtype)
+                != quantrules.qwix_qtype(rule.weight_qtype)):
+            raise TaktinyOpsError(
+                f"{module_path}: rule #{resolution.index} quantizes activations to "
+                f"{rule.act_qtype} and weights to {rule.weight_qtype}; a convolution needs one "
+                "integer type for both (or weights only)"
+            )
+        if not self.prequantized:
+            self.kernel = nnx.Param(kernel)
+        else:
+            numbers = _conv_numbers(config[0])
+            dn = jax.lax.conv_dimension_numbers((1,) * kernel.ndim, kernel.shape, numbers)
+            self.kernel = QuantizedKernel(_quantize_weight(
+                kernel, resolution, module_path,
+                lambda qtype, method, tile: P.conv_how(
+                    dimension_numbers=dn, for_lhs=False, qtype=qtype,
+                    calibration_method=method)))
+        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        kernel, quant = self._kernel_for_call()
+        return _dispatch(_conv_call, (x, kernel, _value(self.bias)), (
+            ("config", self.config), ("quant", quant), ("module_path", self.module_path)))
+
+
+def _quantize_weight(kernel: jax.Array, res: quantrules.Resolution, module_path: str,
+                     how: Any) -> Any:
+    """The kernel as a QArray, quantized as the op quantizes it per call."""
+    qtype, method = calibration(res.rule, True)
+    if 0 in kernel.shape:
+        raise TaktinyOpsError(f"{module_path}: an empty kernel {kernel.shape} has no scale")
+    try:
+        spec = how(qtype, method, res.rule.tile_size)
+        # Compiled, as the op quantizes its weight inside its own jit.
+        return jax.jit(lambda k: quantize_operand(k, spec, res, "the kernel"))(kernel)
+    except TaktinyOpsError as err:
+        raise TaktinyOpsError(f"{module_path}: {err}") from None
+
+
+# ---------------------------------------------------------------------------
+# The PTQ forward passes with a prequantized kernel: the ops' own PTQ paths,
+# minus the weight's quantization (done once, bitwise as the op does it).
+
+
+def _dispatch(fn: Any, arrays: tuple, statics: tuple) -> Any:
+    """``fn(*arrays, **statics)``; called eagerly, as one cached ``jax.jit`` of it.
+
+    The layers' own, leaner form of the ops' ``eager_jit`` (whose argument
+    binding costs more than a layer can spend): the arrays are positional,
+    the statics a hashable tuple of pairs. Under a transformation (tracer
+    inputs) ``fn`` runs inline, and ``TAKTINY_OPS_EAGER_JIT=0`` runs it op by
+    op, as for the ops.
+    """
+    leaves = jax.tree_util.tree_leaves(arrays)
+    if _eager_jit_enabled() and not any(isinstance(a, jax.core.Tracer) for a in leaves):
+        return _compiled(fn, statics)(*arrays)
+    return fn(*arrays, **dict(statics))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(fn: Any, statics: tuple) -> Any:
+    return jax.jit(functools.partial(fn, **dict(statics)))
+
+
+def _ptq_linear(x: Any, w: Any, b: Any = None, *, res: quantrules.Resolution,
+                precision: Any = None) -> jax.Array:
+    if len(x.shape) < 1 or x.shape[-1] != w.qvalue.shape[0]:
+        raise TaktinyOpsError(
+            f"x: expected shape (..., {w.qvalue.shape[0]}), got {tuple(x.shape)}"
+        )
+    rule = res.rule
+    dtype = result_dtype((x, w, b), quant_set=True, preferred_element_type=None)
+    dot_dtype = result_dtype((x, w), quant_set=True, preferred_element_type=None)
+    x = prepare(x, dot_dtype)
+    check_backend_support(rule, False, True)
+    dnums = (((len(x.shape) - 1,), (0,)), ((), ()))
+    if 0 in x.shape:
+        y = jax.lax.dot_general(x, dequantize(w), dnums, precision=precision)
+    else:
+        for_x = calibration(rule, False)
+        if for_x:
+            x = quantize_operand(x, P.dot_how(dimension_numbers=dnums, ndims=(len(x.shape), 2),
+                                              for_lhs=True, tile_size=rule.tile_size,
+                                              qtype=for_x[0], calibration_method=for_x[1]),
+                                 res, "lhs")
+        y = qwix.dot_general(x, w, dnums, precision=precision)
+    y = finish(y, dot_dtype, None)
+    if b is not None:
+        y = y + prepare(b, dtype)
+    return finish(y, dtype, None)
+
+
+def _ptq_einsum(x: Any, w: Any, *, res: quantrules.Resolution, einsum_str: str,
+                precision: Any = None) -> jax.Array:
+    _check_subscripts(einsum_str, (x, w.qvalue))
+    rule = res.rule
+    dtype = result_dtype((x, w), quant_set=True, preferred_element_type=None)
+    x = prepare(x, dtype)
+    check_backend_support(rule, False, True)
+    if 0 in x.shape:
+        out = jnp.einsum(einsum_str, x, dequantize(w), precision=precision)
+    else:
+        for_x = calibration(rule, False)
+        if for_x:
+            x = quantize_operand(x, P.einsum_how(
+                einsum_str=einsum_str, ndims=(len(x.shape), len(w.qvalue.shape)), for_lhs=True,
+                tile_size=rule.tile_size, qtype=for_x[0], calibration_method=for_x[1]),
+                res, "the activation")
+        out = qwix.einsum(einsum_str, x, w, precision=precision)
+    return finish(out, dtype, None)
+
+
+def _ptq_conv(x: Any, w: Any, *, res: quantrules.Resolution, strides: tuple, padding: Any,
+              lhs_dilation: tuple, rhs_dilation: tuple, numbers: tuple, groups: int,
+              precision: Any = None) -> jax.Array:
+    rule = res.rule
+    dtype = result_dtype((x, w), quant_set=True, preferred_element_type=None)
+    x = prepare(x, dtype)
+    common = dict(lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
+                  dimension_numbers=numbers, feature_group_count=groups)
+
+    def dense(a: Any, b: Any) -> jax.Array:
+        return jax.lax.conv_general_dilated(a, b, strides, padding, precision=precision,
+                                            **common)
+
+    kernel_float = jax.ShapeDtypeStruct(w.qvalue.shape, dtype)
+    if 0 in x.shape or 0 in jax.eval_shape(dense, x, kernel_float).shape:
+        return finish(dense(x, dequantize(w)), dtype, None)
+    dn = jax.lax.conv_dimension_numbers(x.shape, w.qvalue.shape, numbers)
+    for_x = calibration(rule, False)
+    if for_x:
+        x = P.quantize(x, P.conv_how(dimension_numbers=dn, for_lhs=True, qtype=for_x[0],
+                                     calibration_method=for_x[1]))
+    out = qwix.conv_general_dilated(x, w, strides, padding, precision=precision,
+                                    **{**common, "dimension_numbers": dn})
+    return finish(out, dtype, None)

@@ -1,0 +1,308 @@
+"""The NNX layers and taktiny_ops.quantize: bitwise equal to the stateless ops
+(same rules, same inputs) and to Qwix's own ``quantize_model`` where Qwix can
+express the rules, PTQ and QT (gradients through ``nnx.grad``), op by op and
+compiled; bad rules and unsupported layers raise TaktinyOpsError by path."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+from flax import nnx
+
+import quantrules as qr
+import taktiny_ops as tk
+
+SEED = 20261204
+
+
+@pytest.fixture
+def rng(request):
+    seed = SEED + sum(map(ord, request.node.name))
+    print(f"seed {seed}")  # shown on failure
+    return np.random.default_rng(seed)
+
+
+@pytest.fixture(params=["op_by_op", "compiled"])
+def mode(request, monkeypatch):
+    if request.param == "op_by_op":
+        monkeypatch.setenv("TAKTINY_OPS_EAGER_JIT", "0")
+    return request.param
+
+
+def _arr(rng, shape):
+    return jnp.asarray(rng.standard_normal(shape), jnp.float32)
+
+
+def _run(model, x, mode):
+    return nnx.jit(lambda m, x: m(x))(model, x) if mode == "compiled" else model(x)
+
+
+def _bitwise(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a, b)
+
+
+class Net(nnx.Module):
+    """Taktiny's own layers at mlp/fc1, mlp/fc2, mix and convs/0."""
+
+    def __init__(self, rngs):
+        self.mlp = nnx.Dict(fc1=tk.Linear(32, 48, rngs=rngs), fc2=tk.Linear(48, 16, rngs=rngs))
+        self.mix = tk.Einsum("btd,dh->bth", (16, 24), (24,), rngs=rngs)
+        self.convs = nnx.List([tk.Conv(24, 8, (3,), strides=2, padding="SAME", rngs=rngs)])
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.mlp["fc1"](x))
+        h = self.mix(self.mlp["fc2"](h))
+        return self.convs[0](h)
+
+
+def _randomize(model, rng):
+    """Random kernels and biases (zero biases would hide a missing bias add)."""
+    for _, var in nnx.iter_graph(model):
+        if isinstance(var, nnx.Param):
+            var.set_value(_arr(rng, var.shape))
+
+
+def _stateless(params, x, quant):
+    """Net's forward from the stateless ops with hand-written paths."""
+    p = params
+    h = jax.nn.relu(tk.linear(x, p["mlp/fc1/kernel"], p["mlp/fc1/bias"], quant=quant,
+                              module_path="mlp/fc1"))
+    h = tk.linear(h, p["mlp/fc2/kernel"], p["mlp/fc2/bias"], quant=quant,
+                  module_path="mlp/fc2")
+    h = tk.einsum("btd,dh->bth", h, p["mix/kernel"], quant=quant, module_path="mix")
+    h = h + p["mix/bias"].reshape(1, 1, -1)
+    y = tk.conv_general_dilated(h, p["convs/0/kernel"], (2,), "SAME",
+                                dimension_numbers=("NWC", "WIO", "NWC"), quant=quant,
+                                module_path="convs/0")
+    return y + p["convs/0/bias"].reshape(1, 1, -1)
+
+
+def _params(model):
+    return {"/".join(map(str, path)): var[...] for path, var in nnx.iter_graph(model)
+            if isinstance(var, nnx.Param)}
+
+
+RULE_SETS = {
+    "int8": [qr.Rule(weight_qtype="int8")],
+    "int4-tiles": [qr.Rule(op_names=("conv_general_dilated",), weight_qtype="int8"),
+                   qr.Rule(weight_qtype="int4", tile_size=8)],
+    "w8a8": [qr.Rule(weight_qtype="int8", act_qtype="int8")],
+    "mixed-paths": [qr.Rule(module_path="mlp/fc2", weight_qtype=None),
+                    qr.Rule(module_path="mlp/.*", weight_qtype="int8", act_qtype="int8"),
+                    qr.Rule(op_names=("einsum",), weight_qtype="int4"),
+                    qr.Rule(weight_qtype="float8_e4m3fn", act_qtype="float8_e4m3fn")],
+}
+
+
+@pytest.mark.parametrize("name", list(RULE_SETS))
+def test_ptq_layers_bitwise_equal_stateless_ops(name, mode, rng):
+    rules = RULE_SETS[name]
+    model = Net(nnx.Rngs(int(rng.integers(1 << 30))))
+    _randomize(model, rng)
+    params = _params(model)
+    x = _arr(rng, (2, 6, 32))
+    report = tk.quantize(model, rules)
+    expected = _stateless(params, x, rules)
+    if mode == "compiled":
+        expected = jax.jit(_stateless, static_argnums=2)(params, x, tuple(rules))
+    _bitwise(_run(model, x, mode), expected)
+    if mode == "compiled":  # called eagerly, each layer runs as one cached jit of itself
+        _bitwise(model(x), expected)
+    paths = [layer.path for layer in report.layers]
+    assert paths == ["convs/0", "mix", "mlp/fc1", "mlp/fc2"]
+    for layer in report.layers:
+        want = qr.explain(rules, module_path=layer.path, op=layer.op).summary
+        assert layer.rule == want
+    float_out = _stateless(params, x, None)
+    assert not np.array_equal(np.asarray(_run(model, x, mode)), np.asarray(float_out))
+
+
+def test_ptq_kernel_is_held_packed(rng):
+    model = Net(nnx.Rngs(0))
+    report = tk.quantize(model, RULE_SETS["int4-tiles"])
+    fc1 = model.mlp["fc1"]
+    assert isinstance(fc1, tk.QuantizedLinear) and isinstance(fc1.kernel, tk.QuantizedKernel)
+    q = fc1.kernel.get_value()
+    assert q.qvalue.dtype == jnp.int4 and q.qvalue.shape == (32, 48)
+    assert q.scale.shape == (32 // 8, 48)
+    by_path = {layer.path: layer for layer in report.layers}
+    assert by_path["mlp/fc1"].bytes_after == 32 * 48 // 2 + q.scale.nbytes
+    assert by_path["mlp/fc1"].bytes_before == 32 * 48 * 4
+
+
+@pytest.mark.parametrize("bwd", [None, "int8"])
+def test_qt_layers_and_grads_bitwise_equal_stateless_ops(bwd, mode, rng):
+    rules = qr.QtProvider([qr.Rule(weight_qtype="int8", act_qtype="int8", bwd_qtype=bwd,
+                                   mode="qt")])
+    model = Net(nnx.Rngs(1))
+    _randomize(model, rng)
+    params = _params(model)
+    x = _arr(rng, (2, 6, 32))
+    tk.quantize(model, rules)
+    assert isinstance(model.mlp["fc1"].kernel, nnx.Param)  # QT keeps the float kernel
+
+    def loss_model(m):
+        return jnp.sum(jnp.sin(m(x)))
+
+    def loss_ops(p):
+        return jnp.sum(jnp.sin(_stateless(p, x, rules)))
+
+    grad_model = nnx.grad(loss_model)
+    grad_ops = jax.grad(loss_ops)
+    if mode == "compiled":
+        grad_model, grad_ops = nnx.jit(grad_model), jax.jit(grad_ops)
+    expected = (_stateless(params, x, rules) if mode == "op_by_op"
+                else jax.jit(_stateless, static_argnums=2)(params, x, rules))
+    _bitwise(_run(model, x, mode), expected)
+    if mode == "compiled":  # called eagerly, each layer runs as one cached jit of itself
+        _bitwise(model(x), expected)
+    ours = _params(grad_model(model))
+    theirs = grad_ops(params)
+    assert ours.keys() == theirs.keys()
+    for key in ours:
+        _bitwise(ours[key], theirs[key])
+
+
+class Plain(nnx.Module):
+    """Flax's own layers, as Qwix quantizes them."""
+
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(32, 48, rngs=rngs)
+        self.ein = nnx.Einsum("btd,dh->bth", (48, 16), (16,), rngs=rngs)
+        self.conv = nnx.Conv(16, 8, (3, 3), strides=(1, 2), rngs=rngs)
+        self.head = nnx.Linear(8, 4, rngs=rngs)
+
+    def __call__(self, x):
+        h = jax.nn.relu(self.fc1(x))
+        h = self.ein(h)  # (b, t, 16)
+        h = self.conv(h.reshape(h.shape[0], 2, -1, 16))
+        return self.head(h)
+
+
+QWIX_RULE_SETS = {
+    "int8-weights": [qr.Rule(module_path="conv", weight_qtype="int8", act_qtype="int8"),
+                     qr.Rule(weight_qtype="int8")],
+    "int4-tiles": [qr.Rule(module_path="head", weight_qtype=None),
+                   qr.Rule(module_path="conv", weight_qtype="int8", act_qtype="int8"),
+                   qr.Rule(weight_qtype="int4", tile_size=16)],
+    "w8a8": [qr.Rule(weight_qtype="int8", act_qtype="int8")],
+}
+
+
+@pytest.mark.parametrize("name", list(QWIX_RULE_SETS))
+def test_ptq_bitwise_equals_qwix_quantize_model(name, mode, rng):
+    rules = QWIX_RULE_SETS[name]
+    seed = int(rng.integers(1 << 30))
+    x = _arr(rng, (2, 6, 32))
+    ours, theirs = Plain(nnx.Rngs(seed)), Plain(nnx.Rngs(seed))
+    state_rng = np.random.default_rng(seed)
+    _randomize(ours, state_rng)
+    nnx.update(theirs, nnx.state(ours, nnx.Param))
+    qmodel = qwix.quantize_model(theirs, qwix.PtqProvider(qr.to_qwix(rules)), x)
+    report = tk.quantize(ours, rules)
+    assert {layer.path: layer.mode for layer in report.layers}["head"] == (
+        "float" if name == "int4-tiles" else "ptq")
+    _bitwise(_run(ours, x, mode), _run(qmodel, x, mode))
+
+
+def test_qt_forward_and_grads_bitwise_equal_qwix_quantize_model(mode, rng):
+    rules = [qr.Rule(module_path="ein", weight_qtype=None),
+             qr.Rule(weight_qtype="int8", act_qtype="int8", bwd_qtype="int8", mode="qt")]
+    seed = int(rng.integers(1 << 30))
+    x = _arr(rng, (2, 6, 32))
+    ours, theirs = Plain(nnx.Rngs(seed)), Plain(nnx.Rngs(seed))
+    _randomize(ours, np.random.default_rng(seed))
+    nnx.update(theirs, nnx.state(ours, nnx.Param))
+    qmodel = qwix.quantize_model(theirs, qwix.QtProvider(qr.to_qwix(rules)), x)
+    tk.quantize(ours, rules)
+    _bitwise(_run(ours, x, mode), _run(qmodel, x, mode))
+
+    def grads(model):
+        fn = nnx.grad(lambda m: jnp.sum(jnp.sin(m(x)) * m(x)))
+        return _params((nnx.jit(fn) if mode == "compiled" else fn)(model))
+
+    g_ours, g_theirs = grads(ours), grads(qmodel)
+    assert g_ours.keys() == g_theirs.keys()
+    for key in g_ours:
+        _bitwise(g_ours[key], g_theirs[key])
+
+
+def test_batch_axes_and_unbatched_inputs_match_nnx_conv(rng):
+    """Several (or no) batch axes are flattened as nnx.Conv does."""
+    ours = tk.Conv(3, 5, (3, 3), padding=1, rngs=nnx.Rngs(0))
+    ref = nnx.Conv(3, 5, (3, 3), padding=1, rngs=nnx.Rngs(0))
+    _randomize(ours, rng)
+    nnx.update(ref, nnx.state(ours, nnx.Param))
+    for shape in ((2, 3, 6, 6, 3), (6, 6, 3)):
+        x = _arr(rng, shape)
+        _bitwise(ours(x), ref(x))
+
+
+def test_already_quantized_layers_are_reported_not_requantized():
+    model = Net(nnx.Rngs(0))
+    tk.quantize(model, "int8")
+    kernel = model.mlp["fc1"].kernel.get_value()
+    report = tk.quantize(model, "int4")
+    again = model.mlp["fc1"].kernel.get_value()
+    assert again.qvalue.dtype == jnp.int8
+    _bitwise(again.qvalue, kernel.qvalue)
+    assert all("already quantized" in layer.rule for layer in report.layers)
+
+
+def _error(model, rules, match):
+    with pytest.raises(tk.TaktinyOpsError, match=match):
+        tk.quantize(model, rules)
+
+
+def test_bad_rules_raise_naming_the_layer_path():
+    _error(Net(nnx.Rngs(0)), [qr.Rule(module_path="mlp/.*", weight_qtype="int8", tile_size=7)],
+           r"^mlp/fc1: .*tile_size=7")
+    _error(Net(nnx.Rngs(0)), [qr.Rule(op_names=("conv_general_dilated",),
+                                      weight_qtype="int8", tile_size=8)],
+           r"^convs/0: rule #0 sets tile_size=8")
+    _error(Net(nnx.Rngs(0)), [qr.Rule(module_path="convs/.*", weight_qtype="int8",
+                                      act_qtype="int4")],
+           r"^convs/0: .*one integer type")
+    _error(Net(nnx.Rngs(0)), [qr.Rule(weight_qtype="int8", act_qtype="int8",
+                                      act_static_scale=True)],
+           r"^convs/0: rule #0 sets act_static_scale")
+    if jax.default_backend() == "cpu":
+        _error(Net(nnx.Rngs(0)), [qr.Rule(module_path="mix", weight_qtype="int4",
+                                          act_qtype="int4")], r"^mix: rule #0: .*int4 x int4")
+    _error(Net(nnx.Rngs(0)), 42, r"^quant: ")
+
+
+def test_unsupported_layers_raise_naming_the_layer_path():
+    class Odd(nnx.Module):
+        def __init__(self, rngs):
+            self.blocks = nnx.List([nnx.LinearGeneral(4, (2, 3), rngs=rngs)])
+            self.up = nnx.ConvTranspose(3, 2, (3,), rngs=rngs)
+            self.circ = nnx.Conv(3, 2, (3,), padding="CIRCULAR", rngs=rngs)
+            self.low = nnx.Linear(3, 2, dtype=jnp.bfloat16, rngs=rngs)
+
+    _error(Odd(nnx.Rngs(0)), [qr.Rule(module_path="blocks/.*", weight_qtype="int8")],
+           r"^blocks/0: rule #0 selects this flax.nnx.*LinearGeneral")
+    _error(Odd(nnx.Rngs(0)), [qr.Rule(module_path="up", weight_qtype="int8")],
+           r"^up: .*ConvTranspose")
+    _error(Odd(nnx.Rngs(0)), [qr.Rule(module_path="circ", weight_qtype="int8")],
+           r"^circ: padding: 'CIRCULAR' is not supported")
+    _error(Odd(nnx.Rngs(0)), [qr.Rule(module_path="low", weight_qtype="int8")],
+           r"^low: Linear sets dtype=")
+    report = tk.quantize(Odd(nnx.Rngs(0)), [qr.Rule(module_path="(up|circ|low|blocks/.*)",
+                                                    weight_qtype=None)])
+    assert [layer.mode for layer in report.layers] == ["float"] * 4
+    _error(tk.Linear(2, 2, rngs=nnx.Rngs(0)), "int8", r"^model: the model itself is a layer")
+
+
+def test_wrong_inputs_raise_taktiny_ops_error(rng):
+    model = Net(nnx.Rngs(0))
+    tk.quantize(model, "int8")
+    with pytest.raises(tk.TaktinyOpsError, match=r"^x: expected shape \(\.\.\., 32\)"):
+        model.mlp["fc1"](_arr(rng, (2, 31)))
+    with pytest.raises(tk.TaktinyOpsError, match=r"^subscripts: "):
+        model.mix(_arr(rng, (2, 17)))
+    with pytest.raises(tk.TaktinyOpsError, match=r"^x: expected 24 input features"):
+        model.convs[0](_arr(rng, (2, 9, 23)))

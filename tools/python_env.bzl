@@ -12,11 +12,19 @@ environment inside the external repository, installs the lock with
 Editing the lock file re-runs the rule (Bazel tracks files a repository rule
 reads). Set QUANTLATTICE_PYTHON to choose the interpreter explicitly.
 
+With QUANTLATTICE_VENV_ROOT set (bazelw sets it to a folder of its cache) the
+venv lives there, in a folder named by a hash of the interpreter, its version
+and the lock's text (the interpreter's path and build included), and every output base of the machine (each checkout,
+each lane, the downstream module) shares it: it is built once, and since the
+interpreter's path is part of every test action (the launcher names it), a
+clone's tests match the disk cache entries another clone stored. Without it
+the venv is built inside the external repository, as before.
+
 On macOS the `macos_lock` is installed instead (the Metal MLX runtime:
 libmlx.dylib, metal-cpp headers, the Metal frameworks).
 """
 
-_SITE = "venv/lib/python{version}/site-packages"
+_SITE = "{venv}/lib/python{version}/site-packages"
 
 _BUILD = """\
 load("@bazel_tools//tools/python:toolchain.bzl", "py_runtime_pair")
@@ -131,20 +139,45 @@ def _run(rctx, args, what, timeout = 600):
              (what, result.return_code, result.stdout[-4000:], result.stderr[-4000:]))
     return result
 
-def _python_env_impl(rctx):
-    locks = _locks(rctx.attr)
-    python, version, include = _find_python(rctx, sorted(locks))
-    macos = rctx.os.name.lower().startswith("mac")
-    if macos and rctx.attr.macos_lock == None:
-        fail("python_env: no macos_lock is set for this macOS machine")
-    lock_label = rctx.attr.macos_lock if macos else locks[version]
-    lock = rctx.path(lock_label)  # read here, so editing the lock re-runs this rule
-    rctx.report_progress("creating the virtual environment")
+# Builds (once) the shared venv for an interpreter and lock, under an
+# exclusive lock file so that two Bazel servers never build it at once; a
+# venv without its ".complete" mark (an interrupted build) is rebuilt.
+# Prints the venv's folder. argv: root, lock file, minor version.
+_SHARED_VENV = """
+import fcntl, hashlib, os, shutil, subprocess, sys
+root, lock, version = sys.argv[1:4]
+h = hashlib.sha256()
+for part in (os.path.realpath(sys.executable), sys.version, version, open(lock, "rb").read().decode()):
+    h.update(part.encode() + b"\\0")
+venv = os.path.join(root, "py%s-%s" % (version, h.hexdigest()[:16]))
+os.makedirs(root, exist_ok=True)
+with open(venv + ".lock", "w") as guard:
+    fcntl.flock(guard, fcntl.LOCK_EX)
+    if not os.path.exists(os.path.join(venv, ".complete")):
+        shutil.rmtree(venv, ignore_errors=True)
+        def run(*args):
+            r = subprocess.run(args, capture_output=True, text=True)
+            if r.returncode:
+                shutil.rmtree(venv, ignore_errors=True)
+                sys.exit("%s failed (exit %d):\\n%s\\n%s" % (" ".join(args[:4]), r.returncode, r.stdout[-4000:], r.stderr[-4000:]))
+        run(sys.executable, "-m", "venv", venv)
+        run(os.path.join(venv, "bin", "python3"), "-m", "pip", "install", "--quiet",
+            "--disable-pip-version-check", "--no-input", "--require-hashes", "--no-deps",
+            "--only-binary=:all:", "-r", lock)
+        # Bazel 4 labels cannot contain spaces; no installed code needs such files.
+        run("find", venv, "-name", "* *", "-prune", "-exec", "rm", "-rf", "{}", "+")
+        open(os.path.join(venv, ".complete"), "w").close()
+print(venv)
+"""
+
+def _make_venv(rctx, python, version, lock):
+    """The venv's folder: shared (QUANTLATTICE_VENV_ROOT) or in this repository."""
+    root = rctx.os.environ.get("QUANTLATTICE_VENV_ROOT")
+    if root:
+        return _run(rctx, [python, "-c", _SHARED_VENV, root, lock, version], "building the shared venv", timeout = 1800).stdout.strip()
     _run(rctx, [python, "-m", "venv", "--clear", "venv"], "creating the venv")
-    venv_python = rctx.path("venv/bin/python3")
-    rctx.report_progress("installing %s" % lock_label.name)
     _run(rctx, [
-        venv_python,
+        rctx.path("venv/bin/python3"),
         "-m",
         "pip",
         "install",
@@ -160,6 +193,19 @@ def _python_env_impl(rctx):
 
     # Bazel 4 labels cannot contain spaces; no installed code needs such files.
     _run(rctx, ["find", "venv", "-name", "* *", "-prune", "-exec", "rm", "-rf", "{}", "+"], "pruning")
+    return str(rctx.path("venv"))
+
+def _python_env_impl(rctx):
+    locks = _locks(rctx.attr)
+    python, version, include = _find_python(rctx, sorted(locks))
+    macos = rctx.os.name.lower().startswith("mac")
+    if macos and rctx.attr.macos_lock == None:
+        fail("python_env: no macos_lock is set for this macOS machine")
+    lock_label = rctx.attr.macos_lock if macos else locks[version]
+    lock = rctx.path(lock_label)  # read here, so editing the lock re-runs this rule
+    rctx.report_progress("creating the virtual environment (installing %s)" % lock_label.name)
+    venv = _make_venv(rctx, python, version, str(lock))
+    venv_python = rctx.path(venv + "/bin/python3")
     rctx.symlink(include, "python_include")
 
     # Debian's pyconfig.h includes <x86_64-linux-gnu/python3.X/pyconfig.h>,
@@ -172,7 +218,7 @@ def _python_env_impl(rctx):
         rctx.symlink(arch_include, "python_multiarch_include/%s/%s" % (multiarch, inc.basename))
     else:
         rctx.file("python_multiarch_include/README", "The interpreter's pyconfig.h needs no multiarch folder.\n")
-    site = _SITE.format(version = version)
+    site = _SITE.format(venv = venv, version = version)
     rctx.symlink(site, "site")
     rctx.symlink(venv_python, "venv_python")
     tag = _run(rctx, [venv_python, "-c", _TAG_PROBE], "probing the wheel tag").stdout.strip()
@@ -203,5 +249,9 @@ _ATTRS = {
 python_env = repository_rule(
     implementation = _python_env_impl,
     attrs = _ATTRS,
-    environ = ["QUANTLATTICE_PYTHON"],
+    environ = ["QUANTLATTICE_PYTHON", "QUANTLATTICE_VENV_ROOT"],
+    # Fetched again whenever the Bazel server starts: cheap when the shared
+    # venv exists (a few interpreter probes), and a venv folder removed from
+    # the cache is rebuilt rather than left as dangling links.
+    local = True,
 )

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -121,27 +122,24 @@ __attribute__((target("amx-tile"))) void amx_configure() {
   asm volatile("tilezero %tmm0\n\ttilezero %tmm1\n\ttilezero %tmm2\n\ttilezero %tmm3");
 }
 
-__attribute__((target("amx-tile,amx-int8"))) double amx_int8(int64_t iters) {
-  amx_configure();
-  for (int64_t i = 0; i < iters; ++i) {
-    asm volatile(
-        "tdpbssd %tmm5, %tmm4, %tmm0\n\ttdpbssd %tmm5, %tmm4, %tmm1\n\t"
-        "tdpbssd %tmm5, %tmm4, %tmm2\n\ttdpbssd %tmm5, %tmm4, %tmm3");
-  }
-  alignas(64) int32_t c[16 * 16];
-  asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(c), "r"(64L) : "memory");
-  asm volatile("tilerelease");
-  return c[0];
-}
+// Four independent tile products (accumulators tmm0..tmm3, A = tmm4,
+// B = tmm5) of one instruction, as the text of one asm statement.
+#define AMX_FOUR_PRODUCTS(insn)                                                  \
+  insn " %tmm5, %tmm4, %tmm0\n\t" insn " %tmm5, %tmm4, %tmm1\n\t" insn          \
+       " %tmm5, %tmm4, %tmm2\n\t" insn " %tmm5, %tmm4, %tmm3"
 
-__attribute__((target("amx-tile,amx-bf16"))) double amx_bf16(int64_t iters) {
+// The AMX loop of one instruction: TDPBSSD (int32 accumulators) or
+// TDPBF16PS (float32 accumulators).
+template <bool kInt8>
+__attribute__((target("amx-tile,amx-int8,amx-bf16"))) double amx_loop(int64_t iters) {
   amx_configure();
   for (int64_t i = 0; i < iters; ++i) {
-    asm volatile(
-        "tdpbf16ps %tmm5, %tmm4, %tmm0\n\ttdpbf16ps %tmm5, %tmm4, %tmm1\n\t"
-        "tdpbf16ps %tmm5, %tmm4, %tmm2\n\ttdpbf16ps %tmm5, %tmm4, %tmm3");
+    if constexpr (kInt8)
+      asm volatile(AMX_FOUR_PRODUCTS("tdpbssd"));
+    else
+      asm volatile(AMX_FOUR_PRODUCTS("tdpbf16ps"));
   }
-  alignas(64) float c[16 * 16];
+  alignas(64) std::conditional_t<kInt8, int32_t, float> c[16 * 16];
   asm volatile("tilestored %%tmm0, (%0,%1,1)" ::"r"(c), "r"(64L) : "memory");
   asm volatile("tilerelease");
   return c[0];
@@ -191,8 +189,8 @@ int main() {
        bf16_avx512},
       // Per iteration 4 tile products: int8 16 x 16 x 64 multiply-adds each,
       // bf16 16 x 16 x 32.
-      {"int8_amx_tdpbssd", "GOP/s", 4 * 16 * 16 * 64 * 2, *amx_missing(25) == 0, amx_int8},
-      {"bf16_amx_tdpbf16ps", "GFLOP/s", 4 * 16 * 16 * 32 * 2, *amx_missing(22) == 0, amx_bf16},
+      {"int8_amx_tdpbssd", "GOP/s", 4 * 16 * 16 * 64 * 2, *amx_missing(25) == 0, amx_loop<true>},
+      {"bf16_amx_tdpbf16ps", "GFLOP/s", 4 * 16 * 16 * 32 * 2, *amx_missing(22) == 0, amx_loop<false>},
   };
   if (*amx_missing(25) || *amx_missing(22)) {
     std::fprintf(stderr, "fma_peak: AMX tile loops skipped: %s\n",

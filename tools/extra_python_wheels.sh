@@ -28,7 +28,10 @@ for version in "${versions[@]}"; do
   cp=cp${version/./}
   echo "=== CPython $version: wheels and tests (modern lane, Debian's python$version) ==="
   export QUANTLATTICE_ROOT_PYTHON=$version
-  if ! ./bazelw test //packages/mlx_lattice:wheel_test //:wheel_audit_test \
+  # //:wheels named too: the wheels are then top-level outputs, which Bazel
+  # fetches from the disk cache; as the tests' inputs only, a run whose tests
+  # all come from the cache would leave them out of bazel-bin.
+  if ! ./bazelw test //:wheels //packages/mlx_lattice:wheel_test //:wheel_audit_test \
     //packages/mlx_lattice:conv_tests //packages/mlx_lattice:unit_tests \
     ${QUANTLATTICE_DISK_CACHE:+--disk_cache=$QUANTLATTICE_DISK_CACHE}; then
     status=1

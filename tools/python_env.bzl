@@ -1,7 +1,7 @@
 """Repository rule: a Python environment built from the hashed lock file.
 
 The rule finds a CPython of the requested minor version, creates a virtual
-environment inside the external repository, installs the lock with
+environment (shared by every output base, see below), installs the lock with
 `pip install --require-hashes --no-deps --only-binary=:all:` and exposes:
 
 * `:toolchain` — the Python toolchain (an `interpreter_path` runtime; a
@@ -12,13 +12,14 @@ environment inside the external repository, installs the lock with
 Editing the lock file re-runs the rule (Bazel tracks files a repository rule
 reads). Set QUANTLATTICE_PYTHON to choose the interpreter explicitly.
 
-With QUANTLATTICE_VENV_ROOT set (bazelw sets it to a folder of its cache) the
-venv lives there, in a folder named by a hash of the interpreter, its version
-and the lock's text (the interpreter's path and build included), and every output base of the machine (each checkout,
-each lane, the downstream module) shares it: it is built once, and since the
+The venv lives outside the output base, in QUANTLATTICE_VENV_ROOT (bazelw
+sets it to a folder of its cache; otherwise $XDG_CACHE_HOME or ~/.cache,
+then quantlattice/python-envs), in a folder named by a hash of the
+interpreter, its version and the lock's text (the interpreter's path and
+build included). Every output base of the machine (each checkout, each
+lane, the downstream module) shares it: it is built once, and since the
 interpreter's path is part of every test action (the launcher names it), a
-clone's tests match the disk cache entries another clone stored. Without it
-the venv is built inside the external repository, as before.
+clone's tests match the disk cache entries another clone stored.
 
 On macOS the `macos_lock` is installed instead (the Metal MLX runtime:
 libmlx.dylib, metal-cpp headers, the Metal frameworks).
@@ -170,30 +171,14 @@ with open(venv + ".lock", "w") as guard:
 print(venv)
 """
 
-def _make_venv(rctx, python, version, lock):
-    """The venv's folder: shared (QUANTLATTICE_VENV_ROOT) or in this repository."""
-    root = rctx.os.environ.get("QUANTLATTICE_VENV_ROOT")
-    if root:
-        return _run(rctx, [python, "-c", _SHARED_VENV, root, lock, version], "building the shared venv", timeout = 1800).stdout.strip()
-    _run(rctx, [python, "-m", "venv", "--clear", "venv"], "creating the venv")
-    _run(rctx, [
-        rctx.path("venv/bin/python3"),
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "--no-input",
-        "--require-hashes",
-        "--no-deps",
-        "--only-binary=:all:",
-        "-r",
-        lock,
-    ], "installing the lock file", timeout = 1800)
-
-    # Bazel 4 labels cannot contain spaces; no installed code needs such files.
-    _run(rctx, ["find", "venv", "-name", "* *", "-prune", "-exec", "rm", "-rf", "{}", "+"], "pruning")
-    return str(rctx.path("venv"))
+def _venv_root(rctx):
+    """The folder of the shared venvs: QUANTLATTICE_VENV_ROOT, else the user's
+    cache folder (this repository's own folder where the user has none)."""
+    env = rctx.os.environ
+    if env.get("QUANTLATTICE_VENV_ROOT"):
+        return env["QUANTLATTICE_VENV_ROOT"]
+    cache = env.get("XDG_CACHE_HOME") or (env["HOME"] + "/.cache" if env.get("HOME") else None)
+    return cache + "/quantlattice/python-envs" if cache else str(rctx.path("python-envs"))
 
 def _python_env_impl(rctx):
     locks = _locks(rctx.attr)
@@ -204,7 +189,12 @@ def _python_env_impl(rctx):
     lock_label = rctx.attr.macos_lock if macos else locks[version]
     lock = rctx.path(lock_label)  # read here, so editing the lock re-runs this rule
     rctx.report_progress("creating the virtual environment (installing %s)" % lock_label.name)
-    venv = _make_venv(rctx, python, version, str(lock))
+    venv = _run(
+        rctx,
+        [python, "-c", _SHARED_VENV, _venv_root(rctx), str(lock), version],
+        "building the venv",
+        timeout = 1800,
+    ).stdout.strip()
     venv_python = rctx.path(venv + "/bin/python3")
     rctx.symlink(include, "python_include")
 
@@ -249,7 +239,7 @@ _ATTRS = {
 python_env = repository_rule(
     implementation = _python_env_impl,
     attrs = _ATTRS,
-    environ = ["QUANTLATTICE_PYTHON", "QUANTLATTICE_VENV_ROOT"],
+    environ = ["QUANTLATTICE_PYTHON", "QUANTLATTICE_VENV_ROOT", "XDG_CACHE_HOME", "HOME"],
     # Fetched again whenever the Bazel server starts: cheap when the shared
     # venv exists (a few interpreter probes), and a venv folder removed from
     # the cache is rebuilt rather than left as dangling links.

@@ -172,8 +172,11 @@ print(venv)
 """
 
 def _venv_root(rctx):
-    """The folder of the shared venvs: QUANTLATTICE_VENV_ROOT, else the user's
-    cache folder (this repository's own folder where the user has none)."""
+    """The folder of the shared venvs.
+
+    QUANTLATTICE_VENV_ROOT, else the user's cache folder (this repository's
+    own folder where the user has none).
+    """
     env = rctx.os.environ
     if env.get("QUANTLATTICE_VENV_ROOT"):
         return env["QUANTLATTICE_VENV_ROOT"]

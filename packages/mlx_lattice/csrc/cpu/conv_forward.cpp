@@ -52,7 +52,7 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
     // One bucket of g1 - g0 pointer pairs per offset (an offset has at most
     // one edge per output row), filled in one pass over the tile's edges:
     // no counting pass and no slot indirection (bucket_tile_edges).
-    auto& s = buckets;
+    auto& s = this_thread(buckets);
     const int64_t cap = g1 - g0;
     if (static_cast<int64_t>(s.a_ptrs.size()) < n_kernels * cap) {
       s.a_ptrs.resize(n_kernels * cap);

@@ -171,7 +171,7 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
     const int64_t g0 = tile * tile_rows;
     const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
     const int64_t cap = g1 - g0;
-    auto& s = scratch;
+    auto& s = this_thread(scratch);
     s.tile.assign(cap * cout, 0.0f);
     float* c = s.tile.data();
     const int64_t n_tile = csr.offsets[g1] - csr.offsets[g0];

@@ -245,11 +245,14 @@ __attribute__((target("avx2,fma"))) void outer_avx2(int64_t m, const float* cons
   asm("vfmadd231ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(bv), "m"(*(ptr)))
 
 // AVX-512: one R x (16*V) block (V <= 4, so a 64-wide row in one pass) with
-// masked tails. OUTER selects the addressing: rows (forward: a[r][j] times
-// b[j]) or outer products (weight gradient: a[j][r0 + r] times g[j]). Per
+// masked tails. MASKED is false where width == 16 * V: plain loads and
+// stores of the same values, and no mask register that GCC 12 would move
+// into the loop at each step. OUTER selects the addressing: rows (forward:
+// a[r][j] times b[j]) or outer products (weight gradient: a[j][r0 + r]
+// times g[j]). Per
 // output value the sequence is the same as the AVX2 path (C loaded, then one
 // FMA per j ascending), so results match it bit for bit.
-template <int R, int V, bool OUTER>
+template <int R, int V, bool OUTER, bool MASKED = true>
 __attribute__((target("avx512f"))) inline void block512(const float* const* a, const float* b,
                                                         const float* const* g, int64_t kdim,
                                                         int64_t n, int64_t r0,
@@ -257,7 +260,7 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
                                                         int64_t width) {
   __mmask16 mk[4];
   for (int v = 0; v < 4; ++v) {
-    const int64_t rem = width - 16 * v;
+    const int64_t rem = MASKED ? width - 16 * v : 16;
     mk[v] = rem >= 16 ? static_cast<__mmask16>(0xffff)
                       : (rem > 0 ? static_cast<__mmask16>((1u << rem) - 1u) : 0);
   }
@@ -265,8 +268,9 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
 #define DECL(r) __m512 x##r##0 = zero, x##r##1 = zero, x##r##2 = zero, x##r##3 = zero;
   DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5)
 #undef DECL
-#define LOADC(r, v)                                                         \
-  if constexpr (R > r && V > v) x##r##v = _mm512_maskz_loadu_ps(mk[v], cr[r] + n0 + 16 * v);
+#define LOAD(v, ptr) (MASKED ? _mm512_maskz_loadu_ps(mk[v], ptr) : _mm512_loadu_ps(ptr))
+#define LOADC(r, v) \
+  if constexpr (R > r && V > v) x##r##v = LOAD(v, cr[r] + n0 + 16 * v);
 #define LOADROW(r) LOADC(r, 0) LOADC(r, 1) LOADC(r, 2) LOADC(r, 3)
   LOADROW(0) LOADROW(1) LOADROW(2) LOADROW(3) LOADROW(4) LOADROW(5)
 #undef LOADROW
@@ -274,10 +278,17 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
   for (int64_t j = 0; j < kdim; ++j) {
     const float* bj = OUTER ? g[j] + n0 : b + j * n + n0;
     const float* fj = OUTER ? a[j] + r0 : nullptr;
-    __m512 b0 = _mm512_maskz_loadu_ps(mk[0], bj), b1 = zero, b2 = zero, b3 = zero;
-    if constexpr (V > 1) b1 = _mm512_maskz_loadu_ps(mk[1], bj + 16);
-    if constexpr (V > 2) b2 = _mm512_maskz_loadu_ps(mk[2], bj + 32);
-    if constexpr (V > 3) b3 = _mm512_maskz_loadu_ps(mk[3], bj + 48);
+    __m512 b0 = LOAD(0, bj), b1 = zero, b2 = zero, b3 = zero;
+    if constexpr (V > 1) b1 = LOAD(1, bj + 16);
+    if constexpr (V > 2) b2 = LOAD(2, bj + 32);
+    if constexpr (V > 3) b3 = LOAD(3, bj + 48);
+    // B's vectors stay in registers: left to itself, GCC 12 folds each load
+    // into every row's FMA for R <= 3 (R loads of one vector per step), and
+    // the loop waits on the load ports.
+    asm("" : "+v"(b0));
+    if constexpr (V > 1) asm("" : "+v"(b1));
+    if constexpr (V > 2) asm("" : "+v"(b2));
+    if constexpr (V > 3) asm("" : "+v"(b3));
 #define ROW(r)                                                        \
   if constexpr (R > r && !OUTER && V <= 2) {                          \
     EMB_FMA(x##r##0, b0, a[r] + j);                                   \
@@ -292,12 +303,34 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
     ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
 #undef ROW
   }
-#define STOREC(r, v) \
-  if constexpr (R > r && V > v) _mm512_mask_storeu_ps(cr[r] + n0 + 16 * v, mk[v], x##r##v);
+#define STOREC(r, v)                                                          \
+  if constexpr (R > r && V > v) {                                             \
+    if constexpr (MASKED) {                                                   \
+      _mm512_mask_storeu_ps(cr[r] + n0 + 16 * v, mk[v], x##r##v);             \
+    } else {                                                                  \
+      _mm512_storeu_ps(cr[r] + n0 + 16 * v, x##r##v);                         \
+    }                                                                         \
+  }
 #define STOREROW(r) STOREC(r, 0) STOREC(r, 1) STOREC(r, 2) STOREC(r, 3)
   STOREROW(0) STOREROW(1) STOREROW(2) STOREROW(3) STOREROW(4) STOREROW(5)
 #undef STOREROW
 #undef STOREC
+#undef LOAD
+}
+
+// The last column strip: V vectors, all full (a width of 16 * V) or the
+// last one masked.
+template <int R, int V, bool OUTER>
+__attribute__((target("avx512f"))) inline void strip512(const float* const* a, const float* b,
+                                                        const float* const* g, int64_t kdim,
+                                                        int64_t n, int64_t r0,
+                                                        float* const* cr, int64_t n0,
+                                                        int64_t width) {
+  if (width == 16 * V) {
+    block512<R, V, OUTER, false>(a, b, g, kdim, n, r0, cr, n0, width);
+  } else {
+    block512<R, V, OUTER, true>(a, b, g, kdim, n, r0, cr, n0, width);
+  }
 }
 
 // All column strips of one R-row block.
@@ -306,16 +339,16 @@ __attribute__((target("avx512f"))) void rows512(const float* const* a, const flo
                                                 const float* const* g, int64_t kdim, int64_t n,
                                                 int64_t r0, float* const* cr) {
   int64_t n0 = 0;
-  for (; n0 + 64 <= n; n0 += 64) block512<R, 4, OUTER>(a, b, g, kdim, n, r0, cr, n0, 64);
+  for (; n0 + 64 <= n; n0 += 64) block512<R, 4, OUTER, false>(a, b, g, kdim, n, r0, cr, n0, 64);
   const int64_t rest = n - n0;
   if (rest > 48) {
-    block512<R, 4, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 4, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
   } else if (rest > 32) {
-    block512<R, 3, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 3, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
   } else if (rest > 16) {
-    block512<R, 2, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 2, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
   } else if (rest > 0) {
-    block512<R, 1, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 1, OUTER>(a, b, g, kdim, n, r0, cr, n0, rest);
   }
 }
 

@@ -209,7 +209,7 @@ void rows_conv(Bf16RowsFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
                const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
                uint16_t* out) {
   thread_local amx_bf16::PackedWeight packed;
-  amx_bf16::PackedWeight& p = packed;
+  amx_bf16::PackedWeight& p = this_thread(packed);
   // The driver's channels: rows of `row_ch`, outputs of `out_ch`.
   const int64_t row_ch = transpose_weight ? cout : cin;
   const int64_t out_ch = transpose_weight ? cin : cout;
@@ -247,7 +247,7 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                uint16_t* out) {
   thread_local Buffers buffers;
-  Buffers& buf = buffers;  // the workers below use this thread's buffers
+  Buffers& buf = this_thread(buffers);  // the workers below use this thread's buffers
   PackedBf16& w = buf.weight;
   w.pairs = ceil_div(cin, 2);
   w.cout_pad = ceil_div(cout, 16) * 16;
@@ -276,7 +276,7 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
   parallel_for(tiles, [&](int64_t tile) {
     const int64_t g0 = tile * kTileRows;
     const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
-    auto& s = scratch;
+    auto& s = this_thread(scratch);
     // The tile's output rows accumulate in a float32 buffer (in cache), then
     // are rounded to bf16 once.
     s.tile.assign((g1 - g0) * cout, 0.0f);

@@ -116,9 +116,12 @@ inline void prefetch_next(const OffsetJob& job, int64_t i) {
 // into a sink.
 template <void (*Kernel)(const Block&, const PackedWeight&, int64_t, int64_t)>
 void padded_blocks(const OffsetJob& job, const PackedWeight& w, int64_t k, int64_t cout) {
-  thread_local std::vector<int8_t> zero_row;
-  thread_local std::vector<int32_t> zero_sums;
-  thread_local std::vector<float> sink;
+  thread_local std::vector<int8_t> zero_row_tls;
+  thread_local std::vector<int32_t> zero_sums_tls;
+  thread_local std::vector<float> sink_tls;
+  auto& zero_row = this_thread(zero_row_tls);
+  auto& zero_sums = this_thread(zero_sums_tls);
+  auto& sink = this_thread(sink_tls);
   if (static_cast<int64_t>(zero_row.size()) < job.stride) zero_row.assign(job.stride, 0);
   if (static_cast<int64_t>(zero_sums.size()) < job.groups) zero_sums.assign(job.groups, 0);
   if (static_cast<int64_t>(sink.size()) < cout) sink.assign(cout, 0.0f);
@@ -497,7 +500,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
   // (A reference: the worker threads below must see this thread's buffers,
   // not their own thread_local instances.)
   thread_local Buffers buffers;
-  Buffers& buf = buffers;
+  Buffers& buf = this_thread(buffers);
   const int64_t groups = storage_in / group;
   buf.q.resize(n_in * storage_in);
   buf.scale.resize(n_in);
@@ -531,7 +534,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
   parallel_for(tiles, [&](int64_t tile) {
     const int64_t g0 = tile * kInt8TileRows;
     const int64_t g1 = std::min(csr.groups, g0 + kInt8TileRows);
-    auto& s = scratch;
+    auto& s = this_thread(scratch);
     const int64_t cap = g1 - g0;
     s.count.resize(n_kernels);
     if (static_cast<int64_t>(s.rows.size()) < n_kernels * cap) {

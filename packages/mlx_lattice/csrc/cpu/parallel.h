@@ -26,4 +26,19 @@ void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
 // split by b.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// This thread's instance of a thread_local scratch object, as a reference
+// computed once. In a shared library each thread_local address is a call
+// (__tls_get_addr), and GCC 12 repeats that call at each use inside a loop
+// instead of keeping the address in a register; the empty asm hides where
+// the pointer came from, so the loop uses the register. Bind the result
+// once at the top of a worker: `auto& s = this_thread(scratch);`.
+template <typename T>
+inline T& this_thread(T& tls) {
+  T* p = &tls;
+#if defined(__GNUC__)
+  asm("" : "+r"(p));
+#endif
+  return *p;
+}
+
 }  // namespace mlx_lattice

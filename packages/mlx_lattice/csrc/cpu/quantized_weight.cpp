@@ -95,7 +95,7 @@ void dequantize_weight_panels(const QuantizedWeightView& weight, int64_t n_kerne
   if (isa::isa_usable(isa::Isa::kAvx512)) dequantize = dequantize_panel_avx512;
 #endif
   parallel_for(n_kernels, [&](int64_t k) {
-    Codes& c = offset_codes;
+    Codes& c = this_thread(offset_codes);
     unpack_offset(weight, k, cin, cout, c);
     dequantize(c.q.data(), c.s.data(), c.b.data(), cin, cout, weight.group_size,
                out + k * cin * cout);

@@ -24,7 +24,8 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
       std::vector<const float*> a_ptrs;
       std::vector<float*> c_ptrs;
       std::vector<float> tile;
-    } s;
+    } s_tls;
+    auto& s = this_thread(s_tls);
     s.tile.assign((r1 - r0) * cout, 0.0f);
     s.a_ptrs.resize(r1 - r0);
     s.c_ptrs.resize(r1 - r0);

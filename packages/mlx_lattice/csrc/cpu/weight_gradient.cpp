@@ -48,9 +48,9 @@ void widen_rows(FloatFormat format, const uint16_t* const* src, int64_t m, int64
 // Per thread: the half-precision rows of two chunks of edges (F's, then
 // G's, null where G's row is already widened), the widened rows of one chunk
 // (kChunk rows of F, then of G) and a band's widened rows of G.
-thread_local std::vector<const uint16_t*> half_rows;
-thread_local std::vector<float> widened_rows;
-thread_local std::vector<float> band_rows_g;
+thread_local std::vector<const uint16_t*> half_rows_tls;
+thread_local std::vector<float> widened_rows_tls;
+thread_local std::vector<float> band_rows_g_tls;
 
 }  // namespace
 
@@ -170,7 +170,10 @@ void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, c
     for (int64_t k = k0; k < k1; ++k) {
       std::memset(out + k * panel + r0 * cout, 0, sizeof(float) * (r1 - r0) * cout);
     }
-    auto& s = scratch;
+    auto& s = this_thread(scratch);
+    auto& half_rows = this_thread(half_rows_tls);
+    auto& widened_rows = this_thread(widened_rows_tls);
+    auto& band_rows_g = this_thread(band_rows_g_tls);
     // Two pointer buffers: the next chunk's rows are gathered and prefetched
     // while the current chunk computes. A half-precision operand's rows are
     // kept in half_rows until widen() writes their widened copies and points

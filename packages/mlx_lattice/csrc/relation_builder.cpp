@@ -15,6 +15,7 @@
 #include "common.h"
 #include "relation_grid.h"
 #include "relation_groups.h"
+#include "relation_sorted.h"
 #include "cpu/parallel.h"
 #include "validate.h"
 
@@ -360,10 +361,17 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // A relation of the inputs with themselves searches a block grid when the
   // offsets allow it (see relation_grid.h), else a hash of the coordinates.
   const bool self = !out_coords && !(kind == "forward" && stride != Triple{1, 1, 1});
+  // Sorted coordinates (as voxelize and unique produce them) are merged
+  // instead (relation_sorted.h) unless the grid's blocks are dense.
+  const bool sorted = self && rows_sorted(in_c, n_in);
   BlockGrid grid;
-  const bool gridded = self && BlockGrid::covers(offsets) && grid.build(in_c, n_in, "in_coords");
+  const bool gridded = self && BlockGrid::covers(offsets) &&
+                       grid.build(in_c, n_in, "in_coords",
+                                  sorted ? BlockGrid::kMaxSlotsPerSortedRow
+                                         : BlockGrid::kMaxSlotsPerRow);
+  const bool merged = sorted && !gridded;
   std::optional<CoordTable> table;
-  if (!gridded) table.emplace(index_coords(in_c, n_in, "in_coords"));
+  if (!gridded && !merged) table.emplace(index_coords(in_c, n_in, "in_coords"));
 
   // Output coordinates (and, for computed ones, each input's floored row).
   mx::array out = in;
@@ -540,10 +548,11 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       }
     }
   } else {
-    const std::vector<int32_t> map = neighbour_map(*table, out_c, n_out, offsets,
-                                                   kind == "submanifold" && kernel_size[0] % 2 == 1 &&
-                                                       kernel_size[1] % 2 == 1 &&
-                                                       kernel_size[2] % 2 == 1);
+    const std::vector<int32_t> map =
+        merged ? sorted_neighbour_map(in_c, n_in, offsets)
+               : neighbour_map(*table, out_c, n_out, offsets,
+                               kind == "submanifold" && kernel_size[0] % 2 == 1 &&
+                                   kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1);
     const int64_t tile = 1024;
     parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
       const int64_t o1 = std::min(n_out, (t + 1) * tile);

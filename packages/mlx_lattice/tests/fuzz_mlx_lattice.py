@@ -78,13 +78,18 @@ def _edge_set(rel) -> set[tuple[int, int, int]]:
     kernel_size=st.tuples(*[st.integers(0, 4)] * 3) | st.integers(-1, 8),
     dilation=st.integers(0, 3),
     dtype=st.sampled_from(DTYPES),
+    ordered=st.booleans(),
 )
-def test_submanifold_relation_matches_brute_force(rows, kernel_size, dilation, dtype):
+def test_submanifold_relation_matches_brute_force(rows, kernel_size, dilation, dtype, ordered):
     """build_kernel_relation(kind='submanifold') on any coordinates (empty,
-    duplicate, at the int32 limits, any dtype), kernel size and dilation
-    returns exactly the brute-force edge set (int64 arithmetic: a neighbour
-    outside int32 does not exist), or raises MlxLatticeError."""
-    given = np.array(rows, dtype=np.int64).reshape(-1, 4).astype(dtype)
+    duplicate, at the int32 limits, any dtype, in any order or sorted by
+    (batch, x, y, z) as the sorted merge takes them), kernel size and
+    dilation returns exactly the brute-force edge set (int64 arithmetic: a
+    neighbour outside int32 does not exist), or raises MlxLatticeError."""
+    given = np.array(rows, dtype=np.int64).reshape(-1, 4)
+    if ordered:
+        given = given[np.lexsort(given.T[::-1])]
+    given = given.astype(dtype)
     try:
         rel = build_kernel_relation(given, kernel_size=kernel_size, dilation=dilation)
     except MlxLatticeError:

@@ -273,6 +273,70 @@ def test_block_grid_matches_coordinate_hash(rng, ref, kernel_size, dilation, ten
     check_groupings(grid)
 
 
+@pytest.mark.parametrize(
+    ("kernel_size", "dilation", "tensor_stride"),
+    [
+        (3, 1, 1),
+        (1, 1, 1),
+        (2, 1, 1),
+        (4, 1, 1),
+        (5, 2, 1),
+        (7, 1, 1),
+        ((3, 1, 5), 1, 1),
+        ((2, 4, 3), (1, 2, 1), 2),
+    ],
+)
+@pytest.mark.parametrize("extent", [40, 9])
+def test_sorted_coordinates_match_coordinate_hash(
+    rng, ref, kernel_size, dilation, tensor_stride, extent
+):
+    # Rows sorted by (batch, x, y, z), as voxelize and np.unique give them:
+    # a sparse set (extent 40: blocks far from dense) relates to itself
+    # through the sorted merge, a dense one (extent 9) through the block
+    # grid. Every array, order included, must equal the relation of the
+    # same set given as outputs (coordinate hash), and the edges the brute
+    # force.
+    ts = (tensor_stride,) * 3 if isinstance(tensor_stride, int) else tensor_stride
+    coords = ref.random_coords(rng, 700, extent, batches=3, step=ts[0])
+    coords = coords[np.lexsort(coords.T[::-1])]
+    coords[:, 1] -= 20 * ts[0]  # negative x too
+    args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
+    merged = build_kernel_relation(coords, **args)
+    hashed = build_kernel_relation(coords, coords, kind="forward", **args)
+    for a, b in zip(relation_arrays(merged), relation_arrays(hashed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    ks = (kernel_size,) * 3 if isinstance(kernel_size, int) else kernel_size
+    dil = (dilation,) * 3 if isinstance(dilation, int) else dilation
+    assert edge_set(merged) == ref.brute_force_edges(coords, coords, ref.offsets(ks, dil, ts))
+    check_groupings(merged)
+
+
+def test_sorted_sparse_rows_at_coordinate_limits(ref):
+    # Sorted sparse rows at both ends of int32, in several batches, with
+    # single-row columns and slabs: no neighbour wraps around, crosses a
+    # batch or is missed at a slab's or a column's end.
+    low, high = -(2**31), 2**31 - 1
+    rows = []
+    for b in range(3):
+        for x in (low, low + 1, -1, 0, 1, high - 1, high):
+            for y in (low, 0, high - 1, high):
+                for z in (low, low + 2, 0, high):
+                    if (x + y + z + b) % 3:
+                        rows.append((b, x, y, z))
+    coords = np.array(sorted(rows), dtype=np.int64).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    assert edge_set(rel) == ref.brute_force_edges(
+        coords, coords, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
+    )
+    check_groupings(rel)
+    for a, b in zip(
+        relation_arrays(rel),
+        relation_arrays(build_kernel_relation(coords, coords, kind="forward")),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_dense_clusters_at_coordinate_limits(rng, ref):
     # Dense clusters (block grid path) at both ends of int32, straddling zero
     # and in several batches: no neighbour wraps around or crosses a batch.

@@ -1,6 +1,7 @@
 #include "relation_builder.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
 #include <limits>
 #include <optional>
@@ -460,10 +461,26 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // input p are the mirrors of p's own edges, so p's input group (edge ids
   // ascending) is written with its output row, from its neighbours' offsets
   // and offset masks, instead of a counting sort of all edges.
-  const bool mirrored = gridded && n_kernels <= 32 && kernel_size[0] % 2 == 1 &&
-                        kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
+  const bool odd = kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
+  const bool mirrored = (gridded || merged) && n_kernels <= 32 && odd;
   std::vector<uint32_t> masks(mirrored ? n_out : 0);
   Int32Buffer in_edge_ids;
+  // Row o's input edge ids (edge (in o, out q, K - 1 - k) for each
+  // neighbour q = present[i] at kernel[i]); ids ascend with q, so sort the
+  // (at most 32) ids.
+  auto write_mirrored_ids = [&](int64_t o, const int32_t* present, const int32_t* kernel,
+                                int64_t m) {
+    int32_t ids[32];
+    for (int64_t i = 0; i < m; ++i) {
+      const int32_t q = present[i];
+      const uint32_t below = (uint32_t{1} << (n_kernels - 1 - kernel[i])) - 1;
+      const int32_t id = out_offsets.data[q] + popcount32(masks[q] & below);
+      int64_t j = i;
+      for (; j > 0 && ids[j - 1] > id; --j) ids[j] = ids[j - 1];
+      ids[j] = id;
+    }
+    std::copy(ids, ids + m, in_edge_ids.data + out_offsets.data[o]);
+  };
   if (gridded) {
     // Two visits: count each row's edges, then write them at its offset
     // (searching again is cheaper than storing an (n_out, K) map).
@@ -483,19 +500,7 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     grid.for_each_row(offsets, [&](int64_t o, const int32_t* nbr) {
       int32_t present[kMaxKernels], kernel[kMaxKernels];
       const int64_t m = write_row(o, nbr, present, kernel);
-      if (!mirrored) return;
-      // Edge (in o, out q, K - 1 - k) for each neighbour q = nbr[k]; ids
-      // ascend with q, so sort the (at most 32) ids.
-      int32_t ids[32];
-      for (int64_t i = 0; i < m; ++i) {
-        const int32_t q = present[i];
-        const uint32_t below = (uint32_t{1} << (n_kernels - 1 - kernel[i])) - 1;
-        const int32_t id = out_offsets.data[q] + popcount32(masks[q] & below);
-        int64_t j = i;
-        for (; j > 0 && ids[j - 1] > id; --j) ids[j] = ids[j - 1];
-        ids[j] = id;
-      }
-      std::copy(ids, ids + m, in_edge_ids.data + out_offsets.data[o]);
+      if (mirrored) write_mirrored_ids(o, present, kernel, m);
     });
   } else if (parents) {
     // Target: one edge at most per output (a fine row), already in output
@@ -548,27 +553,47 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       }
     }
   } else {
-    const std::vector<int32_t> map =
-        merged ? sorted_neighbour_map(in_c, n_in, offsets)
-               : neighbour_map(*table, out_c, n_out, offsets,
-                               kind == "submanifold" && kernel_size[0] % 2 == 1 &&
-                                   kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1);
+    const bool symmetric = kind == "submanifold" && odd;
+    const std::vector<int32_t> map = merged ? sorted_neighbour_map(in_c, n_in, offsets, symmetric)
+                                            : neighbour_map(*table, out_c, n_out, offsets, symmetric);
     const int64_t tile = 1024;
     parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
       const int64_t o1 = std::min(n_out, (t + 1) * tile);
       for (int64_t o = t * tile; o < o1; ++o) {
         int32_t count = 0;
-        for (int64_t k = 0; k < n_kernels; ++k) count += map[o * n_kernels + k] >= 0;
+        uint32_t mask = 0;
+        for (int64_t k = 0; k < n_kernels; ++k) {
+          count += map[o * n_kernels + k] >= 0;
+          if (mirrored) mask |= static_cast<uint32_t>(map[o * n_kernels + k] >= 0) << k;
+        }
         out_offsets.data[o + 1] = count;
+        if (mirrored) masks[o] = mask;
       }
     });
     check_edge_count(n_out, out_offsets.data);
     allocate_edges();
+    if (mirrored) in_edge_ids = Int32Buffer(out_offsets.data[n_out]);
     parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
       const int64_t o1 = std::min(n_out, (t + 1) * tile);
       int32_t present[kMaxKernels], kernel[kMaxKernels];
       for (int64_t o = t * tile; o < o1; ++o) {
-        write_row(o, map.data() + o * n_kernels, present, kernel);
+        if (!mirrored) {
+          write_row(o, map.data() + o * n_kernels, present, kernel);
+          continue;
+        }
+        // The row's few neighbours from its mask (a LiDAR voxel has about
+        // 6 of 27), not a pass over every offset.
+        int64_t m = 0;
+        for (uint32_t bits = masks[o]; bits != 0; bits &= bits - 1) {
+          const int k = std::countr_zero(bits);
+          present[m] = map[o * n_kernels + k];
+          kernel[m++] = k;
+        }
+        const int64_t e = out_offsets.data[o];
+        std::copy(present, present + m, in_rows.data + e);
+        std::fill(out_rows.data + e, out_rows.data + e + m, static_cast<int32_t>(o));
+        std::copy(kernel, kernel + m, kernel_ids.data + e);
+        write_mirrored_ids(o, present, kernel, m);
       }
     });
   }

@@ -29,9 +29,11 @@ struct DxGroup {
   std::vector<DyGroup> dys;  // dy ascending
 };
 
-std::vector<DxGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& offsets) {
+// The offsets [0, searched), grouped by dx, then dy.
+std::vector<DxGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& offsets,
+                                   size_t searched) {
   std::map<int64_t, std::map<int64_t, std::vector<std::pair<int64_t, int32_t>>>> tree;
-  for (size_t k = 0; k < offsets.size(); ++k) {
+  for (size_t k = 0; k < searched; ++k) {
     tree[offsets[k][0]][offsets[k][1]].push_back({offsets[k][2], static_cast<int32_t>(k)});
   }
   std::vector<DxGroup> groups;
@@ -49,10 +51,15 @@ std::vector<DxGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& of
 }  // namespace
 
 std::vector<int32_t> sorted_neighbour_map(const int32_t* coords, int64_t n,
-                                          const std::vector<std::array<int64_t, 3>>& offsets) {
+                                          const std::vector<std::array<int64_t, 3>>& offsets,
+                                          bool symmetric) {
   const int64_t n_kernels = static_cast<int64_t>(offsets.size());
   std::vector<int32_t> map(n * n_kernels, -1);
   if (n == 0) return map;
+  const int64_t centre = n_kernels / 2;
+  if (symmetric) {
+    for (int64_t r = 0; r < n; ++r) map[r * n_kernels + centre] = static_cast<int32_t>(r);
+  }
   // Columns: runs of one (batch, x, y); col_start[c] is the first row of c.
   std::vector<int32_t> col_start;
   col_start.reserve(n / 2 + 2);
@@ -92,7 +99,8 @@ std::vector<int32_t> sorted_neighbour_map(const int32_t* coords, int64_t n,
     const int32_t* s = col_row(slab_start[lo]);
     return s[0] == b && s[1] == x ? lo : -1;
   };
-  const std::vector<DxGroup> groups = group_offsets(offsets);
+  const std::vector<DxGroup> groups =
+      group_offsets(offsets, symmetric ? static_cast<size_t>(centre) : offsets.size());
   constexpr int64_t kSlabsPerTask = 16;
   parallel_for((n_slabs + kSlabsPerTask - 1) / kSlabsPerTask, [&](int64_t task) {
     std::vector<int64_t> ptr;
@@ -126,7 +134,9 @@ std::vector<int32_t> sorted_neighbour_map(const int32_t* coords, int64_t n,
                 while (j < d.dz.size() && d.dz[j].first < dz) ++j;
                 if (j == d.dz.size()) break;
                 if (d.dz[j].first == dz) {
-                  map[r * n_kernels + d.dz[j].second] = static_cast<int32_t>(u);
+                  const int32_t k = d.dz[j].second;
+                  map[r * n_kernels + k] = static_cast<int32_t>(u);
+                  if (symmetric) map[u * n_kernels + n_kernels - 1 - k] = static_cast<int32_t>(r);
                 }
               }
             }

@@ -24,7 +24,11 @@ bool rows_sorted(const int32_t* coords, int64_t n);
 // The (n, K) neighbour map of a sorted coordinate set with itself: cell
 // (r, k) is the row at coords[r] + offsets[k], or -1. Rows must be strictly
 // ascending (rows_sorted). Same result as a hash search, cell for cell.
+// `symmetric`: offset K - 1 - k is minus offset k (odd kernel sizes), so
+// only the offsets before the centre are searched and each hit also fills
+// its mirror cell (every cell still has one writer).
 std::vector<int32_t> sorted_neighbour_map(const int32_t* coords, int64_t n,
-                                          const std::vector<std::array<int64_t, 3>>& offsets);
+                                          const std::vector<std::array<int64_t, 3>>& offsets,
+                                          bool symmetric);
 
 }  // namespace mlx_lattice

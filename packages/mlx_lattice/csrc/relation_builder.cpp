@@ -15,6 +15,7 @@
 
 #include "common.h"
 #include "relation_grid.h"
+#include "relation_hash.h"
 #include "relation_groups.h"
 #include "relation_sorted.h"
 #include "cpu/parallel.h"
@@ -23,77 +24,6 @@
 namespace mlx_lattice {
 
 namespace {
-
-using Coord = std::array<int32_t, 4>;
-
-// Multiply-xor hash of the four coordinates with one final avalanche round.
-inline uint64_t hash_coord(const int32_t* c) {
-  uint64_t h = static_cast<uint64_t>(static_cast<uint32_t>(c[0])) * 0x27d4eb2f165667c5ULL ^
-               static_cast<uint64_t>(static_cast<uint32_t>(c[1])) * 0x9e3779b97f4a7c15ULL ^
-               static_cast<uint64_t>(static_cast<uint32_t>(c[2])) * 0xc2b2ae3d27d4eb4fULL ^
-               static_cast<uint64_t>(static_cast<uint32_t>(c[3])) * 0x165667b19e3779f9ULL;
-  h ^= h >> 29;
-  h *= 0xbf58476d1ce4e5b9ULL;
-  h ^= h >> 32;
-  return h;
-}
-
-// Open-addressing table keyed by the full coordinate. A slot packs a 32-bit
-// fingerprint of the hash with the row index, so most misses are decided
-// without touching the coordinates; a fingerprint match is confirmed by
-// comparing the full key, so a collision can never alias two coordinates.
-class CoordTable {
- public:
-  CoordTable(const int32_t* coords, int64_t n) : coords_(coords) {
-    size_t cap = 16;
-    while (cap < static_cast<size_t>(2 * n)) cap <<= 1;
-    mask_ = cap - 1;
-    slots_.assign(cap, kEmpty);
-  }
-
-  // Inserts row; returns the row already holding the coordinate, or -1.
-  int32_t insert(int32_t row) {
-    const int32_t* c = coords_ + 4 * static_cast<int64_t>(row);
-    const uint64_t h = hash_coord(c);
-    const uint64_t tag = h >> 32;
-    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
-      const uint64_t s = slots_[i];
-      if (s == kEmpty) {
-        slots_[i] = (tag << 32) | static_cast<uint32_t>(row);
-        return -1;
-      }
-      if ((s >> 32) == tag && same(static_cast<int32_t>(s & 0xffffffffu), c)) {
-        return static_cast<int32_t>(s & 0xffffffffu);
-      }
-    }
-  }
-
-  // Starts loading the slot a lookup of hash h will read first.
-  void prefetch(uint64_t h) const { __builtin_prefetch(slots_.data() + (h & mask_)); }
-
-  int32_t find_hashed(const int32_t* c, uint64_t h) const {
-    const uint64_t tag = h >> 32;
-    for (size_t i = h & mask_;; i = (i + 1) & mask_) {
-      const uint64_t s = slots_[i];
-      if (s == kEmpty) return -1;
-      if ((s >> 32) == tag && same(static_cast<int32_t>(s & 0xffffffffu), c)) {
-        return static_cast<int32_t>(s & 0xffffffffu);
-      }
-    }
-  }
-
- private:
-  // Rows are < 2^31, so a slot with all low bits set is never a real entry.
-  static constexpr uint64_t kEmpty = ~uint64_t{0};
-
-  bool same(int32_t row, const int32_t* c) const {
-    return std::memcmp(coords_ + 4 * static_cast<int64_t>(row), c, 16) == 0;
-  }
-
-  const int32_t* coords_;
-  size_t mask_ = 0;
-  std::vector<uint64_t> slots_;
-};
 
 mx::array concrete_coords(const mx::array& coords, const std::string& name) {
   if (coords.dtype() != mx::int32) {
@@ -179,59 +109,6 @@ void check_edge_count(int64_t n_out, const int32_t* counts) {
   if (total > std::numeric_limits<int32_t>::max()) {
     fail("build_kernel_relation", "the relation has more than 2^31 - 1 edges.");
   }
-}
-
-// The (n_out, K) neighbour map through the coordinate hash, in parallel tiles
-// of outputs. Lookups go in batches: hash and prefetch a batch, then probe
-// it, so the cache misses of one batch overlap. A submanifold relation with
-// odd kernel sizes is symmetric (p = q + offset(k) <=> q = p + offset(K - 1
-// - k)), so only the offsets before the centre are looked up and each hit
-// fills its mirror cell; every cell has exactly one writer, so the map does
-// not depend on scheduling.
-std::vector<int32_t> neighbour_map(const CoordTable& table, const int32_t* out_c, int64_t n_out,
-                                   const std::vector<std::array<int64_t, 3>>& offsets,
-                                   bool symmetric) {
-  const int64_t n_kernels = static_cast<int64_t>(offsets.size());
-  const int64_t searched = symmetric ? n_kernels / 2 : n_kernels;
-  std::vector<int32_t> map(n_out * n_kernels, -1);
-  const int64_t tile = 1024;
-  constexpr int64_t kBatch = 32;
-  parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
-    const int64_t o1 = std::min(n_out, (t + 1) * tile);
-    int32_t keys[kBatch][4];
-    uint64_t hashes[kBatch];
-    bool valid[kBatch];
-    for (int64_t o = t * tile; o < o1; ++o) {
-      const int32_t* c = out_c + 4 * o;
-      if (symmetric) map[o * n_kernels + n_kernels / 2] = static_cast<int32_t>(o);
-      for (int64_t k0 = 0; k0 < searched; k0 += kBatch) {
-        const int64_t nb = std::min(kBatch, searched - k0);
-        for (int64_t b = 0; b < nb; ++b) {
-          int32_t* q = keys[b];
-          q[0] = c[0];
-          bool inside = true;
-          for (int a = 0; a < 3; ++a) {
-            int64_t v = static_cast<int64_t>(c[a + 1]) + offsets[k0 + b][a];
-            inside = inside && v >= std::numeric_limits<int32_t>::min() &&
-                     v <= std::numeric_limits<int32_t>::max();
-            q[a + 1] = static_cast<int32_t>(v);
-          }
-          valid[b] = inside;
-          hashes[b] = hash_coord(q);
-          table.prefetch(hashes[b]);
-        }
-        for (int64_t b = 0; b < nb; ++b) {
-          const int32_t row = valid[b] ? table.find_hashed(keys[b], hashes[b]) : -1;
-          map[o * n_kernels + k0 + b] = row;
-          if (symmetric && row >= 0) {
-            map[static_cast<int64_t>(row) * n_kernels + (n_kernels - 1 - (k0 + b))] =
-                static_cast<int32_t>(o);
-          }
-        }
-      }
-    }
-  });
-  return map;
 }
 
 // For each fine row p: the coarse row q and the kernel offset k with
@@ -554,8 +431,9 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     }
   } else {
     const bool symmetric = kind == "submanifold" && odd;
-    const std::vector<int32_t> map = merged ? sorted_neighbour_map(in_c, n_in, offsets, symmetric)
-                                            : neighbour_map(*table, out_c, n_out, offsets, symmetric);
+    const std::vector<int32_t> map =
+        merged ? sorted_neighbour_map(in_c, n_in, offsets, symmetric)
+               : neighbour_map(*table, out_c, n_out, offsets, symmetric);
     const int64_t tile = 1024;
     parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
       const int64_t o1 = std::min(n_out, (t + 1) * tile);

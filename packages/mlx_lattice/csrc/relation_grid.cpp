@@ -4,24 +4,10 @@
 #include <cstring>
 #include <sstream>
 
+#include "relation_hash.h"
 #include "validate.h"
 
 namespace mlx_lattice {
-
-namespace {
-
-inline uint64_t hash_block(const int32_t* k) {
-  uint64_t h = static_cast<uint64_t>(static_cast<uint32_t>(k[0])) * 0x27d4eb2f165667c5ULL ^
-               static_cast<uint64_t>(static_cast<uint32_t>(k[1])) * 0x9e3779b97f4a7c15ULL ^
-               static_cast<uint64_t>(static_cast<uint32_t>(k[2])) * 0xc2b2ae3d27d4eb4fULL ^
-               static_cast<uint64_t>(static_cast<uint32_t>(k[3])) * 0x165667b19e3779f9ULL;
-  h ^= h >> 29;
-  h *= 0xbf58476d1ce4e5b9ULL;
-  h ^= h >> 32;
-  return h;
-}
-
-}  // namespace
 
 bool BlockGrid::covers(const std::vector<std::array<int64_t, 3>>& offsets) {
   for (const auto& off : offsets) {
@@ -44,7 +30,7 @@ bool BlockGrid::build(const int32_t* coords, int64_t n, const std::string& name,
     cap *= 2;
     table.assign(cap, -1);
     for (size_t id = 0; id < keys.size(); ++id) {
-      size_t i = hash_block(keys[id].data()) & (cap - 1);
+      size_t i = hash_coord(keys[id].data()) & (cap - 1);
       while (table[i] >= 0) i = (i + 1) & (cap - 1);
       table[i] = static_cast<int32_t>(id);
     }
@@ -52,7 +38,7 @@ bool BlockGrid::build(const int32_t* coords, int64_t n, const std::string& name,
   for (int64_t r = 0; r < n; ++r) {
     const int32_t* c = coords + 4 * r;
     const std::array<int32_t, 4> key = {c[0], c[1] >> kShift, c[2] >> kShift, c[3] >> kShift};
-    size_t i = hash_block(key.data()) & (cap - 1);
+    size_t i = hash_coord(key.data()) & (cap - 1);
     int32_t id;
     // (16-byte memcmp, inlined; GCC 12 calls the library for std::array's
     // operator!=, a third of this serial pass.)
@@ -126,7 +112,7 @@ void BlockGrid::find_neighbours() {
         p[1] = key[1] + d / 9 - 1;
         p[2] = key[2] + d / 3 % 3 - 1;
         p[3] = key[3] + d % 3 - 1;
-        hashes[d] = hash_block(p);
+        hashes[d] = hash_coord(p);
         __builtin_prefetch(table_.data() + (hashes[d] & mask_));
       }
       for (int d = 0; d < 13; ++d) {

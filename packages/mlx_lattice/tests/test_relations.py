@@ -273,6 +273,23 @@ def test_block_grid_matches_coordinate_hash(rng, ref, kernel_size, dilation, ten
     check_groupings(grid)
 
 
+def check_3x3x3_against_hash(ref, coords):
+    """The 3x3x3 submanifold relation of `coords`: the brute-force edges,
+    canonical groupings, and every array equal to the relation of the same
+    set given as outputs (the coordinate hash)."""
+    rel = build_kernel_relation(coords, kernel_size=3)
+    assert edge_set(rel) == ref.brute_force_edges(
+        coords, coords, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
+    )
+    check_groupings(rel)
+    for a, b in zip(
+        relation_arrays(rel),
+        relation_arrays(build_kernel_relation(coords, coords, kind="forward")),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize(
     ("kernel_size", "dilation", "tensor_stride"),
     [
@@ -324,17 +341,7 @@ def test_sorted_sparse_rows_at_coordinate_limits(ref):
                     if (x + y + z + b) % 3:
                         rows.append((b, x, y, z))
     coords = np.array(sorted(rows), dtype=np.int64).astype(np.int32)
-    rel = build_kernel_relation(coords, kernel_size=3)
-    assert edge_set(rel) == ref.brute_force_edges(
-        coords, coords, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
-    )
-    check_groupings(rel)
-    for a, b in zip(
-        relation_arrays(rel),
-        relation_arrays(build_kernel_relation(coords, coords, kind="forward")),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(a, b)
+    check_3x3x3_against_hash(ref, coords)
 
 
 def test_dense_clusters_at_coordinate_limits(rng, ref):
@@ -348,17 +355,7 @@ def test_dense_clusters_at_coordinate_limits(rng, ref):
         parts.append(np.concatenate([np.full((len(xyz), 1), b), xyz], 1))
     coords = np.concatenate(parts).astype(np.int32)
     coords = coords[rng.permutation(len(coords))]
-    rel = build_kernel_relation(coords, kernel_size=3)
-    assert edge_set(rel) == ref.brute_force_edges(
-        coords, coords, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
-    )
-    check_groupings(rel)
-    for a, b in zip(
-        relation_arrays(rel),
-        relation_arrays(build_kernel_relation(coords, coords, kind="forward")),
-        strict=True,
-    ):
-        np.testing.assert_array_equal(a, b)
+    check_3x3x3_against_hash(ref, coords)
 
 
 def test_duplicates_found_on_both_paths():

@@ -318,22 +318,6 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     out_rows = Int32Buffer(n_edges);
     kernel_ids = Int32Buffer(n_edges);
   };
-  // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
-  // its neighbours and their offsets (compacted without branches: whether a
-  // neighbour exists is data, not a pattern the branch predictor learns).
-  auto write_row = [&](int64_t o, const int32_t* nbr, int32_t* present, int32_t* kernel) {
-    int64_t m = 0;
-    for (int64_t k = 0; k < n_kernels; ++k) {
-      present[m] = nbr[k];
-      kernel[m] = static_cast<int32_t>(k);
-      m += nbr[k] >= 0;
-    }
-    const int64_t e = out_offsets.data[o];
-    std::copy(present, present + m, in_rows.data + e);
-    std::fill(out_rows.data + e, out_rows.data + e + m, static_cast<int32_t>(o));
-    std::copy(kernel, kernel + m, kernel_ids.data + e);
-    return m;
-  };
   // A self relation with odd kernel sizes is symmetric: the edges into
   // input p are the mirrors of p's own edges, so p's input group (edge ids
   // ascending) is written with its output row, from its neighbours' offsets
@@ -341,6 +325,32 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   const bool odd = kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
   const bool mirrored = (gridded || merged) && n_kernels <= 32 && odd;
   std::vector<uint32_t> masks(mirrored ? n_out : 0);
+  // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
+  // its neighbours and their offsets. With offset masks, from the mask's set
+  // bits (a LiDAR voxel has about 6 of 27); else compacted without branches
+  // (whether a neighbour exists is data, not a pattern the branch predictor
+  // learns).
+  auto write_row = [&](int64_t o, const int32_t* nbr, int32_t* present, int32_t* kernel) {
+    int64_t m = 0;
+    if (mirrored) {
+      for (uint32_t bits = masks[o]; bits != 0; bits &= bits - 1) {
+        const int k = std::countr_zero(bits);
+        present[m] = nbr[k];
+        kernel[m++] = k;
+      }
+    } else {
+      for (int64_t k = 0; k < n_kernels; ++k) {
+        present[m] = nbr[k];
+        kernel[m] = static_cast<int32_t>(k);
+        m += nbr[k] >= 0;
+      }
+    }
+    const int64_t e = out_offsets.data[o];
+    std::copy(present, present + m, in_rows.data + e);
+    std::fill(out_rows.data + e, out_rows.data + e + m, static_cast<int32_t>(o));
+    std::copy(kernel, kernel + m, kernel_ids.data + e);
+    return m;
+  };
   Int32Buffer in_edge_ids;
   // Row o's input edge ids (edge (in o, out q, K - 1 - k) for each
   // neighbour q = present[i] at kernel[i]); ids ascend with q, so sort the
@@ -455,23 +465,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       const int64_t o1 = std::min(n_out, (t + 1) * tile);
       int32_t present[kMaxKernels], kernel[kMaxKernels];
       for (int64_t o = t * tile; o < o1; ++o) {
-        if (!mirrored) {
-          write_row(o, map.data() + o * n_kernels, present, kernel);
-          continue;
-        }
-        // The row's few neighbours from its mask (a LiDAR voxel has about
-        // 6 of 27), not a pass over every offset.
-        int64_t m = 0;
-        for (uint32_t bits = masks[o]; bits != 0; bits &= bits - 1) {
-          const int k = std::countr_zero(bits);
-          present[m] = map[o * n_kernels + k];
-          kernel[m++] = k;
-        }
-        const int64_t e = out_offsets.data[o];
-        std::copy(present, present + m, in_rows.data + e);
-        std::fill(out_rows.data + e, out_rows.data + e + m, static_cast<int32_t>(o));
-        std::copy(kernel, kernel + m, kernel_ids.data + e);
-        write_mirrored_ids(o, present, kernel, m);
+        const int64_t m = write_row(o, map.data() + o * n_kernels, present, kernel);
+        if (mirrored) write_mirrored_ids(o, present, kernel, m);
       }
     });
   }

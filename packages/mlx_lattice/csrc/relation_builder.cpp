@@ -4,6 +4,7 @@
 #include <bit>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
@@ -239,17 +240,31 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // A relation of the inputs with themselves searches a block grid when the
   // offsets allow it (see relation_grid.h), else a hash of the coordinates.
   const bool self = !out_coords && !(kind == "forward" && stride != Triple{1, 1, 1});
-  // Sorted coordinates (as voxelize and unique produce them) are merged
-  // instead (relation_sorted.h) unless the grid's blocks are dense.
+  // Sorted coordinates (as voxelize and unique produce them) are walked
+  // instead (relation_sorted.h) unless the grid's blocks are dense; a span
+  // too wide for the walk's keys falls back to the hash.
   const bool sorted = self && rows_sorted(in_c, n_in);
   BlockGrid grid;
   const bool gridded = self && BlockGrid::covers(offsets) &&
                        grid.build(in_c, n_in, "in_coords",
                                   sorted ? BlockGrid::kMaxSlotsPerSortedRow
-                                         : BlockGrid::kMaxSlotsPerRow);
-  const bool merged = sorted && !gridded;
+                                         : BlockGrid::kMaxSlotsPerRow,
+                                  sorted);
+  // A self relation with odd kernel sizes is symmetric: the edges into
+  // input p are the mirrors of p's own edges, so p's input group (edge ids
+  // ascending) is written with its output row, from its neighbours' offsets
+  // and offset masks, instead of a counting sort of all edges.
+  const bool odd = kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
+  const bool masked = n_kernels <= 32 && odd;
+  std::vector<uint32_t> masks;
+  std::unique_ptr<int32_t[]> sorted_map;
+  if (sorted && !gridded) {
+    if (masked) masks.resize(n_in);
+    sorted_map = sorted_neighbour_map(in_c, n_in, offsets, odd, masked ? masks.data() : nullptr);
+  }
+  const bool walked = sorted_map != nullptr;
   std::optional<CoordTable> table;
-  if (!gridded && !merged) table.emplace(index_coords(in_c, n_in, "in_coords"));
+  if (!gridded && !walked) table.emplace(index_coords(in_c, n_in, "in_coords"));
 
   // Output coordinates (and, for computed ones, each input's floored row).
   mx::array out = in;
@@ -310,21 +325,17 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
 
   Int32Buffer out_offsets(n_out + 1);
   out_offsets.data[0] = 0;
-  Int32Buffer in_rows, out_rows, kernel_ids;
+  Int32Buffer in_rows, out_rows, kernel_ids, k_offsets(n_kernels + 1), k_edge_ids;
   auto allocate_edges = [&] {
     for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] += out_offsets.data[o];
     const int64_t n_edges = out_offsets.data[n_out];
     in_rows = Int32Buffer(n_edges);
     out_rows = Int32Buffer(n_edges);
     kernel_ids = Int32Buffer(n_edges);
+    k_edge_ids = Int32Buffer(n_edges);
   };
-  // A self relation with odd kernel sizes is symmetric: the edges into
-  // input p are the mirrors of p's own edges, so p's input group (edge ids
-  // ascending) is written with its output row, from its neighbours' offsets
-  // and offset masks, instead of a counting sort of all edges.
-  const bool odd = kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
-  const bool mirrored = (gridded || merged) && n_kernels <= 32 && odd;
-  std::vector<uint32_t> masks(mirrored ? n_out : 0);
+  const bool mirrored = (gridded || walked) && masked;
+  if (gridded && mirrored) masks.resize(n_out);
   // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
   // its neighbours and their offsets. With offset masks, from the mask's set
   // bits (a LiDAR voxel has about 6 of 27); else compacted without branches
@@ -439,44 +450,126 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
         ++e;
       }
     }
-  } else {
-    const bool symmetric = kind == "submanifold" && odd;
-    const std::vector<int32_t> map =
-        merged ? sorted_neighbour_map(in_c, n_in, offsets, symmetric)
-               : neighbour_map(*table, out_c, n_out, offsets, symmetric);
-    const int64_t tile = 1024;
-    parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
-      const int64_t o1 = std::min(n_out, (t + 1) * tile);
-      for (int64_t o = t * tile; o < o1; ++o) {
+  } else if (mirrored) {
+    // Sorted and symmetric (mirrored implies walked here). The walk gives
+    // each row's neighbours before the centre and every row's offset mask.
+    // One pass over tiles of rows then writes each such edge e = (out o,
+    // in q, k < centre) with its mirror e' = (out q, in o, K - 1 - k), whose
+    // place in q's edges the mask gives:
+    //  - input_edge_ids: row o's input edges are the mirrors of its own, and
+    //    sorted rows put q in the order of k, so their ids ascend:
+    //    in_edge_ids[e] = e' and in_edge_ids[e'] = e;
+    //  - kernel grouping: the edges of k ascend with o, and so do their
+    //    mirrors' rows q (the row of coords[o] + offset k), so group K - 1 - k
+    //    is group k's mirrors in the same order. Each tile's first slot per
+    //    offset is counted beforehand; the order is group_by_offset's.
+    const int64_t centre = n_kernels / 2;
+    const int32_t* half = sorted_map.get();
+    constexpr int64_t kTile = 2048;
+    const int64_t n_tiles = ceil_div(n_out, kTile);
+    std::vector<int32_t> k_slot(n_tiles * (centre + 1));
+    parallel_for(n_tiles, [&](int64_t t) {
+      const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
+      const uint32_t* m = masks.data();
+      for (int64_t o = o0; o < o1; ++o) out_offsets.data[o + 1] = popcount32(m[o]);
+      for (int64_t k = 0; k <= centre; ++k) {
         int32_t count = 0;
-        uint32_t mask = 0;
-        for (int64_t k = 0; k < n_kernels; ++k) {
-          count += map[o * n_kernels + k] >= 0;
-          if (mirrored) mask |= static_cast<uint32_t>(map[o * n_kernels + k] >= 0) << k;
-        }
-        out_offsets.data[o + 1] = count;
-        if (mirrored) masks[o] = mask;
+        for (int64_t o = o0; o < o1; ++o) count += static_cast<int32_t>((m[o] >> k) & 1u);
+        k_slot[t * (centre + 1) + k] = count;
       }
     });
     check_edge_count(n_out, out_offsets.data);
     allocate_edges();
-    if (mirrored) in_edge_ids = Int32Buffer(out_offsets.data[n_out]);
-    parallel_for((n_out + tile - 1) / tile, [&](int64_t t) {
+    in_edge_ids = Int32Buffer(out_offsets.data[n_out]);
+    int32_t total = 0;
+    for (int64_t k = 0; k < n_kernels; ++k) {
+      k_offsets.data[k] = total;
+      if (k > centre) {  // group k holds group K - 1 - k's mirrors
+        total += k_offsets.data[n_kernels - k] - k_offsets.data[n_kernels - 1 - k];
+        continue;
+      }
+      for (int64_t t = 0; t < n_tiles; ++t) {
+        const int32_t count = k_slot[t * (centre + 1) + k];
+        k_slot[t * (centre + 1) + k] = total;
+        total += count;
+      }
+    }
+    k_offsets.data[n_kernels] = total;
+    parallel_for(n_tiles, [&](int64_t t) {
+      const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
+      const int k_count = static_cast<int>(n_kernels), mid = static_cast<int>(centre);
+      const uint32_t* m = masks.data();
+      const int32_t* nbrs = half;
+      const int32_t* offs = out_offsets.data;
+      const int32_t* k_first = k_offsets.data;
+      int32_t* ins = in_rows.data;
+      int32_t* outs = out_rows.data;
+      int32_t* kids = kernel_ids.data + out_offsets.data[o0];
+      int32_t* in_ids = in_edge_ids.data;
+      int32_t* k_ids = k_edge_ids.data;
+      int32_t next[17];
+      std::copy(k_slot.begin() + t * (mid + 1), k_slot.begin() + (t + 1) * (mid + 1), next);
+      const uint32_t before_centre = (uint32_t{1} << mid) - 1;
+      for (int64_t o = o0; o < o1; ++o) {
+        const int32_t* nbr = nbrs + o * mid;
+        const int32_t row = static_cast<int32_t>(o);
+        int32_t e = offs[o];
+        // The row's output rows and offsets, in order; then its edges
+        // before the centre and their mirrors.
+        std::fill(outs + e, outs + offs[o + 1], row);
+        for (uint32_t bits = m[o]; bits != 0; bits &= bits - 1) {
+          *kids++ = std::countr_zero(bits);
+        }
+        for (uint32_t bits = m[o] & before_centre; bits != 0; bits &= bits - 1, ++e) {
+          const int k = std::countr_zero(bits), k_mirror = k_count - 1 - k;
+          const int32_t q = nbr[k];
+          const int32_t mirror = offs[q] + popcount32(m[q] & ((uint32_t{1} << k_mirror) - 1));
+          ins[e] = q;
+          ins[mirror] = row;
+          in_ids[e] = mirror;
+          in_ids[mirror] = e;
+          const int32_t slot = next[k]++;
+          k_ids[slot] = e;
+          k_ids[k_first[k_mirror] + slot - k_first[k]] = mirror;
+        }
+        ins[e] = row;
+        in_ids[e] = e;
+        k_ids[next[mid]++] = e;
+      }
+    });
+  } else {
+    const bool symmetric = kind == "submanifold" && odd;
+    std::vector<int32_t> hashed_cells;
+    if (!walked) hashed_cells = neighbour_map(*table, out_c, n_out, offsets, symmetric);
+    const int32_t* map = walked ? sorted_map.get() : hashed_cells.data();
+    const int64_t tile = 1024;
+    parallel_for(ceil_div(n_out, tile), [&](int64_t t) {
+      const int64_t o1 = std::min(n_out, (t + 1) * tile);
+      for (int64_t o = t * tile; o < o1; ++o) {
+        int32_t count = 0;
+        for (int64_t k = 0; k < n_kernels; ++k) count += map[o * n_kernels + k] >= 0;
+        out_offsets.data[o + 1] = count;
+      }
+    });
+    check_edge_count(n_out, out_offsets.data);
+    allocate_edges();
+    parallel_for(ceil_div(n_out, tile), [&](int64_t t) {
       const int64_t o1 = std::min(n_out, (t + 1) * tile);
       int32_t present[kMaxKernels], kernel[kMaxKernels];
       for (int64_t o = t * tile; o < o1; ++o) {
-        const int64_t m = write_row(o, map.data() + o * n_kernels, present, kernel);
-        if (mirrored) write_mirrored_ids(o, present, kernel, m);
+        write_row(o, map + o * n_kernels, present, kernel);
       }
     });
   }
   const int64_t n_edges = out_offsets.data[n_out];
 
-  Int32Buffer in_offsets(n_in + 1), k_offsets(n_kernels + 1), k_edge_ids(n_edges);
+  Int32Buffer in_offsets(n_in + 1);
   if (mirrored) {
     std::copy(out_offsets.data, out_offsets.data + n_out + 1, in_offsets.data);
-    group_by_offset(masks.data(), out_offsets.data, n_out, n_kernels, k_offsets.data,
-                    k_edge_ids.data);
+    if (gridded) {
+      group_by_offset(masks.data(), out_offsets.data, n_out, n_kernels, k_offsets.data,
+                      k_edge_ids.data);
+    }
   } else {
     in_edge_ids = Int32Buffer(n_edges);
     group_by(n_edges, {in_rows.data, n_in, in_offsets.data, in_edge_ids.data},

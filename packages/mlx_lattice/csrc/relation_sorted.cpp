@@ -1,48 +1,103 @@
 #include "relation_sorted.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
+#include <memory>
 
 #include "cpu/parallel.h"
 
 namespace mlx_lattice {
 
 bool rows_sorted(const int32_t* coords, int64_t n) {
-  for (int64_t r = 1; r < n; ++r) {
-    const int32_t* a = coords + 4 * (r - 1);
-    const int32_t* b = coords + 4 * r;
-    if (!std::lexicographical_compare(a, a + 4, b, b + 4)) return false;
-  }
-  return true;
+  // In parallel chunks, each also comparing its first row with the row
+  // before it.
+  constexpr int64_t kChunk = int64_t{1} << 15;
+  const int64_t n_chunks = ceil_div(std::max<int64_t>(n - 1, 0), kChunk);
+  std::vector<char> ok(n_chunks, 1);
+  parallel_for(n_chunks, [&](int64_t t) {
+    const int64_t r1 = std::min(n, (t + 1) * kChunk + 1);
+    for (int64_t r = t * kChunk + 1; r < r1; ++r) {
+      const int32_t* a = coords + 4 * (r - 1);
+      const int32_t* b = coords + 4 * r;
+      if (!std::lexicographical_compare(a, a + 4, b, b + 4)) {
+        ok[t] = 0;
+        return;
+      }
+    }
+  });
+  return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
 }
 
 namespace {
 
-// The offsets of one (dx, dy): their dz ascending, and kernel index.
-struct DyGroup {
-  int64_t dy;
-  std::vector<std::pair<int64_t, int32_t>> dz;  // (dz, k), dz ascending
+// The searched offsets of one (dx, dy): neighbours of row i at these offsets
+// have keys key[i] + delta + dz, dz in [lo, hi]; kernel[dz - lo] is the
+// offset's index, or -1 for a dz in the range no offset has.
+struct KeyGroup {
+  int64_t delta, lo, hi;
+  std::vector<int32_t> kernel;
 };
 
-struct DxGroup {
-  int64_t dx;
-  std::vector<DyGroup> dys;  // dy ascending
-};
-
-// The offsets [0, searched), grouped by dx, then dy.
-std::vector<DxGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& offsets,
-                                   size_t searched) {
-  std::map<int64_t, std::map<int64_t, std::vector<std::pair<int64_t, int32_t>>>> tree;
-  for (size_t k = 0; k < searched; ++k) {
-    tree[offsets[k][0]][offsets[k][1]].push_back({offsets[k][2], static_cast<int32_t>(k)});
-  }
-  std::vector<DxGroup> groups;
-  for (auto& [dx, by_dy] : tree) {
-    DxGroup g{dx, {}};
-    for (auto& [dy, dz] : by_dy) {
-      std::sort(dz.begin(), dz.end());
-      g.dys.push_back({dy, std::move(dz)});
+// Keys of the rows in mixed radix, ((b * X + x) * Y + y) * Z + z with each
+// coordinate shifted to start at h (the kernel's reach on that axis) and
+// each radix the axis' range plus 2h, so a neighbour's key is the row's key
+// plus a constant per offset and never aliases another coordinate; they
+// ascend with the rows. Empty when the product of radices passes 2^62.
+std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
+                                 const std::vector<std::array<int64_t, 3>>& offsets,
+                                 std::array<int64_t, 3>& radix) {
+  int64_t low[4], high[4];
+  for (int a = 0; a < 4; ++a) low[a] = high[a] = coords[a];
+  for (int64_t r = 1; r < n; ++r) {
+    for (int a = 0; a < 4; ++a) {
+      low[a] = std::min<int64_t>(low[a], coords[4 * r + a]);
+      high[a] = std::max<int64_t>(high[a], coords[4 * r + a]);
     }
+  }
+  int64_t reach[3] = {0, 0, 0};
+  for (const auto& off : offsets) {
+    for (int a = 0; a < 3; ++a) reach[a] = std::max(reach[a], off[a] < 0 ? -off[a] : off[a]);
+  }
+  for (int a = 0; a < 3; ++a) {
+    if (reach[a] > (int64_t{1} << 40)) return {};
+  }
+  // Ranges are below 2^32 and reaches below 2^35, so each radix fits, and
+  // the product is checked in 128 bits.
+  unsigned __int128 product = static_cast<unsigned __int128>(high[0] - low[0] + 1);
+  for (int a = 0; a < 3; ++a) {
+    radix[a] = high[a + 1] - low[a + 1] + 1 + 2 * reach[a];
+    product *= static_cast<unsigned __int128>(radix[a]);
+    if (product > (static_cast<unsigned __int128>(1) << 62)) return {};
+  }
+  std::vector<int64_t> keys(n + 1);
+  keys[n] = std::numeric_limits<int64_t>::max();  // a sentinel past every key
+  parallel_for(ceil_div(n, 1 << 15), [&](int64_t t) {
+    for (int64_t r = t << 15; r < std::min(n, (t + 1) << 15); ++r) {
+      const int32_t* c = coords + 4 * r;
+      int64_t key = c[0] - low[0];
+      for (int a = 0; a < 3; ++a) key = key * radix[a] + (c[a + 1] - low[a + 1] + reach[a]);
+      keys[r] = key;
+    }
+  });
+  return keys;
+}
+
+// The searched offsets [0, searched), grouped by (dx, dy).
+std::vector<KeyGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& offsets,
+                                    size_t searched, const std::array<int64_t, 3>& radix) {
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int32_t>>> by_column;
+  for (size_t k = 0; k < searched; ++k) {
+    by_column[{offsets[k][0], offsets[k][1]}].push_back(
+        {offsets[k][2], static_cast<int32_t>(k)});
+  }
+  std::vector<KeyGroup> groups;
+  for (auto& [dxy, dz] : by_column) {
+    std::sort(dz.begin(), dz.end());
+    KeyGroup g{(dxy.first * radix[1] + dxy.second) * radix[2], dz.front().first,
+               dz.back().first, {}};
+    g.kernel.assign(g.hi - g.lo + 1, -1);
+    for (const auto& [z, k] : dz) g.kernel[z - g.lo] = k;
     groups.push_back(std::move(g));
   }
   return groups;
@@ -50,101 +105,89 @@ std::vector<DxGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& of
 
 }  // namespace
 
-std::vector<int32_t> sorted_neighbour_map(const int32_t* coords, int64_t n,
-                                          const std::vector<std::array<int64_t, 3>>& offsets,
-                                          bool symmetric) {
+std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n,
+                                                const std::vector<std::array<int64_t, 3>>& offsets,
+                                                bool symmetric, uint32_t* masks) {
   const int64_t n_kernels = static_cast<int64_t>(offsets.size());
-  std::vector<int32_t> map(n * n_kernels, -1);
-  if (n == 0) return map;
   const int64_t centre = n_kernels / 2;
+  // With masks, the mirrors are kept in the masks alone: the map has only
+  // the searched columns.
+  const bool half = masks != nullptr;
+  const int64_t columns = half ? centre : n_kernels;
+  std::array<int64_t, 3> radix{};
+  const std::vector<int64_t> keys = n > 0 ? packed_keys(coords, n, offsets, radix)
+                                          : std::vector<int64_t>{};
+  if (n > 0 && keys.empty()) return nullptr;
+  // Cells and masks are initialised by the tasks that own their rows.
+  std::unique_ptr<int32_t[]> map(new int32_t[std::max<int64_t>(n * columns, 1)]);
+  if (n == 0) return map;
+  const size_t searched = symmetric ? static_cast<size_t>(centre) : offsets.size();
+  const std::vector<KeyGroup> groups = group_offsets(offsets, searched, radix);
+  int64_t lowest = 0;  // the most negative key difference searched
+  for (const KeyGroup& g : groups) lowest = std::min(lowest, g.delta + g.lo);
+  const int64_t* key = keys.data();
+  // Rows in chunks; a mirror write reaches back to the first row whose key
+  // is at least the chunk's first key + `lowest`. Chunks run in two rounds,
+  // even then odd, and are made long enough that no chunk reaches past the
+  // one before it, so no two threads write one row's cells or mask at once.
+  int64_t chunk = std::max<int64_t>(4096, ceil_div(n, 8 * static_cast<int64_t>(get_num_threads())));
+  auto first_at_least = [&](int64_t v) {
+    return static_cast<int64_t>(std::lower_bound(key, key + n, v) - key);
+  };
   if (symmetric) {
-    for (int64_t r = 0; r < n; ++r) map[r * n_kernels + centre] = static_cast<int32_t>(r);
-  }
-  // Columns: runs of one (batch, x, y); col_start[c] is the first row of c.
-  std::vector<int32_t> col_start;
-  col_start.reserve(n / 2 + 2);
-  for (int64_t r = 0; r < n; ++r) {
-    const int32_t* c = coords + 4 * r;
-    if (r == 0 || c[0] != c[-4] || c[1] != c[-3] || c[2] != c[-2]) {
-      col_start.push_back(static_cast<int32_t>(r));
+    for (bool fits = false; !fits && chunk < n;) {
+      fits = true;
+      for (int64_t i0 = chunk; i0 < n && fits; i0 += chunk) {
+        fits = first_at_least(key[i0] + lowest) >= i0 - chunk;
+      }
+      if (!fits) chunk *= 2;
     }
   }
-  const int64_t n_cols = static_cast<int64_t>(col_start.size());
-  col_start.push_back(static_cast<int32_t>(n));
-  // Slabs: runs of columns of one (batch, x); slab_start[s] is the first
-  // column of s.
-  std::vector<int32_t> slab_start;
-  for (int64_t c = 0; c < n_cols; ++c) {
-    const int32_t* a = coords + 4 * static_cast<int64_t>(col_start[c]);
-    const int32_t* p = c ? coords + 4 * static_cast<int64_t>(col_start[c - 1]) : nullptr;
-    if (!p || a[0] != p[0] || a[1] != p[1]) slab_start.push_back(static_cast<int32_t>(c));
-  }
-  const int64_t n_slabs = static_cast<int64_t>(slab_start.size());
-  slab_start.push_back(static_cast<int32_t>(n_cols));
-  auto row = [&](int64_t r) { return coords + 4 * r; };
-  auto col_row = [&](int64_t c) { return row(col_start[c]); };
-  // The slab holding (b, x), or -1 (binary search over the ascending slabs).
-  auto find_slab = [&](int32_t b, int64_t x) -> int64_t {
-    int64_t lo = 0, hi = n_slabs;
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      const int32_t* s = col_row(slab_start[mid]);
-      if (s[0] < b || (s[0] == b && s[1] < x)) {
-        lo = mid + 1;
-      } else {
-        hi = mid;
+  const int64_t n_chunks = ceil_div(n, chunk);
+  auto walk = [&](int64_t i0, int64_t i1) {
+    // Local copies: with -fno-strict-aliasing every int32 store could
+    // otherwise alias the captured values, reloaded after each.
+    int32_t* const out = map.get();
+    uint32_t* const row_masks = masks;
+    const bool mirror = symmetric && !half;
+    const int64_t k_count = n_kernels, stride = columns;
+    for (const KeyGroup& g : groups) {
+      const int64_t delta = g.delta, lo = g.lo, hi = g.hi;
+      const int32_t* const kernel = g.kernel.data();
+      int64_t j = first_at_least(key[i0] + delta + lo);
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t base = key[i] + delta;
+        while (key[j] < base + lo) ++j;
+        uint32_t own = 0;
+        for (int64_t u = j; key[u] <= base + hi; ++u) {
+          const int32_t k = kernel[key[u] - base - lo];
+          if (k < 0) continue;
+          out[i * stride + k] = static_cast<int32_t>(u);
+          own |= uint32_t{1} << (k & 31);
+          if (mirror) out[u * stride + k_count - 1 - k] = static_cast<int32_t>(i);
+          if (row_masks != nullptr) row_masks[u] |= uint32_t{1} << (k_count - 1 - k);
+        }
+        if (row_masks != nullptr) row_masks[i] |= own;
       }
     }
-    if (lo == n_slabs) return -1;
-    const int32_t* s = col_row(slab_start[lo]);
-    return s[0] == b && s[1] == x ? lo : -1;
   };
-  const std::vector<DxGroup> groups =
-      group_offsets(offsets, symmetric ? static_cast<size_t>(centre) : offsets.size());
-  constexpr int64_t kSlabsPerTask = 16;
-  parallel_for((n_slabs + kSlabsPerTask - 1) / kSlabsPerTask, [&](int64_t task) {
-    std::vector<int64_t> ptr;
-    for (int64_t s = task * kSlabsPerTask; s < std::min(n_slabs, (task + 1) * kSlabsPerTask);
-         ++s) {
-      const int32_t* first = col_row(slab_start[s]);
-      const int32_t b = first[0];
-      for (const DxGroup& g : groups) {
-        const int64_t t = find_slab(b, static_cast<int64_t>(first[1]) + g.dx);
-        if (t < 0) continue;
-        const int64_t t_end = slab_start[t + 1];
-        ptr.assign(g.dys.size(), slab_start[t]);
-        for (int64_t c = slab_start[s]; c < slab_start[s + 1]; ++c) {
-          const int64_t y = col_row(c)[2];
-          for (size_t i = 0; i < g.dys.size(); ++i) {
-            const DyGroup& d = g.dys[i];
-            const int64_t want = y + d.dy;
-            int64_t& p = ptr[i];
-            while (p < t_end && col_row(p)[2] < want) ++p;
-            if (p == t_end || col_row(p)[2] != want) continue;
-            // Merge the z values of column c (rows r) with column p (rows q).
-            const int64_t dz_lo = d.dz.front().first, dz_hi = d.dz.back().first;
-            int64_t q = col_start[p];
-            const int64_t q_end = col_start[p + 1];
-            for (int64_t r = col_start[c]; r < col_start[c + 1]; ++r) {
-              const int64_t z = row(r)[3];
-              while (q < q_end && row(q)[3] < z + dz_lo) ++q;
-              size_t j = 0;
-              for (int64_t u = q; u < q_end && row(u)[3] <= z + dz_hi; ++u) {
-                const int64_t dz = row(u)[3] - z;
-                while (j < d.dz.size() && d.dz[j].first < dz) ++j;
-                if (j == d.dz.size()) break;
-                if (d.dz[j].first == dz) {
-                  const int32_t k = d.dz[j].second;
-                  map[r * n_kernels + k] = static_cast<int32_t>(u);
-                  if (symmetric) map[u * n_kernels + n_kernels - 1 - k] = static_cast<int32_t>(r);
-                }
-              }
-            }
-          }
-        }
+  parallel_for(n_chunks, [&](int64_t c) {
+    const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
+    std::fill(map.get() + i0 * columns, map.get() + i1 * columns, -1);
+    for (int64_t i = i0; i < i1; ++i) {
+      if (half) {
+        masks[i] = uint32_t{1} << centre;
+      } else if (symmetric) {
+        map[i * columns + centre] = static_cast<int32_t>(i);
       }
     }
   });
+  for (int64_t round = 0; round < 2; ++round) {
+    parallel_for(ceil_div(n_chunks - round, 2), [&](int64_t t) {
+      const int64_t c = 2 * t + round;
+      walk(c * chunk, std::min(n, (c + 1) * chunk));
+    });
+  }
   return map;
 }
 

@@ -1,18 +1,18 @@
-// Neighbour search for coordinates sorted by (batch, x, y, z), by merging
+// Neighbour search for coordinates sorted by (batch, x, y, z), by walking
 // instead of hashing.
 //
-// Sorted rows form columns (runs of one (batch, x, y), z ascending) and
-// slabs (runs of one (batch, x), y ascending). For a slab and an offset's
-// (dx, dy), the neighbouring slab is found once, and its columns are walked
-// with one pointer per dy as the slab's own columns ascend in y; inside a
-// column pair the z values are merged. Every access is sequential: no hash
-// probe and no cache miss per lookup, which on sparse scans (a LiDAR sweep
-// at 5 cm: 1.9 voxels per column) is where the coordinate hash spends its
-// time.
+// Each row gets one 64-bit key in mixed radix (batch, then x, y, z, each
+// axis padded by the kernel's reach), so keys ascend with the rows and the
+// neighbour at offset (dx, dy, dz) has the row's key plus a constant. For
+// the offsets of one (dx, dy), one pointer then walks the sorted keys
+// alongside the rows: every access is sequential, with no hash probe and no
+// cache miss per lookup, which on sparse scans (a LiDAR sweep at 5 cm: 1.9
+// voxels per column) is where a coordinate hash spends its time.
 #pragma once
 
 #include <array>
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 namespace mlx_lattice {
@@ -21,14 +21,21 @@ namespace mlx_lattice {
 // free of duplicates).
 bool rows_sorted(const int32_t* coords, int64_t n);
 
-// The (n, K) neighbour map of a sorted coordinate set with itself: cell
-// (r, k) is the row at coords[r] + offsets[k], or -1. Rows must be strictly
-// ascending (rows_sorted). Same result as a hash search, cell for cell.
+// The (n, K) neighbour map of a sorted coordinate set with itself, row-major:
+// cell (r, k) is the row at coords[r] + offsets[k], or -1. Rows must be
+// strictly ascending (rows_sorted). Same result as a hash search, cell for
+// cell. Returns null when the keys do not fit (the coordinates span more
+// than 2^62 cells in all): search with a hash instead.
 // `symmetric`: offset K - 1 - k is minus offset k (odd kernel sizes), so
 // only the offsets before the centre are searched and each hit also fills
 // its mirror cell (every cell still has one writer).
-std::vector<int32_t> sorted_neighbour_map(const int32_t* coords, int64_t n,
+//
+// With `masks` (n entries; symmetric, at most 32 offsets), each row's offset
+// mask is written instead of the mirrors (bit k set where row r has a
+// neighbour at offset k, the centre included), and the map holds only the
+// searched columns: (n, K / 2).
+std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n,
                                           const std::vector<std::array<int64_t, 3>>& offsets,
-                                          bool symmetric);
+                                          bool symmetric, uint32_t* masks = nullptr);
 
 }  // namespace mlx_lattice

@@ -83,7 +83,7 @@ def _edge_set(rel) -> set[tuple[int, int, int]]:
 def test_submanifold_relation_matches_brute_force(rows, kernel_size, dilation, dtype, ordered):
     """build_kernel_relation(kind='submanifold') on any coordinates (empty,
     duplicate, at the int32 limits, any dtype, in any order or sorted by
-    (batch, x, y, z) as the sorted merge takes them), kernel size and
+    (batch, x, y, z) as the sorted walk takes them), kernel size and
     dilation returns exactly the brute-force edge set (int64 arithmetic: a
     neighbour outside int32 does not exist), or raises MlxLatticeError."""
     given = np.array(rows, dtype=np.int64).reshape(-1, 4)

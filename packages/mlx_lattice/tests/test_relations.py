@@ -309,7 +309,7 @@ def test_sorted_coordinates_match_coordinate_hash(
 ):
     # Rows sorted by (batch, x, y, z), as voxelize and np.unique give them:
     # a sparse set (extent 40: blocks far from dense) relates to itself
-    # through the sorted merge, a dense one (extent 9) through the block
+    # through the sorted walk, a dense one (extent 9) through the block
     # grid. Every array, order included, must equal the relation of the
     # same set given as outputs (coordinate hash), and the edges the brute
     # force.
@@ -329,9 +329,9 @@ def test_sorted_coordinates_match_coordinate_hash(
 
 
 def test_sorted_sparse_rows_at_coordinate_limits(ref):
-    # Sorted sparse rows at both ends of int32, in several batches, with
-    # single-row columns and slabs: no neighbour wraps around, crosses a
-    # batch or is missed at a slab's or a column's end.
+    # Sorted sparse rows at both ends of int32, in several batches (too wide
+    # a span for the sorted walk's 62-bit keys, so searched by the hash):
+    # no neighbour wraps around, crosses a batch or is missed.
     low, high = -(2**31), 2**31 - 1
     rows = []
     for b in range(3):
@@ -342,6 +342,49 @@ def test_sorted_sparse_rows_at_coordinate_limits(ref):
                         rows.append((b, x, y, z))
     coords = np.array(sorted(rows), dtype=np.int64).astype(np.int32)
     check_3x3x3_against_hash(ref, coords)
+
+
+def test_sorted_rows_at_the_key_limit(ref):
+    # Sorted sparse rows whose span just fits the sorted walk's keys (three
+    # batches, 2^20 + 2 cells along each padded axis: 2^61.6 in all), at the
+    # ends of every axis: a neighbour one cell past an axis' end is never
+    # found at the next x, y or batch.
+    top = 2**20 - 1
+    rows = []
+    for b in range(3):
+        for x in (0, 1, top - 1, top):
+            for y in (0, 1, top - 1, top):
+                for z in (0, 1, 2, top - 1, top):
+                    if (x + y + z + b) % 4:
+                        rows.append((b, x, y, z))
+    check_3x3x3_against_hash(ref, np.array(sorted(rows), dtype=np.int32))
+
+
+def test_sorted_rows_with_long_slabs(rng, ref, restore_threads):
+    # Four x slabs of 6000 sparse rows each, the same (y, z) in every slab:
+    # each row's neighbour at dx = -1 lies 6000 rows back, past a chunk of
+    # the parallel walk, which must then lengthen its chunks (a mirror
+    # written by two threads at once would lose bits, seen as missing edges).
+    # Reference: a dict of the coordinates (the brute force's pairwise
+    # table would not fit in memory).
+    yz = np.sort(rng.choice(4000 * 4000, size=6000, replace=False))
+    rows = [(0, x, int(v) // 4000, int(v) % 4000) for x in range(4) for v in yz]
+    coords = np.array(rows, dtype=np.int32)
+    index = {row: r for r, row in enumerate(rows)}
+    expected = set()
+    for k, (dx, dy, dz) in enumerate(ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1)).tolist()):
+        for o, (b, x, y, z) in enumerate(rows):
+            i = index.get((b, x + dx, y + dy, z + dz))
+            if i is not None:
+                expected.add((i, o, k))
+    hashed = relation_arrays(build_kernel_relation(coords, coords, kind="forward"))
+    for threads in (1, 2, 4):
+        restore_threads.set_num_threads(threads)
+        rel = build_kernel_relation(coords, kernel_size=3)
+        assert edge_set(rel) == expected
+        check_groupings(rel)
+        for a, b in zip(relation_arrays(rel), hashed, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_dense_clusters_at_coordinate_limits(rng, ref):

@@ -237,19 +237,13 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   auto in = concrete_coords(in_coords, "in_coords");
   const int64_t n_in = in.shape(0);
   const int32_t* in_c = idx_or_null(in);
-  // A relation of the inputs with themselves searches a block grid when the
-  // offsets allow it (see relation_grid.h), else a hash of the coordinates.
+  // A relation of the inputs with themselves walks sorted coordinates (as
+  // voxelize and unique produce them; relation_sorted.h), searches a block
+  // grid when the offsets allow it and the blocks are dense enough (see
+  // relation_grid.h), else a hash of the coordinates, as does a sorted set
+  // whose span is too wide for the walk's keys.
   const bool self = !out_coords && !(kind == "forward" && stride != Triple{1, 1, 1});
-  // Sorted coordinates (as voxelize and unique produce them) are walked
-  // instead (relation_sorted.h) unless the grid's blocks are dense; a span
-  // too wide for the walk's keys falls back to the hash.
   const bool sorted = self && rows_sorted(in_c, n_in);
-  BlockGrid grid;
-  const bool gridded = self && BlockGrid::covers(offsets) &&
-                       grid.build(in_c, n_in, "in_coords",
-                                  sorted ? BlockGrid::kMaxSlotsPerSortedRow
-                                         : BlockGrid::kMaxSlotsPerRow,
-                                  sorted);
   // A self relation with odd kernel sizes is symmetric: the edges into
   // input p are the mirrors of p's own edges, so p's input group (edge ids
   // ascending) is written with its output row, from its neighbours' offsets
@@ -258,11 +252,14 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   const bool masked = n_kernels <= 32 && odd;
   std::vector<uint32_t> masks;
   std::unique_ptr<int32_t[]> sorted_map;
-  if (sorted && !gridded) {
+  if (sorted) {
     if (masked) masks.resize(n_in);
     sorted_map = sorted_neighbour_map(in_c, n_in, offsets, odd, masked ? masks.data() : nullptr);
   }
   const bool walked = sorted_map != nullptr;
+  BlockGrid grid;
+  const bool gridded =
+      self && !walked && BlockGrid::covers(offsets) && grid.build(in_c, n_in, "in_coords");
   std::optional<CoordTable> table;
   if (!gridded && !walked) table.emplace(index_coords(in_c, n_in, "in_coords"));
 

@@ -19,11 +19,10 @@ bool BlockGrid::covers(const std::vector<std::array<int64_t, 3>>& offsets) {
 }
 
 bool BlockGrid::build(const int32_t* coords, int64_t n, const std::string& name,
-                      int64_t max_slots_per_row, bool sorted_rows) {
+                      int64_t max_slots_per_row) {
   // Pass 1: the block of every row (block ids in order of first appearance).
   // The table holds at most n blocks; it grows by doubling at half load.
   std::vector<int32_t> row_block(n);
-  const int64_t checkpoint = std::max<int64_t>(n / 8, 8192);
   size_t cap = 1024;
   std::vector<int32_t> table(cap, -1);
   std::vector<std::array<int32_t, 4>> keys;
@@ -56,14 +55,6 @@ bool BlockGrid::build(const int32_t* coords, int64_t n, const std::string& name,
       }
     }
     row_block[r] = id;
-    // Sorted rows fill whole blocks but for the last x layer of blocks
-    // reached: an eighth of them estimates the density (a quarter more
-    // slots than allowed is clearly sparse), so a sparse sorted set is
-    // given up early.
-    if (sorted_rows && r + 1 == checkpoint &&
-        static_cast<int64_t>(keys.size()) * kCells * 4 > 5 * max_slots_per_row * (r + 1)) {
-      return false;
-    }
   }
   const int64_t n_blocks = static_cast<int64_t>(keys.size());
 

@@ -33,19 +33,17 @@ class BlockGrid {
   static bool covers(const std::vector<std::array<int64_t, 3>>& offsets);
 
   // Slots per row past which build gives up: sparse points, for which the
-  // coordinate hash is smaller, and, for sorted points, the walk of
-  // relation_sorted.h faster (measured on the built-in LiDAR scan at 10 cm,
-  // 11.7 slots per row, and a sphere's surface, 4.4).
+  // coordinate hash is smaller. (Sorted points take the walk of
+  // relation_sorted.h, faster than the grid even on a sphere's surface at
+  // 4.4 slots per row.)
   static constexpr int64_t kMaxSlotsPerRow = 16;
-  static constexpr int64_t kMaxSlotsPerSortedRow = 8;
 
   // Indexes n rows of (batch, x, y, z) coords. Returns false, having built
   // nothing, when the occupied blocks would hold more than max_slots_per_row
-  // slots per row (for `sorted_rows`, (batch, x, y, z) ascending, judged
-  // on the first eighth of the rows). Raises ValueError naming `name` and
-  // both rows of the first duplicate.
+  // slots per row. Raises ValueError naming `name` and both rows of the
+  // first duplicate.
   bool build(const int32_t* coords, int64_t n, const std::string& name,
-             int64_t max_slots_per_row = kMaxSlotsPerRow, bool sorted_rows = false);
+             int64_t max_slots_per_row = kMaxSlotsPerRow);
 
   // Calls visit(row, nbr) for every row, nbr[k] the row at coords[row] +
   // offsets[k] or -1. Rows are visited block by block on the thread pool;

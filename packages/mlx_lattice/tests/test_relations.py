@@ -307,12 +307,11 @@ def check_3x3x3_against_hash(ref, coords):
 def test_sorted_coordinates_match_coordinate_hash(
     rng, ref, kernel_size, dilation, tensor_stride, extent
 ):
-    # Rows sorted by (batch, x, y, z), as voxelize and np.unique give them:
-    # a sparse set (extent 40: blocks far from dense) relates to itself
-    # through the sorted walk, a dense one (extent 9) through the block
-    # grid. Every array, order included, must equal the relation of the
-    # same set given as outputs (coordinate hash), and the edges the brute
-    # force.
+    # Rows sorted by (batch, x, y, z), as voxelize and np.unique give them,
+    # relate to themselves through the sorted walk, sparse (extent 40) or
+    # dense (extent 9). Every array, order included, must equal the relation
+    # of the same set given as outputs (coordinate hash), and the edges the
+    # brute force.
     ts = (tensor_stride,) * 3 if isinstance(tensor_stride, int) else tensor_stride
     coords = ref.random_coords(rng, 700, extent, batches=3, step=ts[0])
     coords = coords[np.lexsort(coords.T[::-1])]

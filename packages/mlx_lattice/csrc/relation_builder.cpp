@@ -500,7 +500,7 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       const int32_t* offs = out_offsets.data;
       const int32_t* k_first = k_offsets.data;
       int32_t* ins = in_rows.data;
-      int32_t* outs = out_rows.data;
+      int32_t* outs = out_rows.data + out_offsets.data[o0];
       int32_t* kids = kernel_ids.data + out_offsets.data[o0];
       int32_t* in_ids = in_edge_ids.data;
       int32_t* k_ids = k_edge_ids.data;
@@ -513,8 +513,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
         int32_t e = offs[o];
         // The row's output rows and offsets, in order; then its edges
         // before the centre and their mirrors.
-        std::fill(outs + e, outs + offs[o + 1], row);
         for (uint32_t bits = m[o]; bits != 0; bits &= bits - 1) {
+          *outs++ = row;
           *kids++ = std::countr_zero(bits);
         }
         for (uint32_t bits = m[o] & before_centre; bits != 0; bits &= bits - 1, ++e) {

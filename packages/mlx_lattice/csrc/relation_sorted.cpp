@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <type_traits>
 
 #include "cpu/parallel.h"
 
@@ -37,6 +38,9 @@ namespace {
 struct KeyGroup {
   int64_t delta, lo, hi;
   std::vector<int32_t> kernel;
+  // Whether every dz in [lo, hi] is an offset, kernel[dz - lo] being
+  // kernel[0] + dz - lo (unit dilation and tensor stride along z).
+  bool unit = false;
 };
 
 // Keys of the rows in mixed radix, ((b * X + x) * Y + y) * Z + z with each
@@ -47,12 +51,27 @@ struct KeyGroup {
 std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
                                  const std::vector<std::array<int64_t, 3>>& offsets,
                                  std::array<int64_t, 3>& radix) {
+  // Each column's range, over parallel chunks of rows.
+  constexpr int64_t kChunk = int64_t{1} << 15;
+  const int64_t n_chunks = ceil_div(n, kChunk);
+  std::vector<std::array<int32_t, 8>> ranges(n_chunks);
+  parallel_for(n_chunks, [&](int64_t t) {
+    std::array<int32_t, 8>& range = ranges[t];
+    for (int a = 0; a < 4; ++a) range[a] = range[a + 4] = coords[4 * (t * kChunk) + a];
+    for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
+      for (int a = 0; a < 4; ++a) {
+        range[a] = std::min(range[a], coords[4 * r + a]);
+        range[a + 4] = std::max(range[a + 4], coords[4 * r + a]);
+      }
+    }
+  });
   int64_t low[4], high[4];
-  for (int a = 0; a < 4; ++a) low[a] = high[a] = coords[a];
-  for (int64_t r = 1; r < n; ++r) {
-    for (int a = 0; a < 4; ++a) {
-      low[a] = std::min<int64_t>(low[a], coords[4 * r + a]);
-      high[a] = std::max<int64_t>(high[a], coords[4 * r + a]);
+  for (int a = 0; a < 4; ++a) {
+    low[a] = ranges[0][a];
+    high[a] = ranges[0][a + 4];
+    for (const auto& range : ranges) {
+      low[a] = std::min<int64_t>(low[a], range[a]);
+      high[a] = std::max<int64_t>(high[a], range[a + 4]);
     }
   }
   int64_t reach[3] = {0, 0, 0};
@@ -72,8 +91,8 @@ std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
   }
   std::vector<int64_t> keys(n + 1);
   keys[n] = std::numeric_limits<int64_t>::max();  // a sentinel past every key
-  parallel_for(ceil_div(n, 1 << 15), [&](int64_t t) {
-    for (int64_t r = t << 15; r < std::min(n, (t + 1) << 15); ++r) {
+  parallel_for(n_chunks, [&](int64_t t) {
+    for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
       const int32_t* c = coords + 4 * r;
       int64_t key = c[0] - low[0];
       for (int a = 0; a < 3; ++a) key = key * radix[a] + (c[a + 1] - low[a + 1] + reach[a]);
@@ -98,6 +117,10 @@ std::vector<KeyGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& o
                dz.back().first, {}};
     g.kernel.assign(g.hi - g.lo + 1, -1);
     for (const auto& [z, k] : dz) g.kernel[z - g.lo] = k;
+    g.unit = true;
+    for (size_t t = 0; t < g.kernel.size(); ++t) {
+      g.unit = g.unit && g.kernel[t] == g.kernel[0] + static_cast<int32_t>(t);
+    }
     groups.push_back(std::move(g));
   }
   return groups;
@@ -151,23 +174,38 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
     uint32_t* const row_masks = masks;
     const bool mirror = symmetric && !half;
     const int64_t k_count = n_kernels, stride = columns;
-    for (const KeyGroup& g : groups) {
+    // One walk per group; `unit` groups (the usual kernels) take the offset
+    // from the key difference, without the table.
+    auto walk_group = [&](const KeyGroup& g, auto unit) {
       const int64_t delta = g.delta, lo = g.lo, hi = g.hi;
       const int32_t* const kernel = g.kernel.data();
+      const int32_t first_k = kernel[0];
       int64_t j = first_at_least(key[i0] + delta + lo);
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t base = key[i] + delta;
-        while (key[j] < base + lo) ++j;
+        const int64_t base = key[i] + delta + lo;
+        while (key[j] < base) ++j;
         uint32_t own = 0;
-        for (int64_t u = j; key[u] <= base + hi; ++u) {
-          const int32_t k = kernel[key[u] - base - lo];
-          if (k < 0) continue;
+        for (int64_t u = j; key[u] <= base + (hi - lo); ++u) {
+          int32_t k;
+          if constexpr (decltype(unit)::value) {
+            k = first_k + static_cast<int32_t>(key[u] - base);
+          } else {
+            k = kernel[key[u] - base];
+            if (k < 0) continue;
+          }
           out[i * stride + k] = static_cast<int32_t>(u);
           own |= uint32_t{1} << (k & 31);
           if (mirror) out[u * stride + k_count - 1 - k] = static_cast<int32_t>(i);
-          if (row_masks != nullptr) row_masks[u] |= uint32_t{1} << (k_count - 1 - k);
+          if (row_masks != nullptr) row_masks[u] |= uint32_t{1} << ((k_count - 1 - k) & 31);
         }
         if (row_masks != nullptr) row_masks[i] |= own;
+      }
+    };
+    for (const KeyGroup& g : groups) {
+      if (g.unit) {
+        walk_group(g, std::true_type{});
+      } else {
+        walk_group(g, std::false_type{});
       }
     }
   };

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdlib>
 #include <exception>
@@ -28,8 +29,29 @@ int default_threads() {
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
-// The pool: workers sleep until a job is posted, then claim tasks from a
-// shared counter. One job runs at a time (jobs are serialized by job_mutex).
+// Spins for at most kSpin while ready() is false; returns ready(). Waking a
+// sleeping thread costs tens of microseconds (more on a virtual machine
+// whose idle core has halted), paid at every job of a short sequence of
+// jobs, as a relation build or a small convolution posts them; a short spin
+// before sleeping keeps that off the critical path.
+template <class Ready>
+bool spin_until(Ready&& ready) {
+  constexpr auto kSpin = std::chrono::microseconds(50);
+  const auto start = std::chrono::steady_clock::now();
+  for (int i = 1;; ++i) {
+    if (ready()) return true;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+    if (i % 64 == 0 && std::chrono::steady_clock::now() - start > kSpin) return ready();
+  }
+}
+
+// The pool: workers spin briefly, then sleep until a job is posted, then
+// claim tasks from a shared counter. One job runs at a time (jobs are
+// serialized by job_mutex).
 class Pool {
  public:
   explicit Pool(int threads) { resize(threads); }
@@ -65,13 +87,15 @@ class Pool {
       n_tasks_ = n_tasks;
       next_.store(0);
       error_ = nullptr;
-      active_ = static_cast<int>(workers_.size());
+      active_.store(static_cast<int>(workers_.size()));
       ++generation_;
+      posted_.store(generation_, std::memory_order_release);
     }
     wake_.notify_all();
     work();
+    spin_until([this] { return active_.load(std::memory_order_acquire) == 0; });
     std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return active_ == 0; });
+    done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
     fn_ = nullptr;
     if (error_) std::rethrow_exception(error_);
   }
@@ -93,16 +117,20 @@ class Pool {
 
   void worker_loop(uint64_t seen) {
     for (;;) {
-      {
+      // A job's fields are written before posted_ (release), so a worker
+      // that sees it posted while spinning may run it without the lock.
+      if (spin_until([&] { return posted_.load(std::memory_order_acquire) != seen; })) {
+        seen = posted_.load(std::memory_order_acquire);
+      } else {
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
       }
       work();
-      {
+      if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (--active_ == 0) done_.notify_one();
+        done_.notify_one();
       }
     }
   }
@@ -126,8 +154,9 @@ class Pool {
   int64_t n_tasks_ = 0;
   std::atomic<int64_t> next_{0};
   std::exception_ptr error_;
-  int active_ = 0;
+  std::atomic<int> active_{0};
   uint64_t generation_ = 0;
+  std::atomic<uint64_t> posted_{0};  // generation_, read without the lock
   bool stop_ = false;
   std::atomic<int> size_{1};
 };

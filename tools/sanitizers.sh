@@ -59,6 +59,9 @@ TSAN_TARGETS=(
   "$pkg:thread_stress_tests"
 )
 TSAN_FILTERED=("$pkg:weight_grad_tests" --test_arg=-k --test_arg="thread or slabs or grouping")
+# The relation builder's parallel passes (the sorted walk's two rounds of
+# chunks, the grid, the groupings) at several thread counts.
+TSAN_RELATIONS=("$pkg:relation_tests" --test_arg=-k --test_arg="thread or long_slabs")
 # The native fuzz targets (docs/topics/reliability.rst) at 40 examples per
 # test: instrumented, each example and each child process runs several times
 # slower, and the 14 tests at their CI budgets took over 9 minutes here; the
@@ -104,5 +107,6 @@ run asan "${ASAN_TARGETS[@]}"
 run asan "${ASAN_FUZZ[@]}"
 run tsan "${TSAN_TARGETS[@]}"
 run tsan "${TSAN_FILTERED[@]}"
+run tsan "${TSAN_RELATIONS[@]}"
 echo "=== sanitizers took $((SECONDS - start)) s, $failures failed run(s) ==="
 [ "$failures" = 0 ]

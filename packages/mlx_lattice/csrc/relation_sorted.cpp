@@ -81,8 +81,8 @@ std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
   for (int a = 0; a < 3; ++a) {
     if (reach[a] > (int64_t{1} << 40)) return {};
   }
-  // Ranges are below 2^32 and reaches below 2^35, so each radix fits, and
-  // the product is checked in 128 bits.
+  // Ranges are at most 2^32 and reaches at most 2^40 (past that, the hash),
+  // so each radix fits in 42 bits, and the product is checked in 128 bits.
   unsigned __int128 product = static_cast<unsigned __int128>(high[0] - low[0] + 1);
   for (int a = 0; a < 3; ++a) {
     radix[a] = high[a + 1] - low[a + 1] + 1 + 2 * reach[a];

@@ -26,7 +26,10 @@ One run, one machine, ~100k voxels:
 * forward throughput (voxels/s) of MinkUNet in eval mode for float32,
   float16, bfloat16, int8 and int4 in ``--rounds`` interleaved rounds, each
   against float32's in the same round (``--forward-only`` skips the
-  training rows).
+  training rows), and the share of a cold forward spent building kernel
+  relations, timed directly around each build the coordinate manager makes
+  (relations are built natively and eagerly, so the wall time of the call
+  is the build's).
 
 The run first calls :func:`mlx_lattice.retain_freed_memory` (``--no-retain``
 leaves glibc's malloc as it is): without it every large array of a step is a
@@ -55,6 +58,7 @@ from benchmarks.host_class import host_class_line
 from benchmarks.timing import median_s
 from examples import cli
 from mlx_lattice import SparseTensor, geometry, nn
+from mlx_lattice import tensor as lattice_tensor
 from mlx_lattice._native import ext
 from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
 from mlx_lattice.models import (
@@ -406,6 +410,30 @@ def _training(widths: tuple, fresh: object, fresh_points: object, labels: mx.arr
     )
 
 
+class _RelationClock:
+    """Sums the wall time of the kernel relations the coordinate manager
+    builds while active (it wraps the builder ``mlx_lattice.tensor`` calls)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def __enter__(self) -> _RelationClock:
+        build = self._build = lattice_tensor.build_kernel_relation
+
+        def timed(*args: object, **kwargs: object) -> object:
+            start = time.perf_counter()
+            try:
+                return build(*args, **kwargs)
+            finally:
+                self.seconds += time.perf_counter() - start
+
+        lattice_tensor.build_kernel_relation = timed
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        lattice_tensor.build_kernel_relation = self._build
+
+
 def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
     print(f"\nforward (MinkUNet, eval mode; {rounds} interleaved rounds)")
     print(
@@ -423,17 +451,26 @@ def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
             mx.eval(model(x).feats)
 
         runs[kind] = (dtype, forward, fresh(dtype))
-    # Per round and kind: (cold, warm) medians of 3; the host's speed drifts
-    # between rounds, so ratios are taken within a round.
+    # Per round and kind: (cold, warm) medians of 3, and the relations' share
+    # of each cold forward; the host's speed drifts between rounds, so ratios
+    # are taken within a round.
     times = np.zeros((rounds, len(kinds), 2))
+    shares = np.zeros((rounds, len(kinds), 3))
     for r in range(rounds):
         for k, kind in enumerate(kinds):
             dtype, forward, warm_input = runs[kind]
-            times[r, k, 0] = median_s(lambda d=dtype, f=forward: f(fresh(d)), repeats=3)
+            colds = []
+            for i in range(3):
+                with _RelationClock() as clock:
+                    start = time.perf_counter()
+                    forward(fresh(dtype))
+                    colds.append(time.perf_counter() - start)
+                shares[r, k, i] = clock.seconds / colds[-1]
+            times[r, k, 0] = np.median(colds)
             times[r, k, 1] = median_s(lambda f=forward, x=warm_input: f(x), repeats=3)
     for k, kind in enumerate(kinds):
         cold, warm = times[:, k, 0].min(), times[:, k, 1].min()
-        share = max(cold - warm, 0.0) / cold
+        share = np.median(shares[:, k])
         ratio = _spread(times[:, 0, 1] / times[:, k, 1], ".2f")
         print(
             f"{kind:<10}{n / warm:>15,.0f}{ratio:>20}{cold * 1e3:>13.1f}"
@@ -441,7 +478,8 @@ def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
         )
     print(
         "forward vox/s, cold, warm: the best round; relations: share of a cold forward (fresh "
-        "coordinate manager) spent building kernel relations;\nwarm / float32: voxels/s against "
+        "coordinate manager) spent building kernel relations, median over every cold "
+        "forward;\nwarm / float32: voxels/s against "
         "float32's warm forward of the same round, median (range) over the rounds"
     )
 

@@ -243,7 +243,6 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // relation_grid.h), else a hash of the coordinates, as does a sorted set
   // whose span is too wide for the walk's keys.
   const bool self = !out_coords && !(kind == "forward" && stride != Triple{1, 1, 1});
-  const bool sorted = self && rows_sorted(in_c, n_in);
   // A self relation with odd kernel sizes is symmetric: the edges into
   // input p are the mirrors of p's own edges, so p's input group (edge ids
   // ascending) is written with its output row, from its neighbours' offsets
@@ -252,8 +251,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   const bool masked = n_kernels <= 32 && odd;
   std::vector<uint32_t> masks;
   std::unique_ptr<int32_t[]> sorted_map;
-  if (sorted) {
-    if (masked) masks.resize(n_in);
+  if (self) {
+    if (masked) masks.resize(n_in);  // also the grid's, when the walk declines
     sorted_map = sorted_neighbour_map(in_c, n_in, offsets, odd, masked ? masks.data() : nullptr);
   }
   const bool walked = sorted_map != nullptr;
@@ -332,7 +331,6 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     k_edge_ids = Int32Buffer(n_edges);
   };
   const bool mirrored = (gridded || walked) && masked;
-  if (gridded && mirrored) masks.resize(n_out);
   // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
   // its neighbours and their offsets. With offset masks, from the mask's set
   // bits (a LiDAR voxel has about 6 of 27); else compacted without branches

@@ -10,26 +10,6 @@
 
 namespace mlx_lattice {
 
-bool rows_sorted(const int32_t* coords, int64_t n) {
-  // In parallel chunks, each also comparing its first row with the row
-  // before it.
-  constexpr int64_t kChunk = int64_t{1} << 15;
-  const int64_t n_chunks = ceil_div(std::max<int64_t>(n - 1, 0), kChunk);
-  std::vector<char> ok(n_chunks, 1);
-  parallel_for(n_chunks, [&](int64_t t) {
-    const int64_t r1 = std::min(n, (t + 1) * kChunk + 1);
-    for (int64_t r = t * kChunk + 1; r < r1; ++r) {
-      const int32_t* a = coords + 4 * (r - 1);
-      const int32_t* b = coords + 4 * r;
-      if (!std::lexicographical_compare(a, a + 4, b, b + 4)) {
-        ok[t] = 0;
-        return;
-      }
-    }
-  });
-  return std::all_of(ok.begin(), ok.end(), [](char v) { return v != 0; });
-}
-
 namespace {
 
 // The searched offsets of one (dx, dy): neighbours of row i at these offsets
@@ -47,24 +27,40 @@ struct KeyGroup {
 // coordinate shifted to start at h (the kernel's reach on that axis) and
 // each radix the axis' range plus 2h, so a neighbour's key is the row's key
 // plus a constant per offset and never aliases another coordinate; they
-// ascend with the rows. Empty when the product of radices passes 2^62.
+// ascend with the rows. Empty when the rows are not strictly ascending or
+// the product of radices passes 2^62.
 std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
                                  const std::vector<std::array<int64_t, 3>>& offsets,
                                  std::array<int64_t, 3>& radix) {
-  // Each column's range, over parallel chunks of rows.
+  int64_t reach[3] = {0, 0, 0};
+  for (const auto& off : offsets) {
+    for (int a = 0; a < 3; ++a) reach[a] = std::max(reach[a], off[a] < 0 ? -off[a] : off[a]);
+  }
+  for (int a = 0; a < 3; ++a) {
+    if (reach[a] > (int64_t{1} << 40)) return {};
+  }
+  // One pass over parallel chunks of rows: whether each row follows the row
+  // before it (the chunk's first row too), and each column's range.
   constexpr int64_t kChunk = int64_t{1} << 15;
   const int64_t n_chunks = ceil_div(n, kChunk);
   std::vector<std::array<int32_t, 8>> ranges(n_chunks);
+  std::vector<char> ascending(n_chunks, 1);
   parallel_for(n_chunks, [&](int64_t t) {
     std::array<int32_t, 8>& range = ranges[t];
     for (int a = 0; a < 4; ++a) range[a] = range[a + 4] = coords[4 * (t * kChunk) + a];
     for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
+      const int32_t* c = coords + 4 * r;
+      if (r > 0 && !std::lexicographical_compare(c - 4, c, c, c + 4)) {
+        ascending[t] = 0;
+        return;
+      }
       for (int a = 0; a < 4; ++a) {
-        range[a] = std::min(range[a], coords[4 * r + a]);
-        range[a + 4] = std::max(range[a + 4], coords[4 * r + a]);
+        range[a] = std::min(range[a], c[a]);
+        range[a + 4] = std::max(range[a + 4], c[a]);
       }
     }
   });
+  if (std::find(ascending.begin(), ascending.end(), 0) != ascending.end()) return {};
   int64_t low[4], high[4];
   for (int a = 0; a < 4; ++a) {
     low[a] = ranges[0][a];
@@ -73,13 +69,6 @@ std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
       low[a] = std::min<int64_t>(low[a], range[a]);
       high[a] = std::max<int64_t>(high[a], range[a + 4]);
     }
-  }
-  int64_t reach[3] = {0, 0, 0};
-  for (const auto& off : offsets) {
-    for (int a = 0; a < 3; ++a) reach[a] = std::max(reach[a], off[a] < 0 ? -off[a] : off[a]);
-  }
-  for (int a = 0; a < 3; ++a) {
-    if (reach[a] > (int64_t{1} << 40)) return {};
   }
   // Ranges are at most 2^32 and reaches at most 2^40 (past that, the hash),
   // so each radix fits in 42 bits, and the product is checked in 128 bits.

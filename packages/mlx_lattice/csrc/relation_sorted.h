@@ -17,15 +17,11 @@
 
 namespace mlx_lattice {
 
-// Whether the n rows of (batch, x, y, z) are strictly ascending (so also
-// free of duplicates).
-bool rows_sorted(const int32_t* coords, int64_t n);
-
 // The (n, K) neighbour map of a sorted coordinate set with itself, row-major:
-// cell (r, k) is the row at coords[r] + offsets[k], or -1. Rows must be
-// strictly ascending (rows_sorted). Same result as a hash search, cell for
-// cell. Returns null when the keys do not fit (the coordinates span more
-// than 2^62 cells in all): search with a hash instead.
+// cell (r, k) is the row at coords[r] + offsets[k], or -1. Same result as a
+// hash search, cell for cell. Returns null, having written nothing, when
+// the rows of (batch, x, y, z) are not strictly ascending or the keys do not
+// fit (the coordinates span more than 2^62 cells in all): search otherwise.
 // `symmetric`: offset K - 1 - k is minus offset k (odd kernel sizes), so
 // only the offsets before the centre are searched and each hit also fills
 // its mirror cell (every cell still has one writer).

@@ -363,7 +363,8 @@ def test_sorted_rows_with_long_slabs(rng, ref, restore_threads):
     # Four x slabs of 6000 sparse rows each, the same (y, z) in every slab:
     # each row's neighbour at dx = -1 lies 6000 rows back, past a chunk of
     # the parallel walk, which must then lengthen its chunks (a mirror
-    # written by two threads at once would lose bits, seen as missing edges).
+    # written by two threads at once can lose bits, seen as missing edges,
+    # and ThreadSanitizer reports it: tools/sanitizers.sh runs this test).
     # Reference: a dict of the coordinates (the brute force's pairwise
     # table would not fit in memory).
     yz = np.sort(rng.choice(4000 * 4000, size=6000, replace=False))

@@ -61,8 +61,8 @@ def _packed(c: np.ndarray, lo: np.ndarray, span: np.ndarray) -> np.ndarray:
 
 def numpy_strided(coords: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Stride-2, 2x2x2 downsampling by sorting: the outputs (floored inputs,
-    in order of first appearance), then (in, out, offset) edges grouped by
-    output, offsets ascending."""
+    unique and ascending), then (in, out, offset) edges grouped by output,
+    offsets ascending."""
     c = coords.astype(np.int64)
     floored = np.concatenate([c[:, :1], (c[:, 1:] // 2) * 2], axis=1)
     lo = floored[:, 1:].min(0)
@@ -70,13 +70,11 @@ def numpy_strided(coords: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarra
     _, first, inverse = np.unique(
         _packed(floored, lo, span), return_index=True, return_inverse=True
     )
-    rank = np.empty(len(first), np.int64)
-    rank[np.argsort(first, kind="stable")] = np.arange(len(first))
-    out_rows = rank[inverse.reshape(-1)]
+    out_rows = inverse.reshape(-1)
     r = c[:, 1:] - floored[:, 1:]
     kid = (r[:, 0] * 2 + r[:, 1]) * 2 + r[:, 2]
     order = np.lexsort((kid, out_rows))
-    return floored[np.sort(first)], out_rows[order], kid[order]
+    return floored[first], out_rows[order], kid[order]
 
 
 def numpy_transposed(coarse: np.ndarray, fine: np.ndarray) -> int:

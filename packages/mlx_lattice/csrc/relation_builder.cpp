@@ -19,6 +19,7 @@
 #include "relation_hash.h"
 #include "relation_groups.h"
 #include "relation_sorted.h"
+#include "relation_strided.h"
 #include "cpu/parallel.h"
 #include "validate.h"
 
@@ -50,12 +51,6 @@ CoordTable index_coords(const int32_t* c, int64_t n, const std::string& name) {
     }
   }
   return table;
-}
-
-int64_t floor_to(int64_t v, int64_t step) {
-  int64_t q = v / step;
-  if (v % step != 0 && v < 0) --q;
-  return q * step;
 }
 
 mx::array to_array(const std::vector<int32_t>& v, mx::Shape shape) {
@@ -123,58 +118,116 @@ struct Parents {
 // (as after flooring to a stride of 2, or on the coarse side of a transposed
 // relation): offsets 0 and d = dilation * tensor_stride are then < M, so the
 // only candidate is q = floor(p / M) * M (size 1: q = p), and p - q must be
-// 0 or d. The coarse rows are looked up in `coarse_table`, or, for computed
-// strided outputs (`floored_row`: each fine row's floored output row), q is
-// a row exactly when it equals p floored to the stride. Returns nothing when
-// the kernel or the coordinates do not fit.
+// 0 or d. The coarse rows are found by `find(q, cursor)` (a cursor per tile
+// of fine rows), or, for computed strided outputs (`floored_row`: each fine
+// row's floored output row), q is a row exactly when it equals p floored to
+// the stride. Returns nothing when the kernel or the coordinates do not fit.
+template <class Find>
 std::optional<Parents> single_parents(const int32_t* fine, int64_t n_fine, const int32_t* coarse,
-                                      int64_t n_coarse, const CoordTable* coarse_table,
+                                      int64_t n_coarse, const Find& find,
                                       const std::vector<int32_t>& floored_row, Triple stride,
                                       Triple kernel_size, Triple dilation, Triple tensor_stride) {
-  int64_t d[3], m[3], step[3];
+  FloorDiv to_tap[3], to_pair[3], to_step[3];
   for (int a = 0; a < 3; ++a) {
     if (kernel_size[a] > 2) return std::nullopt;
-    d[a] = static_cast<int64_t>(dilation[a]) * tensor_stride[a];
-    m[a] = 2 * d[a];
-    step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];
+    const int64_t d = static_cast<int64_t>(dilation[a]) * tensor_stride[a];
+    to_tap[a] = FloorDiv(d);
+    to_pair[a] = FloorDiv(2 * d);
+    to_step[a] = FloorDiv(static_cast<int64_t>(stride[a]) * tensor_stride[a]);
   }
   const bool computed = !floored_row.empty();
-  if (!computed && coarse_table == nullptr) return std::nullopt;
-  for (int64_t r = 0; r < n_coarse; ++r) {
-    for (int a = 0; a < 3; ++a) {
-      if (kernel_size[a] == 2 && coarse[4 * r + a + 1] % m[a] != 0) return std::nullopt;
-    }
+  // Powers of two throughout (tensor strides are): p - q is a mask, and,
+  // for computed outputs, flooring to the pair is flooring to the stride
+  // when the two are equal.
+  bool masks_only = true;
+  for (int a = 0; a < 3; ++a) {
+    const FloorDiv& floor_q = kernel_size[a] == 2 ? to_pair[a] : to_step[a];
+    masks_only = masks_only && std::has_single_bit(static_cast<uint64_t>(floor_q.step())) &&
+                 std::has_single_bit(static_cast<uint64_t>(to_tap[a].step())) &&
+                 (!computed || kernel_size[a] == 1 || to_pair[a].step() == to_step[a].step());
   }
-  Parents parents;
-  parents.row.assign(n_fine, -1);
-  parents.kernel.assign(n_fine, 0);
   constexpr int64_t kTile = 4096;
-  parallel_for((n_fine + kTile - 1) / kTile, [&](int64_t t) {
-    for (int64_t p = t * kTile; p < std::min(n_fine, (t + 1) * kTile); ++p) {
+  // (Computed outputs with masks only are multiples of the pairs.)
+  std::vector<char> fits(computed && masks_only ? 0 : ceil_div(n_coarse, kTile), 1);
+  parallel_for(static_cast<int64_t>(fits.size()), [&](int64_t t) {
+    const FloorDiv pair[3] = {to_pair[0], to_pair[1], to_pair[2]};
+    const bool two[3] = {kernel_size[0] == 2, kernel_size[1] == 2, kernel_size[2] == 2};
+    bool all = true;
+    for (int64_t r = t * kTile; r < std::min(n_coarse, (t + 1) * kTile); ++r) {
+      for (int a = 0; a < 3; ++a) {
+        const int64_t v = coarse[4 * r + a + 1];
+        all = all && (!two[a] || pair[a].floor(v) == v);
+      }
+    }
+    fits[t] = all;
+  });
+  if (std::find(fits.begin(), fits.end(), 0) != fits.end()) return std::nullopt;
+  Parents parents;
+  parents.row.resize(n_fine);
+  parents.kernel.resize(n_fine);
+  parallel_for(ceil_div(n_fine, kTile), [&](int64_t t) {
+    // Locals: without strict aliasing each store could change the arrays.
+    const FloorDiv tap_of[3] = {to_tap[0], to_tap[1], to_tap[2]};
+    const FloorDiv pair[3] = {to_pair[0], to_pair[1], to_pair[2]};
+    const FloorDiv step[3] = {to_step[0], to_step[1], to_step[2]};
+    const int size[3] = {kernel_size[0], kernel_size[1], kernel_size[2]};
+    const int32_t* floored = floored_row.data();
+    int32_t* rows = parents.row.data();
+    int32_t* kernels = parents.kernel.data();
+    int64_t cursor = 0;
+    const int64_t p0 = t * kTile, p1 = std::min(n_fine, (t + 1) * kTile);
+    if (masks_only) {
+      // Size 2: q = v & -2d and v - q in {0, d}; size 1: q = v, on the
+      // stride's multiples when computed.
+      int64_t d[3], below_mask[3];
+      for (int a = 0; a < 3; ++a) {
+        d[a] = tap_of[a].step();
+        below_mask[a] = size[a] == 2 ? -pair[a].step() : computed ? -step[a].step() : -1;
+      }
+      for (int64_t p = p0; p < p1; ++p) {
+        const int32_t* c = fine + 4 * p;
+        int32_t q[4] = {c[0], 0, 0, 0};
+        int32_t k = 0;
+        bool ok = true;  // bitwise, without branches: whether rest is 0 or d is data
+        for (int a = 0; a < 3; ++a) {
+          const int64_t v = c[a + 1], below = v & below_mask[a], rest = v - below;
+          if (size[a] == 2) {
+            ok &= ((rest == 0) | (rest == d[a])) & (below >= std::numeric_limits<int32_t>::min());
+            k = 2 * k + (rest != 0);
+          } else {
+            ok &= rest == 0;
+          }
+          q[a + 1] = static_cast<int32_t>(below);
+        }
+        const int32_t row = !ok ? -1 : computed ? floored[p] : find(q, cursor);
+        rows[p] = row;
+        kernels[p] = row < 0 ? 0 : k;
+      }
+      return;
+    }
+    for (int64_t p = p0; p < p1; ++p) {
       const int32_t* c = fine + 4 * p;
       int32_t q[4] = {c[0], 0, 0, 0};
       int32_t k = 0;
       bool ok = true;
-      for (int a = 0; a < 3 && ok; ++a) {
+      for (int a = 0; a < 3; ++a) {
         int64_t v = c[a + 1], tap = 0;
-        if (kernel_size[a] == 2) {
-          const int64_t below = floor_to(v, m[a]);
-          tap = (v - below) / d[a];
-          ok = (v - below) % d[a] == 0 && below >= std::numeric_limits<int32_t>::min();
+        if (size[a] == 2) {
+          const int64_t below = pair[a].floor(v);
+          tap = tap_of[a].quotient(v - below);
+          ok = ok && tap_of[a].floor(v - below) == v - below &&
+               below >= std::numeric_limits<int32_t>::min();
           v = below;
-          if (computed) ok = ok && v == floor_to(c[a + 1], step[a]);
+          if (computed) ok = ok && v == step[a].floor(c[a + 1]);
         } else if (computed) {
-          ok = v == floor_to(v, step[a]);
+          ok = ok && v == step[a].floor(v);
         }
         q[a + 1] = static_cast<int32_t>(v);
-        k = k * kernel_size[a] + static_cast<int32_t>(tap);
+        k = k * size[a] + static_cast<int32_t>(tap);
       }
-      if (!ok) continue;
-      const int32_t row = computed ? floored_row[p]
-                                   : coarse_table->find_hashed(q, hash_coord(q));
-      if (row < 0) continue;
-      parents.row[p] = row;
-      parents.kernel[p] = k;
+      const int32_t row = !ok ? -1 : computed ? floored[p] : find(q, cursor);
+      rows[p] = row;
+      kernels[p] = row < 0 ? 0 : k;
     }
   });
   return parents;
@@ -259,50 +312,34 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   BlockGrid grid;
   const bool gridded =
       self && !walked && BlockGrid::covers(offsets) && grid.build(in_c, n_in, "in_coords");
+  // Sets related to another are searched by key when sorted
+  // (SortedRows), else through a hash of the inputs, which also finds
+  // duplicated rows (a strictly ascending set has none; computed strided
+  // outputs check their inputs as they sort them).
+  std::optional<SortedRows> in_sorted;
   std::optional<CoordTable> table;
-  if (!gridded && !walked) table.emplace(index_coords(in_c, n_in, "in_coords"));
+  auto in_table = [&]() -> const CoordTable& {
+    if (!table) table.emplace(index_coords(in_c, n_in, "in_coords"));
+    return *table;
+  };
+  const bool strided = kind == "forward" && !out_coords && !self;
+  if (!self && !strided) in_sorted = SortedRows::of(in_c, n_in);
+  if ((!self && !strided && !in_sorted) || (self && !walked && !gridded)) in_table();
 
   // Output coordinates (and, for computed ones, each input's floored row).
   mx::array out = in;
+  std::optional<SortedRows> out_sorted;
   std::optional<CoordTable> out_table;
-  std::vector<int32_t> floored_row;
+  std::optional<StridedOutputs> floored;
   if (out_coords) {
     out = concrete_coords(*out_coords, "out_coords");
-    out_table.emplace(index_coords(idx_or_null(out), out.shape(0), "out_coords"));
-  } else if (kind == "forward" && stride != Triple{1, 1, 1}) {
-    int64_t step[3];
+    out_sorted = SortedRows::of(idx_or_null(out), out.shape(0));
+    if (!out_sorted) out_table.emplace(index_coords(idx_or_null(out), out.shape(0), "out_coords"));
+  } else if (strided) {
+    std::array<int64_t, 3> step;
     for (int a = 0; a < 3; ++a) step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];
-    std::vector<int32_t> scratch(4 * n_in);
-    for (int64_t r = 0; r < n_in; ++r) {
-      int32_t* c = scratch.data() + 4 * r;
-      c[0] = in_c[4 * r];
-      for (int a = 0; a < 3; ++a) {
-        // Flooring a coordinate near INT32_MIN can leave int32 (e.g.
-        // -2^31 to a stride of 3): no output coordinate can hold it.
-        const int64_t floored = floor_to(in_c[4 * r + a + 1], step[a]);
-        if (floored < std::numeric_limits<int32_t>::min()) {
-          fail(op, "in_coords row " + std::to_string(r) + " floored to the stride " +
-                       std::to_string(step[a]) + " is " + std::to_string(floored) +
-                       ", outside int32.");
-        }
-        c[a + 1] = static_cast<int32_t>(floored);
-      }
-    }
-    // Unique in order of first appearance.
-    std::vector<int32_t> out_buf;
-    out_buf.reserve(4 * n_in);
-    CoordTable seen(scratch.data(), n_in);
-    floored_row.resize(n_in);
-    for (int64_t r = 0; r < n_in; ++r) {
-      const int32_t first = seen.insert(static_cast<int32_t>(r));
-      if (first < 0) {
-        floored_row[r] = static_cast<int32_t>(out_buf.size() / 4);
-        out_buf.insert(out_buf.end(), scratch.begin() + 4 * r, scratch.begin() + 4 * r + 4);
-      } else {
-        floored_row[r] = floored_row[first];
-      }
-    }
-    out = to_array(out_buf, {static_cast<int>(out_buf.size() / 4), 4});
+    floored = strided_outputs(in_c, n_in, step);
+    out = to_array(floored->coords, {static_cast<int>(floored->coords.size() / 4), 4});
   }
   const int64_t n_out = out.shape(0);
   const int32_t* out_c = idx_or_null(out);
@@ -311,13 +348,22 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // (a strided forward relation, its target transpose): each fine row has
   // at most one coarse partner, found without searching every offset.
   std::optional<Parents> parents;
-  if (!gridded && !self && kind != "submanifold") {
+  if (!self) {
     const bool target = kind == "target";
+    const std::optional<SortedRows>& coarse_sorted = target ? in_sorted : out_sorted;
+    const CoordTable* coarse_table = target ? (table ? &*table : nullptr)
+                                            : (out_table ? &*out_table : nullptr);
+    auto find = [&](const int32_t* q, int64_t& cursor) {
+      return coarse_sorted ? coarse_sorted->find(q, cursor)
+                           : coarse_table->find_hashed(q, hash_coord(q));
+    };
     parents = single_parents(target ? out_c : in_c, target ? n_out : n_in,
-                             target ? in_c : out_c, target ? n_in : n_out,
-                             target ? &*table : (out_table ? &*out_table : nullptr), floored_row,
-                             stride, kernel_size, dilation, tensor_stride);
+                             target ? in_c : out_c, target ? n_in : n_out, find,
+                             floored ? floored->row : std::vector<int32_t>{}, stride, kernel_size,
+                             dilation, tensor_stride);
   }
+  // Every other relation between two sets looks its inputs up in the hash.
+  if (!self && !parents) in_table();
 
   Int32Buffer out_offsets(n_out + 1);
   out_offsets.data[0] = 0;
@@ -397,8 +443,9 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     });
   } else if (parents) {
     // Target: one edge at most per output (a fine row), already in output
-    // order. Forward: one at most per input; a stable counting sort by
-    // output, then each output's few edges by ascending offset.
+    // order. Forward: one at most per input; for given outputs, a stable
+    // counting sort by output, then each output's few edges by ascending
+    // offset.
     const bool by_input = kind == "forward";
     const int64_t n_fine = by_input ? n_in : n_out;
     std::vector<int32_t> cnt(by_input ? n_out + 1 : 0, 0);
@@ -411,7 +458,18 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] = parents->row[o] >= 0;
     }
     allocate_edges();
-    if (by_input) {
+    if (by_input && floored) {
+      // Computed outputs: their inputs in output order, each output's by
+      // (x, y, z), which is the order of its offsets (relation_strided.h).
+      int32_t e = 0;
+      for (const int32_t p : floored->order) {
+        const int32_t q = parents->row[p];
+        if (q < 0) continue;
+        in_rows.data[e] = p;
+        out_rows.data[e] = q;
+        kernel_ids.data[e++] = parents->kernel[p];
+      }
+    } else if (by_input) {
       std::copy(out_offsets.data, out_offsets.data + n_out, cnt.begin());
       for (int64_t p = 0; p < n_fine; ++p) {
         const int32_t q = parents->row[p];

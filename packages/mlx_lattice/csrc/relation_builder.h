@@ -10,8 +10,9 @@
 //     in_coord == out_coord + offset(k)   (submanifold, forward)
 //     in_coord == out_coord - offset(k)   (target: the transpose of forward)
 // with equal batch. For `forward` without given outputs, the outputs are the
-// input coordinates floored to multiples of tensor_stride * stride, in order
-// of first appearance. Edges are grouped by output row, offsets ascending.
+// input coordinates floored to multiples of tensor_stride * stride, unique
+// and ascending (relation_strided.h). Edges are grouped by output row,
+// offsets ascending.
 #pragma once
 
 #include <array>

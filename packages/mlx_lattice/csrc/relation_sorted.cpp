@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <memory>
+#include <optional>
 #include <type_traits>
 
 #include "cpu/parallel.h"
@@ -23,21 +24,18 @@ struct KeyGroup {
   bool unit = false;
 };
 
-// Keys of the rows in mixed radix, ((b * X + x) * Y + y) * Z + z with each
-// coordinate shifted to start at h (the kernel's reach on that axis) and
-// each radix the axis' range plus 2h, so a neighbour's key is the row's key
-// plus a constant per offset and never aliases another coordinate; they
-// ascend with the rows. Empty when the rows are not strictly ascending or
-// the product of radices passes 2^62.
-std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
-                                 const std::vector<std::array<int64_t, 3>>& offsets,
-                                 std::array<int64_t, 3>& radix) {
-  int64_t reach[3] = {0, 0, 0};
+}  // namespace
+
+PackedKeys packed_keys(const int32_t* coords, int64_t n,
+                       const std::vector<std::array<int64_t, 3>>& offsets) {
+  PackedKeys packed;
+  std::array<int64_t, 3>& radix = packed.radix;
+  std::array<int64_t, 3>& reach = packed.reach;
   for (const auto& off : offsets) {
     for (int a = 0; a < 3; ++a) reach[a] = std::max(reach[a], off[a] < 0 ? -off[a] : off[a]);
   }
   for (int a = 0; a < 3; ++a) {
-    if (reach[a] > (int64_t{1} << 40)) return {};
+    if (reach[a] > (int64_t{1} << 40)) return packed;
   }
   // One pass over parallel chunks of rows: whether each row follows the row
   // before it (the chunk's first row too), and each column's range.
@@ -45,23 +43,39 @@ std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
   const int64_t n_chunks = ceil_div(n, kChunk);
   std::vector<std::array<int32_t, 8>> ranges(n_chunks);
   std::vector<char> ascending(n_chunks, 1);
+  // Rows compare as two unsigned words each, the coordinates' sign bits
+  // flipped: (batch, x) above (y, z).
+  auto word = [](int32_t a, int32_t b) {
+    return (uint64_t{static_cast<uint32_t>(a) ^ 0x80000000u} << 32) |
+           (static_cast<uint32_t>(b) ^ 0x80000000u);
+  };
   parallel_for(n_chunks, [&](int64_t t) {
-    std::array<int32_t, 8>& range = ranges[t];
-    for (int a = 0; a < 4; ++a) range[a] = range[a + 4] = coords[4 * (t * kChunk) + a];
-    for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
-      const int32_t* c = coords + 4 * r;
-      if (r > 0 && !std::lexicographical_compare(c - 4, c, c, c + 4)) {
-        ascending[t] = 0;
-        return;
-      }
+    const int64_t r0 = t * kChunk, r1 = std::min(n, (t + 1) * kChunk);
+    const int32_t* c = coords + 4 * r0;
+    int32_t low[4] = {c[0], c[1], c[2], c[3]}, high[4] = {c[0], c[1], c[2], c[3]};
+    uint64_t prev_hi = 0, prev_lo = 0;
+    if (r0 > 0) {
+      prev_hi = word(c[-4], c[-3]);
+      prev_lo = word(c[-2], c[-1]);
+    }
+    bool rising = true;
+    for (int64_t r = r0; r < r1; ++r, c += 4) {
+      const uint64_t hi = word(c[0], c[1]), lo = word(c[2], c[3]);
+      rising = rising && (hi > prev_hi || (hi == prev_hi && lo > prev_lo) || r == 0);
+      prev_hi = hi;
+      prev_lo = lo;
       for (int a = 0; a < 4; ++a) {
-        range[a] = std::min(range[a], c[a]);
-        range[a + 4] = std::max(range[a + 4], c[a]);
+        low[a] = std::min(low[a], c[a]);
+        high[a] = std::max(high[a], c[a]);
       }
     }
+    ascending[t] = rising;
+    std::copy(low, low + 4, ranges[t].begin());
+    std::copy(high, high + 4, ranges[t].begin() + 4);
   });
-  if (std::find(ascending.begin(), ascending.end(), 0) != ascending.end()) return {};
-  int64_t low[4], high[4];
+  if (std::find(ascending.begin(), ascending.end(), 0) != ascending.end()) return packed;
+  std::array<int64_t, 4>& low = packed.low;
+  std::array<int64_t, 4>& high = packed.high;
   for (int a = 0; a < 4; ++a) {
     low[a] = ranges[0][a];
     high[a] = ranges[0][a + 4];
@@ -76,20 +90,25 @@ std::vector<int64_t> packed_keys(const int32_t* coords, int64_t n,
   for (int a = 0; a < 3; ++a) {
     radix[a] = high[a + 1] - low[a + 1] + 1 + 2 * reach[a];
     product *= static_cast<unsigned __int128>(radix[a]);
-    if (product > (static_cast<unsigned __int128>(1) << 62)) return {};
+    if (product > (static_cast<unsigned __int128>(1) << 62)) return packed;
   }
-  std::vector<int64_t> keys(n + 1);
+  std::vector<int64_t>& keys = packed.keys;
+  keys.resize(n + 1);
   keys[n] = std::numeric_limits<int64_t>::max();  // a sentinel past every key
   parallel_for(n_chunks, [&](int64_t t) {
+    // Locals: without strict aliasing each store could change the arrays.
+    const int64_t b0 = low[0], rx = radix[0], ry = radix[1], rz = radix[2];
+    const int64_t x0 = low[1] - reach[0], y0 = low[2] - reach[1], z0 = low[3] - reach[2];
+    int64_t* out = keys.data();
     for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
       const int32_t* c = coords + 4 * r;
-      int64_t key = c[0] - low[0];
-      for (int a = 0; a < 3; ++a) key = key * radix[a] + (c[a + 1] - low[a + 1] + reach[a]);
-      keys[r] = key;
+      out[r] = (((c[0] - b0) * rx + (c[1] - x0)) * ry + (c[2] - y0)) * rz + (c[3] - z0);
     }
   });
-  return keys;
+  return packed;
 }
+
+namespace {
 
 // The searched offsets [0, searched), grouped by (dx, dy).
 std::vector<KeyGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& offsets,
@@ -126,13 +145,13 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
   // the searched columns.
   const bool half = masks != nullptr;
   const int64_t columns = half ? centre : n_kernels;
-  std::array<int64_t, 3> radix{};
-  const std::vector<int64_t> keys = n > 0 ? packed_keys(coords, n, offsets, radix)
-                                          : std::vector<int64_t>{};
-  if (n > 0 && keys.empty()) return nullptr;
+  if (n == 0) return std::unique_ptr<int32_t[]>(new int32_t[1]);
+  const PackedKeys packed = packed_keys(coords, n, offsets);
+  if (packed.keys.empty()) return nullptr;
+  const std::vector<int64_t>& keys = packed.keys;
+  const std::array<int64_t, 3>& radix = packed.radix;
   // Cells and masks are initialised by the tasks that own their rows.
-  std::unique_ptr<int32_t[]> map(new int32_t[std::max<int64_t>(n * columns, 1)]);
-  if (n == 0) return map;
+  std::unique_ptr<int32_t[]> map(new int32_t[n * columns]);
   const size_t searched = symmetric ? static_cast<size_t>(centre) : offsets.size();
   const std::vector<KeyGroup> groups = group_offsets(offsets, searched, radix);
   int64_t lowest = 0;  // the most negative key difference searched
@@ -216,6 +235,50 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
     });
   }
   return map;
+}
+
+
+std::optional<SortedRows> SortedRows::of(const int32_t* coords, int64_t n) {
+  SortedRows rows;
+  if (n > 0) {
+    rows.packed_ = packed_keys(coords, n, {});
+    if (rows.packed_.keys.empty()) return std::nullopt;
+  } else {
+    rows.packed_.keys.assign(1, std::numeric_limits<int64_t>::max());
+    rows.packed_.high = {-1, -1, -1, -1};  // no coordinate is in range
+  }
+  return rows;
+}
+
+int32_t SortedRows::find(const int32_t* q, int64_t& cursor) const {
+  const PackedKeys& p = packed_;
+  int64_t key = 0;
+  for (int a = 0; a < 4; ++a) {
+    if (q[a] < p.low[a] || q[a] > p.high[a]) return -1;
+    key = (a == 0 ? 0 : key * p.radix[a - 1]) + (q[a] - p.low[a]);
+  }
+  // Gallop from the cursor to the first key >= key (the sentinel ends the
+  // keys), forward or back, then bisect the last step.
+  const int64_t* k = p.keys.data();
+  const int64_t n = static_cast<int64_t>(p.keys.size()) - 1;
+  int64_t j = cursor;
+  if (k[j] < key) {
+    int64_t lo = j, step = 1;  // k[lo] < key
+    while (j + step < n && k[j + step] < key) {
+      lo = j + step;
+      step *= 2;
+    }
+    j = std::lower_bound(k + lo + 1, k + std::min(j + step, n), key) - k;
+  } else {
+    int64_t hi = j, step = 1;  // k[hi] >= key
+    while (j - step >= 0 && k[j - step] >= key) {
+      hi = j - step;
+      step *= 2;
+    }
+    j = std::lower_bound(k + std::max<int64_t>(j - step + 1, 0), k + hi, key) - k;
+  }
+  cursor = j;
+  return k[j] == key ? static_cast<int32_t>(j) : -1;
 }
 
 }  // namespace mlx_lattice

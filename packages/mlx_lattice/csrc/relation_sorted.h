@@ -13,9 +13,42 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <vector>
 
 namespace mlx_lattice {
+
+// Keys of n > 0 rows in mixed radix, ((b * X + x) * Y + y) * Z + z, each
+// coordinate shifted to start at h (the offsets' reach on that axis) and
+// each radix the axis' range plus 2h, so a neighbour's key is the row's key
+// plus a constant per offset and never aliases another coordinate; they
+// ascend with the rows. `keys` (n + 1, the last a sentinel above every key)
+// is empty when the rows are not strictly ascending or the product of
+// radices passes 2^62.
+struct PackedKeys {
+  std::vector<int64_t> keys;
+  std::array<int64_t, 3> radix{}, reach{};
+  std::array<int64_t, 4> low{}, high{};
+};
+PackedKeys packed_keys(const int32_t* coords, int64_t n,
+                       const std::vector<std::array<int64_t, 3>>& offsets);
+
+// A coordinate set sorted by (batch, x, y, z), searched by key from a
+// cursor instead of hashed: lookups whose coordinates mostly ascend (the
+// coarse rows of sorted finer rows) move the cursor a few keys at a time.
+class SortedRows {
+ public:
+  // Nothing when the rows are not strictly ascending or span more than
+  // 2^62 cells.
+  static std::optional<SortedRows> of(const int32_t* coords, int64_t n);
+
+  // The row of coordinate q (batch, x, y, z), or -1. The search starts at
+  // `cursor` (any row, or n) and leaves it at q's place.
+  int32_t find(const int32_t* q, int64_t& cursor) const;
+
+ private:
+  PackedKeys packed_;
+};
 
 // The (n, K) neighbour map of a sorted coordinate set with itself, row-major:
 // cell (r, k) is the row at coords[r] + offsets[k], or -1. Same result as a

@@ -833,8 +833,8 @@ def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, ke
     dilations 1-2, given or computed outputs) and kind='target' (the
     transpose, onto given outputs) on coordinates that are empty, duplicated
     or at the int32 limits: the computed outputs are the inputs floored to
-    multiples of tensor_stride * stride in order of first appearance (the
-    inputs themselves with stride 1), and
+    multiples of tensor_stride * stride, unique and ascending by (batch,
+    x, y, z) (the inputs themselves with stride 1), and
     the edges are exactly the brute-force set (forward: p == q + offset,
     target: p == q - offset, same batch, int64 arithmetic), or
     MlxLatticeError (duplicate rows, target without outputs)."""
@@ -854,12 +854,11 @@ def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, ke
     step = [t * s for t, s in zip(ts, _triple(strides), strict=True)]
     if outs is None:
         assert kind == "forward", "target without outputs was accepted"
-        want_out: list[tuple[int, ...]] = []
-        # Stride 1: the outputs are the inputs (not floored to tensor_stride).
-        for r in rows if step != list(ts) else []:
-            q = (r[0], *(r[1 + a] // step[a] * step[a] for a in range(3)))
-            if q not in want_out:
-                want_out.append(q)
+        # Stride 1: the outputs are the inputs (not floored to tensor_stride);
+        # else the floored inputs, unique and ascending.
+        want_out = sorted(
+            {(r[0], *(r[1 + a] // step[a] * step[a] for a in range(3))) for r in rows}
+        )
         if step == list(ts):
             want_out = list(rows)
     else:

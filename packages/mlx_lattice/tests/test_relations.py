@@ -84,8 +84,10 @@ def test_forward_computes_strided_outputs(rng, ref, kernel_size, stride):
     rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
     st = np.broadcast_to(np.array(stride), (3,))
     expected = np.concatenate([coords[:, :1], (coords[:, 1:] // st) * st], axis=1)
-    _, first = np.unique(expected, axis=0, return_index=True)
-    np.testing.assert_array_equal(np.array(rel.out_coords), expected[np.sort(first)])
+    # The floored inputs, unique and ascending by (batch, x, y, z); with
+    # stride 1, the inputs in their order.
+    want = expected if np.all(st == 1) else np.unique(expected, axis=0)
+    np.testing.assert_array_equal(np.array(rel.out_coords), want)
     assert rel.contract.out_tensor_stride == tuple(int(s) for s in st)
     ks = tuple(np.broadcast_to(np.array(kernel_size), (3,)).tolist())
     out = np.array(rel.out_coords)
@@ -493,6 +495,20 @@ def test_coarse_submanifold_with_a_row_off_the_grid(rng, ref):
     check_groupings(rel)
 
 
+@pytest.mark.parametrize("stride", [2, 3])
+def test_strided_outputs_name_duplicated_inputs(stride):
+    # Computed strided outputs sort their inputs instead of hashing them: a
+    # duplicated input still raises, naming the first repeat in row order.
+    coords = np.array([[0, x, y, -6] for x in range(6) for y in range(6)], np.int32)
+    dup = np.concatenate([coords, coords[[7, 5, 7]]])
+    n = len(coords)
+    with pytest.raises(ValueError, match=rf"\(0, 1, 1, -6\) at rows 7 and {n}\."):
+        build_kernel_relation(dup, kernel_size=2, stride=stride, kind="forward")
+    far = np.array([[0, 0, 0, 0], [0, 2**31 - 1, -(2**31), 5], [0, 0, 0, 0]], np.int32)
+    with pytest.raises(ValueError, match=r"\(0, 0, 0, 0\) at rows 0 and 2\."):
+        build_kernel_relation(far, kernel_size=1, stride=stride, kind="forward")
+
+
 def test_coarse_duplicates_show_the_given_coordinates():
     coords = np.array([[0, 2 * x, 2 * y, -6] for x in range(6) for y in range(6)], np.int32)
     dup = np.concatenate([coords, coords[[5]]])
@@ -516,32 +532,38 @@ def test_coarse_duplicates_show_the_given_coordinates():
         (3, 3, 1, 1, (0, 0, 0)),
     ],
 )
+@pytest.mark.parametrize("fine_order", ["random", "sorted"])
 def test_strided_and_transposed_relations_match_brute_force(
-    rng, ref, kernel_size, stride, dilation, tensor_stride, shift
+    rng, ref, kernel_size, stride, dilation, tensor_stride, shift, fine_order
 ):
     # Forward (outputs computed and given) and target relations of kernels of
     # up to two taps per axis take one candidate per fine row; every kind is
     # checked against the brute force and the canonical groupings (which fix
     # every array), and the target against the transpose of the forward.
+    # Sorted sets are searched by key, others hashed: both orders of the
+    # fine rows, and the coarse rows sorted (as computed) and reversed.
     ts = _triple(tensor_stride)
     fine = shifted_coords(rng, ref, 300, 7, ts, shift)
+    if fine_order == "sorted":
+        fine = np.unique(fine, axis=0)
     args = {"kernel_size": kernel_size, "dilation": dilation, "tensor_stride": tensor_stride}
     down = build_kernel_relation(fine, stride=stride, kind="forward", **args)
     st = np.array(_triple(stride)) * np.array(ts)
     floored = np.concatenate([fine[:, :1], (fine[:, 1:] // st) * st], axis=1)
-    _, first = np.unique(floored, axis=0, return_index=True)
     coarse = np.array(down.out_coords)
-    np.testing.assert_array_equal(coarse, floored[np.sort(first)])
+    np.testing.assert_array_equal(coarse, np.unique(floored, axis=0))
     offsets = ref.offsets(_triple(kernel_size), _triple(dilation), ts)
     assert edge_set(down) == ref.brute_force_edges(fine, coarse, offsets)
     check_groupings(down)
-    given = build_kernel_relation(fine, coarse[::-1].copy(), kind="forward", **args)
-    assert edge_set(given) == ref.brute_force_edges(fine, coarse[::-1], offsets)
-    check_groupings(given)
+    for outs in (coarse, coarse[::-1].copy()):
+        given = build_kernel_relation(fine, outs, kind="forward", **args)
+        assert edge_set(given) == ref.brute_force_edges(fine, outs, offsets)
+        check_groupings(given)
+        up = build_kernel_relation(outs, fine, kind="target", **args)
+        assert edge_set(up) == ref.brute_force_edges(outs, fine, offsets, sign=-1)
+        check_groupings(up)
     up = build_kernel_relation(coarse, fine, kind="target", **args)
-    assert edge_set(up) == ref.brute_force_edges(coarse, fine, offsets, sign=-1)
     assert edge_set(up) == {(o, i, k) for i, o, k in edge_set(down)}
-    check_groupings(up)
 
 
 def test_transposed_relation_onto_sets_off_the_coarse_grid(rng, ref):
@@ -604,14 +626,18 @@ def test_strided_forward_outputs_outside_int32_raise():
             )
     # Strides dividing 2^31 floor it to itself.
     rel = build_kernel_relation(rows, kernel_size=1, stride=4, kind="forward")
-    assert np.array(rel.out_coords).tolist() == [[0, 4, 4, 4], [0, 0, 0, low]]
+    assert np.array(rel.out_coords).tolist() == [[0, 0, 0, low], [0, 4, 4, 4]]
 
 
+@pytest.mark.parametrize("shuffled", [True, False])
 @pytest.mark.parametrize("kind", ["forward", "target", "submanifold"])
-def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads, kind):
-    # About 20k fine rows (several tiles): 1, 2 and 3 threads give identical bits.
+def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads, kind, shuffled):
+    # About 20k fine rows (several tiles): 1, 2 and 3 threads give identical
+    # bits, hashed (shuffled rows) or searched by key (sorted rows; the
+    # target's key search restarts at every tile).
     fine = shell_coords(28.0, batches=2)
-    fine = fine[rng.permutation(len(fine))]
+    if shuffled:
+        fine = fine[rng.permutation(len(fine))]
     down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
     results = []
     for n in (1, 2, 3):

@@ -15,9 +15,11 @@ Conventions (fixed, relied on by the weight layout and by every kernel):
   transposed convolution back to a finer set): when ``p == q - offset(k)``,
   with ``tensor_stride`` the *output's* (finer) stride. Batches never mix.
 * A ``forward`` relation without given outputs produces the input coordinates
-  floored to multiples of ``tensor_stride * stride``, in order of first
-  appearance (with stride 1: the input coordinates themselves); its output
-  tensor stride is ``tensor_stride * stride``. A floored coordinate below
+  floored to multiples of ``tensor_stride * stride``, unique and ascending by
+  ``(batch, x, y, z)`` (with stride 1: the input coordinates themselves, in
+  their order); its output tensor stride is ``tensor_stride * stride``.
+  Sorted outputs keep a network's coarser levels sorted, and relations on
+  sorted coordinates are built by walking them instead of hashing. A floored coordinate below
   int32 (int32's minimum and a step that does not divide 2^31) raises.
 * Edges are grouped by output row, offsets ascending within a row
   (``output_csr.edge_ids`` is the identity); the input and kernel CSR views

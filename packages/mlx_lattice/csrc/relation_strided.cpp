@@ -1,0 +1,224 @@
+#include "relation_strided.h"
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <numeric>
+#include <sstream>
+#include <string>
+#include <utility>
+
+#include "cpu/parallel.h"
+#include "validate.h"
+
+namespace mlx_lattice {
+
+namespace {
+
+constexpr int kDigitBits = 10;
+
+// Stable LSD radix sort of (key, row) pairs by the keys' low `bits` bits.
+void radix_sort(std::vector<uint64_t>& keys, std::vector<int32_t>& rows, int bits) {
+  const size_t n = keys.size();
+  std::vector<uint64_t> keys_out(n);
+  std::vector<int32_t> rows_out(n);
+  std::vector<size_t> count(size_t{1} << kDigitBits);
+  const uint64_t mask = (uint64_t{1} << kDigitBits) - 1;
+  size_t* counts = count.data();
+  for (int shift = 0; shift < bits; shift += kDigitBits) {
+    // Raw pointers: without strict aliasing a store through the vectors
+    // would reload their data pointers.
+    const uint64_t* k_in = keys.data();
+    const int32_t* r_in = rows.data();
+    uint64_t* k_out = keys_out.data();
+    int32_t* r_out = rows_out.data();
+    std::fill(counts, counts + count.size(), 0);
+    for (size_t i = 0; i < n; ++i) ++counts[(k_in[i] >> shift) & mask];
+    if (counts[(k_in[0] >> shift) & mask] == n) continue;  // one digit value: no change
+    size_t total = 0;
+    for (size_t d = 0; d < count.size(); ++d) total += std::exchange(counts[d], total);
+    for (size_t i = 0; i < n; ++i) {
+      const size_t slot = counts[(k_in[i] >> shift) & mask]++;
+      k_out[slot] = k_in[i];
+      r_out[slot] = r_in[i];
+    }
+    keys.swap(keys_out);
+    rows.swap(rows_out);
+  }
+}
+
+int bit_width(unsigned __int128 v) {
+  int bits = 0;
+  for (; v != 0; v >>= 1) ++bits;
+  return bits;
+}
+
+}  // namespace
+
+StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<int64_t, 3>& step) {
+  const std::string op = "build_kernel_relation";
+  StridedOutputs out;
+  out.row.resize(n);
+  out.order.resize(n);
+  if (n == 0) return out;
+  const FloorDiv div[3] = {FloorDiv(step[0]), FloorDiv(step[1]), FloorDiv(step[2])};
+
+  // One parallel pass: the ranges of batch and quotients, and each chunk's
+  // first row floored below int32 (flooring -2^31 to a step of 3, say).
+  constexpr int64_t kChunk = int64_t{1} << 15;
+  const int64_t n_chunks = ceil_div(n, kChunk);
+  struct Scan {
+    std::array<int64_t, 4> lo, hi;
+    int64_t bad = -1;
+  };
+  std::vector<Scan> scans(n_chunks);
+  parallel_for(n_chunks, [&](int64_t t) {
+    // Locals: without strict aliasing each store could change the arrays.
+    const FloorDiv dx = div[0], dy = div[1], dz = div[2];
+    int64_t lo_[4], hi_[4];
+    std::fill(lo_, lo_ + 4, std::numeric_limits<int64_t>::max());
+    std::fill(hi_, hi_ + 4, std::numeric_limits<int64_t>::min());
+    int64_t bad = -1;
+    for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
+      const int32_t* c = in + 4 * r;
+      const int64_t v[4] = {c[0], dx.quotient(c[1]), dy.quotient(c[2]), dz.quotient(c[3])};
+      for (int a = 0; a < 4; ++a) {
+        lo_[a] = std::min(lo_[a], v[a]);
+        hi_[a] = std::max(hi_[a], v[a]);
+      }
+      if (bad < 0 && (v[1] * dx.step() < std::numeric_limits<int32_t>::min() ||
+                      v[2] * dy.step() < std::numeric_limits<int32_t>::min() ||
+                      v[3] * dz.step() < std::numeric_limits<int32_t>::min())) {
+        bad = r;
+      }
+    }
+    Scan& s = scans[t];
+    std::copy(lo_, lo_ + 4, s.lo.begin());
+    std::copy(hi_, hi_ + 4, s.hi.begin());
+    s.bad = bad;
+  });
+  std::array<int64_t, 4> lo = scans[0].lo, hi = scans[0].hi;
+  int64_t outside = -1;  // raised after duplicates, which come first
+  for (const Scan& s : scans) {
+    if (outside < 0) outside = s.bad;
+    for (int a = 0; a < 4; ++a) {
+      lo[a] = std::min(lo[a], s.lo[a]);
+      hi[a] = std::max(hi[a], s.hi[a]);
+    }
+  }
+
+  // Sort the rows by (batch, floored x, y, z), then (x, y, z): one key per
+  // row, the floored cell in mixed radix above the offset within the cell,
+  // when both fit 64 bits; else compare the coordinates.
+  std::vector<int32_t>& order = out.order;
+  std::iota(order.begin(), order.end(), 0);
+  // An offset within a cell is below the step and below 2^32 (a floored
+  // coordinate is in int32, so at most 2^32 - 1 below its row's).
+  std::array<int64_t, 3> offset_radix;
+  unsigned __int128 cells = static_cast<unsigned __int128>(hi[0] - lo[0] + 1);
+  unsigned __int128 within = 1;
+  for (int a = 0; a < 3; ++a) {
+    offset_radix[a] = std::min<int64_t>(step[a], int64_t{1} << 32);
+    cells *= static_cast<unsigned __int128>(hi[a + 1] - lo[a + 1] + 1);
+    within *= static_cast<unsigned __int128>(offset_radix[a]);
+  }
+  const int cell_bits = bit_width(cells - 1), within_bits = bit_width(within - 1);
+  const bool packed = cell_bits + within_bits <= 64;
+  std::vector<uint64_t> keys;
+  if (packed) {
+    keys.resize(n);
+    parallel_for(n_chunks, [&](int64_t t) {
+      const FloorDiv d[3] = {div[0], div[1], div[2]};
+      int64_t low[4], cell_radix[3], within_radix[3];
+      for (int a = 0; a < 4; ++a) low[a] = lo[a];
+      for (int a = 0; a < 3; ++a) {
+        cell_radix[a] = hi[a + 1] - lo[a + 1] + 1;
+        within_radix[a] = offset_radix[a];
+      }
+      const int shift = within_bits;
+      uint64_t* out_keys = keys.data();
+      for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
+        const int32_t* c = in + 4 * r;
+        uint64_t cell = static_cast<uint64_t>(c[0] - low[0]), offset = 0;
+        for (int a = 0; a < 3; ++a) {
+          const int64_t q = d[a].quotient(c[a + 1]);
+          cell = cell * static_cast<uint64_t>(cell_radix[a]) +
+                 static_cast<uint64_t>(q - low[a + 1]);
+          offset = offset * static_cast<uint64_t>(within_radix[a]) +
+                   static_cast<uint64_t>(c[a + 1] - q * d[a].step());
+        }
+        // (shifting by 64 would be undefined; there is no offset then)
+        out_keys[r] = shift == 0 ? cell : (cell << (shift & 63)) | offset;
+      }
+    });
+    radix_sort(keys, order, cell_bits + within_bits);
+  } else {
+    auto rank = [&](int32_t r) {
+      const int32_t* c = in + 4 * static_cast<int64_t>(r);
+      return std::array<int64_t, 8>{c[0],
+                                    div[0].quotient(c[1]),
+                                    div[1].quotient(c[2]),
+                                    div[2].quotient(c[3]),
+                                    c[1],
+                                    c[2],
+                                    c[3],
+                                    r};
+    };
+    std::sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return rank(a) < rank(b); });
+  }
+
+  // Number the cells in order; a repeated key is a duplicated input row
+  // (reported as a scan in row order would: the smallest second row).
+  auto cell_of = [&](int64_t i) { return within_bits >= 64 ? 0 : keys[i] >> within_bits; };
+  auto same_cell = [&](int64_t i) {
+    if (packed) return cell_of(i) == cell_of(i - 1);
+    const int32_t *a = in + 4 * static_cast<int64_t>(order[i - 1]),
+                  *b = in + 4 * static_cast<int64_t>(order[i]);
+    bool same = a[0] == b[0];
+    for (int ax = 0; ax < 3 && same; ++ax) {
+      same = div[ax].quotient(a[ax + 1]) == div[ax].quotient(b[ax + 1]);
+    }
+    return same;
+  };
+  auto same_row = [&](int64_t i) {
+    if (packed) return keys[i] == keys[i - 1];
+    return std::memcmp(in + 4 * static_cast<int64_t>(order[i - 1]),
+                       in + 4 * static_cast<int64_t>(order[i]), 16) == 0;
+  };
+  int64_t first_dup = -1, dup_of = -1;
+  int32_t id = -1;
+  out.coords.resize(4 * n);
+  int32_t* coords = out.coords.data();
+  int32_t* row = out.row.data();
+  for (int64_t i = 0; i < n; ++i) {
+    const int32_t r = order[i];
+    if (i == 0 || !same_cell(i)) {
+      const int32_t* c = in + 4 * static_cast<int64_t>(r);
+      int32_t* o = coords + 4 * static_cast<int64_t>(++id);
+      o[0] = c[0];
+      for (int a = 0; a < 3; ++a) o[a + 1] = static_cast<int32_t>(div[a].floor(c[a + 1]));
+    } else if (same_row(i) && !(i >= 2 && same_row(i - 1)) && (first_dup < 0 || r < first_dup)) {
+      first_dup = r;  // the second of a run of equal rows (rows ascend in a run)
+      dup_of = order[i - 1];
+    }
+    row[r] = id;
+  }
+  out.coords.resize(4 * static_cast<int64_t>(id + 1));
+  if (first_dup >= 0) {
+    const int32_t* c = in + 4 * first_dup;
+    std::ostringstream msg;
+    msg << "in_coords has duplicate coordinate (" << c[0] << ", " << c[1] << ", " << c[2] << ", "
+        << c[3] << ") at rows " << dup_of << " and " << first_dup << ".";
+    fail(op, msg.str());
+  }
+  if (outside >= 0) {
+    int a = 0;
+    while (div[a].floor(in[4 * outside + a + 1]) >= std::numeric_limits<int32_t>::min()) ++a;
+    fail(op, "in_coords row " + std::to_string(outside) + " floored to the stride " +
+                 std::to_string(step[a]) + " is " +
+                 std::to_string(div[a].floor(in[4 * outside + a + 1])) + ", outside int32.");
+  }
+  return out;
+}
+
+}  // namespace mlx_lattice

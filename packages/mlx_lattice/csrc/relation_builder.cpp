@@ -323,8 +323,16 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     return *table;
   };
   const bool strided = kind == "forward" && !out_coords && !self;
-  if (!self && !strided) in_sorted = SortedRows::of(in_c, n_in);
-  if ((!self && !strided && !in_sorted) || (self && !walked && !gridded)) in_table();
+  // A target relation's inputs are the coarser set, searched; a forward
+  // relation's given outputs are.
+  bool in_checked = self ? walked || gridded : strided;
+  if (kind == "target") {
+    in_sorted = SortedRows::of(in_c, n_in);
+    in_checked = in_sorted.has_value();
+  } else if (!self && !strided) {
+    in_checked = rows_ascending(in_c, n_in);
+  }
+  if (!in_checked) in_table();
 
   // Output coordinates (and, for computed ones, each input's floored row).
   mx::array out = in;
@@ -333,8 +341,12 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   std::optional<StridedOutputs> floored;
   if (out_coords) {
     out = concrete_coords(*out_coords, "out_coords");
-    out_sorted = SortedRows::of(idx_or_null(out), out.shape(0));
-    if (!out_sorted) out_table.emplace(index_coords(idx_or_null(out), out.shape(0), "out_coords"));
+    // The outputs of a target relation are the finer set: only checked.
+    const int32_t* given = idx_or_null(out);
+    if (kind == "target" ? !rows_ascending(given, out.shape(0))
+                         : !(out_sorted = SortedRows::of(given, out.shape(0)))) {
+      out_table.emplace(index_coords(given, out.shape(0), "out_coords"));
+    }
   } else if (strided) {
     std::array<int64_t, 3> step;
     for (int a = 0; a < 3; ++a) step[a] = static_cast<int64_t>(stride[a]) * tensor_stride[a];

@@ -24,21 +24,10 @@ struct KeyGroup {
   bool unit = false;
 };
 
-}  // namespace
-
-PackedKeys packed_keys(const int32_t* coords, int64_t n,
-                       const std::vector<std::array<int64_t, 3>>& offsets) {
-  PackedKeys packed;
-  std::array<int64_t, 3>& radix = packed.radix;
-  std::array<int64_t, 3>& reach = packed.reach;
-  for (const auto& off : offsets) {
-    for (int a = 0; a < 3; ++a) reach[a] = std::max(reach[a], off[a] < 0 ? -off[a] : off[a]);
-  }
-  for (int a = 0; a < 3; ++a) {
-    if (reach[a] > (int64_t{1} << 40)) return packed;
-  }
-  // One pass over parallel chunks of rows: whether each row follows the row
-  // before it (the chunk's first row too), and each column's range.
+// Whether n > 0 rows strictly ascend, and each column's range (low[4],
+// high[4]): one pass over parallel chunks of rows.
+bool scan_rows(const int32_t* coords, int64_t n, std::array<int64_t, 4>& low,
+               std::array<int64_t, 4>& high) {
   constexpr int64_t kChunk = int64_t{1} << 15;
   const int64_t n_chunks = ceil_div(n, kChunk);
   std::vector<std::array<int32_t, 8>> ranges(n_chunks);
@@ -52,7 +41,7 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
   parallel_for(n_chunks, [&](int64_t t) {
     const int64_t r0 = t * kChunk, r1 = std::min(n, (t + 1) * kChunk);
     const int32_t* c = coords + 4 * r0;
-    int32_t low[4] = {c[0], c[1], c[2], c[3]}, high[4] = {c[0], c[1], c[2], c[3]};
+    int32_t lo_[4] = {c[0], c[1], c[2], c[3]}, hi_[4] = {c[0], c[1], c[2], c[3]};
     uint64_t prev_hi = 0, prev_lo = 0;
     if (r0 > 0) {
       prev_hi = word(c[-4], c[-3]);
@@ -65,17 +54,14 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
       prev_hi = hi;
       prev_lo = lo;
       for (int a = 0; a < 4; ++a) {
-        low[a] = std::min(low[a], c[a]);
-        high[a] = std::max(high[a], c[a]);
+        lo_[a] = std::min(lo_[a], c[a]);
+        hi_[a] = std::max(hi_[a], c[a]);
       }
     }
     ascending[t] = rising;
-    std::copy(low, low + 4, ranges[t].begin());
-    std::copy(high, high + 4, ranges[t].begin() + 4);
+    std::copy(lo_, lo_ + 4, ranges[t].begin());
+    std::copy(hi_, hi_ + 4, ranges[t].begin() + 4);
   });
-  if (std::find(ascending.begin(), ascending.end(), 0) != ascending.end()) return packed;
-  std::array<int64_t, 4>& low = packed.low;
-  std::array<int64_t, 4>& high = packed.high;
   for (int a = 0; a < 4; ++a) {
     low[a] = ranges[0][a];
     high[a] = ranges[0][a + 4];
@@ -84,6 +70,25 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
       high[a] = std::max<int64_t>(high[a], range[a + 4]);
     }
   }
+  return std::find(ascending.begin(), ascending.end(), 0) == ascending.end();
+}
+
+}  // namespace
+
+PackedKeys packed_keys(const int32_t* coords, int64_t n,
+                       const std::vector<std::array<int64_t, 3>>& offsets) {
+  PackedKeys packed;
+  std::array<int64_t, 3>& radix = packed.radix;
+  std::array<int64_t, 3>& reach = packed.reach;
+  for (const auto& off : offsets) {
+    for (int a = 0; a < 3; ++a) reach[a] = std::max(reach[a], off[a] < 0 ? -off[a] : off[a]);
+  }
+  for (int a = 0; a < 3; ++a) {
+    if (reach[a] > (int64_t{1} << 40)) return packed;
+  }
+  std::array<int64_t, 4>& low = packed.low;
+  std::array<int64_t, 4>& high = packed.high;
+  if (!scan_rows(coords, n, low, high)) return packed;
   // Ranges are at most 2^32 and reaches at most 2^40 (past that, the hash),
   // so each radix fits in 42 bits, and the product is checked in 128 bits.
   unsigned __int128 product = static_cast<unsigned __int128>(high[0] - low[0] + 1);
@@ -95,7 +100,8 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
   std::vector<int64_t>& keys = packed.keys;
   keys.resize(n + 1);
   keys[n] = std::numeric_limits<int64_t>::max();  // a sentinel past every key
-  parallel_for(n_chunks, [&](int64_t t) {
+  constexpr int64_t kChunk = int64_t{1} << 15;
+  parallel_for(ceil_div(n, kChunk), [&](int64_t t) {
     // Locals: without strict aliasing each store could change the arrays.
     const int64_t b0 = low[0], rx = radix[0], ry = radix[1], rz = radix[2];
     const int64_t x0 = low[1] - reach[0], y0 = low[2] - reach[1], z0 = low[3] - reach[2];
@@ -250,35 +256,30 @@ std::optional<SortedRows> SortedRows::of(const int32_t* coords, int64_t n) {
   return rows;
 }
 
-int32_t SortedRows::find(const int32_t* q, int64_t& cursor) const {
-  const PackedKeys& p = packed_;
-  int64_t key = 0;
-  for (int a = 0; a < 4; ++a) {
-    if (q[a] < p.low[a] || q[a] > p.high[a]) return -1;
-    key = (a == 0 ? 0 : key * p.radix[a - 1]) + (q[a] - p.low[a]);
-  }
-  // Gallop from the cursor to the first key >= key (the sentinel ends the
-  // keys), forward or back, then bisect the last step.
-  const int64_t* k = p.keys.data();
-  const int64_t n = static_cast<int64_t>(p.keys.size()) - 1;
-  int64_t j = cursor;
+bool rows_ascending(const int32_t* coords, int64_t n) {
+  std::array<int64_t, 4> low, high;
+  return n == 0 || scan_rows(coords, n, low, high);
+}
+
+int64_t SortedRows::seek(int64_t key, int64_t j) const {
+  // Gallop from j to the first key >= key (the sentinel ends the keys),
+  // forward or back, then bisect the last step.
+  const int64_t* k = packed_.keys.data();
+  const int64_t n = static_cast<int64_t>(packed_.keys.size()) - 1;
   if (k[j] < key) {
     int64_t lo = j, step = 1;  // k[lo] < key
     while (j + step < n && k[j + step] < key) {
       lo = j + step;
       step *= 2;
     }
-    j = std::lower_bound(k + lo + 1, k + std::min(j + step, n), key) - k;
-  } else {
-    int64_t hi = j, step = 1;  // k[hi] >= key
-    while (j - step >= 0 && k[j - step] >= key) {
-      hi = j - step;
-      step *= 2;
-    }
-    j = std::lower_bound(k + std::max<int64_t>(j - step + 1, 0), k + hi, key) - k;
+    return std::lower_bound(k + lo + 1, k + std::min(j + step, n), key) - k;
   }
-  cursor = j;
-  return k[j] == key ? static_cast<int32_t>(j) : -1;
+  int64_t hi = j, step = 1;  // k[hi] >= key
+  while (j - step >= 0 && k[j - step] >= key) {
+    hi = j - step;
+    step *= 2;
+  }
+  return std::lower_bound(k + std::max<int64_t>(j - step + 1, 0), k + hi, key) - k;
 }
 
 }  // namespace mlx_lattice

@@ -33,6 +33,10 @@ struct PackedKeys {
 PackedKeys packed_keys(const int32_t* coords, int64_t n,
                        const std::vector<std::array<int64_t, 3>>& offsets);
 
+// Whether the rows strictly ascend by (batch, x, y, z) (so hold no
+// duplicate).
+bool rows_ascending(const int32_t* coords, int64_t n);
+
 // A coordinate set sorted by (batch, x, y, z), searched by key from a
 // cursor instead of hashed: lookups whose coordinates mostly ascend (the
 // coarse rows of sorted finer rows) move the cursor a few keys at a time.
@@ -44,9 +48,26 @@ class SortedRows {
 
   // The row of coordinate q (batch, x, y, z), or -1. The search starts at
   // `cursor` (any row, or n) and leaves it at q's place.
-  int32_t find(const int32_t* q, int64_t& cursor) const;
+  int32_t find(const int32_t* q, int64_t& cursor) const {
+    const PackedKeys& p = packed_;
+    int64_t key = 0;
+    for (int a = 0; a < 4; ++a) {
+      if (q[a] < p.low[a] || q[a] > p.high[a]) return -1;
+      key = (a == 0 ? 0 : key * p.radix[a - 1]) + (q[a] - p.low[a]);
+    }
+    // Mostly the key at the cursor or the next one (siblings share a
+    // parent; a column's parents ascend).
+    const int64_t* k = p.keys.data();
+    int64_t j = cursor;
+    if (k[j] != key) j = k[j] < key && k[j + 1] >= key ? j + 1 : seek(key, j);
+    cursor = j;
+    return k[j] == key ? static_cast<int32_t>(j) : -1;
+  }
 
  private:
+  // The first position at or after which keys are >= key, from j.
+  int64_t seek(int64_t key, int64_t j) const;
+
   PackedKeys packed_;
 };
 

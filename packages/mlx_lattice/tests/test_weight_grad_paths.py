@@ -283,13 +283,15 @@ def bits(a: mx.array) -> np.ndarray:
     return np.array(a.view(mx.uint32 if a.dtype == mx.float32 else mx.uint16))
 
 
-# On AMX-BF16 hosts bfloat16 dW runs on the tile driver
-# (cpu/amx_bf16_wgrad.h): its own order, so a bound instead of bits.
-AMX_BF16 = ext.bf16_isa() == "amx-bf16"
+# Where bfloat16 has a weight-gradient driver (the amx-bf16 tile driver,
+# cpu/amx_bf16_wgrad.h; the avx512-bf16 one, cpu/gemm_bf16.h, whose order
+# test_bf16_conv.py emulates bit for bit), bfloat16 dW runs on it: its own
+# order, so a bound here instead of the float32 path's bits.
+BF16_WGRAD = ext.bf16_isa() in ("amx-bf16", "avx512-bf16")
 
 
-def assert_amx_bf16_weight_grad(f, g, w, rel, seed, threads, expected):
-    """The amx-bf16 dW: the same bits at every thread count, within the
+def assert_bf16_driver_weight_grad(f, g, w, rel, seed, threads, expected):
+    """The bf16 driver's dW: the same bits at every thread count, within the
     driver's bound (n u sum |products|, n the offset's edges; plus one bf16
     rounding for a bf16 weight) of float64."""
     k = w.shape[0]
@@ -318,8 +320,8 @@ def assert_half_path_is_the_widened_float32_path(f, g, w, rel, seed, threads=(1,
     f, g cast to float32 (float32 dW, rounded once for a half weight)."""
     f32, g32 = f.astype(mx.float32), g.astype(mx.float32)
     expected = with_threads(1, lambda: weight_grad_array(f32, g32, w, rel))
-    if AMX_BF16 and f.dtype == mx.bfloat16:
-        return assert_amx_bf16_weight_grad(f, g, w, rel, seed, threads, expected)
+    if BF16_WGRAD and f.dtype == mx.bfloat16:
+        return assert_bf16_driver_weight_grad(f, g, w, rel, seed, threads, expected)
     expected_half = expected.astype(f.dtype)
     for n in threads:
         mixed = with_threads(n, lambda: weight_grad_array(f, g, w, rel))

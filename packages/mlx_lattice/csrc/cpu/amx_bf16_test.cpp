@@ -410,7 +410,8 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
   if (half_conv_transposed_available(FloatFormat::kBF16) && finite) {
     std::vector<uint16_t> out(std::max<int64_t>(1, p.n_in * p.cin), 0xdead);
     half_conv_transposed(FloatFormat::kBF16, g.data(), p.n_out, p.cout, w.data(), p.n_kernels,
-                         p.cin, in_csr, r.c_index.data(), r.kid.data(), out.data());
+                         p.cin, in_csr, r.c_index.data(), r.a_index.data(), r.kid.data(),
+                         out.data());
     out.resize(p.n_in * p.cin);
     compare("dispatch feature gradient", name, out, bwd, false);
   }

@@ -1,7 +1,8 @@
 // The AMX-BF16 weight gradient of the bf16 sparse convolution, a template
 // on its tile policy (cpu/amx_tiles.h: TileHw, or the test model
 // TileModel), with no MLX dependency; tile configuration and rounding from
-// cpu/amx_bf16.h.
+// cpu/amx_bf16.h. Its slab gather also feeds the avx512-bf16 weight
+// gradient (cpu/gemm_bf16.cpp).
 //
 // Per kernel offset k (one task each): dW[k] (cin x cout, float32) = sum
 // over the edges e of k, in kernel-CSR order, of F[in_rows[e]]^T
@@ -51,6 +52,35 @@ struct WgradScratch {
   std::vector<float> acc;     // cin_pad x cout_pad
 };
 
+// Gathers the n edges of the kernel CSR from position sj into s.at
+// (at[c][i], cin rows of kSlabEdges) and s.bt (bt[i / 2][x][i % 2], rows of
+// cout_pad pairs), zero elsewhere; sized by the caller. Raises InputError on
+// a row index out of range.
+inline void gather_slab(const WgradArgs& p, int64_t sj, int64_t n, int64_t cout_pad,
+                        WgradScratch& s) {
+  std::fill(s.at.begin(), s.at.end(), 0);
+  std::fill(s.bt.begin(), s.bt.end(), 0);
+  // Raw pointers in locals: without strict aliasing each uint16 store
+  // would reload the vectors' data pointers.
+  uint16_t* const at = s.at.data();
+  uint16_t* const bt = s.bt.data();
+  const int64_t cin = p.cin, cout = p.cout;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t j = sj + i;
+    const int32_t e = p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
+    const int32_t fi = p.in_rows[e];
+    const int32_t gi = p.out_rows[e];
+    if (fi < 0 || fi >= p.n_f || gi < 0 || gi >= p.n_g) {
+      throw InputError("relation: a row index is out of range");
+    }
+    const uint16_t* fr = p.f + static_cast<int64_t>(fi) * cin;
+    for (int64_t c = 0; c < cin; ++c) at[c * kSlabEdges + i] = fr[c];
+    const uint16_t* gr = p.g + static_cast<int64_t>(gi) * cout;
+    uint16_t* bp = bt + (i / 2) * cout_pad * 2 + i % 2;
+    for (int64_t x = 0; x < cout; ++x) bp[2 * x] = gr[x];
+  }
+}
+
 // dW[k] for offsets [k0, k1); dweight (K, cin, cout) float32, rows of those
 // offsets overwritten.
 template <class Tiles>
@@ -73,23 +103,7 @@ inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight
     for (int64_t sj = j0; sj < j1; sj += kSlabEdges) {
       const int64_t n = std::min(kSlabEdges, j1 - sj);
       const int64_t chunks = ceil_div(n, 32);
-      std::fill(s.at.begin(), s.at.end(), 0);
-      std::fill(s.bt.begin(), s.bt.end(), 0);
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t j = sj + i;
-        const int32_t e = p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j]
-                                                : static_cast<int32_t>(j);
-        const int32_t fi = p.in_rows[e];
-        const int32_t gi = p.out_rows[e];
-        if (fi < 0 || fi >= p.n_f || gi < 0 || gi >= p.n_g) {
-          throw InputError("relation: a row index is out of range");
-        }
-        const uint16_t* fr = p.f + static_cast<int64_t>(fi) * p.cin;
-        for (int64_t c = 0; c < p.cin; ++c) s.at[c * kSlabEdges + i] = fr[c];
-        const uint16_t* gr = p.g + static_cast<int64_t>(gi) * p.cout;
-        uint16_t* bp = s.bt.data() + (i / 2) * cout_pad * 2 + i % 2;
-        for (int64_t x = 0; x < p.cout; ++x) bp[2 * x] = gr[x];
-      }
+      gather_slab(p, sj, n, cout_pad, s);
       const auto* at = reinterpret_cast<const uint8_t*>(s.at.data());
       const auto* bt = reinterpret_cast<const uint8_t*>(s.bt.data());
       for (int64_t c0 = 0; c0 < cin_pad; c0 += 16) {

@@ -114,14 +114,14 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              };
              if (mode == Mode::kInputGrad && half &&
                  kernels::half_conv_transposed_available(format)) {
-               // The feature gradient on the bf16 row driver (amx-bf16,
-               // cpu/amx_bf16.h): the input CSR with each offset's weight
-               // transposed, float32 tiles rounded once.
+               // The bf16 feature gradient on the bf16 kernels
+               // (cpu/gemm_bf16.h): the input CSR with each offset's
+               // weight transposed, float32 tiles rounded once.
                kernels::Csr csr{idx(r.in_offsets), idx(r.in_edge_ids), r.n_in};
                kernels::half_conv_transposed(
                    format, a.size() ? a.data<uint16_t>() : nullptr, a.shape(0), b.shape(2),
                    mixed ? rounded->bits.data() : b.data<uint16_t>(), r.n_kernels, b.shape(1),
-                   csr, idx(r.out_rows), idx(r.kernel_ids),
+                   csr, idx(r.out_rows), idx(r.in_rows), idx(r.kernel_ids),
                    o.size() ? o.data<uint16_t>() : nullptr);
                return;
              }

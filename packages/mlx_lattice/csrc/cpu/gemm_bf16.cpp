@@ -46,61 +46,71 @@ __attribute__((target("avx512f,avx512bf16"))) inline void dpbf16(__m512& acc, __
   asm("vdpbf16ps %[a], %[w], %[acc]" : [acc] "+v"(acc) : [w] "v"(w), [a] "v"(a));
 }
 
-// 6 rows x (16 * V) columns, V <= 4.
-template <int V>
-__attribute__((target("avx512f,avx512bf16"))) inline void strip(const Block& blk,
-                                                                const PackedBf16& w, int64_t k,
-                                                                int64_t cout, int64_t n0) {
-  __mmask16 mk[4];
-  for (int v = 0; v < 4; ++v) {
-    const int64_t rem = cout - n0 - 16 * v;
-    mk[v] = rem >= 16 ? static_cast<__mmask16>(0xffff)
-                      : (rem > 0 ? static_cast<__mmask16>((1u << rem) - 1u) : 0);
-  }
-  const int64_t stride = w.cout_pad * 2;
-  const uint16_t* wk = w.w.data() + k * w.pairs * stride + n0 * 2;
+// R <= 6 rows x (16 * V) columns (V <= 4) of float32 sums c[r][0, 16 V),
+// masked by mk: for each of `pairs` steps q, c[r] += the pair a[r][2q],
+// a[r][2q + 1] (broadcast) dotted with b's V vectors at q * b_stride.
+template <int R, int V>
+__attribute__((target("avx512f,avx512bf16"))) inline void pair_rows(
+    const uint16_t* const* a, const uint16_t* b, int64_t b_stride, int64_t pairs,
+    float* const* c, const __mmask16* mk) {
   const __m512 zero = _mm512_setzero_ps();
 #define DECL(r) __m512 x##r##0 = zero, x##r##1 = zero, x##r##2 = zero, x##r##3 = zero;
   DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5)
 #undef DECL
 #define LOADC(r, v) \
-  if constexpr (V > v) x##r##v = _mm512_maskz_loadu_ps(mk[v], blk.c[r] + n0 + 16 * v);
+  if constexpr (R > r && V > v) x##r##v = _mm512_maskz_loadu_ps(mk[v], c[r] + 16 * v);
 #define LOADROW(r) LOADC(r, 0) LOADC(r, 1) LOADC(r, 2) LOADC(r, 3)
   LOADROW(0) LOADROW(1) LOADROW(2) LOADROW(3) LOADROW(4) LOADROW(5)
 #undef LOADROW
 #undef LOADC
-  const uint16_t* a0 = blk.a[0];
-  const uint16_t* a1 = blk.a[1];
-  const uint16_t* a2 = blk.a[2];
-  const uint16_t* a3 = blk.a[3];
-  const uint16_t* a4 = blk.a[4];
-  const uint16_t* a5 = blk.a[5];
-  for (int64_t p = 0; p < w.pairs; ++p) {
-    const uint16_t* wp = wk + p * stride;
-    const __m512i b0 = _mm512_loadu_si512(wp);
+  const uint16_t* a0 = a[0];
+  const uint16_t* a1 = R > 1 ? a[1] : a[0];
+  const uint16_t* a2 = R > 2 ? a[2] : a[0];
+  const uint16_t* a3 = R > 3 ? a[3] : a[0];
+  const uint16_t* a4 = R > 4 ? a[4] : a[0];
+  const uint16_t* a5 = R > 5 ? a[5] : a[0];
+  for (int64_t q = 0; q < pairs; ++q) {
+    const uint16_t* bq = b + q * b_stride;
+    const __m512i b0 = _mm512_loadu_si512(bq);
     __m512i b1 = _mm512_setzero_si512(), b2 = b1, b3 = b1;
-    if constexpr (V > 1) b1 = _mm512_loadu_si512(wp + 32);
-    if constexpr (V > 2) b2 = _mm512_loadu_si512(wp + 64);
-    if constexpr (V > 3) b3 = _mm512_loadu_si512(wp + 96);
-#define ROW(r)                                            \
-  {                                                       \
-    int32_t pair;                                         \
-    std::memcpy(&pair, a##r + 2 * p, 4);                  \
-    const __m512i s = _mm512_set1_epi32(pair);            \
-    dpbf16(x##r##0, b0, s);                               \
-    if constexpr (V > 1) dpbf16(x##r##1, b1, s);          \
-    if constexpr (V > 2) dpbf16(x##r##2, b2, s);          \
-    if constexpr (V > 3) dpbf16(x##r##3, b3, s);          \
+    if constexpr (V > 1) b1 = _mm512_loadu_si512(bq + 32);
+    if constexpr (V > 2) b2 = _mm512_loadu_si512(bq + 64);
+    if constexpr (V > 3) b3 = _mm512_loadu_si512(bq + 96);
+#define ROW(r)                                     \
+  if constexpr (R > r) {                           \
+    int32_t pair;                                  \
+    std::memcpy(&pair, a##r + 2 * q, 4);           \
+    const __m512i s = _mm512_set1_epi32(pair);     \
+    dpbf16(x##r##0, b0, s);                        \
+    if constexpr (V > 1) dpbf16(x##r##1, b1, s);   \
+    if constexpr (V > 2) dpbf16(x##r##2, b2, s);   \
+    if constexpr (V > 3) dpbf16(x##r##3, b3, s);   \
   }
     ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
 #undef ROW
   }
 #define STOREC(r, v) \
-  if constexpr (V > v) _mm512_mask_storeu_ps(blk.c[r] + n0 + 16 * v, mk[v], x##r##v);
+  if constexpr (R > r && V > v) _mm512_mask_storeu_ps(c[r] + 16 * v, mk[v], x##r##v);
 #define STOREROW(r) STOREC(r, 0) STOREC(r, 1) STOREC(r, 2) STOREC(r, 3)
   STOREROW(0) STOREROW(1) STOREROW(2) STOREROW(3) STOREROW(4) STOREROW(5)
 #undef STOREROW
 #undef STOREC
+}
+
+// pair_rows with V picked from the columns left (a multiple of 16, > 0).
+template <int R>
+__attribute__((target("avx512f,avx512bf16"))) inline void pair_rows_upto(
+    int64_t cols_left, const uint16_t* const* a, const uint16_t* b, int64_t b_stride,
+    int64_t pairs, float* const* c, const __mmask16* mk) {
+  if (cols_left >= 64) {
+    pair_rows<R, 4>(a, b, b_stride, pairs, c, mk);
+  } else if (cols_left == 48) {
+    pair_rows<R, 3>(a, b, b_stride, pairs, c, mk);
+  } else if (cols_left == 32) {
+    pair_rows<R, 2>(a, b, b_stride, pairs, c, mk);
+  } else {
+    pair_rows<R, 1>(a, b, b_stride, pairs, c, mk);
+  }
 }
 
 // dst[0:n] = bf16(src[0:n]), round to nearest even (vcvtneps2bf16; NaN stays
@@ -119,18 +129,68 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void tile_to_bf1
   }
 }
 
+// The forward's register block: kRows edges' feature rows against offset
+// k's packed weight, into their tile rows, every column strip.
 __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
                                                               const PackedBf16& w, int64_t k,
                                                               int64_t cout) {
-  int64_t n0 = 0;
-  for (; n0 + 64 <= w.cout_pad; n0 += 64) strip<4>(blk, w, k, cout, n0);
-  const int64_t rest = w.cout_pad - n0;  // a multiple of 16
-  if (rest == 48) {
-    strip<3>(blk, w, k, cout, n0);
-  } else if (rest == 32) {
-    strip<2>(blk, w, k, cout, n0);
-  } else if (rest == 16) {
-    strip<1>(blk, w, k, cout, n0);
+  const int64_t stride = w.cout_pad * 2;
+  const uint16_t* wk = w.w.data() + k * w.pairs * stride;
+  for (int64_t n0 = 0; n0 < w.cout_pad; n0 += 64) {
+    __mmask16 mk[4];
+    for (int v = 0; v < 4; ++v) {
+      const int64_t rem = cout - n0 - 16 * v;
+      mk[v] = rem >= 16 ? static_cast<__mmask16>(0xffff)
+                        : (rem > 0 ? static_cast<__mmask16>((1u << rem) - 1u) : 0);
+    }
+    float* c[kRows];
+    for (int r = 0; r < kRows; ++r) c[r] = blk.c[r] + n0;
+    pair_rows_upto<kRows>(w.cout_pad - n0, blk.a, wk + n0 * 2, stride, w.pairs, c, mk);
+  }
+}
+
+thread_local amx_bf16::WgradScratch wgrad_scratch;
+
+// dW[k] for offsets [k0, k1) on vdpbf16ps, in cpu/amx_bf16_wgrad.h's slabs
+// (the same gather). Per dW element: the offset's edges in kernel-CSR
+// order, in pairs, the odd edge's product added before the even's
+// (vdpbf16ps's order, as in the forward), float32 throughout.
+__attribute__((target("avx512f,avx512bf16"))) void wgrad_bf16(const amx_bf16::WgradArgs& p,
+                                                              int64_t k0, int64_t k1,
+                                                              float* dweight) {
+  auto& s = this_thread(wgrad_scratch);
+  const int64_t slab = amx_bf16::kSlabEdges;
+  const __mmask16 all[4] = {0xffff, 0xffff, 0xffff, 0xffff};
+  const int64_t cin_pad = ceil_div(p.cin, 16) * 16;
+  const int64_t cout_pad = ceil_div(p.cout, 16) * 16;
+  s.at.resize(cin_pad * slab);
+  s.bt.resize(slab / 2 * cout_pad * 2);
+  s.acc.resize(cin_pad * cout_pad);
+  for (int64_t k = k0; k < k1; ++k) {
+    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    const int64_t j0 = p.kernel_csr.offsets[k];
+    const int64_t j1 = p.kernel_csr.offsets[k + 1];
+    for (int64_t sj = j0; sj < j1; sj += slab) {
+      const int64_t n = std::min(slab, j1 - sj);
+      amx_bf16::gather_slab(p, sj, n, cout_pad, s);
+      const int64_t pairs = ceil_div(n, 2);
+      // 4 channels (rows of at, each a run of edge pairs) x strips of dW.
+      for (int64_t c0 = 0; c0 < cin_pad; c0 += 4) {
+        for (int64_t n0 = 0; n0 < cout_pad; n0 += 64) {
+          const uint16_t* a[4];
+          float* c[4];
+          for (int r = 0; r < 4; ++r) {
+            a[r] = s.at.data() + (c0 + r) * slab;
+            c[r] = s.acc.data() + (c0 + r) * cout_pad + n0;
+          }
+          pair_rows_upto<4>(cout_pad - n0, a, s.bt.data() + n0 * 2, cout_pad * 2, pairs, c, all);
+        }
+      }
+    }
+    float* dst = dweight + k * p.cin * p.cout;
+    for (int64_t c = 0; c < p.cin; ++c) {
+      std::memcpy(dst + c * p.cout, s.acc.data() + c * cout_pad, sizeof(float) * p.cout);
+    }
   }
 }
 
@@ -149,14 +209,14 @@ struct HalfEntry {
   BlockFn block;
   RoundFn round;  // the float32 tile to the storage format
   Bf16RowsFn rows = nullptr;
-  Bf16WgradFn wgrad = nullptr;  // the weight gradient (row-driver entries)
+  Bf16WgradFn wgrad = nullptr;  // the weight gradient, where the entry has one
 };
 // Not constexpr: the AMX entry's driver is defined in its own translation
 // unit (a constant-initialized pointer, so set before this table).
 const HalfEntry kBf16Table[] = {
 #ifdef MLX_LATTICE_X86
     {isa::Isa::kAmxBf16, nullptr, nullptr, kAmxBf16RowsHw, kAmxBf16WgradHw},
-    {isa::Isa::kAvx512Bf16, block_bf16, tile_to_bf16},
+    {isa::Isa::kAvx512Bf16, block_bf16, tile_to_bf16, nullptr, wgrad_bf16},
 #endif
 #if defined(__aarch64__)
     {isa::Isa::kNeonBf16, block_neon_half<true>, tile_to_bf16_neon},
@@ -242,10 +302,13 @@ struct Buffers {
 
 // The tile driver shared by every half-precision block (one entry's block and
 // rounding): weight packing, per-tile edge sort by offset, float32 tile.
+// Rows of `cin` channels give outputs of `cout`: W is (K, cin, cout), or,
+// transpose_weight, (K, cout, cin) read as each offset's transpose (the
+// feature gradient: cotangent rows, the input CSR, c_index = in_rows).
 void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int64_t cin,
-               const uint16_t* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
-               const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
-               uint16_t* out) {
+               const uint16_t* weight, int64_t n_kernels, int64_t cout, bool transpose_weight,
+               const Csr& csr, const int32_t* a_index, const int32_t* c_index,
+               const int32_t* kernel_ids, uint16_t* out) {
   thread_local Buffers buffers;
   Buffers& buf = this_thread(buffers);  // the workers below use this thread's buffers
   PackedBf16& w = buf.weight;
@@ -255,7 +318,8 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
   for (int64_t k = 0; k < n_kernels; ++k) {
     for (int64_t c = 0; c < cin; ++c) {
       for (int64_t x = 0; x < cout; ++x) {
-        w.w[((k * w.pairs + c / 2) * w.cout_pad + x) * 2 + c % 2] = weight[(k * cin + c) * cout + x];
+        w.w[((k * w.pairs + c / 2) * w.cout_pad + x) * 2 + c % 2] =
+            transpose_weight ? weight[(k * cout + x) * cin + c] : weight[(k * cin + c) * cout + x];
       }
     }
   }
@@ -304,6 +368,23 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
   });
 }
 
+// The convolution over `csr`'s groups on an entry: the row driver, or the
+// tile driver with the entry's block. W is (K, cin, cout); transposed, the
+// rows have cout channels and the outputs cin (the feature gradient).
+void run_entry(const HalfEntry& entry, const uint16_t* rows, int64_t n_rows,
+               const uint16_t* weight, int64_t n_kernels, int64_t cin, int64_t cout,
+               bool transpose_weight, const Csr& csr, const int32_t* a_index,
+               const int32_t* c_index, const int32_t* kernel_ids, uint16_t* out) {
+  if (entry.rows) {
+    rows_conv(entry.rows, rows, n_rows, cin, weight, n_kernels, cout, transpose_weight, csr,
+              a_index, kernel_ids, out);
+    return;
+  }
+  conv_tiles(entry, rows, n_rows, transpose_weight ? cout : cin, weight, n_kernels,
+             transpose_weight ? cin : cout, transpose_weight, csr, a_index, c_index, kernel_ids,
+             out);
+}
+
 }  // namespace
 
 bool half_conv_available(FloatFormat format) {
@@ -316,7 +397,8 @@ bool half_weight_grad_available(FloatFormat format) {
 }
 
 bool half_conv_transposed_available(FloatFormat format) {
-  return format != FloatFormat::kF32 && entry_for(format).rows != nullptr;
+  return format == FloatFormat::kBF16 &&
+         (entry_for(format).rows != nullptr || entry_for(format).block != nullptr);
 }
 
 const char* half_isa(FloatFormat format) {
@@ -328,22 +410,17 @@ void half_conv(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t 
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                uint16_t* out) {
   if (!half_conv_available(format)) return;
-  const HalfEntry& entry = entry_for(format);
-  if (entry.rows) {
-    rows_conv(entry.rows, feats, n_in, cin, weight, n_kernels, cout, false, csr, a_index,
-              kernel_ids, out);
-    return;
-  }
-  conv_tiles(entry_for(format), feats, n_in, cin, weight, n_kernels, cout, csr, a_index, c_index,
-             kernel_ids, out);
+  run_entry(entry_for(format), feats, n_in, weight, n_kernels, cin, cout, false, csr, a_index,
+            c_index, kernel_ids, out);
 }
 
 void half_conv_transposed(FloatFormat format, const uint16_t* grad, int64_t n_out, int64_t cout,
                           const uint16_t* weight, int64_t n_kernels, int64_t cin, const Csr& csr,
-                          const int32_t* g_index, const int32_t* kernel_ids, uint16_t* out) {
+                          const int32_t* g_index, const int32_t* c_index,
+                          const int32_t* kernel_ids, uint16_t* out) {
   if (!half_conv_transposed_available(format)) return;
-  rows_conv(entry_for(format).rows, grad, n_out, cin, weight, n_kernels, cout, true, csr, g_index,
-            kernel_ids, out);
+  run_entry(entry_for(format), grad, n_out, weight, n_kernels, cin, cout, true, csr, g_index,
+            c_index, kernel_ids, out);
 }
 
 void bf16_conv_rows(Bf16RowsFn rows, const uint16_t* feats, int64_t n_in, int64_t cin,

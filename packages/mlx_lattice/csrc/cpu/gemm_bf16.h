@@ -2,10 +2,10 @@
 // weights, float32 accumulation in a tile, rounded once per tile. One tile
 // driver (cpu/gemm_bf16.cpp) with blocks by ISA level (cpu/isa.h):
 //   bf16: amx-bf16 (TDPBF16PS, the output-stationary row driver of
-//         cpu/amx_bf16.h, which states its own order and error bound; it
-//         also runs the feature gradient, half_conv_transposed),
+//         cpu/amx_bf16.h, which states its own order and error bound),
 //         avx512-bf16 (vdpbf16ps), neon-bf16 (BFMLALT/BFMLALB,
-//         cpu/gemm_half_neon.inc);
+//         cpu/gemm_half_neon.inc); each also runs the feature gradient
+//         (half_conv_transposed);
 //   fp16: neon-fhm (FMLAL/FMLAL2).
 //
 // bf16, per output value, offsets ascending (output CSR sorted by offset) and
@@ -49,28 +49,37 @@ void half_conv(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t 
                uint16_t* out);
 
 // Whether the feature gradient of a `format` convolution runs in `format`
-// here (half_conv_transposed): only the amx-bf16 row driver offers it;
-// elsewhere callers widen to the float32 path.
+// here (half_conv_transposed): bf16 wherever half_conv runs it (the
+// amx-bf16 row driver, the avx512-bf16 and neon-bf16 blocks); elsewhere,
+// and for fp16, callers widen to the float32 path.
 bool half_conv_transposed_available(FloatFormat format);
 
 // The feature gradient: out (n_in, cin) in `format`, overwritten: out[i] =
 // sum over edges e of input row i of G[g_index[e]] @ W[kernel_ids[e]]^T,
 // G (n_out, cout) and W (K, cin, cout) stored in `format`; csr is the
-// input-side CSR of the relation (edge_ids into the edge arrays). Does
-// nothing where half_conv_transposed_available(format) is false.
+// input-side CSR of the relation (edge_ids into the edge arrays) and
+// c_index[e] each edge's input row. The forward's order with the roles
+// swapped: per input value, offsets ascending, then cotangent channel pairs
+// ascending (2p + 1 before 2p) on the blocks; amx-bf16 in TDPBF16PS's
+// order (cpu/amx_bf16.h). Does nothing where
+// half_conv_transposed_available(format) is false.
 void half_conv_transposed(FloatFormat format, const uint16_t* grad, int64_t n_out, int64_t cout,
                           const uint16_t* weight, int64_t n_kernels, int64_t cin, const Csr& csr,
-                          const int32_t* g_index, const int32_t* kernel_ids, uint16_t* out);
+                          const int32_t* g_index, const int32_t* c_index,
+                          const int32_t* kernel_ids, uint16_t* out);
 
 // Whether the weight gradient of a convolution with `format` features and
-// cotangents runs on a half-precision kernel here (half_weight_grad): only
-// the amx-bf16 driver offers it; elsewhere callers use the float32 path.
+// cotangents runs on a half-precision kernel here (half_weight_grad): the
+// amx-bf16 and avx512-bf16 drivers (bf16 only); elsewhere callers use the
+// float32 path.
 bool half_weight_grad_available(FloatFormat format);
 
 // dW (K, cin, cout) float32, overwritten: dW[k] = sum over edges e of
 // offset k (kernel_csr, edge_ids into the edge arrays) of F[in_rows[e]]^T
 // G[out_rows[e]], F (n_in, cin) and G (n_out, cout) stored in `format`
-// (cpu/amx_bf16_wgrad.h states the order and bound). Does nothing where
+// (cpu/amx_bf16_wgrad.h states the order and bound; avx512-bf16: the
+// offset's edges in kernel-CSR order, in pairs, the odd edge's product
+// added before the even's, float32, subnormals flushed). Does nothing where
 // half_weight_grad_available(format) is false.
 void half_weight_grad(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t cin,
                       const uint16_t* grad, int64_t n_out, int64_t cout, const Csr& kernel_csr,

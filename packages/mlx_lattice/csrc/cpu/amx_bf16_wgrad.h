@@ -1,8 +1,7 @@
 // The AMX-BF16 weight gradient of the bf16 sparse convolution, a template
 // on its tile policy (cpu/amx_tiles.h: TileHw, or the test model
 // TileModel), with no MLX dependency; tile configuration and rounding from
-// cpu/amx_bf16.h. Its slab gather also feeds the avx512-bf16 weight
-// gradient (cpu/gemm_bf16.cpp).
+// cpu/amx_bf16.h.
 //
 // Per kernel offset k (one task each): dW[k] (cin x cout, float32) = sum
 // over the edges e of k, in kernel-CSR order, of F[in_rows[e]]^T

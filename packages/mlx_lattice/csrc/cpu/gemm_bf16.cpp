@@ -47,12 +47,13 @@ __attribute__((target("avx512f,avx512bf16"))) inline void dpbf16(__m512& acc, __
 }
 
 // R <= 6 rows x (16 * V) columns (V <= 4) of float32 sums c[r][0, 16 V),
-// masked by mk: for each of `pairs` steps q, c[r] += the pair a[r][2q],
-// a[r][2q + 1] (broadcast) dotted with b's V vectors at q * b_stride.
+// masked by mk: for each of `pairs` steps q, c[r] += the pair of bf16 at
+// a[r] + q * a_stride (broadcast) dotted with b's V vectors at
+// b + q * b_stride (strides in bf16 values).
 template <int R, int V>
 __attribute__((target("avx512f,avx512bf16"))) inline void pair_rows(
-    const uint16_t* const* a, const uint16_t* b, int64_t b_stride, int64_t pairs,
-    float* const* c, const __mmask16* mk) {
+    const uint16_t* const* a, int64_t a_stride, const uint16_t* b, int64_t b_stride,
+    int64_t pairs, float* const* c, const __mmask16* mk) {
   const __m512 zero = _mm512_setzero_ps();
 #define DECL(r) __m512 x##r##0 = zero, x##r##1 = zero, x##r##2 = zero, x##r##3 = zero;
   DECL(0) DECL(1) DECL(2) DECL(3) DECL(4) DECL(5)
@@ -79,7 +80,7 @@ __attribute__((target("avx512f,avx512bf16"))) inline void pair_rows(
 #define ROW(r)                                     \
   if constexpr (R > r) {                           \
     int32_t pair;                                  \
-    std::memcpy(&pair, a##r + 2 * q, 4);           \
+    std::memcpy(&pair, a##r + q * a_stride, 4);    \
     const __m512i s = _mm512_set1_epi32(pair);     \
     dpbf16(x##r##0, b0, s);                        \
     if constexpr (V > 1) dpbf16(x##r##1, b1, s);   \
@@ -100,16 +101,16 @@ __attribute__((target("avx512f,avx512bf16"))) inline void pair_rows(
 // pair_rows with V picked from the columns left (a multiple of 16, > 0).
 template <int R>
 __attribute__((target("avx512f,avx512bf16"))) inline void pair_rows_upto(
-    int64_t cols_left, const uint16_t* const* a, const uint16_t* b, int64_t b_stride,
-    int64_t pairs, float* const* c, const __mmask16* mk) {
+    int64_t cols_left, const uint16_t* const* a, int64_t a_stride, const uint16_t* b,
+    int64_t b_stride, int64_t pairs, float* const* c, const __mmask16* mk) {
   if (cols_left >= 64) {
-    pair_rows<R, 4>(a, b, b_stride, pairs, c, mk);
+    pair_rows<R, 4>(a, a_stride, b, b_stride, pairs, c, mk);
   } else if (cols_left == 48) {
-    pair_rows<R, 3>(a, b, b_stride, pairs, c, mk);
+    pair_rows<R, 3>(a, a_stride, b, b_stride, pairs, c, mk);
   } else if (cols_left == 32) {
-    pair_rows<R, 2>(a, b, b_stride, pairs, c, mk);
+    pair_rows<R, 2>(a, a_stride, b, b_stride, pairs, c, mk);
   } else {
-    pair_rows<R, 1>(a, b, b_stride, pairs, c, mk);
+    pair_rows<R, 1>(a, a_stride, b, b_stride, pairs, c, mk);
   }
 }
 
@@ -145,51 +146,97 @@ __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
     }
     float* c[kRows];
     for (int r = 0; r < kRows; ++r) c[r] = blk.c[r] + n0;
-    pair_rows_upto<kRows>(w.cout_pad - n0, blk.a, wk + n0 * 2, stride, w.pairs, c, mk);
+    pair_rows_upto<kRows>(w.cout_pad - n0, blk.a, 2, wk + n0 * 2, stride, w.pairs, c, mk);
   }
 }
 
-thread_local amx_bf16::WgradScratch wgrad_scratch;
+// Words a[i] | b[i] << 16 (b absent: zero) for i in [0, n), zero on to
+// n_pad (a multiple of 16): two rows in vdpbf16ps's pair layout.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline void interleave_rows(
+    const uint16_t* a, const uint16_t* b, int64_t n, int64_t n_pad, uint16_t* out) {
+  for (int64_t i = 0; i < n_pad; i += 16) {
+    const int64_t left = std::clamp<int64_t>(n - i, 0, 16);
+    const __mmask16 m = static_cast<__mmask16>((uint32_t{1} << left) - 1u);
+    // (The zero-masked forms: GCC 12 warns about the unmasked ones'
+    // undefined pass-through operand.)
+    const __m512i lo = _mm512_maskz_cvtepu16_epi32(m, _mm256_maskz_loadu_epi16(m, a + i));
+    __m512i word = lo;
+    if (b != nullptr) {
+      const __m512i hi = _mm512_maskz_cvtepu16_epi32(m, _mm256_maskz_loadu_epi16(m, b + i));
+      word = _mm512_or_si512(lo, _mm512_maskz_slli_epi32(m, hi, 16));
+    }
+    _mm512_storeu_si512(out + 2 * i, word);
+  }
+}
 
-// dW[k] for offsets [k0, k1) on vdpbf16ps, in cpu/amx_bf16_wgrad.h's slabs
-// (the same gather). Per dW element: the offset's edges in kernel-CSR
-// order, in pairs, the odd edge's product added before the even's
-// (vdpbf16ps's order, as in the forward), float32 throughout.
-__attribute__((target("avx512f,avx512bf16"))) void wgrad_bf16(const amx_bf16::WgradArgs& p,
-                                                              int64_t k0, int64_t k1,
-                                                              float* dweight) {
-  auto& s = this_thread(wgrad_scratch);
-  const int64_t slab = amx_bf16::kSlabEdges;
+constexpr int64_t kWgradPairs = 64;  // edge pairs per slab: both panels in L1
+
+struct WgradPanels {
+  std::vector<uint16_t> f;  // [pair][cin_pad][2]: feature pairs, one word per channel
+  std::vector<uint16_t> g;  // [pair][cout_pad][2]: cotangent pairs
+  std::vector<float> acc;   // cin_pad x cout_pad
+};
+thread_local WgradPanels wgrad_panels;
+
+// dW[k] for offsets [k0, k1) on vdpbf16ps. Per slab of an offset's edges,
+// each pair of edges (e0, e1) becomes one word per channel of their feature
+// rows and of their cotangent rows (vdpbf16ps's pair layout, no transpose);
+// dW's float32 rows then take 4 channels x 64 columns at a time over the
+// slab's pairs. Per dW element: the offset's edges in kernel-CSR order, in
+// pairs, the odd edge's product added before the even's (vdpbf16ps's
+// order, as in the forward), float32 throughout.
+__attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void wgrad_bf16(
+    const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
+  auto& s = this_thread(wgrad_panels);
   const __mmask16 all[4] = {0xffff, 0xffff, 0xffff, 0xffff};
   const int64_t cin_pad = ceil_div(p.cin, 16) * 16;
   const int64_t cout_pad = ceil_div(p.cout, 16) * 16;
-  s.at.resize(cin_pad * slab);
-  s.bt.resize(slab / 2 * cout_pad * 2);
+  s.f.resize(kWgradPairs * cin_pad * 2);
+  s.g.resize(kWgradPairs * cout_pad * 2);
   s.acc.resize(cin_pad * cout_pad);
+  uint16_t* const fp = s.f.data();
+  uint16_t* const gp = s.g.data();
+  float* const acc = s.acc.data();
+  auto edge = [&](int64_t j, bool fine) -> const uint16_t* {
+    const int32_t e = p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
+    const int32_t row = fine ? p.in_rows[e] : p.out_rows[e];
+    if (row < 0 || row >= (fine ? p.n_f : p.n_g)) {
+      throw InputError("relation: a row index is out of range");
+    }
+    return fine ? p.f + static_cast<int64_t>(row) * p.cin
+                : p.g + static_cast<int64_t>(row) * p.cout;
+  };
   for (int64_t k = k0; k < k1; ++k) {
-    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
+    std::fill(acc, acc + cin_pad * cout_pad, 0.0f);
     const int64_t j0 = p.kernel_csr.offsets[k];
     const int64_t j1 = p.kernel_csr.offsets[k + 1];
-    for (int64_t sj = j0; sj < j1; sj += slab) {
-      const int64_t n = std::min(slab, j1 - sj);
-      amx_bf16::gather_slab(p, sj, n, cout_pad, s);
+    for (int64_t sj = j0; sj < j1; sj += 2 * kWgradPairs) {
+      const int64_t n = std::min(2 * kWgradPairs, j1 - sj);
       const int64_t pairs = ceil_div(n, 2);
-      // 4 channels (rows of at, each a run of edge pairs) x strips of dW.
+      for (int64_t q = 0; q < pairs; ++q) {
+        const int64_t j = sj + 2 * q;
+        const bool odd = j + 1 < sj + n;
+        interleave_rows(edge(j, true), odd ? edge(j + 1, true) : nullptr, p.cin, cin_pad,
+                        fp + q * cin_pad * 2);
+        interleave_rows(edge(j, false), odd ? edge(j + 1, false) : nullptr, p.cout, cout_pad,
+                        gp + q * cout_pad * 2);
+      }
       for (int64_t c0 = 0; c0 < cin_pad; c0 += 4) {
         for (int64_t n0 = 0; n0 < cout_pad; n0 += 64) {
           const uint16_t* a[4];
           float* c[4];
           for (int r = 0; r < 4; ++r) {
-            a[r] = s.at.data() + (c0 + r) * slab;
-            c[r] = s.acc.data() + (c0 + r) * cout_pad + n0;
+            a[r] = fp + (c0 + r) * 2;
+            c[r] = acc + (c0 + r) * cout_pad + n0;
           }
-          pair_rows_upto<4>(cout_pad - n0, a, s.bt.data() + n0 * 2, cout_pad * 2, pairs, c, all);
+          pair_rows_upto<4>(cout_pad - n0, a, cin_pad * 2, gp + n0 * 2, cout_pad * 2, pairs, c,
+                            all);
         }
       }
     }
     float* dst = dweight + k * p.cin * p.cout;
     for (int64_t c = 0; c < p.cin; ++c) {
-      std::memcpy(dst + c * p.cout, s.acc.data() + c * cout_pad, sizeof(float) * p.cout);
+      std::memcpy(dst + c * p.cout, acc + c * cout_pad, sizeof(float) * p.cout);
     }
   }
 }

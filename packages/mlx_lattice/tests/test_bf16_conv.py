@@ -102,13 +102,14 @@ def make_case(rng, cin: int, cout: int):
 needs_bf16 = pytest.mark.skipif(
     ext.bf16_isa() == "float32", reason="no bf16 block here: bf16 uses the float32 path"
 )
-
-
-@needs_bf16
-@pytest.mark.skipif(
+not_amx = pytest.mark.skipif(
     ext.bf16_isa() == "amx-bf16",
     reason="amx-bf16 sums in TDPBF16PS's order: amx_bf16_test checks it, the bound test below too",
 )
+
+
+@needs_bf16
+@not_amx
 @pytest.mark.parametrize(("cin", "cout"), [(64, 64), (19, 70), (32, 16), (7, 33)])
 def test_matches_emulation_bit_for_bit(rng, cin, cout):
     rel, f, w = make_case(rng, cin, cout)
@@ -137,10 +138,7 @@ def test_within_bf16_rounding_of_float64(rng, cin, cout):
 
 
 @needs_bf16
-@pytest.mark.skipif(
-    ext.bf16_isa() == "amx-bf16",
-    reason="amx-bf16 sums in TDPBF16PS's order: amx_bf16_test checks it, the bound test below too",
-)
+@not_amx
 @pytest.mark.parametrize(("cin", "cout"), [(64, 64), (19, 70), (32, 16), (7, 33)])
 def test_feature_gradient_matches_emulation_bit_for_bit(rng, cin, cout):
     """The bf16 feature gradient runs on the bf16 block (not widened to

@@ -28,6 +28,7 @@
 #include "ops.h"
 #include "primitives.h"
 #include "relation_builder.h"
+#include "relation_transpose.h"
 #include "validate.h"
 #include "weight_cache.h"
 
@@ -286,6 +287,52 @@ dilation * tensor_stride`` per axis; an edge joins input ``p`` to output
 ``kernel_row_offsets``, ``kernel_edge_ids``; and ``native``, the relation as
 validated here (valid by construction), which the ops use while the arrays
 are unchanged.
+)pbdoc");
+
+  m.def(
+      "transpose_kernel_relation",
+      [](nb::handle relation) {
+        const std::string op = "transpose_kernel_relation";
+        auto arrays = relation_from(relation);
+        std::map<std::string, mx::array> raw;
+        RelationPtr rel;
+        {
+          nb::gil_scoped_release unlocked;
+          RelationPtr given = validated_relation(op, arrays);
+          // The builder's relations never repeat an offset within an input
+          // row (the edge p == q + offset(k) fixes q); check any other.
+          if (given != arrays.built) {
+            const auto [row, k] = first_repeated_kernel(given->in_offsets, &given->in_edge_ids,
+                                                         given->kernel_ids, given->n_kernels);
+            if (row >= 0) {
+              fail(op, "input row " + std::to_string(row) + " has two edges of kernel offset " +
+                           std::to_string(k) +
+                           "; the transpose would give one output row two edges of one offset.");
+            }
+          }
+          raw = transpose_relation(*given);
+          rel = std::make_shared<const Relation>(Relation{
+              raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
+              raw.at("output_row_offsets"), raw.at("input_row_offsets"), raw.at("input_edge_ids"),
+              raw.at("kernel_row_offsets"), raw.at("kernel_edge_ids"), given->n_out, given->n_in,
+              given->n_kernels});
+        }
+        nb::dict result;
+        for (auto& [name, a] : raw) result[name.c_str()] = nb::cast(a, nb::rv_policy::copy);
+        result["native"] = built_capsule(std::move(rel));
+        return result;
+      },
+      "relation"_a,
+      R"pbdoc(
+The edges of ``relation`` (a KernelRelation) reversed: input and output rows
+swapped, kernel offsets kept, laid out as ``build_kernel_relation`` lays out
+every relation (edges grouped by the new output row with offsets ascending,
+edge ids ascending within each input row and each offset). Returns the same
+dict as ``build_kernel_relation`` without ``out_coords``.
+
+Raises:
+    ValueError: the relation is invalid (naming the field), or an input row
+        has two edges of one kernel offset.
 )pbdoc");
 
   m.def(

@@ -10,11 +10,8 @@
 #include <string>
 #include <vector>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "common.h"
+#include "relation_buffer.h"
 #include "relation_grid.h"
 #include "relation_groups.h"
 #include "relation_hash.h"
@@ -57,37 +54,6 @@ CoordTable index_coords(const int32_t* c, int64_t n, const std::string& name) {
 mx::array to_array(const std::vector<int32_t>& v, mx::Shape shape) {
   return mx::array(v.data(), std::move(shape), mx::int32);
 }
-
-// Asks the kernel to back the 2 MiB-aligned interior of a large fresh buffer
-// with huge pages: the buffer is written once, and faulting it in 4 KiB pages
-// costs about as much as building the relation's edges (Linux; elsewhere, or
-// when transparent huge pages are off, the advice is a no-op).
-void advise_huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
-
-// An int32 vector allocated by MLX and written in place: the result arrays
-// are filled directly (no copy, and MLX's allocator reuses freed buffers).
-struct Int32Buffer {
-  Int32Buffer() = default;
-  explicit Int32Buffer(int64_t n)
-      : array(mx::allocator::malloc(sizeof(int32_t) * std::max<int64_t>(n, 1)),
-              {static_cast<int>(n)}, mx::int32),
-        data(array.data<int32_t>()) {
-    advise_huge_pages(data, sizeof(int32_t) * n);
-  }
-  mx::array array{0};
-  int32_t* data = nullptr;
-};
 
 // At most 7^3 kernel offsets.
 constexpr int64_t kMaxKernels = 343;

@@ -134,10 +134,27 @@ class CoordinateManager:
             return rel, out_key
         with self._lock:
             rel = self._relations.get(cache_key)  # built meanwhile by another thread?
+            if rel is None and kind == "target" and not any(moved):
+                rel = self._transposed_forward(in_key, out_key, size, dil)
             if rel is None:
                 rel = self._build_relation(in_key, out_key, size, strides, dil, kind, moved)
-                self._relations[cache_key] = rel
+            self._relations[cache_key] = rel
         return rel, out_key
+
+    def _transposed_forward(
+        self, in_key: CoordinateKey, out_key: CoordinateKey, size: Triple, dil: Triple
+    ) -> KernelRelation | None:
+        """A target relation (unshifted) as the reverse of the forward relation
+        that came down from its outputs to its inputs, when this manager built
+        that one (as a U-Net's encoder does before its decoder): both have
+        the same edges, and transposing them is a gather and two counting
+        sorts, with no coordinate search. None when there is no such relation."""
+        fine, coarse = out_key[0], in_key[0]
+        if any(c % f for c, f in zip(coarse, fine, strict=True)):
+            return None
+        strides = tuple(c // f for c, f in zip(coarse, fine, strict=True))
+        down = self._relations.get((out_key, in_key, size, strides, dil, "forward", (0, 0, 0)))
+        return None if down is None else down.transposed()
 
     def _build_relation(
         self,

@@ -875,6 +875,11 @@ def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, ke
                     expected.add((i, o, k))
     assert _edge_set(rel) == expected
     assert rel.n_out_capacity == len(want_out) and rel.n_kernels == len(_offset_triples(size, dil, ts))
+    if kind == "forward":
+        # Its transpose (KernelRelation.transposed): the same edges reversed.
+        up = rel.transposed()
+        assert _edge_set(up) == {(o, i, k) for i, o, k in expected}
+        assert (up.n_in, up.n_out_capacity) == (len(want_out), len(rows))
 
 
 # Fields of a KernelRelation the native ops read (validated unless built).
@@ -912,14 +917,14 @@ def _corrupt(array: mx.array, how: str, where: int, bound: int) -> mx.array:
     how=st.sampled_from(["negative", "bound", "big", "min", "max", "dtype", "shorter", "longer",
                          "2d"]),
     where=st.integers(0, 2**16),
-    op=st.sampled_from(["conv", "pool", "quantized"]),
+    op=st.sampled_from(["conv", "pool", "quantized", "transposed"]),
 )
 def test_corrupted_relation_raises(rows, kind, field_name, how, where, op):
     """A valid relation with one index array corrupted (a negative, out of
     range or int32-limit value, another dtype, one element too few or too
     many, a 2-D array), rebuilt with dataclasses.replace, makes the float
-    convolution, the pooling and the quantized convolution raise
-    MlxLatticeError: never a result, never a crash."""
+    convolution, the pooling, the quantized convolution and the transpose
+    raise MlxLatticeError: never a result, never a crash."""
     import dataclasses
 
     from mlx_lattice.core import QuantizedWeight
@@ -953,6 +958,8 @@ def test_corrupted_relation_raises(rows, kind, field_name, how, where, op):
             out = core_ops.sparse_pool_features_from_relation(
                 feats, broken, input_exclusive=False, mode="max"
             )
+        elif op == "transposed":
+            out = broken.transposed().edges.in_rows
         else:
             qw = QuantizedWeight.from_float(mx.ones((27, 32, 4)), bits=8, group_size=32)
             out = core_ops.sparse_quantized_conv_features_from_relation(feats, qw, broken)

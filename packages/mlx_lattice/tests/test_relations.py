@@ -109,6 +109,135 @@ def test_target_is_transpose_of_forward(rng, ref):
     check_groupings(up)
 
 
+def _target_of(rel):
+    """The target relation reversing ``rel``, built by searching coordinates."""
+    c = rel.contract
+    return build_kernel_relation(
+        rel.out_coords,
+        rel.in_coords,
+        kernel_size=c.kernel_size,
+        dilation=c.dilation,
+        tensor_stride=c.tensor_stride,
+        kind="target",
+    )
+
+
+@pytest.mark.parametrize("order", ["sorted", "shuffled"])
+def test_transposed_equals_the_built_target_relation(rng, ref, order):
+    # Reversing a forward relation (computed or given outputs) or a
+    # submanifold one gives, array for array, the target relation the
+    # builder finds by searching the coordinates; brute force checks the edges.
+    for trial in range(10):
+        kernel = tuple(int(v) for v in rng.integers(1, 5, 3))
+        stride = tuple(int(v) for v in rng.integers(1, 4, 3))
+        dilation = tuple(int(v) for v in rng.integers(1, 3, 3))
+        ts = tuple(int(v) for v in rng.integers(1, 3, 3))
+        fine = shifted_coords(rng, ref, int(rng.integers(0, 400)), 9, ts, (0, 0, 0))
+        if order == "sorted":
+            fine = np.unique(fine, axis=0)
+        down = build_kernel_relation(
+            fine, kernel_size=kernel, stride=stride, dilation=dilation, tensor_stride=ts,
+            kind="forward",
+        )
+        coarse = np.array(down.out_coords)[::-1].copy()  # given outputs, in another order
+        given = build_kernel_relation(
+            fine, coarse, kernel_size=kernel, dilation=dilation, tensor_stride=ts, kind="forward"
+        )
+        same = build_kernel_relation(fine, kernel_size=kernel, dilation=dilation, tensor_stride=ts)
+        for rel in (down, given, same):
+            up = rel.transposed()
+            built = _target_of(rel)
+            assert up.contract == built.contract, trial
+            assert up.contract.kind == "target" and up.contract.stride == (1, 1, 1)
+            assert (up.n_in, up.n_out_capacity, up.n_kernels) == (
+                built.n_in, built.n_out_capacity, built.n_kernels,
+            )
+            np.testing.assert_array_equal(np.array(up.in_coords), np.array(rel.out_coords))
+            np.testing.assert_array_equal(np.array(up.out_coords), fine)
+            for a, b in zip(relation_arrays(up), relation_arrays(built), strict=True):
+                np.testing.assert_array_equal(a, b, err_msg=f"trial {trial}")
+            check_groupings(up)
+        offsets = ref.offsets(kernel, dilation, ts)
+        assert edge_set(down.transposed()) == ref.brute_force_edges(
+            np.array(down.out_coords), fine, offsets, sign=-1
+        )
+
+
+def test_transposed_rows_with_many_edges(rng):
+    # A dense block under a 5x5x5 and a 7x7x7 kernel: inner rows hold 125 and
+    # 343 edges, past the transpose's insertion sort (rows shuffled, so each
+    # row's edges arrive out of offset order).
+    grid = np.stack(np.meshgrid(*[np.arange(8)] * 3, indexing="ij"), -1).reshape(-1, 3)
+    coords = np.concatenate([np.zeros((len(grid), 1)), grid], 1).astype(np.int32)
+    coords = coords[rng.permutation(len(coords))]
+    for size in (5, 7):
+        rel = build_kernel_relation(coords, kernel_size=size)
+        assert np.bincount(np.array(rel.edges.in_rows)).max() == size**3
+        for a, b in zip(
+            relation_arrays(rel.transposed()), relation_arrays(_target_of(rel)), strict=True
+        ):
+            np.testing.assert_array_equal(a, b)
+
+
+def test_transposed_relation_convolves_as_the_built_one(rng, ref):
+    # The transposed relation carries its own native form: a convolution and
+    # its gradients through it equal those through the built target relation.
+    from mlx_lattice.core.ops import sparse_conv_features_from_relation as conv
+
+    fine = ref.random_coords(rng, 500, 10, batches=2)
+    down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+    up, built = down.transposed(), _target_of(down)
+    feats = mx.array(rng.standard_normal((up.n_in, 8)).astype(np.float32))
+    weight = mx.array(rng.standard_normal((8, 8, 6)).astype(np.float32))
+    results = []
+    for rel in (up, built):
+        loss = mx.value_and_grad(lambda f, w, r=rel: (conv(f, w, r) ** 2).sum(), argnums=(0, 1))
+        value, (d_feats, d_weight) = loss(feats, weight)
+        results.append([np.array(a) for a in (conv(feats, weight, rel), value, d_feats, d_weight)])
+    assert results[0][0].shape == (len(fine), 6)
+    for a, b in zip(*results, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_transposed_rejects_targets_and_bad_relations(rng, ref):
+    import dataclasses
+
+    fine = ref.random_coords(rng, 200, 8)
+    down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+    with pytest.raises(MlxLatticeError, match="'target' relation already"):
+        down.transposed().transposed()
+    # An index array replaced by one out of range: validated, named.
+    bad_rows = np.array(down.edges.out_rows)
+    bad_rows[0] = down.n_out_capacity
+    broken = dataclasses.replace(
+        down, edges=dataclasses.replace(down.edges, out_rows=mx.array(bad_rows))
+    )
+    with pytest.raises(MlxLatticeError, match="out_rows"):
+        broken.transposed()
+    # A hand-made relation whose input row has two edges of one offset (a kNN
+    # relation, say) has no transpose in the builder's layout.
+    two = np.array([[0, 0, 0, 0], [0, 1, 0, 0]], np.int32)
+    one = np.array([[0, 0, 0, 0]], np.int32)
+    rel = build_kernel_relation(one, two, kernel_size=1, kind="forward")
+    assert rel.n_edges == 1
+    def i32(values):
+        return mx.array(np.array(values, np.int32))
+
+    knn = dataclasses.replace(
+        rel,
+        edges=dataclasses.replace(rel.edges, in_rows=i32([0, 0]), out_rows=i32([0, 1]),
+                                  kernel_ids=i32([0, 0])),
+        output_csr=dataclasses.replace(rel.output_csr, row_offsets=i32([0, 1, 2])),
+        input_csr=dataclasses.replace(rel.input_csr, row_offsets=i32([0, 2]),
+                                      edge_ids=i32([0, 1])),
+        kernel_csr=dataclasses.replace(rel.kernel_csr, row_offsets=i32([0, 2]),
+                                       edge_ids=i32([0, 1])),
+        n_out_capacity=2,
+    )
+    with pytest.raises(MlxLatticeError, match="input row 0 has two edges of kernel offset 0"):
+        knn.transposed()
+
+
 def test_given_forward_outputs_and_empty_sets(rng, ref):
     coords = ref.random_coords(rng, 100, 6)
     far = np.array([[0, 100, 100, 100]], dtype=np.int32)
@@ -630,7 +759,7 @@ def test_strided_forward_outputs_outside_int32_raise():
 
 
 @pytest.mark.parametrize("shuffled", [True, False])
-@pytest.mark.parametrize("kind", ["forward", "target", "submanifold"])
+@pytest.mark.parametrize("kind", ["forward", "target", "submanifold", "transposed"])
 def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads, kind, shuffled):
     # About 20k fine rows (several tiles): 1, 2 and 3 threads give identical
     # bits, hashed (shuffled rows) or searched by key (sorted rows; the
@@ -646,6 +775,8 @@ def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads,
             rel = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
         elif kind == "target":
             rel = build_kernel_relation(down.out_coords, fine, kernel_size=2, kind="target")
+        elif kind == "transposed":  # several row tiles of the transpose
+            rel = down.transposed()
         else:
             rel = build_kernel_relation(down.out_coords, tensor_stride=2)
         results.append(relation_arrays(rel))

@@ -151,6 +151,45 @@ def test_transposed_conv_returns_to_cached_coordinates(rng, ref):
     assert x.manager.cached_relations == 2
 
 
+def test_transposed_conv_reverses_the_cached_forward_relation(rng, ref, monkeypatch):
+    # The manager transposes the forward relation of the same kernel and
+    # stride instead of building the target relation (no builder call); with
+    # another kernel it builds. Both equal a target relation built directly.
+    import mlx_lattice.tensor as lattice_tensor
+
+    builds = []
+    build = lattice_tensor.build_kernel_relation
+    monkeypatch.setattr(
+        lattice_tensor,
+        "build_kernel_relation",
+        lambda *a, **k: builds.append(k.get("kind")) or build(*a, **k),
+    )
+    x, coords = tensor(rng, ref)
+    down = ops.conv3d(x, mx.ones((4, 2, 2, 2, 3)), stride=2)
+    assert builds == ["forward"]
+    ops.conv_transpose3d(down, mx.ones((2, 2, 2, 2, 4)), stride=2)
+    assert builds == ["forward"]  # transposed, not searched
+    ops.conv_transpose3d(down, mx.ones((2, 3, 3, 3, 4)), stride=2)
+    assert builds == ["forward", "target"]
+    manager = x.manager
+    for size in (2, 3):
+        rel, _ = manager.relation(
+            down.coordinate_key, x.coordinate_key, kernel_size=size, stride=2, kind="target"
+        )
+        direct = build(down.coords, coords, kernel_size=size, kind="target")
+        assert rel.contract == direct.contract
+        for field in ("in_rows", "out_rows", "kernel_ids"):
+            np.testing.assert_array_equal(
+                np.array(getattr(rel.edges, field)), np.array(getattr(direct.edges, field))
+            )
+        for csr in ("output_csr", "input_csr", "kernel_csr"):
+            for part in ("row_offsets", "edge_ids"):
+                np.testing.assert_array_equal(
+                    np.array(getattr(getattr(rel, csr), part)),
+                    np.array(getattr(getattr(direct, csr), part)),
+                )
+
+
 def test_generative_transpose_creates_coordinates(rng, ref):
     x, _ = tensor(rng, ref, n=40)
     down = ops.conv3d(x, mx.ones((2, 2, 2, 2, 3)), stride=2)

@@ -14,6 +14,8 @@ Conventions (fixed, relied on by the weight layout and by every kernel):
   when ``p == q + offset(k)``; ``target`` (the transpose of ``forward``, for
   transposed convolution back to a finer set): when ``p == q - offset(k)``,
   with ``tensor_stride`` the *output's* (finer) stride. Batches never mix.
+  :meth:`KernelRelation.transposed` reverses a built relation into its
+  ``target`` relation without a search.
 * A ``forward`` relation without given outputs produces the input coordinates
   floored to multiples of ``tensor_stride * stride``, unique and ascending by
   ``(batch, x, y, z)`` (with stride 1: the input coordinates themselves, in
@@ -205,6 +207,56 @@ class KernelRelation:
     def kernel_edge_ids(self) -> mx.array | None:
         """Edge ids grouped by kernel offset (``kernel_csr.edge_ids``)."""
         return self.kernel_csr.edge_ids
+
+    def transposed(self) -> KernelRelation:
+        """The ``target`` relation back from this relation's outputs onto its inputs.
+
+        A transposed convolution back onto a finer set uses the edges of the
+        strided ``forward`` relation that came down from it, reversed
+        (``in == out + offset(k)`` one way is ``out == in - offset(k)`` the
+        other). This is that relation, equal array for array to
+        ``build_kernel_relation(self.out_coords, self.in_coords,
+        kind="target", kernel_size=..., dilation=..., tensor_stride=...)``
+        with this relation's kernel and input tensor stride, made natively
+        from the edges without searching a coordinate set again.
+
+        Raises:
+            ValueError: this relation is a ``target`` relation itself (build
+                the ``forward`` relation instead), or its arrays were
+                replaced with invalid ones.
+
+        >>> fine = mx.array([[0, 0, 0, 0], [0, 1, 0, 0], [0, 2, 2, 2]], dtype=mx.int32)
+        >>> down = build_kernel_relation(fine, kernel_size=2, stride=2, kind="forward")
+        >>> up = down.transposed()
+        >>> up.contract.kind, up.out_coords.shape, up.edges.kernel_ids.tolist()
+        ('target', (3, 4), [0, 4, 0])
+        >>> direct = build_kernel_relation(down.out_coords, fine, kernel_size=2, kind="target")
+        >>> up.edges.in_rows.tolist() == direct.edges.in_rows.tolist()
+        True
+        """
+        c = self.contract
+        if c.kind == "target":
+            raise MlxLatticeError(
+                "transposed() reverses a 'submanifold' or 'forward' relation; this relation is "
+                "a 'target' relation already (transpose the forward relation it reverses)."
+            )
+        raw = ext.transpose_kernel_relation(self)
+        ts = c.tensor_stride
+        return KernelRelation(
+            contract=RelationContract("target", c.kernel_size, (1, 1, 1), c.dilation, ts, ts),
+            in_coords=self.out_coords,
+            out_coords=self.in_coords,
+            edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
+            counts=raw["kernel_row_offsets"][1:] - raw["kernel_row_offsets"][:-1],
+            output_csr=RelationCSR(
+                raw["output_row_offsets"], mx.arange(int(raw["in_rows"].shape[0]), dtype=mx.int32)
+            ),
+            input_csr=RelationCSR(raw["input_row_offsets"], raw["input_edge_ids"]),
+            kernel_csr=RelationCSR(raw["kernel_row_offsets"], raw["kernel_edge_ids"]),
+            n_out_capacity=self.n_in,
+            n_kernels=c.kernel_size[0] * c.kernel_size[1] * c.kernel_size[2],
+            _native=raw["native"],
+        )
 
     def out_in_map(self) -> mx.array:
         """``(n_out, K)`` input row per (output, offset), or -1."""

@@ -47,6 +47,126 @@ void radix_sort(std::vector<uint64_t>& keys, std::vector<int32_t>& rows, int bit
   }
 }
 
+// Whether row a is below row b in (batch, x, y, z) order.
+bool row_below(const int32_t* a, const int32_t* b) {
+  for (int i = 0; i < 4; ++i) {
+    if (a[i] != b[i]) return a[i] < b[i];
+  }
+  return false;
+}
+
+[[noreturn]] void fail_outside(const int32_t* in, int64_t r, const FloorDiv* div,
+                               const std::array<int64_t, 3>& step) {
+  int a = 0;
+  while (div[a].floor(in[4 * r + a + 1]) >= std::numeric_limits<int32_t>::min()) ++a;
+  fail("build_kernel_relation",
+       "in_coords row " + std::to_string(r) + " floored to the stride " + std::to_string(step[a]) +
+           " is " + std::to_string(div[a].floor(in[4 * r + a + 1])) + ", outside int32.");
+}
+
+// The cells of the slabs of rows [begin, end) of ascending rows: order and
+// row for those rows (row: the cell's index among this part's cells), the
+// cells' coordinates appended to `cells`.
+//
+// A slab is the rows of one (batch, floored x), contiguous in ascending
+// rows; in it the rows of one x form a run ordered by (y, z), and the rows
+// of one (x, y) a line ordered by z. The slab's cells come in (floored y,
+// floored z) order: for the lowest floored y left in any run, every run's
+// lines of that floored y are taken (in (x, y) order); then the lowest
+// floored z at the lines' heads is the next cell, whose rows are each
+// line's rows of that floored z, lines in (x, y) order, which is the order
+// of (x, y, z) and so of the kernel's offsets. No row is compared twice.
+void merge_slabs(const int32_t* in, int64_t begin, int64_t end, const FloorDiv* div,
+                 int32_t* order, int32_t* row, std::vector<int32_t>& cells) {
+  struct Span {
+    int64_t at, end;
+  };
+  std::vector<Span> runs, lines;
+  auto x_of = [&](int64_t r) { return in[4 * r + 1]; };
+  auto qy = [&](int64_t r) { return div[1].quotient(in[4 * r + 2]); };
+  auto qz = [&](int64_t r) { return div[2].quotient(in[4 * r + 3]); };
+  int64_t next = begin;  // the next position of `order`
+  int32_t cell = 0;
+  for (int64_t s = begin; s < end;) {
+    const int32_t batch = in[4 * s];
+    const int64_t fx = div[0].quotient(x_of(s));
+    int64_t e = s + 1;
+    while (e < end && in[4 * e] == batch && div[0].quotient(x_of(e)) == fx) ++e;
+    runs.clear();
+    for (int64_t r = s; r < e;) {
+      int64_t q = r + 1;
+      while (q < e && x_of(q) == x_of(r)) ++q;
+      runs.push_back({r, q});
+      r = q;
+    }
+    for (;;) {
+      int64_t fy = std::numeric_limits<int64_t>::max();
+      for (const Span& run : runs) {
+        if (run.at < run.end) fy = std::min(fy, qy(run.at));
+      }
+      if (fy == std::numeric_limits<int64_t>::max()) break;
+      lines.clear();
+      for (Span& run : runs) {
+        while (run.at < run.end && qy(run.at) == fy) {
+          int64_t q = run.at + 1;
+          while (q < run.end && in[4 * q + 2] == in[4 * run.at + 2]) ++q;
+          lines.push_back({run.at, q});
+          run.at = q;
+        }
+      }
+      for (;;) {
+        int64_t fz = std::numeric_limits<int64_t>::max();
+        for (const Span& line : lines) {
+          if (line.at < line.end) fz = std::min(fz, qz(line.at));
+        }
+        if (fz == std::numeric_limits<int64_t>::max()) break;
+        for (Span& line : lines) {
+          for (; line.at < line.end && qz(line.at) == fz; ++line.at) {
+            order[next++] = static_cast<int32_t>(line.at);
+            row[line.at] = cell;
+          }
+        }
+        cells.insert(cells.end(), {batch, static_cast<int32_t>(fx * div[0].step()),
+                                   static_cast<int32_t>(fy * div[1].step()),
+                                   static_cast<int32_t>(fz * div[2].step())});
+        ++cell;
+      }
+    }
+    s = e;
+  }
+}
+
+// strided_outputs of ascending rows, slab by slab: parts of whole slabs in
+// parallel, each part's cells numbered after the parts before it.
+void merge_ascending(const int32_t* in, int64_t n, const FloorDiv* div, StridedOutputs& out) {
+  constexpr int64_t kPartRows = 8192;
+  const int64_t want = std::min<int64_t>(ceil_div(n, kPartRows), 4 * get_num_threads());
+  std::vector<int64_t> bounds{0};
+  for (int64_t p = 1; p < want; ++p) {
+    int64_t b = std::max(bounds.back(), n * p / want);
+    while (b > 0 && b < n && in[4 * b] == in[4 * (b - 1)] &&
+           div[0].quotient(in[4 * b + 1]) == div[0].quotient(in[4 * (b - 1) + 1])) {
+      ++b;  // to the next slab's first row
+    }
+    if (b > bounds.back() && b < n) bounds.push_back(b);
+  }
+  bounds.push_back(n);
+  const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
+  std::vector<std::vector<int32_t>> cells(parts);
+  parallel_for(parts, [&](int64_t p) {
+    merge_slabs(in, bounds[p], bounds[p + 1], div, out.order.data(), out.row.data(), cells[p]);
+  });
+  std::vector<int32_t> base(parts + 1, 0);
+  for (int64_t p = 0; p < parts; ++p) {
+    base[p + 1] = base[p] + static_cast<int32_t>(cells[p].size() / 4);
+  }
+  out.coords.resize(4 * static_cast<size_t>(base[parts]));
+  parallel_for(parts, [&](int64_t p) {
+    for (int64_t r = bounds[p]; r < bounds[p + 1]; ++r) out.row[r] += base[p];
+    std::copy(cells[p].begin(), cells[p].end(), out.coords.begin() + 4 * int64_t{base[p]});
+  });
+}
+
 int bit_width(unsigned __int128 v) {
   int bits = 0;
   for (; v != 0; v >>= 1) ++bits;
@@ -70,6 +190,7 @@ StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<in
   struct Scan {
     std::array<int64_t, 4> lo, hi;
     int64_t bad = -1;
+    bool ascending = true;  // each row above the one before it
   };
   std::vector<Scan> scans(n_chunks);
   parallel_for(n_chunks, [&](int64_t t) {
@@ -79,8 +200,10 @@ StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<in
     std::fill(lo_, lo_ + 4, std::numeric_limits<int64_t>::max());
     std::fill(hi_, hi_ + 4, std::numeric_limits<int64_t>::min());
     int64_t bad = -1;
+    bool ascending = true;
     for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
       const int32_t* c = in + 4 * r;
+      if (r > 0) ascending &= row_below(c - 4, c);
       const int64_t v[4] = {c[0], dx.quotient(c[1]), dy.quotient(c[2]), dz.quotient(c[3])};
       for (int a = 0; a < 4; ++a) {
         lo_[a] = std::min(lo_[a], v[a]);
@@ -96,15 +219,25 @@ StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<in
     std::copy(lo_, lo_ + 4, s.lo.begin());
     std::copy(hi_, hi_ + 4, s.hi.begin());
     s.bad = bad;
+    s.ascending = ascending;
   });
   std::array<int64_t, 4> lo = scans[0].lo, hi = scans[0].hi;
   int64_t outside = -1;  // raised after duplicates, which come first
+  bool ascending = true;
   for (const Scan& s : scans) {
     if (outside < 0) outside = s.bad;
+    ascending &= s.ascending;
     for (int a = 0; a < 4; ++a) {
       lo[a] = std::min(lo[a], s.lo[a]);
       hi[a] = std::max(hi[a], s.hi[a]);
     }
+  }
+
+  if (ascending) {
+    // Strictly ascending rows have no duplicates: only the int32 check.
+    merge_ascending(in, n, div, out);
+    if (outside >= 0) fail_outside(in, outside, div, step);
+    return out;
   }
 
   // Sort the rows by (batch, floored x, y, z), then (x, y, z): one key per
@@ -211,13 +344,7 @@ StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<in
         << c[3] << ") at rows " << dup_of << " and " << first_dup << ".";
     fail(op, msg.str());
   }
-  if (outside >= 0) {
-    int a = 0;
-    while (div[a].floor(in[4 * outside + a + 1]) >= std::numeric_limits<int32_t>::min()) ++a;
-    fail(op, "in_coords row " + std::to_string(outside) + " floored to the stride " +
-                 std::to_string(step[a]) + " is " +
-                 std::to_string(div[a].floor(in[4 * outside + a + 1])) + ", outside int32.");
-  }
+  if (outside >= 0) fail_outside(in, outside, div, step);
   return out;
 }
 

@@ -43,7 +43,10 @@ struct StridedOutputs {
   std::vector<int32_t> order;
 };
 
-// The outputs of n input rows floored to `step` per axis. Raises (naming
+// The outputs of n input rows floored to `step` per axis: for rows
+// ascending by (batch, x, y, z), as every level of a network has them, by a
+// merge of each (batch, floored x) slab's lines in parallel; otherwise by a
+// radix sort of (floored cell, offset in cell) keys. Raises (naming
 // build_kernel_relation) on a duplicated input row, or a floored coordinate
 // outside int32.
 StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<int64_t, 3>& step);

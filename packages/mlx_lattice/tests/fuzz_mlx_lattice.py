@@ -826,9 +826,10 @@ def _triple(value):
     stride=st.integers(1, 3) | st.tuples(*[st.integers(1, 3)] * 3),
     dilation=st.integers(1, 2),
     tensor_stride=st.sampled_from([1, 1, 2, (1, 2, 1)]),
+    ordered=st.booleans(),
 )
 def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, kernel_size,
-                                                        stride, dilation, tensor_stride):
+                                                        stride, dilation, tensor_stride, ordered):
     """build_kernel_relation(kind='forward') (strides 1-3, kernel sizes 1-7,
     dilations 1-2, given or computed outputs) and kind='target' (the
     transpose, onto given outputs) on coordinates that are empty, duplicated
@@ -837,7 +838,11 @@ def test_forward_and_target_relations_match_brute_force(rows, out_rows, kind, ke
     x, y, z) (the inputs themselves with stride 1), and
     the edges are exactly the brute-force set (forward: p == q + offset,
     target: p == q - offset, same batch, int64 arithmetic), or
-    MlxLatticeError (duplicate rows, target without outputs)."""
+    MlxLatticeError (duplicate rows, target without outputs). ``ordered``
+    sorts the inputs first (ascending inputs take the merge of slabs instead
+    of the radix sort)."""
+    if ordered:
+        rows = sorted(rows)
     given = np.array(rows, np.int64).reshape(-1, 4).astype(np.int32)
     outs = None if out_rows is None else np.array(out_rows, np.int64).reshape(-1, 4).astype(np.int32)
     strides = stride if kind == "forward" else 1

@@ -24,7 +24,10 @@ One run, one machine, ~100k voxels:
   BatchNorm then ReLU, ``mx.matmul`` point layers, a scatter-add gradient for
   SPVCNN's voxel rows), timed in the same rounds;
 * forward throughput (voxels/s) of MinkUNet in eval mode for float32,
-  float16, bfloat16, int8 and int4 in ``--rounds`` interleaved rounds, each
+  float16, bfloat16, int8 and int4 weights (weight-only: float activations),
+  and w8a8 (int8 weights and activations on the integer kernels, with dynamic
+  per-row scales or one calibrated scale per layer, ``w8a8 static``) in
+  ``--rounds`` interleaved rounds, each
   against float32's in the same round (``--forward-only`` skips the
   training rows), and the share of a cold forward spent building kernel
   relations, timed directly around each build the coordinate manager makes
@@ -60,6 +63,7 @@ from examples import cli
 from mlx_lattice import SparseTensor, geometry, nn
 from mlx_lattice import tensor as lattice_tensor
 from mlx_lattice._native import ext
+from mlx_lattice.core import KernelRelation
 from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
 from mlx_lattice.models import (
     SPVCNN,
@@ -114,6 +118,20 @@ def _model(kind: str, widths: tuple[int, ...], cls: type = MinkUNet) -> MinkUNet
         rules = [
             qr.Rule(module_path="stem/.*"),  # Cin=2: packing would grow it
             qr.Rule(op_names=("sparse_conv",), weight_qtype=kind, tile_size=32),
+        ]
+        mlx_lattice.quantize(model, rules)
+    elif kind in ("w8a8", "w8a8 static"):
+        # int8 weights and int8 activations: the integer kernels (dynamic
+        # per-row scales, or one calibrated scale per layer).
+        rules = [
+            qr.Rule(module_path="stem/.*"),
+            qr.Rule(
+                op_names=("sparse_conv",),
+                weight_qtype="int8",
+                act_qtype="int8",
+                act_static_scale=kind == "w8a8 static",
+                tile_size=32,
+            ),
         ]
         mlx_lattice.quantize(model, rules)
     model.train()
@@ -412,39 +430,50 @@ def _training(widths: tuple, fresh: object, fresh_points: object, labels: mx.arr
 
 class _RelationClock:
     """Sums the wall time of the kernel relations the coordinate manager
-    builds while active (it wraps the builder ``mlx_lattice.tensor`` calls)."""
+    makes while active: it wraps the builder ``mlx_lattice.tensor`` calls
+    and :meth:`KernelRelation.transposed`, which the manager calls for a
+    transposed convolution's relation when it built the forward one."""
 
     def __init__(self) -> None:
         self.seconds = 0.0
 
-    def __enter__(self) -> _RelationClock:
-        build = self._build = lattice_tensor.build_kernel_relation
-
+    def _timed(self, fn: Callable) -> Callable:
         def timed(*args: object, **kwargs: object) -> object:
             start = time.perf_counter()
             try:
-                return build(*args, **kwargs)
+                return fn(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - start
 
-        lattice_tensor.build_kernel_relation = timed
+        return timed
+
+    def __enter__(self) -> _RelationClock:
+        self._build = lattice_tensor.build_kernel_relation
+        self._transposed = KernelRelation.transposed
+        lattice_tensor.build_kernel_relation = self._timed(self._build)
+        KernelRelation.transposed = self._timed(self._transposed)  # type: ignore[method-assign]
         return self
 
     def __exit__(self, *exc: object) -> None:
         lattice_tensor.build_kernel_relation = self._build
+        KernelRelation.transposed = self._transposed  # type: ignore[method-assign]
 
 
 def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
     print(f"\nforward (MinkUNet, eval mode; {rounds} interleaved rounds)")
     print(
-        f"{'model':<10}{'forward vox/s':>15}{'warm / float32':>20}{'cold fwd ms':>13}"
+        f"{'model':<12}{'forward vox/s':>15}{'warm / float32':>20}{'cold fwd ms':>13}"
         f"{'warm fwd ms':>13}{'relations':>11}"
     )
-    kinds = ("float32", "float16", "bfloat16", "int8", "int4")
+    kinds = ("float32", "float16", "bfloat16", "int8", "int4", "w8a8", "w8a8 static")
     runs = {}
     for kind in kinds:
         model = _model(kind, widths)
         model.eval()
+        if kind == "w8a8 static":
+            # Calibrated on the scan itself: the scales are what a deployment
+            # would record, and the timing does not depend on their values.
+            mlx_lattice.calibrate_activation_scales(model, [fresh(mx.float32)])
         dtype = {"float16": mx.float16, "bfloat16": mx.bfloat16}.get(kind, mx.float32)
 
         def forward(x: SparseTensor, model: MinkUNet = model) -> None:
@@ -473,7 +502,7 @@ def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
         share = np.median(shares[:, k])
         ratio = _spread(times[:, 0, 1] / times[:, k, 1], ".2f")
         print(
-            f"{kind:<10}{n / warm:>15,.0f}{ratio:>20}{cold * 1e3:>13.1f}"
+            f"{kind:<12}{n / warm:>15,.0f}{ratio:>20}{cold * 1e3:>13.1f}"
             f"{warm * 1e3:>13.1f}{share:>10.0%}"
         )
     print(

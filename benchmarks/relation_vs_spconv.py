@@ -9,9 +9,10 @@ environment's ``site-packages`` (shell)::
     ./bazelw run //benchmarks:relation_vs_spconv -- \\
         --spconv_path=/tmp/spconv-env/lib/python3.11/site-packages
 
-For each built-in scan (the LiDAR scan at 10 cm and 5 cm, the 709k-voxel
-surface) it times spconv's ``SpconvOps.generate_subm_conv_inds_cpu`` for a
-3x3x3 submanifold convolution (with the allocation of its pair buffer, as
+For each built-in scan (the LiDAR scan at 10 cm and 5 cm, a range
+camera's depth image of a room at 3.3 cm, the 709k-voxel surface) it
+times spconv's ``SpconvOps.generate_subm_conv_inds_cpu`` for a 3x3x3
+submanifold convolution (with the allocation of its pair buffer, as
 its PyTorch wrapper makes it; spconv stores one of each pair of symmetric
 offsets, and runs on one thread) against ``build_kernel_relation`` (every
 offset, its CSR groupings, the configured threads), alternating call by
@@ -32,7 +33,7 @@ from absl import app, flags
 
 import mlx_lattice
 from benchmarks.host_class import host_class_line
-from benchmarks.scans import surface_coords
+from benchmarks.scans import range_scan_coords, surface_coords
 from mlx_lattice.core import build_kernel_relation
 from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 
@@ -40,7 +41,9 @@ _SPCONV_PATH = flags.DEFINE_string(
     "spconv_path", None, "site-packages folder of an environment with spconv and cumm"
 )
 _ROUNDS = flags.DEFINE_integer("rounds", 7, "alternating calls per case", lower_bound=1)
-_QUICK = flags.DEFINE_boolean("quick", False, "the two LiDAR cases only")
+_QUICK = flags.DEFINE_boolean(
+    "quick", False, "the two LiDAR cases only (no range image, no surface)"
+)
 
 
 def spconv_map(coords: np.ndarray) -> tuple[Callable[[], None], Callable[[], int]]:
@@ -91,6 +94,7 @@ def main(argv: list[str]) -> None:
         ("LiDAR scan, 5 cm", voxelize_points(scan.points, 0.05)),
     ]
     if not _QUICK.value:
+        cases.append(("range image, 3.3 cm", range_scan_coords()))
         cases.append(("surface, 512^3 grid", surface_coords(512)))
     for name, coords in cases:
         coords = np.asarray(coords)

@@ -15,6 +15,7 @@
 #include "relation_grid.h"
 #include "relation_groups.h"
 #include "relation_hash.h"
+#include "relation_mirror.h"
 #include "relation_parents.h"
 #include "relation_sorted.h"
 #include "relation_strided.h"
@@ -370,10 +371,11 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     constexpr int64_t kTile = 2048;
     const int64_t n_tiles = ceil_div(n_out, kTile);
     std::vector<int32_t> k_slot(n_tiles * (centre + 1));
+    const MirrorKernels kernels = mirror_kernels();
     parallel_for(n_tiles, [&](int64_t t) {
       const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
       const uint32_t* m = masks.data();
-      for (int64_t o = o0; o < o1; ++o) out_offsets.data[o + 1] = popcount32(m[o]);
+      kernels.count(m, o0, o1, out_offsets.data + 1);
       for (int64_t k = 0; k <= centre; ++k) {
         int32_t count = 0;
         for (int64_t o = o0; o < o1; ++o) count += static_cast<int32_t>((m[o] >> k) & 1u);
@@ -397,48 +399,11 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       }
     }
     k_offsets.data[n_kernels] = total;
-    parallel_for(n_tiles, [&](int64_t t) {
-      const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
-      const int k_count = static_cast<int>(n_kernels), mid = static_cast<int>(centre);
-      const uint32_t* m = masks.data();
-      const int32_t* nbrs = half;
-      const int32_t* offs = out_offsets.data;
-      const int32_t* k_first = k_offsets.data;
-      int32_t* ins = in_rows.data;
-      int32_t* outs = out_rows.data + out_offsets.data[o0];
-      int32_t* kids = kernel_ids.data + out_offsets.data[o0];
-      int32_t* in_ids = in_edge_ids.data;
-      int32_t* k_ids = k_edge_ids.data;
-      int32_t next[17];
-      std::copy(k_slot.begin() + t * (mid + 1), k_slot.begin() + (t + 1) * (mid + 1), next);
-      const uint32_t before_centre = (uint32_t{1} << mid) - 1;
-      for (int64_t o = o0; o < o1; ++o) {
-        const int32_t* nbr = nbrs + o * mid;
-        const int32_t row = static_cast<int32_t>(o);
-        int32_t e = offs[o];
-        // The row's output rows and offsets, in order; then its edges
-        // before the centre and their mirrors.
-        for (uint32_t bits = m[o]; bits != 0; bits &= bits - 1) {
-          *outs++ = row;
-          *kids++ = std::countr_zero(bits);
-        }
-        for (uint32_t bits = m[o] & before_centre; bits != 0; bits &= bits - 1, ++e) {
-          const int k = std::countr_zero(bits), k_mirror = k_count - 1 - k;
-          const int32_t q = nbr[k];
-          const int32_t mirror = offs[q] + popcount32(m[q] & ((uint32_t{1} << k_mirror) - 1));
-          ins[e] = q;
-          ins[mirror] = row;
-          in_ids[e] = mirror;
-          in_ids[mirror] = e;
-          const int32_t slot = next[k]++;
-          k_ids[slot] = e;
-          k_ids[k_first[k_mirror] + slot - k_first[k]] = mirror;
-        }
-        ins[e] = row;
-        in_ids[e] = e;
-        k_ids[next[mid]++] = e;
-      }
-    });
+    const MirrorTile tiles{masks.data(),      half,           out_offsets.data, k_offsets.data,
+                           k_slot.data(),     in_rows.data,   out_rows.data,    kernel_ids.data,
+                           in_edge_ids.data,  k_edge_ids.data, n_out,           n_kernels,
+                           kTile};
+    parallel_for(n_tiles, [&](int64_t t) { kernels.write(tiles, t); });
   } else {
     const bool symmetric = kind == "submanifold" && odd;
     std::vector<int32_t> hashed_cells;

@@ -312,6 +312,25 @@ def test_sorted_view(rng, ref):
         assert m == np.bitwise_or.reduce(masks[t * SORTED_TILE_ROWS : (t + 1) * SORTED_TILE_ROWS])
 
 
+def test_mirrored_edge_pass_with_and_without_popcnt(rng, ref):
+    # The sorted, symmetric edge pass is built twice (POPCNT, taken at the
+    # avx2-fma level and above, and portable bit counting, taken under a
+    # 'scalar' ceiling): the same arrays, and the brute-force edges.
+    import mlx_lattice
+
+    coords = np.unique(ref.random_coords(rng, 4000, 16, batches=2), axis=0)
+    expected = build_kernel_relation(coords, kernel_size=3)
+    offsets = ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1))
+    assert edge_set(expected) == ref.brute_force_edges(coords, coords, offsets)
+    mlx_lattice.set_kernel_isa("scalar")
+    try:
+        portable = build_kernel_relation(coords, kernel_size=3)
+    finally:
+        mlx_lattice.set_kernel_isa(None)
+    for a, b in zip(relation_arrays(portable), relation_arrays(expected), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_duplicate_coordinates_name_rows():
     coords = np.array([[0, 1, 2, 3], [0, 4, 5, 6], [0, 1, 2, 3]], dtype=np.int32)
     with pytest.raises(ValueError, match=r"duplicate coordinate \(0, 1, 2, 3\) at rows 0 and 2"):

@@ -1,0 +1,115 @@
+#include "relation_mirror.h"
+
+#include <algorithm>
+#include <bit>
+
+#include "cpu/isa.h"
+
+namespace mlx_lattice {
+
+namespace {
+
+// Set bits of v without a POPCNT instruction.
+struct PortableCount {
+  int32_t operator()(uint32_t v) const {
+    v = v - ((v >> 1) & 0x55555555u);
+    v = (v & 0x33333333u) + ((v >> 2) & 0x33333333u);
+    return static_cast<int32_t>((((v + (v >> 4)) & 0x0f0f0f0fu) * 0x01010101u) >> 24);
+  }
+};
+
+// Set bits of v: one instruction where the caller's target has it.
+struct BuiltinCount {
+  [[gnu::always_inline]] int32_t operator()(uint32_t v) const { return __builtin_popcount(v); }
+};
+
+template <class Count>
+[[gnu::always_inline]] inline void count_rows(const uint32_t* masks, int64_t o0, int64_t o1,
+                                              int32_t* counts, Count count) {
+  for (int64_t o = o0; o < o1; ++o) counts[o] = count(masks[o]);
+}
+
+// Row o's edges are written at its offset in order of k; for each edge
+// e = (out o, in q, k) before the centre, its mirror e' = (out q, in o,
+// K - 1 - k) sits at q's offset plus the bits of q's mask below K - 1 - k:
+// in_edge_ids[e] = e' and in_edge_ids[e'] = e (row o's input edges are the
+// mirrors of its own, in the order of k), and the kernel group of K - 1 - k
+// holds the mirrors of group k's edges in the same order.
+template <class Count>
+[[gnu::always_inline]] inline void write_tile(const MirrorTile& m, int64_t t, Count count) {
+  const int64_t o0 = t * m.tile, o1 = std::min(m.n, o0 + m.tile);
+  const int k_count = static_cast<int>(m.n_kernels), mid = k_count / 2;
+  // Locals: without strict aliasing each store could change the struct.
+  const uint32_t* masks = m.masks;
+  const int32_t* nbrs = m.half;
+  const int32_t* offs = m.out_offsets;
+  const int32_t* k_first = m.k_offsets;
+  int32_t* ins = m.in_rows;
+  int32_t* outs = m.out_rows + offs[o0];
+  int32_t* kids = m.kernel_ids + offs[o0];
+  int32_t* in_ids = m.in_edge_ids;
+  int32_t* k_ids = m.k_edge_ids;
+  int32_t next[17];
+  std::copy(m.k_slot + t * (mid + 1), m.k_slot + (t + 1) * (mid + 1), next);
+  const uint32_t before_centre = (uint32_t{1} << mid) - 1;
+  for (int64_t o = o0; o < o1; ++o) {
+    const int32_t* nbr = nbrs + o * mid;
+    const int32_t row = static_cast<int32_t>(o);
+    int32_t e = offs[o];
+    for (uint32_t bits = masks[o]; bits != 0; bits &= bits - 1) {
+      *outs++ = row;
+      *kids++ = std::countr_zero(bits);
+    }
+    for (uint32_t bits = masks[o] & before_centre; bits != 0; bits &= bits - 1, ++e) {
+      const int k = std::countr_zero(bits), k_mirror = k_count - 1 - k;
+      const int32_t q = nbr[k];
+      const int32_t mirror = offs[q] + count(masks[q] & ((uint32_t{1} << k_mirror) - 1));
+      ins[e] = q;
+      ins[mirror] = row;
+      in_ids[e] = mirror;
+      in_ids[mirror] = e;
+      const int32_t slot = next[k]++;
+      k_ids[slot] = e;
+      k_ids[k_first[k_mirror] + slot - k_first[k]] = mirror;
+    }
+    ins[e] = row;
+    in_ids[e] = e;
+    k_ids[next[mid]++] = e;
+  }
+}
+
+void count_portable(const uint32_t* masks, int64_t o0, int64_t o1, int32_t* counts) {
+  count_rows(masks, o0, o1, counts, PortableCount{});
+}
+
+void write_portable(const MirrorTile& m, int64_t t) { write_tile(m, t, PortableCount{}); }
+
+#if defined(__x86_64__)
+#define MLX_LATTICE_POPCNT __attribute__((target("popcnt")))
+#else
+#define MLX_LATTICE_POPCNT
+#endif
+
+#if defined(__x86_64__) || defined(__aarch64__)
+MLX_LATTICE_POPCNT void count_builtin(const uint32_t* masks, int64_t o0, int64_t o1,
+                                      int32_t* counts) {
+  count_rows(masks, o0, o1, counts, BuiltinCount{});
+}
+
+MLX_LATTICE_POPCNT void write_builtin(const MirrorTile& m, int64_t t) {
+  write_tile(m, t, BuiltinCount{});
+}
+#endif
+
+}  // namespace
+
+MirrorKernels mirror_kernels() {
+#if defined(__x86_64__)
+  if (isa::isa_usable(isa::Isa::kAvx2)) return {count_builtin, write_builtin};
+#elif defined(__aarch64__)
+  return {count_builtin, write_builtin};
+#endif
+  return {count_portable, write_portable};
+}
+
+}  // namespace mlx_lattice

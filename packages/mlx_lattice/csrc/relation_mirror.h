@@ -1,0 +1,40 @@
+// The edge pass of a sorted symmetric relation (relation_builder.cpp's
+// mirrored path): each row's edges before the kernel's centre are written
+// with their mirrors, both groupings at once. Two builds of the same code:
+// one with the POPCNT instruction (every x86-64 CPU with AVX2, and AArch64)
+// and a portable one; mirror_kernels() picks per build.
+#pragma once
+
+#include <cstdint>
+
+namespace mlx_lattice {
+
+// One tile's inputs and the relation's arrays (rows [t * tile, (t + 1) *
+// tile) of n are the tile's).
+struct MirrorTile {
+  const uint32_t* masks;       // (n,) each row's offset mask, centre included
+  const int32_t* half;         // (n, K / 2) each row's neighbours before the centre
+  const int32_t* out_offsets;  // (n + 1,) each row's first edge
+  const int32_t* k_offsets;    // (K + 1,) each offset's first slot in k_edge_ids
+  const int32_t* k_slot;       // (tiles, K / 2 + 1) each tile's first slot per offset
+  int32_t* in_rows;
+  int32_t* out_rows;
+  int32_t* kernel_ids;
+  int32_t* in_edge_ids;
+  int32_t* k_edge_ids;
+  int64_t n, n_kernels, tile;
+};
+
+struct MirrorKernels {
+  // counts[o] = the number of edges of row o (its mask's set bits), o in [o0, o1).
+  void (*count)(const uint32_t* masks, int64_t o0, int64_t o1, int32_t* counts);
+  // Writes tile t's edges, their mirrors and both groupings' entries.
+  void (*write)(const MirrorTile& m, int64_t t);
+};
+
+// The POPCNT kernels when the CPU has the instruction (on x86-64 as part of
+// the avx2-fma level, so an ISA ceiling of `scalar` takes the portable ones),
+// else the portable ones. The results are the same bits.
+MirrorKernels mirror_kernels();
+
+}  // namespace mlx_lattice

@@ -8,8 +8,9 @@ One run, one machine, ~100k voxels:
   weights and Adam state, float16 features; each convolution reads its
   weight rounded to float16 and returns a float32 weight gradient; the
   norms' native kernels keep their statistics in float32), the previous
-  all-float16 variant (``float16 weights``: float16 weights and Adam state)
-  and int8 weights, with relations cached (``warm``, the same
+  all-float16 variant (``float16 weights``: float16 weights and Adam state),
+  bfloat16 (mixed precision as float16's, with bfloat16 features) and int8
+  weights, with relations cached (``warm``, the same
   scan again) and built in the step (``cold``, a new coordinate set, as when
   every step sees a new scan);
 * the share of a cold step spent outside the convolutions (norms,
@@ -282,12 +283,17 @@ def _train_rows(name: str, cls: type, widths: tuple, make_input: object, target:
     every variant alike. Times are the best round; shares and ratios are per
     round, median and range."""
     kinds = (
-        "float32", "float32 unfused", "float16", "float16 weights", "float16 unfused", "int8"
+        "float32", "float32 unfused", "float16", "float16 weights", "float16 unfused",
+        "bfloat16", "int8",
     )
     setups = {}
     for kind in kinds:
         model = _model(kind.replace(" unfused", ""), widths, cls)
-        dtype = mx.float16 if kind.startswith("float16") else mx.float32
+        dtype = (
+            mx.float16 if kind.startswith("float16")
+            else mx.bfloat16 if kind == "bfloat16"
+            else mx.float32
+        )
         unfused = kind.endswith("unfused")
         if unfused:
             _unfuse(model)

@@ -105,6 +105,16 @@ RelationPtr built_of(nb::handle r) {
   return *static_cast<RelationPtr*>(PyCapsule_GetPointer(cap.ptr(), kBuiltName));
 }
 
+// The relation a builder returned as arrays by name (valid by construction).
+RelationPtr relation_of(const std::map<std::string, mx::array>& raw, int64_t n_in, int64_t n_out,
+                        int64_t n_kernels) {
+  return std::make_shared<const Relation>(
+      Relation{raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
+               raw.at("output_row_offsets"), raw.at("input_row_offsets"),
+               raw.at("input_edge_ids"), raw.at("kernel_row_offsets"),
+               raw.at("kernel_edge_ids"), n_in, n_out, n_kernels});
+}
+
 RelationArrays relation_from(nb::handle r) {
   const char* w = "relation";
   return {{array_field(r, w, "edges.in_rows"), array_field(r, w, "edges.out_rows"),
@@ -262,11 +272,7 @@ Raises:
                                       tensor_stride, kind);
           const int64_t n_kernels =
               static_cast<int64_t>(kernel_size[0]) * kernel_size[1] * kernel_size[2];
-          rel = std::make_shared<const Relation>(Relation{
-              raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
-              raw.at("output_row_offsets"), raw.at("input_row_offsets"), raw.at("input_edge_ids"),
-              raw.at("kernel_row_offsets"), raw.at("kernel_edge_ids"), in_coords.shape(0),
-              raw.at("out_coords").shape(0), n_kernels});
+          rel = relation_of(raw, in_coords.shape(0), raw.at("out_coords").shape(0), n_kernels);
         }
         nb::dict result;
         for (auto& [name, a] : raw) result[name.c_str()] = nb::cast(a, nb::rv_policy::copy);
@@ -311,11 +317,7 @@ are unchanged.
             }
           }
           raw = transpose_relation(*given);
-          rel = std::make_shared<const Relation>(Relation{
-              raw.at("in_rows"), raw.at("out_rows"), raw.at("kernel_ids"),
-              raw.at("output_row_offsets"), raw.at("input_row_offsets"), raw.at("input_edge_ids"),
-              raw.at("kernel_row_offsets"), raw.at("kernel_edge_ids"), given->n_out, given->n_in,
-              given->n_kernels});
+          rel = relation_of(raw, given->n_out, given->n_in, given->n_kernels);
         }
         nb::dict result;
         for (auto& [name, a] : raw) result[name.c_str()] = nb::cast(a, nb::rv_policy::copy);

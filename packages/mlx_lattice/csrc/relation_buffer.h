@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <map>
+#include <string>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -42,6 +44,23 @@ struct Int32Buffer {
   }
   mlx::core::array array{0};
   int32_t* data = nullptr;
+};
+
+// A relation's index arrays by the names build_kernel_relation returns.
+struct RelationBuffers {
+  Int32Buffer in_rows, out_rows, kernel_ids;
+  Int32Buffer out_offsets, in_offsets, in_edge_ids, k_offsets, k_edge_ids;
+
+  std::map<std::string, mlx::core::array> arrays() const {
+    return {{"in_rows", in_rows.array},
+            {"out_rows", out_rows.array},
+            {"kernel_ids", kernel_ids.array},
+            {"output_row_offsets", out_offsets.array},
+            {"input_row_offsets", in_offsets.array},
+            {"input_edge_ids", in_edge_ids.array},
+            {"kernel_row_offsets", k_offsets.array},
+            {"kernel_edge_ids", k_edge_ids.array}};
+  }
 };
 
 }  // namespace mlx_lattice

@@ -443,16 +443,10 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
              {kernel_ids.data, n_kernels, k_offsets.data, k_edge_ids.data});
   }
 
-  std::map<std::string, mx::array> result;
+  auto result = RelationBuffers{in_rows,    out_rows,    kernel_ids, out_offsets,
+                                in_offsets, in_edge_ids, k_offsets,  k_edge_ids}
+                    .arrays();
   result.emplace("out_coords", out);
-  result.emplace("in_rows", in_rows.array);
-  result.emplace("out_rows", out_rows.array);
-  result.emplace("kernel_ids", kernel_ids.array);
-  result.emplace("output_row_offsets", out_offsets.array);
-  result.emplace("input_row_offsets", in_offsets.array);
-  result.emplace("input_edge_ids", in_edge_ids.array);
-  result.emplace("kernel_row_offsets", k_offsets.array);
-  result.emplace("kernel_edge_ids", k_edge_ids.array);
   return result;
 }
 

@@ -78,16 +78,9 @@ std::map<std::string, mx::array> transpose_relation(const Relation& rel) {
   group_by(n_edges, {in_rows.data, n_groups, in_offsets.data, in_edge_ids.data},
            {kernel_ids.data, n_kernels, k_offsets.data, k_edge_ids.data});
 
-  std::map<std::string, mx::array> result;
-  result.emplace("in_rows", in_rows.array);
-  result.emplace("out_rows", out_rows.array);
-  result.emplace("kernel_ids", kernel_ids.array);
-  result.emplace("output_row_offsets", out_offsets.array);
-  result.emplace("input_row_offsets", in_offsets.array);
-  result.emplace("input_edge_ids", in_edge_ids.array);
-  result.emplace("kernel_row_offsets", k_offsets.array);
-  result.emplace("kernel_edge_ids", k_edge_ids.array);
-  return result;
+  return RelationBuffers{in_rows,    out_rows,    kernel_ids, out_offsets,
+                         in_offsets, in_edge_ids, k_offsets,  k_edge_ids}
+      .arrays();
 }
 
 }  // namespace mlx_lattice

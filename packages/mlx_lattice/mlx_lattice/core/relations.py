@@ -240,22 +240,12 @@ class KernelRelation:
                 "transposed() reverses a 'submanifold' or 'forward' relation; this relation is "
                 "a 'target' relation already (transpose the forward relation it reverses)."
             )
-        raw = ext.transpose_kernel_relation(self)
         ts = c.tensor_stride
-        return KernelRelation(
-            contract=RelationContract("target", c.kernel_size, (1, 1, 1), c.dilation, ts, ts),
-            in_coords=self.out_coords,
-            out_coords=self.in_coords,
-            edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
-            counts=raw["kernel_row_offsets"][1:] - raw["kernel_row_offsets"][:-1],
-            output_csr=RelationCSR(
-                raw["output_row_offsets"], mx.arange(int(raw["in_rows"].shape[0]), dtype=mx.int32)
-            ),
-            input_csr=RelationCSR(raw["input_row_offsets"], raw["input_edge_ids"]),
-            kernel_csr=RelationCSR(raw["kernel_row_offsets"], raw["kernel_edge_ids"]),
-            n_out_capacity=self.n_in,
-            n_kernels=c.kernel_size[0] * c.kernel_size[1] * c.kernel_size[2],
-            _native=raw["native"],
+        return _built_relation(
+            RelationContract("target", c.kernel_size, (1, 1, 1), c.dilation, ts, ts),
+            self.out_coords,
+            self.in_coords,
+            ext.transpose_kernel_relation(self),
         )
 
     def out_in_map(self) -> mx.array:
@@ -343,10 +333,20 @@ def build_kernel_relation(
         inputs, outputs, kernel_size=size, stride=strides, dilation=dil, tensor_stride=ts, kind=kind
     )
     out_ts = tuple(t * s for t, s in zip(ts, strides, strict=True)) if kind == "forward" else ts
-    relation = KernelRelation(
-        contract=RelationContract(kind, size, strides, dil, ts, out_ts),  # type: ignore[arg-type]
-        in_coords=inputs,
-        out_coords=raw["out_coords"],
+    contract = RelationContract(kind, size, strides, dil, ts, out_ts)  # type: ignore[arg-type]
+    return _built_relation(contract, inputs, raw["out_coords"], raw)
+
+
+def _built_relation(
+    contract: RelationContract, in_coords: mx.array, out_coords: mx.array, raw: dict
+) -> KernelRelation:
+    """The KernelRelation of a native builder's arrays (``raw``, with its
+    ``native`` handle) between two coordinate sets."""
+    size = contract.kernel_size
+    return KernelRelation(
+        contract=contract,
+        in_coords=in_coords,
+        out_coords=out_coords,
         edges=RelationEdges(raw["in_rows"], raw["out_rows"], raw["kernel_ids"]),
         # Edges per offset: derived lazily from the kernel grouping (no kernel reads it).
         counts=raw["kernel_row_offsets"][1:] - raw["kernel_row_offsets"][:-1],
@@ -357,8 +357,7 @@ def build_kernel_relation(
         ),
         input_csr=RelationCSR(raw["input_row_offsets"], raw["input_edge_ids"]),
         kernel_csr=RelationCSR(raw["kernel_row_offsets"], raw["kernel_edge_ids"]),
-        n_out_capacity=int(raw["out_coords"].shape[0]),
+        n_out_capacity=int(out_coords.shape[0]),
         n_kernels=size[0] * size[1] * size[2],
         _native=raw["native"],
     )
-    return relation

@@ -331,16 +331,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       }
       parallel_for((n_out + 4095) / 4096, [&](int64_t t) {
         for (int64_t o = t * 4096; o < std::min(n_out, (t + 1) * 4096); ++o) {
-          for (int32_t e = out_offsets.data[o] + 1; e < out_offsets.data[o + 1]; ++e) {
-            const int32_t k = kernel_ids.data[e], r = in_rows.data[e];
-            int32_t j = e;
-            for (; j > out_offsets.data[o] && kernel_ids.data[j - 1] > k; --j) {
-              kernel_ids.data[j] = kernel_ids.data[j - 1];
-              in_rows.data[j] = in_rows.data[j - 1];
-            }
-            kernel_ids.data[j] = k;
-            in_rows.data[j] = r;
-          }
+          sort_row_by_offset(kernel_ids.data, in_rows.data, out_offsets.data[o],
+                             out_offsets.data[o + 1]);
         }
       });
     } else {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <array>
 #include <cstddef>
+#include <utility>
 #include <vector>
 
 #include "cpu/parallel.h"
@@ -101,6 +102,34 @@ void group_by_offset(const uint32_t* masks, const int32_t* out_offsets, int64_t 
                        }
                      }
                    });
+}
+
+// Rows hold a few edges (one or two for a two-tap kernel's transpose, at
+// most 8 for its forward onto given outputs): insertion sort; past kShort
+// edges (a large submanifold kernel's transpose), a sort of pairs.
+void sort_row_by_offset(int32_t* kernel_ids, int32_t* in_rows, int64_t begin, int64_t end) {
+  constexpr int64_t kShort = 32;
+  if (end - begin <= kShort) {
+    for (int64_t i = begin + 1; i < end; ++i) {
+      const int32_t k = kernel_ids[i], r = in_rows[i];
+      int64_t j = i;
+      for (; j > begin && kernel_ids[j - 1] > k; --j) {
+        kernel_ids[j] = kernel_ids[j - 1];
+        in_rows[j] = in_rows[j - 1];
+      }
+      kernel_ids[j] = k;
+      in_rows[j] = r;
+    }
+    return;
+  }
+  std::vector<std::pair<int32_t, int32_t>> row;
+  row.reserve(static_cast<size_t>(end - begin));
+  for (int64_t i = begin; i < end; ++i) row.emplace_back(kernel_ids[i], in_rows[i]);
+  std::sort(row.begin(), row.end());
+  for (int64_t i = begin; i < end; ++i) {
+    kernel_ids[i] = row[static_cast<size_t>(i - begin)].first;
+    in_rows[i] = row[static_cast<size_t>(i - begin)].second;
+  }
 }
 
 }  // namespace mlx_lattice

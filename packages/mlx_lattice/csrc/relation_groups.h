@@ -26,4 +26,10 @@ void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& se
 void group_by_offset(const uint32_t* masks, const int32_t* out_offsets, int64_t n_out,
                      int64_t n_kernels, int32_t* k_offsets, int32_t* k_edge_ids);
 
+// Sorts edges [begin, end) of one output row by kernel offset, carrying
+// their input rows along (offsets within a row are distinct): for edges
+// written in another order than the offsets', as a counting sort by output
+// or a transpose leaves them.
+void sort_row_by_offset(int32_t* kernel_ids, int32_t* in_rows, int64_t begin, int64_t end);
+
 }  // namespace mlx_lattice

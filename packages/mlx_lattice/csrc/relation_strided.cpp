@@ -64,6 +64,13 @@ bool row_below(const int32_t* a, const int32_t* b) {
            " is " + std::to_string(div[a].floor(in[4 * r + a + 1])) + ", outside int32.");
 }
 
+// Whether rows a and b of ascending rows are in one slab: one (batch,
+// floored x).
+bool same_slab(const int32_t* in, const FloorDiv* div, int64_t a, int64_t b) {
+  return in[4 * a] == in[4 * b] &&
+         div[0].quotient(in[4 * a + 1]) == div[0].quotient(in[4 * b + 1]);
+}
+
 // The cells of the slabs of rows [begin, end) of ascending rows: order and
 // row for those rows (row: the cell's index among this part's cells), the
 // cells' coordinates appended to `cells`.
@@ -91,7 +98,7 @@ void merge_slabs(const int32_t* in, int64_t begin, int64_t end, const FloorDiv* 
     const int32_t batch = in[4 * s];
     const int64_t fx = div[0].quotient(x_of(s));
     int64_t e = s + 1;
-    while (e < end && in[4 * e] == batch && div[0].quotient(x_of(e)) == fx) ++e;
+    while (e < end && same_slab(in, div, s, e)) ++e;
     runs.clear();
     for (int64_t r = s; r < e;) {
       int64_t q = r + 1;
@@ -144,10 +151,7 @@ void merge_ascending(const int32_t* in, int64_t n, const FloorDiv* div, StridedO
   std::vector<int64_t> bounds{0};
   for (int64_t p = 1; p < want; ++p) {
     int64_t b = std::max(bounds.back(), n * p / want);
-    while (b > 0 && b < n && in[4 * b] == in[4 * (b - 1)] &&
-           div[0].quotient(in[4 * b + 1]) == div[0].quotient(in[4 * (b - 1) + 1])) {
-      ++b;  // to the next slab's first row
-    }
+    while (b > 0 && b < n && same_slab(in, div, b - 1, b)) ++b;  // to the next slab's start
     if (b > bounds.back() && b < n) bounds.push_back(b);
   }
   bounds.push_back(n);

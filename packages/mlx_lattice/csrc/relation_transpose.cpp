@@ -2,47 +2,12 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <utility>
-#include <vector>
 
 #include "relation_buffer.h"
 #include "relation_groups.h"
 #include "cpu/parallel.h"
 
 namespace mlx_lattice {
-
-namespace {
-
-// Sorts edges [begin, end) of one new output row by offset, carrying their
-// input rows along. Offsets within a row are distinct, and the rows of a
-// strided relation's transpose hold one edge (or a few), so insertion sort;
-// past kShort edges (a large submanifold kernel), a sort of pairs.
-void sort_row(int32_t* kernel, int32_t* in_rows, int64_t begin, int64_t end) {
-  constexpr int64_t kShort = 32;
-  if (end - begin <= kShort) {
-    for (int64_t i = begin + 1; i < end; ++i) {
-      const int32_t k = kernel[i], r = in_rows[i];
-      int64_t j = i;
-      for (; j > begin && kernel[j - 1] > k; --j) {
-        kernel[j] = kernel[j - 1];
-        in_rows[j] = in_rows[j - 1];
-      }
-      kernel[j] = k;
-      in_rows[j] = r;
-    }
-    return;
-  }
-  std::vector<std::pair<int32_t, int32_t>> row;
-  row.reserve(static_cast<size_t>(end - begin));
-  for (int64_t i = begin; i < end; ++i) row.emplace_back(kernel[i], in_rows[i]);
-  std::sort(row.begin(), row.end());
-  for (int64_t i = begin; i < end; ++i) {
-    kernel[i] = row[static_cast<size_t>(i - begin)].first;
-    in_rows[i] = row[static_cast<size_t>(i - begin)].second;
-  }
-}
-
-}  // namespace
 
 std::map<std::string, mx::array> transpose_relation(const Relation& rel) {
   // New outputs are the old inputs: the old input grouping lists each new
@@ -69,7 +34,7 @@ std::map<std::string, mx::array> transpose_relation(const Relation& rel) {
         kernel_ids.data[e] = old_kernel[old];
         out_rows.data[e] = static_cast<int32_t>(r);
       }
-      if (end - begin > 1) sort_row(kernel_ids.data, in_rows.data, begin, end);
+      sort_row_by_offset(kernel_ids.data, in_rows.data, begin, end);
     }
   });
 

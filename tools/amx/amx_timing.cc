@@ -6,6 +6,12 @@
 // forced through the ISA ceiling, and the bf16 forward on AMX-BF16; each time is the best of several runs, on
 // one thread and on every thread. Ratios are within this run only.
 //
+// On every host it also times the AMX drivers with the tile instructions
+// left out (TileSkip: configuration, loads, products and stores do nothing):
+// the drivers' own work (bucketing, gathers, the epilogue, the window's
+// float32 rows), which bounds what the tiles can give on this host: no
+// tile unit makes a call faster than that.
+//
 // Usage: amx_timing [rows] [repeats]
 #include <algorithm>
 #include <chrono>
@@ -17,6 +23,8 @@
 #include <thread>
 #include <vector>
 
+#include "amx_bf16.h"
+#include "amx_int8.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
 #include "gemm_int8.h"
@@ -40,6 +48,47 @@ double best_seconds(int repeats, F&& f) {
     best = std::min(best, dt.count());
   }
   return best;
+}
+
+// The tile policy with every instruction left out (amx_tiles.h's interface).
+struct TileSkip {
+  static constexpr const char* kName = "skipped";
+  static void configure(const amx::TileConfig&) {}
+  static void release() {}
+  template <int T>
+  static void zero() {}
+  template <int T>
+  static void load(const void* p, int64_t) {
+    asm volatile("" ::"r"(p) : "memory");
+  }
+  template <int T>
+  static void store(void* p, int64_t) {
+    asm volatile("" ::"r"(p) : "memory");
+  }
+  template <int C, int A, int B>
+  static void dpbsud() {}
+  template <int C, int A, int B>
+  static void dpbf16ps() {}
+};
+
+void int8_rows_skip(const amx_int8::Rows& a, const amx_int8::Weights& w, int64_t group,
+                    const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids, int64_t g0,
+                    int64_t g1, float* out) {
+  thread_local amx_int8::Scratch s;
+#if defined(__x86_64__)
+  amx_int8::run_rows<TileSkip, amx_int8::EpiAvx512>(a, w, group, csr, a_index, kernel_ids, g0,
+                                                     g1, out, s);
+#else
+  amx_int8::run_rows<TileSkip, amx_int8::EpiScalar>(a, w, group, csr, a_index, kernel_ids, g0,
+                                                     g1, out, s);
+#endif
+}
+
+void bf16_rows_skip(const amx_bf16::Rows& a, const amx_bf16::Weights& w, const Csr& csr,
+                    const int32_t* a_index, const int32_t* kernel_ids, int64_t g0, int64_t g1,
+                    uint16_t* out) {
+  thread_local amx_bf16::Scratch s;
+  amx_bf16::run_rows<TileSkip>(a, w, csr, a_index, kernel_ids, g0, g1, out, s);
 }
 
 }  // namespace
@@ -123,6 +172,23 @@ int main(int argc, char** argv) {
                     act > 0 ? "static" : "dynamic");
       }
       isa::reset_isa_ceiling();
+    }
+    // The drivers' own work, tile instructions left out (every host).
+    for (float act : {0.0f, 0.05f}) {
+      const double tk = best_seconds(repeats, [&] {
+        int8_conv_rows(int8_rows_skip, f.data(), n, c, packed.data(), c, sc.data(), bi.data(), nk,
+                       c, c, group, 8, act, csr, a_index.data(), kid.data(), out.data());
+      });
+      std::printf("  int8 %-12s %8.2f ms  tiles skipped: at most %.2fx fp32 (w8a8, %s scale)\n",
+                  "amx driver", tk * 1e3, t32 / tk, act > 0 ? "static" : "dynamic");
+    }
+    {
+      const double tk = best_seconds(repeats, [&] {
+        bf16_conv_rows(bf16_rows_skip, fb.data(), n, c, wb.data(), nk, c, false, csr,
+                       a_index.data(), kid.data(), outb.data());
+      });
+      std::printf("  bf16 %-12s %8.2f ms  tiles skipped: at most %.2fx fp32 (forward)\n",
+                  "amx driver", tk * 1e3, t32 / tk);
     }
     // bf16 forward on the AMX-BF16 row driver (the hardware only).
     if (kAmxBf16RowsHw && isa::isa_supported(isa::Isa::kAmxBf16)) {

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The AMX check for an Intel host with AMX (a few minutes; no Bazel, MLX or
-# Python needed): builds the kernel core with plain g++ (-O2 -std=c++20),
+# Python needed): builds the kernel core with plain g++ (-O3 -std=c++20, as the extension),
 # runs //packages/mlx_lattice:amx_int8_test (the AMX-INT8 driver on the
 # hardware and on the tile model, bit for bit against the documented math,
 # every int8 path forced) and amx_bf16_test (the AMX-BF16 forward and
 # feature gradient on both, within cpu/amx_bf16.h's bound), and times the
-# kernels on a 100k-row, 5.9-edge, C64 relation (tools/amx/amx_timing.cc: fp32 FMA, int8 VNNI, int8 AMX).
+# kernels on a 100k-row, 5.9-edge, C64 relation (tools/amx/amx_timing.cc: fp32 FMA,
+# int8 VNNI, int8 AMX, bf16 AMX, and on every host the AMX drivers with
+# their tile instructions left out).
 # On a host without AMX it runs the same with the model and the fallbacks
 # and says so.
 #
@@ -16,7 +18,7 @@ start=$(date +%s)
 cpu=packages/mlx_lattice/csrc/cpu
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-cxx=(${CXX:-g++} -std=c++20 -O2 -Wall -Wextra -Wno-unused-parameter -Wno-maybe-uninitialized -fno-strict-aliasing -pthread)
+cxx=(${CXX:-g++} -std=c++20 -O3 -Wall -Wextra -Wno-unused-parameter -Wno-maybe-uninitialized -fno-strict-aliasing -pthread)
 
 echo "== host"
 grep -m1 "model name" /proc/cpuinfo || true

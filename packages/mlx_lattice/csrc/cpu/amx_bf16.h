@@ -5,35 +5,39 @@
 // transposed convolution over the input CSR of the same relation with each
 // offset's weight transposed (K, cout, cin).
 //
-// Dataflow, per block of 16 consecutive output rows (CSR groups):
-// 1. Slots: for each kernel offset k, which of the 16 rows has an edge of k
-//    and its input row (a row has at most one edge per offset; a second one
-//    raises InputError, as does an offset or input row out of range).
-// 2. For each offset with an edge in the block (ascending), the 16 input
-//    rows are gathered into a tile-strided buffer of `pairs` bf16 pairs per
-//    row (channels past cin and rows without an edge of k are zero).
+// Dataflow, per window of output rows [g0, g1) (CSR groups; the caller's
+// tile of kAmxTileRows, whose float32 rows stay in cache):
+// 1. Buckets: the window's edges grouped by kernel offset (input row and
+//    window-local output row per edge, CSR order inside an offset; a row
+//    has at most one edge per offset, a second one raises InputError, as
+//    does an offset or input row out of range).
+// 2. For k ascending, the offset's edges 16 at a time (a batch fills every
+//    row of the A tile but the last batch's tail, so no product multiplies
+//    an absent row, as it would in blocks of 16 output rows, whose offsets
+//    are the union of their rows'): the batch's input rows are loaded
+//    straight from the features when they are 16 consecutive rows and cin
+//    fills whole chunks, else gathered into a tile-strided buffer of `pairs`
+//    bf16 pairs per row (channels past cin zero).
 // 3. For each strip of up to 64 output columns: C tiles (16 rows x 16 fp32
-//    columns each, up to 4) are zeroed once; for each present offset k and
-//    each chunk of 16 pairs (32 channels; the tail chunk zero-padded) the A
-//    tile is loaded once and TDPBF16PS runs against each column tile's B
-//    tile (16 pairs x 16 columns x 2 bf16: the packed weight's own layout);
-//    the C tiles accumulate ACROSS offsets and are stored once per strip
-//    into the block's float32 rows, which are rounded to bf16 (nearest
-//    even) once.
-// A row without an edge of k still takes k's products with its zero
-// gathered row: + 0 * w, exact, unless the weight holds an infinity or NaN
-// (0 * inf = NaN). A weight that is not all finite therefore runs per
-// offset instead: the C tiles are zeroed and stored per offset and only the
-// rows with an edge of k are added into the float32 rows.
+//    columns each, up to 4) are zeroed; for each chunk of 16 pairs (32
+//    channels) the A tile is loaded once and TDPBF16PS runs against each
+//    column tile's B tile (16 pairs x 16 columns x 2 bf16: the packed
+//    weight's own layout); the C tiles are stored and each edge's row is
+//    added into its output row's float32 sum, which is rounded to bf16
+//    (nearest even) once, after the last offset.
+// Only rows with an edge of k take k's products (a tail batch's unused tile
+// rows are not read back), so a weight with infinities or NaN needs no
+// other path.
 //
-// Accumulation order, per output element (finite weight): offsets
-// ascending, then channel pairs ascending, TDPBF16PS's two products of a
-// pair into the running float32 sum (the tile model: even channel, then
-// odd, one rounding per addition; the hardware may fuse or reorder inside
-// an instruction). Products of two bf16 values are exact in float32;
-// subnormal inputs and results are flushed to zero (the instruction ignores
-// MXCSR). Error bound against the exact sum S of the bf16 inputs' products
-// (n = K * 2 * pairs additions, u = 2^-24):
+// Accumulation order, per output element: offsets ascending; per offset a
+// fresh float32 sum over channel pairs ascending, TDPBF16PS's two products
+// of a pair added into it (the tile model: even channel, then odd, one
+// rounding per addition; the hardware may fuse or reorder inside an
+// instruction), then added into the row's float32 sum (an ordinary
+// addition, subnormals kept). Products of two bf16 values are exact in
+// float32; subnormal inputs and results of TDPBF16PS are flushed to zero
+// (the instruction ignores MXCSR). Error bound against the exact sum S of
+// the bf16 inputs' products (n = K * 2 * pairs additions, u = 2^-24):
 //   |out - S| <= 2^-8 |S| + (1 + 2^-8) n u sum |products| (+ flushed
 //   subnormals, below 2^-126 per term),
 // i.e. the float32 path's bound on the same inputs plus bf16's rounding of
@@ -58,7 +62,7 @@
 
 namespace mlx_lattice::kernels::amx_bf16 {
 
-constexpr int kBlockRows = 16;      // output rows per block = rows of a tile
+constexpr int kBlockRows = 16;      // edges per batch = rows of a tile
 constexpr int kChunkPairs = 16;     // bf16 pairs per A tile row (64 bytes)
 constexpr int kStripCols = 64;      // output columns per strip (4 C tiles)
 
@@ -71,7 +75,6 @@ struct Weights {
   int64_t cout_pad;
   int64_t n_kernels;
   int64_t cout;
-  bool finite;  // no infinity or NaN in the weight
 };
 
 // The packed weight's storage (one per calling thread, repacked per call).
@@ -79,7 +82,6 @@ struct PackedWeight {
   std::vector<uint16_t> w;
   int64_t pairs = 0;
   int64_t cout_pad = 0;
-  bool finite = true;
 };
 
 // Packs W (K, cin, cout) bf16 into the B layout. transpose: W is (K, cout,
@@ -90,13 +92,11 @@ inline void pack_weight(const uint16_t* weight, int64_t n_kernels, int64_t cin, 
   p.pairs = ceil_div(ceil_div(cin, 2), kChunkPairs) * kChunkPairs;
   p.cout_pad = ceil_div(cout, 16) * 16;
   p.w.assign(n_kernels * p.pairs * p.cout_pad * 2, 0);
-  p.finite = true;
   for (int64_t k = 0; k < n_kernels; ++k) {
     for (int64_t c = 0; c < cin; ++c) {
       for (int64_t x = 0; x < cout; ++x) {
         const uint16_t v = transpose ? weight[(k * cout + x) * cin + c]
                                      : weight[(k * cin + c) * cout + x];
-        if ((v & 0x7f80u) == 0x7f80u) p.finite = false;  // exponent all ones
         p.w[((k * p.pairs + c / 2) * p.cout_pad + x) * 2 + c % 2] = v;
       }
     }
@@ -104,7 +104,7 @@ inline void pack_weight(const uint16_t* weight, int64_t n_kernels, int64_t cin, 
 }
 
 inline Weights view(const PackedWeight& p, int64_t n_kernels, int64_t cout) {
-  return {p.w.data(), p.pairs, p.cout_pad, n_kernels, cout, p.finite};
+  return {p.w.data(), p.pairs, p.cout_pad, n_kernels, cout};
 }
 
 // bf16 rows: f (n, cin).
@@ -131,10 +131,11 @@ inline uint16_t round_bf16(float v) {
 
 // Per-thread scratch of the driver.
 struct Scratch {
-  std::vector<int32_t> slot;       // [k][16]: input row, or -1
-  std::vector<int32_t> present;    // offsets with an edge in the block, ascending
-  std::vector<uint16_t> gathered;  // [present][16][2 * pairs]
-  std::vector<float> block;        // 16 x cout_pad float32 rows
+  std::vector<int32_t> rows;       // [k][cap]: input row of each bucketed edge
+  std::vector<int32_t> outs;       // [k][cap]: its window-local output row
+  std::vector<int32_t> count;      // [k]: edges of offset k in the window
+  std::vector<uint16_t> gathered;  // 16 rows x 2 * pairs
+  std::vector<float> window;       // cap x cout_pad float32 sums
   alignas(64) float tile[kBlockRows * kStripCols];
 };
 
@@ -151,87 +152,86 @@ inline void run_rows(const Rows& a, const Weights& w, const Csr& csr, const int3
   const int64_t row_bytes = row_len * 2;
   const int64_t bstride = w.cout_pad * 4;  // bytes per pair row of B
   if (g1 <= g0) return;
-  s.slot.resize(nk * kBlockRows);
-  s.block.resize(kBlockRows * w.cout_pad);
+  const int64_t cap = g1 - g0;
+  s.count.assign(nk, 0);
+  if (static_cast<int64_t>(s.rows.size()) < nk * cap) {
+    s.rows.resize(nk * cap);
+    s.outs.resize(nk * cap);
+  }
+  int32_t* count = s.count.data();
+  int32_t* bucket_rows = s.rows.data();
+  int32_t* bucket_outs = s.outs.data();
+  for (int64_t local = 0; local < cap; ++local) {
+    const int64_t end = csr.offsets[g0 + local + 1];
+    for (int64_t j = csr.offsets[g0 + local]; j < end; ++j) {
+      const int32_t e = csr.edge_ids ? csr.edge_ids[j] : static_cast<int32_t>(j);
+      const int32_t k = kernel_ids[e];
+      const int32_t i = a_index[e];
+      if (k < 0 || k >= nk || i < 0 || i >= a.n) {
+        throw InputError("relation: a kernel offset or row index is out of range");
+      }
+      const int32_t n = count[k];
+      if (n == cap) throw_repeated_offset();
+      count[k] = n + 1;
+      bucket_rows[k * cap + n] = i;
+      bucket_outs[k * cap + n] = static_cast<int32_t>(local);
+    }
+  }
+  s.window.assign(cap * w.cout_pad, 0.0f);
+  s.gathered.resize(kBlockRows * row_len);
+  float* window = s.window.data();
+  uint16_t* gathered = s.gathered.data();
+  const int64_t pitch = w.cout_pad;
+  // Rows read in place need no padding: cin fills whole chunks.
+  const bool in_place = a.cin == row_len;
   amx::TileScope<Tiles> scope(bf16_tile_config());
-  for (int64_t b0 = g0; b0 < g1; b0 += kBlockRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, g1 - b0));
-    std::fill(s.slot.begin(), s.slot.end(), -1);
-    s.present.clear();
-    for (int r = 0; r < rows; ++r) {
-      const int64_t end = csr.offsets[b0 + r + 1];
-      for (int64_t j = csr.offsets[b0 + r]; j < end; ++j) {
-        const int32_t e = csr.edge_ids ? csr.edge_ids[j] : static_cast<int32_t>(j);
-        const int32_t k = kernel_ids[e];
-        const int32_t i = a_index[e];
-        if (k < 0 || k >= nk || i < 0 || i >= a.n) {
-          throw InputError("relation: a kernel offset or row index is out of range");
-        }
-        int32_t& slot = s.slot[k * kBlockRows + r];
-        if (slot >= 0) throw_repeated_offset();
-        slot = i;
+  for (int64_t k = 0; k < nk; ++k) {
+    const auto* wk = reinterpret_cast<const uint8_t*>(w.w + k * w.pairs * w.cout_pad * 2);
+    for (int64_t i0 = 0; i0 < count[k]; i0 += kBlockRows) {
+      const int m = static_cast<int>(std::min<int64_t>(kBlockRows, count[k] - i0));
+      const int32_t* rows = bucket_rows + k * cap + i0;
+      const int32_t* outs = bucket_outs + k * cap + i0;
+      // The next batch's rows are requested behind this batch's work.
+      const int next = static_cast<int>(std::min<int64_t>(kBlockRows, count[k] - i0 - m));
+      for (int r = 0; r < next; ++r) {
+        const auto* p = reinterpret_cast<const char*>(a.f + static_cast<int64_t>(rows[m + r]) * a.cin);
+        for (int64_t x = 0; x < a.cin * 2; x += 64) __builtin_prefetch(p + x);
       }
-    }
-    for (int64_t k = 0; k < nk; ++k) {
-      for (int r = 0; r < rows; ++r) {
-        if (s.slot[k * kBlockRows + r] >= 0) {
-          s.present.push_back(static_cast<int32_t>(k));
-          break;
+      bool consecutive = in_place && m == kBlockRows;
+      for (int r = 1; consecutive && r < kBlockRows; ++r) consecutive = rows[r] == rows[0] + r;
+      const uint8_t* ga;
+      if (consecutive) {
+        ga = reinterpret_cast<const uint8_t*>(a.f + static_cast<int64_t>(rows[0]) * a.cin);
+      } else {
+        for (int r = 0; r < m; ++r) {
+          uint16_t* d = gathered + r * row_len;
+          std::memcpy(d, a.f + static_cast<int64_t>(rows[r]) * a.cin, sizeof(uint16_t) * a.cin);
+          if (row_len > a.cin) std::memset(d + a.cin, 0, sizeof(uint16_t) * (row_len - a.cin));
         }
+        ga = reinterpret_cast<const uint8_t*>(gathered);
       }
-    }
-    const int64_t np = static_cast<int64_t>(s.present.size());
-    s.gathered.resize(std::max<int64_t>(1, np) * kBlockRows * row_len);
-    for (int64_t pi = 0; pi < np; ++pi) {
-      const int32_t* slot = s.slot.data() + s.present[pi] * kBlockRows;
-      uint16_t* dst = s.gathered.data() + pi * kBlockRows * row_len;
-      for (int r = 0; r < kBlockRows; ++r) {
-        uint16_t* d = dst + r * row_len;
-        if (slot[r] >= 0) {
-          std::memcpy(d, a.f + static_cast<int64_t>(slot[r]) * a.cin, sizeof(uint16_t) * a.cin);
-          std::memset(d + a.cin, 0, sizeof(uint16_t) * (row_len - a.cin));
-        } else {
-          std::memset(d, 0, sizeof(uint16_t) * row_len);
-        }
-      }
-    }
-    float* block = s.block.data();
-    const int64_t bpitch = w.cout_pad;
-    if (!w.finite) std::fill(s.block.begin(), s.block.end(), 0.0f);
-    for (int64_t n0 = 0; n0 < w.cout_pad; n0 += kStripCols) {
-      const int nc = static_cast<int>(std::min<int64_t>(4, (w.cout_pad - n0) / 16));
-      amx::zero_strip<Tiles>(nc);
-      for (int64_t pi = 0; pi < np; ++pi) {
-        const int64_t k = s.present[pi];
-        if (!w.finite) amx::zero_strip<Tiles>(nc);
-        const auto* ga = reinterpret_cast<const uint8_t*>(s.gathered.data() +
-                                                          pi * kBlockRows * row_len);
-        const auto* wk = reinterpret_cast<const uint8_t*>(w.w + k * w.pairs * w.cout_pad * 2);
+      for (int64_t n0 = 0; n0 < w.cout_pad; n0 += kStripCols) {
+        const int nc = static_cast<int>(std::min<int64_t>(4, (w.cout_pad - n0) / 16));
+        amx::zero_strip<Tiles>(nc);
         for (int64_t p0 = 0; p0 < w.pairs; p0 += kChunkPairs) {
           Tiles::template load<4>(ga + p0 * 4, row_bytes);
           amx::multiply_strip<Tiles, amx::Dot::kBf16ps>(nc, wk + p0 * bstride + n0 * 4, bstride);
         }
-        if (!w.finite) {
-          // Per offset: only the rows with an edge of k take its products.
-          amx::store_strip<Tiles>(nc, s.tile, kStripCols * 4);
-          const int32_t* slot = s.slot.data() + k * kBlockRows;
-          const int64_t width = 16 * nc;
-          for (int r = 0; r < rows; ++r) {
-            if (slot[r] < 0) continue;
-            float* dst = block + r * bpitch + n0;
-            const float* src = s.tile + r * kStripCols;
-            for (int64_t x = 0; x < width; ++x) dst[x] = dst[x] + src[x];
-          }
+        amx::store_strip<Tiles>(nc, s.tile, kStripCols * 4);
+        const int64_t width = 16 * nc;
+        for (int r = 0; r < m; ++r) {
+          float* __restrict dst = window + outs[r] * pitch + n0;
+          const float* __restrict src = s.tile + r * kStripCols;
+          for (int64_t x = 0; x < width; ++x) dst[x] = dst[x] + src[x];
         }
       }
-      if (w.finite) amx::store_strip<Tiles>(nc, block + n0, bpitch * 4);
     }
-    // One rounding per output value.
-    for (int r = 0; r < rows; ++r) {
-      const float* src = block + r * bpitch;
-      uint16_t* dst = out + (b0 + r) * cout;
-      for (int64_t x = 0; x < cout; ++x) dst[x] = round_bf16(src[x]);
-    }
+  }
+  // One rounding per output value.
+  for (int64_t r = 0; r < cap; ++r) {
+    const float* src = window + r * pitch;
+    uint16_t* dst = out + (g0 + r) * cout;
+    for (int64_t x = 0; x < cout; ++x) dst[x] = round_bf16(src[x]);
   }
 }
 

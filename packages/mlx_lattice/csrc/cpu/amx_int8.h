@@ -3,25 +3,31 @@
 // (cpu/amx_tiles.h: TileHw, or the test model TileModel) and on its
 // epilogue (portable C++ or AVX-512), with no MLX dependency.
 //
-// Dataflow, per block of 16 consecutive output rows (CSR groups):
-// 1. Mask: for each kernel offset k, which of the 16 rows has an edge of k
-//    and its input row (an output row has at most one edge per offset).
-// 2. For k ascending with any edge in the block: gather the 16 quantized
-//    input rows (absent rows zero) into one tile-strided buffer; for each
-//    strip of up to 64 output columns and each weight group g: C tiles
-//    (16 rows x 16 int32 columns each, up to 4) are zeroed, then for each
-//    chunk of the group (kc <= 64 bytes) the A tile is loaded once and
-//    TDPBSUD (signed activations x unsigned weight codes) runs against each
-//    strip's B tile (kc / 4 rows of 16 columns x 4 codes: the packed weight's
-//    own layout, so no repacking); the C tiles are stored and the epilogue
-//    adds float(acc) * s + float(asum) * b (times the row's scale) to the
-//    block's output rows where the mask is set.
+// Dataflow, per window of output rows [g0, g1) (CSR groups; the caller's
+// tile of kInt8TileRows, whose float32 rows stay in cache):
+// 1. Buckets: the window's edges grouped by kernel offset (tiles.h's
+//    bucket_tile_edges, as the VNNI path does): input row and window-local
+//    output row per edge, in CSR order inside an offset.
+// 2. For k ascending, the offset's edges 16 at a time (a batch fills every
+//    row of the A tile but the last batch's tail, so no product multiplies an
+//    absent row, as it would in blocks of 16 output rows, where a block's
+//    offsets are the union of its rows'): the batch's quantized input rows
+//    are loaded straight from the features when they are 16 consecutive
+//    rows (a sorted grid's usual case), else gathered into one tile-strided
+//    buffer; for each strip of up to 64 output columns and each weight group
+//    g: C tiles (16 rows x 16 int32 columns each, up to 4) are zeroed, then
+//    for each chunk of the group (kc <= 64 bytes) the A tile is loaded once
+//    and TDPBSUD (signed activations x unsigned weight codes) runs against
+//    each strip's B tile (kc / 4 rows of 16 columns x 4 codes: the packed
+//    weight's own layout, so no repacking); the C tiles are stored and the
+//    epilogue adds float(acc) * s + float(asum) * b (times the row's scale)
+//    to each edge's output row.
 // The float epilogue per (offset, group) is what the documented math asks
 // (each edge's integer sum is scaled by its input row's scale and its
 // offset's group scale before the float sum), so int32 cannot accumulate
-// across offsets; the output rows stay resident (no scatter) and every
-// element's additions come in the reference order (offsets, then groups,
-// ascending).
+// across offsets. An output row has at most one edge per offset, so a
+// batch's rows are distinct and every element's additions come in the
+// reference order (offsets, then groups, ascending).
 //
 // Tile configuration (one place: int8_tile_config): tiles 0-3 C (16 x 64
 // bytes), tile 4 A (16 x kc), tiles 5 and 6 B (kc / 4 x 64), alternating so
@@ -44,7 +50,7 @@
 
 namespace mlx_lattice::kernels::amx_int8 {
 
-constexpr int kBlockRows = 16;  // output rows per block = rows of a tile
+constexpr int kBlockRows = 16;  // edges per batch = rows of a tile
 
 // The weight in gemm_int8.cpp's packed layout: codes[k][quad][cout_pad][4],
 // scales and biases [k][group][cout_pad]; cout_pad a multiple of 16.
@@ -87,56 +93,64 @@ inline amx::TileConfig int8_tile_config(int kc) {
   return cfg;
 }
 
-// What the epilogue of one stored strip needs.
+// What the epilogue of one stored strip needs: rows r < m of the strip
+// (acc row r is the batch's edge r), each added into its own output row.
 struct EpiArgs {
   const int32_t* acc;   // 16 rows x 64 int32 (row stride 64)
   const float* s;       // group scales of the strip's columns
   const float* b;       // group biases
   int64_t width;        // real columns of the strip (<= 64)
+  int m;                // rows (edges) of the batch
+  const float* asum;    // [m]: the group sum of each edge's input row
+  const float* sa;      // [m]: its scale (read unless Unit)
+  float* const* out;    // [m]: its output row, at the strip's first column
 };
 
 // Portable epilogue: one rounding per operation, as the documented math.
 struct EpiScalar {
   static constexpr const char* kName = "scalar";
   template <bool Unit>
-  MLX_LATTICE_NO_CONTRACT static void row(const EpiArgs& e, int r, float asum, float sa,
-                                          float* out) {
+  MLX_LATTICE_NO_CONTRACT static void rows(const EpiArgs& e) {
     MLX_LATTICE_NO_CONTRACT_BODY
-    const int32_t* acc = e.acc + r * 64;
-    for (int64_t x = 0; x < e.width; ++x) {
-      float t = static_cast<float>(acc[x]) * e.s[x];
-      const float u = asum * e.b[x];
-      t = t + u;
-      if constexpr (!Unit) t = t * sa;
-      out[x] = out[x] + t;
+    for (int r = 0; r < e.m; ++r) {
+      const int32_t* acc = e.acc + r * 64;
+      float* out = e.out[r];
+      for (int64_t x = 0; x < e.width; ++x) {
+        float t = static_cast<float>(acc[x]) * e.s[x];
+        const float u = e.asum[r] * e.b[x];
+        t = t + u;
+        if constexpr (!Unit) t = t * e.sa[r];
+        out[x] = out[x] + t;
+      }
     }
   }
 };
 
 #if defined(__x86_64__) || defined(_M_X64)
 // AVX-512 epilogue: the same operations, 16 columns per vector, each
-// product kept rounded on its own (no contraction into an FMA).
+// product kept rounded on its own (no contraction into an FMA); a column
+// vector's scales and biases are loaded once for all rows of the batch.
 struct EpiAvx512 {
   static constexpr const char* kName = "avx512";
   template <bool Unit>
-  __attribute__((target("avx512f"))) static void row(const EpiArgs& e, int r, float asum,
-                                                     float sa, float* out) {
-    const int32_t* acc = e.acc + r * 64;
-    const __m512 vasum = _mm512_set1_ps(asum);
-    [[maybe_unused]] const __m512 vsa = _mm512_set1_ps(sa);
+  __attribute__((target("avx512f"))) static void rows(const EpiArgs& e) {
     for (int64_t x = 0; x < e.width; x += 16) {
       const int64_t rem = e.width - x;
-      const __mmask16 m = rem >= 16 ? static_cast<__mmask16>(0xffff)
-                                    : static_cast<__mmask16>((1u << rem) - 1u);
-      __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(acc + x)),
-                               _mm512_loadu_ps(e.s + x));
-      __m512 u = _mm512_mul_ps(vasum, _mm512_loadu_ps(e.b + x));
-      asm("" : "+v"(t));
-      asm("" : "+v"(u));
-      t = _mm512_add_ps(t, u);
-      if constexpr (!Unit) t = _mm512_mul_ps(t, vsa);
-      asm("" : "+v"(t));
-      _mm512_mask_storeu_ps(out + x, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, out + x), t));
+      const __mmask16 mk = rem >= 16 ? static_cast<__mmask16>(0xffff)
+                                     : static_cast<__mmask16>((1u << rem) - 1u);
+      const __m512 s = _mm512_loadu_ps(e.s + x);
+      const __m512 b = _mm512_loadu_ps(e.b + x);
+      for (int r = 0; r < e.m; ++r) {
+        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(e.acc + r * 64 + x)), s);
+        __m512 u = _mm512_mul_ps(_mm512_set1_ps(e.asum[r]), b);
+        asm("" : "+v"(t));
+        asm("" : "+v"(u));
+        t = _mm512_add_ps(t, u);
+        if constexpr (!Unit) t = _mm512_mul_ps(t, _mm512_set1_ps(e.sa[r]));
+        asm("" : "+v"(t));
+        float* o = e.out[r] + x;
+        _mm512_mask_storeu_ps(o, mk, _mm512_add_ps(_mm512_maskz_loadu_ps(mk, o), t));
+      }
     }
   }
 };
@@ -144,11 +158,20 @@ struct EpiAvx512 {
 
 // Per-thread scratch of the driver.
 struct Scratch {
-  std::vector<int32_t> slot;      // [k][16]: input row, or -1
-  std::vector<uint8_t> present;   // [k]: any edge of k in the block
+  std::vector<int32_t> rows;      // [k][cap]: input row of each bucketed edge
+  std::vector<int32_t> outs;      // [k][cap]: its window-local output row
+  std::vector<int32_t> count;     // [k]: edges of offset k in the window
   std::vector<int8_t> gathered;   // 16 rows x stride
   alignas(64) int32_t acc[kBlockRows * 64];
 };
+
+// Copies one quantized row (whole 64-byte lines as fixed-size copies, which
+// compile to vector moves; the rest byte-wise).
+inline void copy_row(int8_t* dst, const int8_t* src, int64_t bytes) {
+  int64_t x = 0;
+  for (; x + 64 <= bytes; x += 64) std::memcpy(dst + x, src + x, 64);
+  if (x < bytes) std::memcpy(dst + x, src + x, bytes - x);
+}
 
 // Output rows [g0, g1) of the output CSR `csr`; out points at row 0 of the
 // whole output (cout floats per row) and rows [g0, g1) are overwritten.
@@ -162,43 +185,62 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
   const int64_t chunks = group_bytes / kc;
   const int64_t stride = a.stride;
   const int64_t bstride = w.cout_pad * 4;
-  s.slot.resize(nk * kBlockRows);
-  s.present.resize(nk);
-  s.gathered.resize(kBlockRows * stride);
-  std::memset(out + g0 * cout, 0, sizeof(float) * (g1 - g0) * cout);
   if (g1 <= g0) return;
+  const int64_t cap = g1 - g0;
+  s.count.resize(nk);
+  if (static_cast<int64_t>(s.rows.size()) < nk * cap) {
+    s.rows.resize(nk * cap);
+    s.outs.resize(nk * cap);
+  }
+  s.gathered.resize(kBlockRows * stride);
+  int32_t* bucket_rows = s.rows.data();
+  int32_t* bucket_outs = s.outs.data();
+  bucket_tile_edges(csr, g0, g1, kernel_ids, nk, s.count.data(),
+                    [bucket_rows, bucket_outs, cap, a_index](int32_t k, int32_t n, int32_t local,
+                                                             int32_t e) {
+                      bucket_rows[k * cap + n] = a_index[e];
+                      bucket_outs[k * cap + n] = local;
+                    });
+  float* window = out + g0 * cout;
+  std::memset(window, 0, sizeof(float) * cap * cout);
   amx::TileScope<Tiles> scope(int8_tile_config(kc));
   int8_t* gathered = s.gathered.data();
-  for (int64_t b0 = g0; b0 < g1; b0 += kBlockRows) {
-    const int rows = static_cast<int>(std::min<int64_t>(kBlockRows, g1 - b0));
-    std::fill(s.slot.begin(), s.slot.end(), -1);
-    std::fill(s.present.begin(), s.present.end(), 0);
-    for (int r = 0; r < rows; ++r) {
-      const int64_t end = csr.offsets[b0 + r + 1];
-      for (int64_t j = csr.offsets[b0 + r]; j < end; ++j) {
-        const int32_t e = csr.edge_ids ? csr.edge_ids[j] : static_cast<int32_t>(j);
-        const int32_t k = kernel_ids[e];
-        int32_t& slot = s.slot[k * kBlockRows + r];
-        if (slot >= 0) throw_repeated_offset();
-        slot = a_index[e];
-        s.present[k] = 1;
+  for (int64_t k = 0; k < nk; ++k) {
+    const int64_t count = s.count[k];
+    const uint8_t* codes_k = w.codes + k * w.quads * bstride;
+    for (int64_t i0 = 0; i0 < count; i0 += kBlockRows) {
+      const int m = static_cast<int>(std::min<int64_t>(kBlockRows, count - i0));
+      const int32_t* rows = bucket_rows + k * cap + i0;
+      const int32_t* outs = bucket_outs + k * cap + i0;
+      // The next batch's rows (scattered over the features) are requested
+      // behind this batch's work.
+      const int next = static_cast<int>(std::min<int64_t>(kBlockRows, count - i0 - m));
+      for (int r = 0; r < next; ++r) {
+        const int8_t* p = a.q + static_cast<int64_t>(rows[m + r]) * stride;
+        for (int64_t x = 0; x < stride; x += 64) __builtin_prefetch(p + x);
       }
-    }
-    float* block_out = out + b0 * cout;
-    for (int64_t k = 0; k < nk; ++k) {
-      if (!s.present[k]) continue;
-      const int32_t* slot = s.slot.data() + k * kBlockRows;
-      bool unit = a.static_scale;
-      for (int r = 0; r < kBlockRows; ++r) {
-        int8_t* dst = gathered + r * stride;
-        if (slot[r] >= 0) {
-          std::memcpy(dst, a.q + static_cast<int64_t>(slot[r]) * stride, stride);
-          unit = unit && a.scale[slot[r]] == 1.0f;
-        } else {
-          std::memset(dst, 0, stride);
+      // The A rows: 16 consecutive feature rows are read in place (a tail
+      // batch is gathered, so no tile row reads past the features).
+      bool consecutive = m == kBlockRows;
+      for (int r = 1; consecutive && r < kBlockRows; ++r) consecutive = rows[r] == rows[0] + r;
+      const int8_t* a_rows = gathered;
+      if (consecutive) {
+        a_rows = a.q + static_cast<int64_t>(rows[0]) * stride;
+      } else {
+        for (int r = 0; r < m; ++r) {
+          copy_row(gathered + r * stride, a.q + static_cast<int64_t>(rows[r]) * stride, stride);
         }
       }
-      const uint8_t* codes_k = w.codes + k * w.quads * bstride;
+      bool unit = a.static_scale;
+      float sa[kBlockRows];
+      float* row_out[kBlockRows];
+      for (int r = 0; r < m; ++r) {
+        sa[r] = a.scale[rows[r]];
+        unit = unit && sa[r] == 1.0f;
+        row_out[r] = window + static_cast<int64_t>(outs[r]) * cout;
+      }
+      float asum[kBlockRows];
+      float* strip_out[kBlockRows];
       for (int64_t n0 = 0; n0 < w.cout_pad; n0 += 64) {
         const int nc = static_cast<int>(std::min<int64_t>(4, (w.cout_pad - n0) / 16));
         const int64_t width = std::min<int64_t>(64, cout - n0);
@@ -206,22 +248,21 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
           amx::zero_strip<Tiles>(nc);
           for (int64_t c = 0; c < chunks; ++c) {
             const int64_t byte0 = g * group_bytes + c * kc;
-            Tiles::template load<4>(gathered + byte0, stride);
+            Tiles::template load<4>(a_rows + byte0, stride);
             amx::multiply_strip<Tiles, amx::Dot::kBsud>(
                 nc, codes_k + (byte0 / 4) * bstride + n0 * 4, bstride);
           }
           amx::store_strip<Tiles>(nc, s.acc, 256);
           const int64_t wofs = (k * w.groups + g) * w.cout_pad + n0;
-          const EpiArgs e{s.acc, w.scales + wofs, w.biases + wofs, width};
-          for (int r = 0; r < rows; ++r) {
-            if (slot[r] < 0) continue;
-            const float asum = static_cast<float>(a.gsum[slot[r] * w.groups + g]);
-            float* o = block_out + r * cout + n0;
-            if (unit) {
-              Epi::template row<true>(e, r, asum, 1.0f, o);
-            } else {
-              Epi::template row<false>(e, r, asum, a.scale[slot[r]], o);
-            }
+          for (int r = 0; r < m; ++r) {
+            asum[r] = static_cast<float>(a.gsum[rows[r] * w.groups + g]);
+            strip_out[r] = row_out[r] + n0;
+          }
+          const EpiArgs e{s.acc, w.scales + wofs, w.biases + wofs, width, m, asum, sa, strip_out};
+          if (unit) {
+            Epi::template rows<true>(e);
+          } else {
+            Epi::template rows<false>(e);
           }
         }
       }

@@ -9,7 +9,9 @@
 //   channels not multiples of 16/32/64, output rows not multiples of 16, one
 //   row, no rows, rows without edges, 8-bit and 4-bit codes, dynamic and
 //   static activation scales, a non-finite row, every kernel size 1..7
-//   (K = size^3) with the relation's at-most-one-edge-per-offset rule;
+//   (K = size^3) with the relation's at-most-one-edge-per-offset rule,
+//   input rows at random and in grid-like runs (16 consecutive rows of one
+//   offset are read in place);
 // - a repeated offset raises InputError on every driver.
 // Prints which tile kind ran ("model" always, "hardware" where available).
 #include <cmath>
@@ -228,6 +230,10 @@ struct Problem {
   int64_t n_in, n_out, cin, cout, n_kernels, group, bits;
   float act_scale;
   bool nan_row;
+  // Grid-like input rows: output row o reads row (o + k - K / 2) mod n_in
+  // through offset k (most offsets present), so an offset's edges run over
+  // consecutive input rows, as on a sorted voxel grid.
+  bool runs = false;
 };
 
 // The documented math (gemm_int8.h), directly: quantize_rows_int8's rows,
@@ -294,7 +300,12 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
   for (int64_t o = 0; o < p.n_out; ++o) {
     const int64_t density = gen() % 4;  // 0: no edges; else ~ density / 4
     for (int64_t k = 0; k < p.n_kernels; ++k) {
-      if (p.n_in > 0 && density > 0 && static_cast<int64_t>(gen() % 4) < density) {
+      if (p.runs && p.n_in > 0) {
+        if (gen() % 16 == 0) continue;
+        const int64_t i = o + k - p.n_kernels / 2;
+        a_index.push_back(static_cast<int32_t>(((i % p.n_in) + p.n_in) % p.n_in));
+        kid.push_back(static_cast<int32_t>(k));
+      } else if (p.n_in > 0 && density > 0 && static_cast<int64_t>(gen() % 4) < density) {
         a_index.push_back(static_cast<int32_t>(gen() % p.n_in));
         kid.push_back(static_cast<int32_t>(k));
       }
@@ -323,7 +334,7 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
                            std::to_string(p.cout) + " K " + std::to_string(p.n_kernels) +
                            " group " + std::to_string(p.group) + " bits " +
                            std::to_string(p.bits) + (p.act_scale > 0 ? " static" : " dynamic") +
-                           (p.nan_row ? " nan-row" : "");
+                           (p.nan_row ? " nan-row" : "") + (p.runs ? " runs" : "");
   auto compare = [&](const char* path, const std::vector<float>& got) {
     if (p.n_out * p.cout > 0 &&
         std::memcmp(got.data(), want.data(), sizeof(float) * p.n_out * p.cout) != 0) {
@@ -429,6 +440,14 @@ int main(int argc, char** argv) {
     cases += run_case(gen, {20, 19, 96, 40, 8, group, 8, 0.0f, false}, true);
   }
   cases += run_case(gen, {0, 5, 16, 16, 27, 32, 8, 0.0f, false}, true);
+  // Offsets whose edges read 16 consecutive input rows (loaded in place),
+  // up to the last input row, beside gathered batches and tails.
+  for (int64_t cin : {16, 64, 70}) {
+    for (float act : {0.0f, 0.04f}) {
+      cases += run_case(gen, {200, 200, cin, 48, 27, cin == 70 ? 32 : 16, 8, act, cin == 64, true},
+                        true);
+    }
+  }
   set_num_threads(3);
   cases += run_case(gen, {300, 1000, 64, 64, 27, 64, 8, 0.0f, true}, true);
   cases += run_case(gen, {300, 1000, 64, 64, 27, 32, 4, 0.02f, false}, true);

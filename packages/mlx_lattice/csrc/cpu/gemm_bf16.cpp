@@ -306,7 +306,8 @@ const HalfEntry& entry_for(FloatFormat format) {
   return format == FloatFormat::kBF16 ? bf16 : fp16;
 }
 
-// Output rows per parallel task of the row driver (16-row blocks inside).
+// Output rows per parallel task of the row driver (its window: the edges
+// of each offset inside, 16 to a tile).
 constexpr int64_t kAmxTileRows = 256;
 
 // The row driver over every output row of `csr`: the weight packed once per

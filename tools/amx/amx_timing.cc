@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "amx_bf16.h"
+#include "amx_bf16_wgrad.h"
 #include "amx_int8.h"
 #include "gemm.h"
 #include "gemm_bf16.h"
@@ -32,6 +33,7 @@
 #include "conv_forward.h"
 #include "group_by.h"
 #include "parallel.h"
+#include "weight_gradient.h"
 
 namespace {
 
@@ -91,6 +93,15 @@ void bf16_rows_skip(const amx_bf16::Rows& a, const amx_bf16::Weights& w, const C
   amx_bf16::run_rows<TileSkip>(a, w, csr, a_index, kernel_ids, g0, g1, out, s);
 }
 
+void bf16_wgrad_skip(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
+  thread_local amx_bf16::WgradScratch s;
+#if defined(__x86_64__)
+  amx_bf16::run_wgrad<TileSkip, amx_bf16::GatherAvx512>(p, k0, k1, dweight, s);
+#else
+  amx_bf16::run_wgrad<TileSkip>(p, k0, k1, dweight, s);
+#endif
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -139,6 +150,11 @@ int main(int argc, char** argv) {
   for (auto& v : packed) v = static_cast<uint8_t>(gen());
   std::vector<float> sc(nk * c * (c / group), 0.01f), bi(sc.size(), -1.0f);
   const double ops = 2.0 * edges * c * c;
+  // The kernel CSR (edges grouped by offset) of the weight gradients.
+  std::vector<int32_t> k_offsets, k_edge_ids;
+  group_by(kid.data(), edges, nk, k_offsets, k_edge_ids);
+  const Csr kcsr{k_offsets.data(), k_edge_ids.data(), nk};
+  std::vector<float> dw(nk * c * c);
   std::printf("relation: %lld rows, %lld edges (%.2f per row), C%lld, seed %u\n",
               static_cast<long long>(n), static_cast<long long>(edges),
               double(edges) / double(n), static_cast<long long>(c), seed);
@@ -189,6 +205,29 @@ int main(int argc, char** argv) {
       });
       std::printf("  bf16 %-12s %8.2f ms  tiles skipped: at most %.2fx fp32 (forward)\n",
                   "amx driver", tk * 1e3, t32 / tk);
+    }
+    // Weight gradients: float32, and bf16 on the AMX driver (tiles skipped
+    // on every host; on the hardware where usable).
+    const double tw32 = best_seconds(repeats, [&] {
+      weight_gradient(f.data(), c, f.data(), c, kcsr, a_index.data(), c_index.data(), dw.data());
+    });
+    std::printf("  fp32 %-12s %8.2f ms  weight gradient, %.2fx the fp32 forward's time\n",
+                "gradient", tw32 * 1e3, tw32 / t32);
+    {
+      const double tk = best_seconds(repeats, [&] {
+        bf16_weight_grad_rows(bf16_wgrad_skip, fb.data(), n, c, fb.data(), n, c, kcsr,
+                              a_index.data(), c_index.data(), dw.data());
+      });
+      std::printf("  bf16 %-12s %8.2f ms  tiles skipped: at most %.2fx the fp32 weight gradient\n",
+                  "amx wgrad", tk * 1e3, tw32 / tk);
+    }
+    if (kAmxBf16WgradHw && isa::isa_supported(isa::Isa::kAmxBf16)) {
+      const double tk = best_seconds(repeats, [&] {
+        bf16_weight_grad_rows(kAmxBf16WgradHw, fb.data(), n, c, fb.data(), n, c, kcsr,
+                              a_index.data(), c_index.data(), dw.data());
+      });
+      std::printf("  bf16 %-12s %8.2f ms  %.2fx the fp32 weight gradient\n", "amx-bf16 wgrad",
+                  tk * 1e3, tw32 / tk);
     }
     // bf16 forward on the AMX-BF16 row driver (the hardware only).
     if (kAmxBf16RowsHw && isa::isa_supported(isa::Isa::kAmxBf16)) {

@@ -38,7 +38,7 @@ bf16=($cpu/gemm_bf16.cpp $cpu/gemm_bf16_amx.cpp)
 "${cxx[@]}" "${bf16[@]}" $cpu/isa.cpp $cpu/gemm_arm.cpp $cpu/parallel.cpp $cpu/amx_bf16_test.cpp \
   -o "$out/amx_bf16_test" &
 "${cxx[@]}" "${int8[@]}" $cpu/conv_forward.cpp $cpu/group_by.cpp $cpu/float_formats.cpp $cpu/quantized_weight.cpp $cpu/conv_forward_half.cpp \
-  $cpu/gemm.cpp "${bf16[@]}" -I $cpu tools/amx/amx_timing.cc -o "$out/amx_timing"
+  $cpu/gemm.cpp $cpu/weight_gradient.cpp "${bf16[@]}" -I $cpu tools/amx/amx_timing.cc -o "$out/amx_timing"
 wait
 echo "built in $(($(date +%s) - start)) s"
 

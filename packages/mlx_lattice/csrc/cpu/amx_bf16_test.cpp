@@ -15,7 +15,8 @@
 //   strided ones), a weight with infinities and NaN, offsets whose
 //   edges read 16 consecutive input rows (loaded in place);
 // - the weight gradient (cpu/amx_bf16_wgrad.h) on the same relations: the
-//   model bit for bit against its documented order, every driver within
+//   model bit for bit against its documented order (with the portable and,
+//   where the host has AVX-512, the register slab gather), every driver within
 //   its bound, offsets with more edges than one slab;
 // - a repeated offset or an index out of range raises InputError and
 //   leaves the tiles released.
@@ -60,6 +61,13 @@ void model_wgrad(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dw
   thread_local amx_bf16::WgradScratch s;
   amx_bf16::run_wgrad<amx::TileModel>(p, k0, k1, dweight, s);
 }
+
+#if defined(__x86_64__)
+void model_wgrad_avx512(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
+  thread_local amx_bf16::WgradScratch s;
+  amx_bf16::run_wgrad<amx::TileModel, amx_bf16::GatherAvx512>(p, k0, k1, dweight, s);
+}
+#endif
 
 bool hw_usable() { return kAmxBf16RowsHw && isa::isa_supported(isa::Isa::kAmxBf16); }
 
@@ -341,6 +349,9 @@ void check_weight_grad(const Problem& p, const Relation& r, const std::vector<ui
     }
   };
   check("model", model_wgrad, true);
+#if defined(__x86_64__)
+  if (isa::isa_supported(isa::Isa::kAvx512)) check("model/avx512-gather", model_wgrad_avx512, true);
+#endif
   if (kAmxBf16WgradHw && hw_usable()) check("hardware", kAmxBf16WgradHw, false);
   if (half_weight_grad_available(FloatFormat::kBF16)) check("dispatch", nullptr, false);
 }

@@ -11,6 +11,9 @@
 //      edges rounded up to 32 columns; padding zero),
 //   B: G's rows in TDPBF16PS's pair layout, bt[e / 2][x][e % 2] (cout
 //      rounded up to 16 columns),
+// (the gather is a policy: GatherScalar, portable, or GatherAvx512, which
+// interleaves edge pairs and transposes 16 x 16 blocks of them in
+// registers; both write the same values wherever the tiles read),
 // and for each block of 16 channels and each strip of up to 64 columns
 // loads the C tiles from the float32 accumulator, runs TDPBF16PS over the
 // slab's chunks of 32 edges and stores them back (a load and store of
@@ -28,6 +31,10 @@
 #include <cstdint>
 #include <cstring>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
 
 #include "amx_bf16.h"
 
@@ -80,9 +87,142 @@ inline void gather_slab(const WgradArgs& p, int64_t sj, int64_t n, int64_t cout_
   }
 }
 
+// The portable slab gather.
+struct GatherScalar {
+  static constexpr const char* kName = "scalar";
+  static void slab(const WgradArgs& p, int64_t sj, int64_t n, int64_t cin_pad, int64_t cout_pad,
+                   WgradScratch& s) {
+    static_cast<void>(cin_pad);
+    gather_slab(p, sj, n, cout_pad, s);
+  }
+};
+
+#if defined(__x86_64__) || defined(_M_X64)
+// GCC 12 reports the unpack and lane-shuffle intrinsics' own undefined
+// pass-through operands as uninitialized; they are not read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+// The slab gather in AVX-512 registers, 32 edges at a time: two edges'
+// rows are interleaved into 32-bit pair words (bf16 pairs along the edges,
+// TDPBF16PS's K layout), and for A each 16 x 16 block of pair words
+// (pairs x channels) is transposed with unpacks and lane shuffles. It writes
+// every element the tiles read (channels up to cin_pad and columns up to
+// cout_pad, zero past cin and cout; edges up to the slab's chunks of 32,
+// zero past n) and nothing else, so no buffer is cleared first.
+struct GatherAvx512 {
+  static constexpr const char* kName = "avx512";
+
+  // Rows r[0..15] of 16 dwords become their transpose.
+  __attribute__((target("avx512f"))) static void transpose16(__m512i* r) {
+    __m512i t[16], u[16];
+    for (int i = 0; i < 8; ++i) {
+      t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+      t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {
+      u[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+      u[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+      u[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    // Lane L of u[4 i + m] holds column 4 L + m of rows 4 i .. 4 i + 3.
+    for (int m = 0; m < 4; ++m) {
+      const __m512i x0 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0x88);
+      const __m512i x1 = _mm512_shuffle_i32x4(u[m], u[4 + m], 0xdd);
+      const __m512i y0 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0x88);
+      const __m512i y1 = _mm512_shuffle_i32x4(u[8 + m], u[12 + m], 0xdd);
+      r[m] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+      r[8 + m] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+      r[4 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+      r[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+    }
+  }
+
+  // Channels [c0, c0 + 32) of rows a and b (nullptr: a zero row; channels
+  // past `width` zero) as pair words: lo holds channels c0..c0+15, hi the
+  // next 16.
+  __attribute__((target("avx512f,avx512bw"))) static void pairs(const uint16_t* a,
+                                                                 const uint16_t* b, int64_t c0,
+                                                                 int64_t width, __m512i& lo,
+                                                                 __m512i& hi) {
+    const int64_t cnt = std::clamp<int64_t>(width - c0, 0, 32);
+    const __mmask32 mk = cnt == 32 ? ~__mmask32{0} : static_cast<__mmask32>((1u << cnt) - 1u);
+    const __m512i va = a ? _mm512_maskz_loadu_epi16(mk, a + c0) : _mm512_setzero_si512();
+    const __m512i vb = b ? _mm512_maskz_loadu_epi16(mk, b + c0) : _mm512_setzero_si512();
+    alignas(64) static constexpr uint16_t kLo[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                    37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                    11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static constexpr uint16_t kHi[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21,
+                                                    53, 22, 54, 23, 55, 24, 56, 25, 57, 26, 58,
+                                                    27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    lo = _mm512_permutex2var_epi16(va, _mm512_load_si512(kLo), vb);
+    hi = _mm512_permutex2var_epi16(va, _mm512_load_si512(kHi), vb);
+  }
+
+  __attribute__((target("avx512f,avx512bw"))) static void slab(const WgradArgs& p, int64_t sj,
+                                                                int64_t n, int64_t cin_pad,
+                                                                int64_t cout_pad,
+                                                                WgradScratch& s) {
+    uint16_t* const at = s.at.data();
+    uint16_t* const bt = s.bt.data();
+    const int64_t blocks = ceil_div(n, 32);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      const uint16_t* frow[32];
+      const uint16_t* grow[32];
+      for (int i = 0; i < 32; ++i) {
+        const int64_t idx = blk * 32 + i;
+        frow[i] = grow[i] = nullptr;
+        if (idx >= n) continue;
+        const int64_t j = sj + idx;
+        const int32_t e =
+            p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
+        const int32_t fi = p.in_rows[e];
+        const int32_t gi = p.out_rows[e];
+        if (fi < 0 || fi >= p.n_f || gi < 0 || gi >= p.n_g) {
+          throw InputError("relation: a row index is out of range");
+        }
+        frow[i] = p.f + static_cast<int64_t>(fi) * p.cin;
+        grow[i] = p.g + static_cast<int64_t>(gi) * p.cout;
+      }
+      // A: at[c][blk * 32 + i] = F row i's channel c.
+      for (int64_t c0 = 0; c0 < cin_pad; c0 += 32) {
+        __m512i lo[16], hi[16];
+        for (int q = 0; q < 16; ++q) pairs(frow[2 * q], frow[2 * q + 1], c0, p.cin, lo[q], hi[q]);
+        transpose16(lo);
+        transpose16(hi);
+        for (int r = 0; r < 16; ++r) {
+          _mm512_storeu_si512(at + (c0 + r) * kSlabEdges + blk * 32, lo[r]);
+        }
+        if (c0 + 16 < cin_pad) {
+          for (int r = 0; r < 16; ++r) {
+            _mm512_storeu_si512(at + (c0 + 16 + r) * kSlabEdges + blk * 32, hi[r]);
+          }
+        }
+      }
+      // B: bt[pair][x][0 or 1], the pair's two G rows interleaved.
+      for (int q = 0; q < 16; ++q) {
+        uint16_t* row = bt + (blk * 16 + q) * cout_pad * 2;
+        for (int64_t x0 = 0; x0 < cout_pad; x0 += 32) {
+          __m512i lo, hi;
+          pairs(grow[2 * q], grow[2 * q + 1], x0, p.cout, lo, hi);
+          _mm512_storeu_si512(row + x0 * 2, lo);
+          if (x0 + 16 < cout_pad) _mm512_storeu_si512(row + (x0 + 16) * 2, hi);
+        }
+      }
+    }
+  }
+};
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+#endif
+
 // dW[k] for offsets [k0, k1); dweight (K, cin, cout) float32, rows of those
 // offsets overwritten.
-template <class Tiles>
+template <class Tiles, class Gather = GatherScalar>
 inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight,
                       WgradScratch& s) {
   const int64_t cin_pad = ceil_div(p.cin, 16) * 16;
@@ -102,7 +242,7 @@ inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight
     for (int64_t sj = j0; sj < j1; sj += kSlabEdges) {
       const int64_t n = std::min(kSlabEdges, j1 - sj);
       const int64_t chunks = ceil_div(n, 32);
-      gather_slab(p, sj, n, cout_pad, s);
+      Gather::slab(p, sj, n, cin_pad, cout_pad, s);
       const auto* at = reinterpret_cast<const uint8_t*>(s.at.data());
       const auto* bt = reinterpret_cast<const uint8_t*>(s.bt.data());
       for (int64_t c0 = 0; c0 < cin_pad; c0 += 16) {

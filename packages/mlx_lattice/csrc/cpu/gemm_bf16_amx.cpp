@@ -27,7 +27,8 @@ amx_bf16_rows_hw(const amx_bf16::Rows& a, const amx_bf16::Weights& w, const Csr&
 [[gnu::flatten]] __attribute__((target("amx-tile,amx-int8,amx-bf16,avx512f,avx512bw,avx512vl,"
                                        "avx512bf16"))) void
 amx_bf16_wgrad_hw(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
-  amx_bf16::run_wgrad<amx::TileHw>(p, k0, k1, dweight, amx_bf16_wgrad_scratch);
+  amx_bf16::run_wgrad<amx::TileHw, amx_bf16::GatherAvx512>(p, k0, k1, dweight,
+                                                           amx_bf16_wgrad_scratch);
 }
 
 }  // namespace

@@ -171,7 +171,9 @@ inline void run_rows(const Rows& a, const Weights& w, const Csr& csr, const int3
         throw InputError("relation: a kernel offset or row index is out of range");
       }
       const int32_t n = count[k];
-      if (n == cap) throw_repeated_offset();
+      // The row's edges come together, so a second edge of k in it would
+      // find the row at the end of k's bucket.
+      if (n > 0 && bucket_outs[k * cap + n - 1] == local) throw_repeated_offset();
       count[k] = n + 1;
       bucket_rows[k * cap + n] = i;
       bucket_outs[k * cap + n] = static_cast<int32_t>(local);
@@ -194,8 +196,8 @@ inline void run_rows(const Rows& a, const Weights& w, const Csr& csr, const int3
       // The next batch's rows are requested behind this batch's work.
       const int next = static_cast<int>(std::min<int64_t>(kBlockRows, count[k] - i0 - m));
       for (int r = 0; r < next; ++r) {
-        const auto* p = reinterpret_cast<const char*>(a.f + static_cast<int64_t>(rows[m + r]) * a.cin);
-        for (int64_t x = 0; x < a.cin * 2; x += 64) __builtin_prefetch(p + x);
+        const uint16_t* p = a.f + static_cast<int64_t>(rows[m + r]) * a.cin;
+        for (int64_t x = 0; x < a.cin; x += 32) __builtin_prefetch(p + x);
       }
       bool consecutive = in_place && m == kBlockRows;
       for (int r = 1; consecutive && r < kBlockRows; ++r) consecutive = rows[r] == rows[0] + r;

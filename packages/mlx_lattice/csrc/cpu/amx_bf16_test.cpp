@@ -464,6 +464,30 @@ void test_bad_relations() {
       if (amx::TileModel::configured()) fail("model tiles left configured after an error");
     }
   }
+  // 20 rows with an edge of offset 0 each, row 7 with two more of offset 1
+  // (the window's bucket of offset 1 does not overflow: the driver must see
+  // the row repeat).
+  std::vector<int32_t> offsets{0}, a_index, kid;
+  for (int32_t o = 0; o < 20; ++o) {
+    a_index.push_back(o % 2);
+    kid.push_back(0);
+    if (o == 7) {
+      a_index.insert(a_index.end(), {0, 1});
+      kid.insert(kid.end(), {1, 1});
+    }
+    offsets.push_back(static_cast<int32_t>(a_index.size()));
+  }
+  const Csr csr{offsets.data(), nullptr, 20};
+  std::vector<uint16_t> out20(20 * 4);
+  for (Bf16RowsFn fn : fns) {
+    try {
+      bf16_conv_rows(fn, f.data(), 2, 4, w.data(), 2, 4, false, csr, a_index.data(), kid.data(),
+                     out20.data());
+      fail("repeated offset in a window: no error");
+    } catch (const InputError&) {
+    }
+    if (amx::TileModel::configured()) fail("model tiles left configured after an error");
+  }
 }
 
 }  // namespace

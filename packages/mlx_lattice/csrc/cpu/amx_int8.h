@@ -7,7 +7,8 @@
 // tile of kInt8TileRows, whose float32 rows stay in cache):
 // 1. Buckets: the window's edges grouped by kernel offset (tiles.h's
 //    bucket_tile_edges, as the VNNI path does): input row and window-local
-//    output row per edge, in CSR order inside an offset.
+//    output row per edge, in CSR order inside an offset (a row with two
+//    edges of one offset raises InputError).
 // 2. For k ascending, the offset's edges 16 at a time (a batch fills every
 //    row of the A tile but the last batch's tail, so no product multiplies an
 //    absent row, as it would in blocks of 16 output rows, where a block's
@@ -195,9 +196,14 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
   s.gathered.resize(kBlockRows * stride);
   int32_t* bucket_rows = s.rows.data();
   int32_t* bucket_outs = s.outs.data();
+  // A row's edges come together (CSR order), so a second edge of one offset
+  // in a row finds that row at the end of the offset's bucket.
   bucket_tile_edges(csr, g0, g1, kernel_ids, nk, s.count.data(),
                     [bucket_rows, bucket_outs, cap, a_index](int32_t k, int32_t n, int32_t local,
                                                              int32_t e) {
+                      if (n > 0 && bucket_outs[k * cap + n - 1] == local) {
+                        throw_repeated_offset();
+                      }
                       bucket_rows[k * cap + n] = a_index[e];
                       bucket_outs[k * cap + n] = local;
                     });

@@ -380,24 +380,37 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
 }
 
 void test_repeated_offset() {
-  // Output row 0 with two edges of offset 1.
-  const std::vector<int32_t> offsets{0, 2}, a_index{0, 1}, kid{1, 1};
-  Csr csr;
-  csr.offsets = offsets.data();
-  csr.groups = 1;
-  std::vector<float> f(2 * 4, 1.0f), sc(2 * 4, 1.0f), bi(2 * 4, 0.0f), out(4);
+  // Output row 0 with two edges of offset 1; and 20 rows with an edge of
+  // offset 0 each, row 7 with two more of offset 1 (its window's bucket of
+  // offset 1 does not overflow: the driver must see the row repeat).
+  std::vector<std::vector<int32_t>> offsets{{0, 2}, {0}}, a_index{{0, 1}, {}}, kid{{1, 1}, {}};
+  for (int32_t o = 0; o < 20; ++o) {
+    a_index[1].push_back(o % 2);
+    kid[1].push_back(0);
+    if (o == 7) {
+      a_index[1].insert(a_index[1].end(), {0, 1});
+      kid[1].insert(kid[1].end(), {1, 1});
+    }
+    offsets[1].push_back(static_cast<int32_t>(a_index[1].size()));
+  }
+  std::vector<float> f(2 * 4, 1.0f), sc(2 * 4, 1.0f), bi(2 * 4, 0.0f), out(20 * 4);
   std::vector<uint8_t> packed(2 * 4 * 4, 1);
   std::vector<Int8RowsFn> fns{model_rows_scalar};
   if (kAmxInt8RowsHw && isa::isa_supported(isa::Isa::kAmxInt8)) fns.push_back(kAmxInt8RowsHw);
-  for (Int8RowsFn fn : fns) {
-    try {
-      int8_conv_rows(fn, f.data(), 2, 4, packed.data(), 4, sc.data(), bi.data(), 2, 4, 4, 4, 8,
-                     0.0f, csr, a_index.data(), kid.data(), out.data());
-      fail("repeated offset: no error");
-    } catch (const InputError&) {
+  for (size_t c = 0; c < offsets.size(); ++c) {
+    Csr csr;
+    csr.offsets = offsets[c].data();
+    csr.groups = static_cast<int64_t>(offsets[c].size()) - 1;
+    for (Int8RowsFn fn : fns) {
+      try {
+        int8_conv_rows(fn, f.data(), 2, 4, packed.data(), 4, sc.data(), bi.data(), 2, 4, 4, 4, 8,
+                       0.0f, csr, a_index[c].data(), kid[c].data(), out.data());
+        fail("repeated offset: no error (case " + std::to_string(c) + ")");
+      } catch (const InputError&) {
+      }
+      // The thread's tiles were released: a new configuration works.
+      if (amx::TileModel::configured()) fail("model tiles left configured after an error");
     }
-    // The thread's tiles were released: a new configuration works.
-    if (amx::TileModel::configured()) fail("model tiles left configured after an error");
   }
 }
 

@@ -1,10 +1,20 @@
 // The test-only harness extension: the product's primitives with eval_cpu
-// running their Metal encode bodies through tools/msl's MSL CPU harness.
+// running their Metal encode bodies through tools/msl's MSL CPU harness, and
+// the AMX drivers on the tile model.
 #pragma once
 
 #include <memory>
 
+#include <nanobind/nanobind.h>
+
 #include "../metal/encoder.h"
+
+namespace mlx_lattice {
+
+// The AMX drivers on the tile model (amx_model.cpp), for the fuzz targets.
+void bind_amx_model(nanobind::module_& m);
+
+}  // namespace mlx_lattice
 
 namespace mlx_lattice::gpu {
 

@@ -1,6 +1,7 @@
 // The test-only extension `harness_ext`: the product's bindings over
 // primitives whose eval_cpu runs the Metal kernels through the MSL harness
-// (harness/eval.cpp), plus diagnostics. Never part of the wheel.
+// (harness/eval.cpp), the AMX drivers on the tile model (harness/
+// amx_model.cpp), plus diagnostics. Never part of the wheel.
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -9,6 +10,7 @@
 
 #include "../bindings.h"
 #include "../primitives.h"
+#include "harness.h"
 #include "msl_runtime.h"
 
 namespace nb = nanobind;
@@ -16,6 +18,7 @@ namespace nb = nanobind;
 NB_MODULE(harness_ext, m) {
   m.doc() = "mlx_lattice's primitives evaluated by their Metal kernels on the CPU (tests only).";
   mlx_lattice::bind_ops(m);
+  mlx_lattice::bind_amx_model(m);
   m.def("harness_groups_run", &msl::dispatched_groups,
         "Threadgroups the Metal harness has run in this process.");
   // The product's no_metal.cpp, reached directly: what eval_gpu raises in

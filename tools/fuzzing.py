@@ -32,7 +32,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, given, seed, settings
 
-__all__ = ["examples", "fuzz", "fuzz_seed", "run_child"]
+__all__ = ["examples", "fuzz", "fuzz_seed", "run_child", "target_names"]
 
 EXAMPLES_ENV = "QUANTLATTICE_FUZZ_EXAMPLES"
 SEED_ENV = "QUANTLATTICE_FUZZ_SEED"
@@ -105,6 +105,24 @@ def _child_timeout(default: float) -> float:
 
 
 _STARTED = time.monotonic()
+
+
+def target_names(test_file: Path) -> list[str]:
+    r"""The fuzz tests of ``test_file`` (its top-level ``def test_...``), sorted:
+    what a runner parametrizes :func:`run_child` over.
+
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as d:
+    ...     path = Path(d) / "fuzz_x.py"
+    ...     _ = path.write_text("def test_b(x):\n    pass\ndef test_a(y):\n    pass\n")
+    ...     target_names(path)
+    ['test_a', 'test_b']
+    """
+    return sorted(
+        line.split("(")[0].removeprefix("def ")
+        for line in test_file.read_text().splitlines()
+        if line.startswith("def test_")
+    )
 
 
 def run_child(test_file: Path, test_name: str, *, timeout: float = 600) -> None:

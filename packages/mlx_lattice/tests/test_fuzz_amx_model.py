@@ -14,14 +14,8 @@ import pytest
 
 TARGETS = Path(__file__).with_name("fuzz_amx_model.py")
 
-NAMES = sorted(
-    line.split("(")[0].removeprefix("def ")
-    for line in TARGETS.read_text().splitlines()
-    if line.startswith("def test_")
-)
 
-
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", fuzzing.target_names(TARGETS))
 def test_fuzz_target_in_child(name: str) -> None:
     """The fuzz target ``name`` passes at the configured budget, and its
     process neither crashes nor aborts."""

@@ -31,6 +31,7 @@
 
 #include "amx_bf16.h"
 #include "amx_bf16_wgrad.h"
+#include "amx_model_drivers.h"
 #include "amx_tile_model.h"
 #include "gemm_bf16.h"
 #include "input_error.h"
@@ -50,23 +51,10 @@ void fail(const std::string& what) {
   if (failures <= 20) std::fprintf(stderr, "FAIL (seed %u) %s\n", seed, what.c_str());
 }
 
-void model_rows(const amx_bf16::Rows& a, const amx_bf16::Weights& w, const Csr& csr,
-                const int32_t* a_index, const int32_t* kernel_ids, int64_t g0, int64_t g1,
-                uint16_t* out) {
-  thread_local amx_bf16::Scratch s;
-  amx_bf16::run_rows<amx::TileModel>(a, w, csr, a_index, kernel_ids, g0, g1, out, s);
-}
-
-void model_wgrad(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
-  thread_local amx_bf16::WgradScratch s;
-  amx_bf16::run_wgrad<amx::TileModel>(p, k0, k1, dweight, s);
-}
-
+using amx_model::bf16_rows;
+using amx_model::wgrad_scalar;
 #if defined(__x86_64__)
-void model_wgrad_avx512(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
-  thread_local amx_bf16::WgradScratch s;
-  amx_bf16::run_wgrad<amx::TileModel, amx_bf16::GatherAvx512>(p, k0, k1, dweight, s);
-}
+using amx_model::wgrad_avx512;
 #endif
 
 bool hw_usable() { return kAmxBf16RowsHw && isa::isa_supported(isa::Isa::kAmxBf16); }
@@ -348,9 +336,9 @@ void check_weight_grad(const Problem& p, const Relation& r, const std::vector<ui
       }
     }
   };
-  check("model", model_wgrad, true);
+  check("model", wgrad_scalar, true);
 #if defined(__x86_64__)
-  if (isa::isa_supported(isa::Isa::kAvx512)) check("model/avx512-gather", model_wgrad_avx512, true);
+  if (isa::isa_supported(isa::Isa::kAvx512)) check("model/avx512-gather", wgrad_avx512, true);
 #endif
   if (kAmxBf16WgradHw && hw_usable()) check("hardware", kAmxBf16WgradHw, false);
   if (half_weight_grad_available(FloatFormat::kBF16)) check("dispatch", nullptr, false);
@@ -404,7 +392,7 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
     got_f.resize(p.n_out * p.cout);
     got_b.resize(p.n_in * p.cin);
   };
-  run(model_rows);
+  run(bf16_rows);
   compare("model forward", name, got_f, fwd, true);
   compare("model feature gradient", name, got_b, bwd, true);
   if (hw_usable()) {
@@ -449,7 +437,7 @@ void test_bad_relations() {
                       {"offset out of range", {0, 1}, {0, 2}},
                       {"input row out of range", {0, 2}, {0, 1}},
                       {"negative input row", {-1, 0}, {0, 1}}};
-  std::vector<Bf16RowsFn> fns{model_rows};
+  std::vector<Bf16RowsFn> fns{bf16_rows};
   if (hw_usable()) fns.push_back(kAmxBf16RowsHw);
   for (const Bad& b : bads) {
     const std::vector<int32_t> offsets{0, 2};

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "amx_int8.h"
+#include "amx_model_drivers.h"
 #include "amx_tile_model.h"
 #include "gemm_int8.h"
 #include "input_error.h"
@@ -46,24 +47,9 @@ void fail(const std::string& what) {
   std::fprintf(stderr, "FAIL (seed %u) %s\n", seed, what.c_str());
 }
 
-amx_int8::Scratch model_scratch;
-
-void model_rows_scalar(const amx_int8::Rows& a, const amx_int8::Weights& w, int64_t group,
-                       const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
-                       int64_t g0, int64_t g1, float* out) {
-  thread_local amx_int8::Scratch s;
-  amx_int8::run_rows<amx::TileModel, amx_int8::EpiScalar>(a, w, group, csr, a_index, kernel_ids,
-                                                          g0, g1, out, s);
-}
-
+using amx_model::int8_rows_scalar;
 #if defined(__x86_64__)
-void model_rows_avx512(const amx_int8::Rows& a, const amx_int8::Weights& w, int64_t group,
-                       const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
-                       int64_t g0, int64_t g1, float* out) {
-  thread_local amx_int8::Scratch s;
-  amx_int8::run_rows<amx::TileModel, amx_int8::EpiAvx512>(a, w, group, csr, a_index, kernel_ids,
-                                                          g0, g1, out, s);
-}
+using amx_model::int8_rows_avx512;
 #endif
 
 // ---- the model's instructions ----
@@ -351,11 +337,11 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
                    p.n_kernels, p.cout, storage_in, p.group, static_cast<int>(p.bits),
                    p.act_scale, csr, a_index.data(), kid.data(), got.data());
   };
-  run_rows(model_rows_scalar);
+  run_rows(int8_rows_scalar);
   compare("model/scalar-epilogue", got);
 #if defined(__x86_64__)
   if (isa::isa_supported(isa::Isa::kAvx512)) {
-    run_rows(model_rows_avx512);
+    run_rows(int8_rows_avx512);
     compare("model/avx512-epilogue", got);
   }
 #endif
@@ -395,7 +381,7 @@ void test_repeated_offset() {
   }
   std::vector<float> f(2 * 4, 1.0f), sc(2 * 4, 1.0f), bi(2 * 4, 0.0f), out(20 * 4);
   std::vector<uint8_t> packed(2 * 4 * 4, 1);
-  std::vector<Int8RowsFn> fns{model_rows_scalar};
+  std::vector<Int8RowsFn> fns{int8_rows_scalar};
   if (kAmxInt8RowsHw && isa::isa_supported(isa::Isa::kAmxInt8)) fns.push_back(kAmxInt8RowsHw);
   for (size_t c = 0; c < offsets.size(); ++c) {
     Csr csr;

@@ -21,10 +21,7 @@
 
 #include "mlx/mlx.h"
 
-#include "../cpu/amx_bf16.h"
-#include "../cpu/amx_bf16_wgrad.h"
-#include "../cpu/amx_int8.h"
-#include "../cpu/amx_tile_model.h"
+#include "../cpu/amx_model_drivers.h"
 #include "../cpu/gemm_bf16.h"
 #include "../cpu/gemm_int8.h"
 #include "../cpu/isa.h"
@@ -39,43 +36,6 @@ namespace mlx_lattice {
 namespace {
 
 using kernels::Csr;
-namespace amx_int8 = kernels::amx_int8;
-namespace amx_bf16 = kernels::amx_bf16;
-
-void int8_model_scalar(const amx_int8::Rows& a, const amx_int8::Weights& w, int64_t group,
-                       const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
-                       int64_t g0, int64_t g1, float* out) {
-  thread_local amx_int8::Scratch s;
-  amx_int8::run_rows<amx::TileModel, amx_int8::EpiScalar>(a, w, group, csr, a_index, kernel_ids,
-                                                          g0, g1, out, s);
-}
-
-void bf16_model(const amx_bf16::Rows& a, const amx_bf16::Weights& w, const Csr& csr,
-                const int32_t* a_index, const int32_t* kernel_ids, int64_t g0, int64_t g1,
-                uint16_t* out) {
-  thread_local amx_bf16::Scratch s;
-  amx_bf16::run_rows<amx::TileModel>(a, w, csr, a_index, kernel_ids, g0, g1, out, s);
-}
-
-void wgrad_model_scalar(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
-  thread_local amx_bf16::WgradScratch s;
-  amx_bf16::run_wgrad<amx::TileModel>(p, k0, k1, dweight, s);
-}
-
-#if defined(__x86_64__)
-void int8_model_avx512(const amx_int8::Rows& a, const amx_int8::Weights& w, int64_t group,
-                       const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
-                       int64_t g0, int64_t g1, float* out) {
-  thread_local amx_int8::Scratch s;
-  amx_int8::run_rows<amx::TileModel, amx_int8::EpiAvx512>(a, w, group, csr, a_index, kernel_ids,
-                                                          g0, g1, out, s);
-}
-
-void wgrad_model_avx512(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1, float* dweight) {
-  thread_local amx_bf16::WgradScratch s;
-  amx_bf16::run_wgrad<amx::TileModel, amx_bf16::GatherAvx512>(p, k0, k1, dweight, s);
-}
-#endif
 
 bool avx512_usable() {
 #if defined(__x86_64__)
@@ -84,6 +44,28 @@ bool avx512_usable() {
   return false;
 #endif
 }
+
+// The model driver named `name`: "scalar", or "avx512" where the host has
+// AVX-512.
+template <class Fn>
+Fn pick(const std::string& name, const char* what, Fn scalar, Fn avx512) {
+  if (name == "scalar") return scalar;
+  if (name != "avx512") {
+    throw std::invalid_argument(std::string("amx model: ") + what + " is 'scalar' or 'avx512'");
+  }
+  if (avx512 == nullptr || !avx512_usable()) {
+    throw std::invalid_argument("amx model: no AVX-512 here");
+  }
+  return avx512;
+}
+
+#if defined(__x86_64__)
+constexpr kernels::Int8RowsFn kInt8Avx512 = kernels::amx_model::int8_rows_avx512;
+constexpr kernels::Bf16WgradFn kWgradAvx512 = kernels::amx_model::wgrad_avx512;
+#else
+constexpr kernels::Int8RowsFn kInt8Avx512 = nullptr;
+constexpr kernels::Bf16WgradFn kWgradAvx512 = nullptr;
+#endif
 
 // `a` evaluated and row-contiguous, of dtype `dt` and rank `ndim`.
 mx::array operand(const mx::array& a, mx::Dtype dt, int ndim, const char* name) {
@@ -159,17 +141,9 @@ void bind_amx_model(nb::module_& m) {
         const Csr csr = checked_csr(off, ids, edges);
         check_indices(rows, n_in, "in_rows");
         check_indices(kid, nk, "kernel_ids");
-        kernels::Int8RowsFn fn = int8_model_scalar;
-        if (epilogue == "avx512") {
-#if defined(__x86_64__)
-          if (!avx512_usable()) throw std::invalid_argument("amx model: no AVX-512 here");
-          fn = int8_model_avx512;
-#else
-          throw std::invalid_argument("amx model: no AVX-512 here");
-#endif
-        } else if (epilogue != "scalar") {
-          throw std::invalid_argument("amx model: epilogue is 'scalar' or 'avx512'");
-        }
+        const kernels::Int8RowsFn fn =
+            pick(epilogue, "epilogue", kernels::Int8RowsFn{kernels::amx_model::int8_rows_scalar},
+                 kInt8Avx512);
         std::vector<float> out(std::max<int64_t>(1, csr.groups * cout));
         kernels::int8_conv_rows(fn, data<float>(f), n_in, cin, data<uint8_t>(w), row_bytes,
                                 data<float>(s), data<float>(b), nk, cout, storage_in, group, bits,
@@ -203,7 +177,7 @@ void bind_amx_model(nb::module_& m) {
         check_indices(kid, nk, "kernel_ids");
         const int64_t out_ch = transpose ? cin : cout;
         std::vector<uint16_t> out(std::max<int64_t>(1, csr.groups * out_ch));
-        kernels::bf16_conv_rows(bf16_model, data<uint16_t>(f), f.shape(0), cin,
+        kernels::bf16_conv_rows(kernels::amx_model::bf16_rows, data<uint16_t>(f), f.shape(0), cin,
                                 data<uint16_t>(w), nk, cout, transpose, csr, data<int32_t>(rows),
                                 data<int32_t>(kid), out.data());
         return mx::array(out.begin(), {static_cast<int>(csr.groups), static_cast<int>(out_ch)},
@@ -231,17 +205,9 @@ void bind_amx_model(nb::module_& m) {
         const Csr csr = checked_csr(off, ids, edges);
         check_indices(fi, f.shape(0), "in_rows");
         check_indices(gi, g.shape(0), "out_rows");
-        kernels::Bf16WgradFn fn = wgrad_model_scalar;
-        if (gather == "avx512") {
-#if defined(__x86_64__)
-          if (!avx512_usable()) throw std::invalid_argument("amx model: no AVX-512 here");
-          fn = wgrad_model_avx512;
-#else
-          throw std::invalid_argument("amx model: no AVX-512 here");
-#endif
-        } else if (gather != "scalar") {
-          throw std::invalid_argument("amx model: gather is 'scalar' or 'avx512'");
-        }
+        const kernels::Bf16WgradFn fn =
+            pick(gather, "gather", kernels::Bf16WgradFn{kernels::amx_model::wgrad_scalar},
+                 kWgradAvx512);
         const int64_t cin = f.shape(1), cout = g.shape(1);
         std::vector<float> dw(std::max<int64_t>(1, csr.groups * cin * cout));
         kernels::bf16_weight_grad_rows(fn, data<uint16_t>(f), f.shape(0), cin,

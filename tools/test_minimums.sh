@@ -9,8 +9,9 @@
 #
 #   mlx env: numpy at its minimum, mlx/mlx-cpu/nanobind and the `las`
 #            extra's laspy/lazrs at the lock's exact pins; quantrules and
-#            mlx_lattice tests (not the Metal harness and
-#            the two-process tests, whose extra targets the wheel lacks).
+#            mlx_lattice tests (not the Metal harness, the AMX tile model's
+#            fuzz targets and the two-process tests, whose extra targets the
+#            wheel lacks).
 #   jax env: jax, jaxlib, flax and flatbuffers at their minimums, qwix at
 #            the lock's pin;
 #            quantrules and taktiny_ops tests.
@@ -84,7 +85,8 @@ mlx_env() {
   site=$("$work/mlx/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$work/mlx/bin/python" -m zipfile -e "$(ls "$wheels"/*mlx_lattice-*.whl)" "$site"
   run_tests "$work/mlx" mlx_lattice tests --ignore=tests/test_metal_harness.py \
-    --ignore=tests/test_distributed.py --ignore=tests/distributed_worker.py
+    --ignore=tests/test_fuzz_amx_model.py --ignore=tests/test_distributed.py \
+    --ignore=tests/distributed_worker.py
   run_tests "$work/mlx" quantrules tests --ignore=tests/test_qwix.py
   return $status
 }

@@ -7,8 +7,9 @@
 //
 // Dataflow, per window of output rows [g0, g1) (CSR groups; the caller's
 // tile of kAmxTileRows, whose float32 rows stay in cache):
-// 1. Buckets: the window's edges grouped by kernel offset (input row and
-//    window-local output row per edge, CSR order inside an offset; a row
+// 1. Buckets: the window's edges grouped by kernel offset (tiles.h's
+//    bucket_tile_edges, as the int8 driver does): input row and
+//    window-local output row per edge, CSR order inside an offset (a row
 //    has at most one edge per offset, a second one raises InputError, as
 //    does an offset or input row out of range).
 // 2. For k ascending, the offset's edges 16 at a time (a batch fills every
@@ -153,7 +154,7 @@ inline void run_rows(const Rows& a, const Weights& w, const Csr& csr, const int3
   const int64_t bstride = w.cout_pad * 4;  // bytes per pair row of B
   if (g1 <= g0) return;
   const int64_t cap = g1 - g0;
-  s.count.assign(nk, 0);
+  s.count.resize(nk);
   if (static_cast<int64_t>(s.rows.size()) < nk * cap) {
     s.rows.resize(nk * cap);
     s.outs.resize(nk * cap);
@@ -161,24 +162,21 @@ inline void run_rows(const Rows& a, const Weights& w, const Csr& csr, const int3
   int32_t* count = s.count.data();
   int32_t* bucket_rows = s.rows.data();
   int32_t* bucket_outs = s.outs.data();
-  for (int64_t local = 0; local < cap; ++local) {
-    const int64_t end = csr.offsets[g0 + local + 1];
-    for (int64_t j = csr.offsets[g0 + local]; j < end; ++j) {
-      const int32_t e = csr.edge_ids ? csr.edge_ids[j] : static_cast<int32_t>(j);
-      const int32_t k = kernel_ids[e];
-      const int32_t i = a_index[e];
-      if (k < 0 || k >= nk || i < 0 || i >= a.n) {
-        throw InputError("relation: a kernel offset or row index is out of range");
-      }
-      const int32_t n = count[k];
-      // The row's edges come together, so a second edge of k in it would
-      // find the row at the end of k's bucket.
-      if (n > 0 && bucket_outs[k * cap + n - 1] == local) throw_repeated_offset();
-      count[k] = n + 1;
-      bucket_rows[k * cap + n] = i;
-      bucket_outs[k * cap + n] = static_cast<int32_t>(local);
-    }
-  }
+  // A row's edges come together (CSR order), so a second edge of one offset
+  // in a row finds that row at the end of the offset's bucket.
+  bucket_tile_edges(csr, g0, g1, kernel_ids, nk, count,
+                    [bucket_rows, bucket_outs, cap, a_index, n_rows = a.n](
+                        int32_t k, int32_t n, int32_t local, int32_t e) {
+                      const int32_t i = a_index[e];
+                      if (i < 0 || i >= n_rows) {
+                        throw InputError("relation: a row index is out of range");
+                      }
+                      if (n > 0 && bucket_outs[k * cap + n - 1] == local) {
+                        throw_repeated_offset();
+                      }
+                      bucket_rows[k * cap + n] = i;
+                      bucket_outs[k * cap + n] = local;
+                    });
   s.window.assign(cap * w.cout_pad, 0.0f);
   s.gathered.resize(kBlockRows * row_len);
   float* window = s.window.data();

@@ -66,6 +66,11 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
   throw ::mlx_lattice::InputError("relation: a row has two edges with the same kernel offset");
 }
 
+// What a tile pass raises for a kernel offset outside [0, n_kernels).
+[[noreturn, gnu::noinline, gnu::cold]] inline void throw_offset_out_of_range() {
+  throw ::mlx_lattice::InputError("relation: a kernel offset is out of range");
+}
+
 // One pass over the edges of groups [g0, g1) of `csr` that buckets them by
 // kernel offset without a counting pass: calls place(k, n, local, e) for
 // edge e, the n-th edge of offset k in CSR order, which belongs to group
@@ -75,8 +80,9 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
 // feature gradient is built), so n < g1 - g0 and a driver's buckets of
 // g1 - g0 slots per offset cannot overflow; a tile that would overflow one
 // raises std::invalid_argument (throw_repeated_offset) before anything is
-// placed out of bounds. Inside an offset the order is sort_tile_edges's (CSR
-// order).
+// placed out of bounds; an offset outside [0, n_kernels) raises InputError
+// before it indexes a bucket. Inside an offset the order is
+// sort_tile_edges's (CSR order).
 template <typename Place>
 void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
                        int64_t n_kernels, int32_t* count, Place&& place) {
@@ -89,6 +95,9 @@ void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* ke
     for (int64_t j = offsets[g0 + local]; j < end; ++j) {
       const int32_t e = edge_ids ? edge_ids[j] : static_cast<int32_t>(j);
       const int32_t k = kernel_ids[e];
+      if (static_cast<uint64_t>(static_cast<uint32_t>(k)) >= static_cast<uint64_t>(n_kernels)) {
+        throw_offset_out_of_range();
+      }
       const int32_t n = count[k];
       if (n == cap) throw_repeated_offset();
       count[k] = n + 1;

@@ -58,6 +58,22 @@ struct WgradScratch {
   std::vector<float> acc;     // cin_pad x cout_pad
 };
 
+// The F and G rows of the edge at position j of the kernel CSR; raises
+// InputError on a row index out of range.
+struct EdgeRows {
+  const uint16_t* f;
+  const uint16_t* g;
+};
+inline EdgeRows edge_rows(const WgradArgs& p, int64_t j) {
+  const int32_t e = p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
+  const int32_t fi = p.in_rows[e];
+  const int32_t gi = p.out_rows[e];
+  if (fi < 0 || fi >= p.n_f || gi < 0 || gi >= p.n_g) {
+    throw InputError("relation: a row index is out of range");
+  }
+  return {p.f + static_cast<int64_t>(fi) * p.cin, p.g + static_cast<int64_t>(gi) * p.cout};
+}
+
 // Gathers the n edges of the kernel CSR from position sj into s.at
 // (at[c][i], cin rows of kSlabEdges) and s.bt (bt[i / 2][x][i % 2], rows of
 // cout_pad pairs), zero elsewhere; sized by the caller. Raises InputError on
@@ -72,16 +88,10 @@ inline void gather_slab(const WgradArgs& p, int64_t sj, int64_t n, int64_t cout_
   uint16_t* const bt = s.bt.data();
   const int64_t cin = p.cin, cout = p.cout;
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t j = sj + i;
-    const int32_t e = p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
-    const int32_t fi = p.in_rows[e];
-    const int32_t gi = p.out_rows[e];
-    if (fi < 0 || fi >= p.n_f || gi < 0 || gi >= p.n_g) {
-      throw InputError("relation: a row index is out of range");
-    }
-    const uint16_t* fr = p.f + static_cast<int64_t>(fi) * cin;
+    const EdgeRows rows = edge_rows(p, sj + i);
+    const uint16_t* fr = rows.f;
     for (int64_t c = 0; c < cin; ++c) at[c * kSlabEdges + i] = fr[c];
-    const uint16_t* gr = p.g + static_cast<int64_t>(gi) * cout;
+    const uint16_t* gr = rows.g;
     uint16_t* bp = bt + (i / 2) * cout_pad * 2 + i % 2;
     for (int64_t x = 0; x < cout; ++x) bp[2 * x] = gr[x];
   }
@@ -185,16 +195,9 @@ struct GatherAvx512 {
         const int64_t idx = blk * 32 + i;
         frow[i] = grow[i] = nullptr;
         if (idx >= n) continue;
-        const int64_t j = sj + idx;
-        const int32_t e =
-            p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
-        const int32_t fi = p.in_rows[e];
-        const int32_t gi = p.out_rows[e];
-        if (fi < 0 || fi >= p.n_f || gi < 0 || gi >= p.n_g) {
-          throw InputError("relation: a row index is out of range");
-        }
-        frow[i] = p.f + static_cast<int64_t>(fi) * p.cin;
-        grow[i] = p.g + static_cast<int64_t>(gi) * p.cout;
+        const EdgeRows rows = edge_rows(p, sj + idx);
+        frow[i] = rows.f;
+        grow[i] = rows.g;
       }
       // A: at[c][blk * 32 + i] = F row i's channel c.
       for (int64_t c0 = 0; c0 < cin_pad; c0 += 32) {

@@ -160,6 +160,18 @@ bool cpu_is_intel() {
 #endif
 }
 
+int64_t l2_cache_bytes() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
+  static const int64_t bytes = [] {
+    const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    return v > 0 ? static_cast<int64_t>(v) : int64_t{0};
+  }();
+  return bytes;
+#else
+  return 0;
+#endif
+}
+
 bool isa_from_name(const char* name, Isa& isa) {
   if (!name) return false;
   const std::string want(name);

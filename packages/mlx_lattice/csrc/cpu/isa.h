@@ -32,6 +32,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 namespace mlx_lattice::isa {
 
@@ -74,6 +75,11 @@ void reset_isa_ceiling();
 // off x86-64. Kernel families use it where a level's speed differs by vendor
 // (cpu/gemm_bf16.cpp).
 bool cpu_is_intel();
+
+// The size in bytes of one core's level-2 cache (sysconf on Linux, read
+// once), or 0 where unknown (off Linux x86-64). Tile drivers size their
+// output tiles from it (cpu/conv_forward.cpp).
+int64_t l2_cache_bytes();
 
 // The level named `name` (isa_name's spelling); false when unknown.
 bool isa_from_name(const char* name, Isa& isa);

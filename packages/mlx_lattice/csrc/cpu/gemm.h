@@ -25,6 +25,10 @@ void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t
 
 // Name of the micro-kernel in use ("avx512f", "avx2-fma", "neon-fma" or
 // "scalar"), for benchmarks. MLX_LATTICE_GEMM_ISA names a lower one to force.
+// The AVX-512 forward blocks of one or two vectors per row broadcast A's
+// values into registers on Intel cores and fold them into the FMA's memory
+// operand elsewhere (the same bits); MLX_LATTICE_GEMM_SPLAT=1 or 0 forces
+// one form.
 const char* gemm_isa();
 
 // The micro-kernels this build and CPU can run, best first; "scalar" always

@@ -3,7 +3,10 @@
 //
 //   gemm_test            runs itself once per path of gemm_isas() (native only)
 //   gemm_test ISA        forces ISA through MLX_LATTICE_GEMM_ISA and checks it
-//                        (the form used under qemu, which cannot re-exec)
+//                        (the form used under qemu, which cannot re-exec);
+//                        avx512f runs twice, its blocks' broadcasts in
+//                        registers and in the FMA's operand
+//                        (MLX_LATTICE_GEMM_SPLAT=1 and 0)
 //   gemm_test --features prints the CPU features the ARM dispatch reads
 //
 // References: a std::fma chain in the documented order (C loaded, then j
@@ -19,6 +22,7 @@
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "gemm.h"
@@ -168,7 +172,9 @@ int run_one(const char* isa) {
   gemm_rows(1, &a1, &one, 0, 1, &c1);
   gemm_outer(0, &a1, &a1, 0, 1, &one, 1);
   if (one != 1.0f) fail("empty shape", 0, 0, 0, 0, 0, one, 1.0);
-  std::printf("%s: %d cases, seed %u, %s\n", isa, cases, seed, failures ? "FAILED" : "ok");
+  const char* splat = std::getenv("MLX_LATTICE_GEMM_SPLAT");
+  std::printf("%s%s%s: %d cases, seed %u, %s\n", isa, splat ? " splat=" : "", splat ? splat : "",
+              cases, seed, failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }
 
@@ -186,7 +192,21 @@ int main(int argc, char** argv) {
   if (argc > 1) return run_one(argv[1]);
   // One child per path: the path is chosen once per process.
   int status_all = 0;
+  std::vector<std::pair<std::string, const char*>> runs;
   for (const std::string& isa : gemm_isas()) {
+    if (isa == "avx512f") {
+      runs.emplace_back(isa, "1");
+      runs.emplace_back(isa, "0");
+    } else {
+      runs.emplace_back(isa, nullptr);
+    }
+  }
+  for (const auto& [isa, splat] : runs) {
+    if (splat) {
+      setenv("MLX_LATTICE_GEMM_SPLAT", splat, 1);
+    } else {
+      unsetenv("MLX_LATTICE_GEMM_SPLAT");
+    }
     char* child_argv[] = {argv[0], const_cast<char*>(isa.c_str()), nullptr};
     pid_t pid;
 #if defined(__linux__)

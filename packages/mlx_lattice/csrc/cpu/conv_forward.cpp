@@ -4,13 +4,11 @@
 #include "conv_forward.h"
 
 #include <algorithm>
-#include <bit>
 #include <cstring>
 #include <vector>
 
 #include "conv_forward_half.h"
 #include "gemm.h"
-#include "isa.h"
 #include "parallel.h"
 #include "tiles.h"
 
@@ -22,23 +20,15 @@ namespace {
 // The base: kTileRows from 64 up; narrower rows take more (up to
 // 4 x kTileRows at 32 and below), so an offset gets more rows per tile:
 // fewer partial register blocks and less per-tile work per edge where each
-// edge's arithmetic is smallest. Those sizes were measured on cores with
-// 0.5-1 MiB of L2. Where a core has 2 MiB or more (current Xeons), the tile
-// grows until its float32 output rows fill a quarter of L2 (C64: 2048 rows):
-// each offset then has more rows per tile (fewer remainder blocks, each
-// offset's weight read once for more rows), and the rows stay in L2. On the
-// Intel AMX host that made the C64 forward 11% faster, C128 11%, the
-// feature gradient 17% (benchmarks/LOG.md). A tile never shrinks below the
-// base, and grows only while every thread keeps 8 tiles to balance.
+// edge's arithmetic is smallest. With 2 MiB of L2 or more the tile's float32
+// rows fill a quarter of it (l2_tile_rows; C64: 2048 rows): on the Intel AMX
+// host the C64 forward 11% faster, C128 11%, the feature gradient 17%
+// (benchmarks/LOG.md).
 int64_t tile_rows_for(int64_t width, int64_t groups) {
   width = std::max<int64_t>(width, 1);
   const int64_t base =
       width >= 64 ? kTileRows : std::min<int64_t>(4 * kTileRows, kTileRows * 128 / width);
-  const int64_t l2 = isa::l2_cache_bytes();
-  if (l2 < (int64_t{2} << 20)) return base;
-  const int64_t fill = std::bit_floor(static_cast<uint64_t>(l2 / 4 / (width * 4)));
-  const int64_t balanced = groups / (8 * std::max(1, get_num_threads()));
-  return std::max(base, std::min(fill, balanced));
+  return l2_tile_rows(width * 4, base, groups, 4);
 }
 
 // Per-thread buckets of stationary_conv's tiles: offset k's rows are

@@ -307,7 +307,10 @@ const HalfEntry& entry_for(FloatFormat format) {
 }
 
 // Output rows per parallel task of the row driver (its window: the edges
-// of each offset inside, 16 to a tile).
+// of each offset inside, 16 to a tile): 256, or with 2 MiB of L2 (every AMX
+// host) as many as fill an eighth of it with float32 rows (l2_tile_rows;
+// C64: 1024 rows, forward and feature gradient 3-5% faster than 256 on the
+// Intel AMX host).
 constexpr int64_t kAmxTileRows = 256;
 
 // The row driver over every output row of `csr`: the weight packed once per
@@ -324,10 +327,11 @@ void rows_conv(Bf16RowsFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
   amx_bf16::pack_weight(weight, n_kernels, row_ch, out_ch, transpose_weight, p);
   const amx_bf16::Weights w = amx_bf16::view(p, n_kernels, out_ch);
   const amx_bf16::Rows rows{feats, n_in, row_ch};
-  const int64_t tiles = ceil_div(csr.groups, kAmxTileRows);
+  const int64_t window = l2_tile_rows(w.cout_pad * 4, kAmxTileRows, csr.groups, 8);
+  const int64_t tiles = ceil_div(csr.groups, window);
   parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kAmxTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kAmxTileRows);
+    const int64_t g0 = tile * window;
+    const int64_t g1 = std::min(csr.groups, g0 + window);
     fn(rows, w, csr, a_index, kernel_ids, g0, g1, out);
   });
 }

@@ -4,14 +4,35 @@
 #pragma once
 
 #include <algorithm>
-#include "input_error.h"
+#include <bit>
 #include <cstdint>
 #include <stdexcept>
 #include <vector>
 
 #include "group_by.h"
+#include "input_error.h"
+#include "isa.h"
+#include "parallel.h"
 
 namespace mlx_lattice::kernels {
+
+// Output rows per tile (a driver's window) of `groups` rows whose float32
+// sums take `row_bytes` each. `base` is the driver's size measured on cores
+// with 0.5-1 MiB of L2 (the AMD hosts). Where a core has 2 MiB or more
+// (current Xeons, every AMX host), the tile grows until its float32 rows
+// fill 1 / l2_share of L2 (a power of two of rows): each offset then has
+// more rows per tile (fewer partial blocks and batches, each offset's
+// weight read once for more rows) and the rows still stay in L2. Never
+// below `base`; grown only while every thread keeps 8 tiles to balance.
+inline int64_t l2_tile_rows(int64_t row_bytes, int64_t base, int64_t groups, int64_t l2_share) {
+  const int64_t l2 = isa::l2_cache_bytes();
+  if (l2 < (int64_t{2} << 20)) return base;
+  const int64_t fill =
+      static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(
+          l2 / l2_share / std::max<int64_t>(row_bytes, 1))));
+  const int64_t balanced = groups / (8 * std::max(1, get_num_threads()));
+  return std::max(base, std::min(fill, balanced));
+}
 
 // The edges of one tile of CSR groups, grouped by kernel offset: the edges
 // of offset k are edges[counts[k] : counts[k + 1]], in CSR order inside an

@@ -237,6 +237,13 @@ void bind_ops(nb::module_& m) {
       "Cap the CPU micro-kernels at ISA level ``name`` (cpu/isa.h's names; the int8 family "
       "follows at once, the others choose at first use); None: back to MLX_LATTICE_GEMM_ISA.");
   m.def(
+      "set_l2_cache_bytes",
+      [](std::optional<int64_t> bytes) { isa::set_l2_cache_bytes(bytes ? *bytes : -1); },
+      "bytes"_a.none(),
+      "The L2 size (bytes >= 0) the CPU tile drivers size their tiles from; None: the host's.");
+  m.def("l2_cache_bytes", &isa::l2_cache_bytes,
+        "The L2 size the CPU tile drivers size their tiles from now.");
+  m.def(
       "isa_ceiling", [] { return std::string(isa::isa_name(isa::isa_ceiling())); },
       "The current ISA ceiling's name.");
   m.def(

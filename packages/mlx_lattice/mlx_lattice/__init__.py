@@ -17,7 +17,12 @@
 
 from mlx_lattice._caches import clear_caches, set_weight_cache_budget, weight_cache_info
 from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
-from mlx_lattice._isa import get_kernel_isa, set_kernel_isa
+from mlx_lattice._isa import (
+    get_kernel_isa,
+    get_kernel_l2_bytes,
+    set_kernel_isa,
+    set_kernel_l2_bytes,
+)
 from mlx_lattice._memory import retain_freed_memory
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
@@ -36,10 +41,12 @@ __all__ = [
     "calibrate_activation_scales",
     "clear_caches",
     "get_kernel_isa",
+    "get_kernel_l2_bytes",
     "get_num_threads",
     "quantize",
     "retain_freed_memory",
     "set_kernel_isa",
+    "set_kernel_l2_bytes",
     "set_num_threads",
     "set_weight_cache_budget",
     "sparse_collate",

@@ -1,10 +1,10 @@
-"""The instruction-set ceiling of the native CPU micro-kernels."""
+"""The instruction-set ceiling and the cache size of the native CPU kernels."""
 
 from __future__ import annotations
 
 from mlx_lattice._errors import MlxLatticeTypeError
 
-__all__ = ["get_kernel_isa", "set_kernel_isa"]
+__all__ = ["get_kernel_isa", "get_kernel_l2_bytes", "set_kernel_isa", "set_kernel_l2_bytes"]
 
 
 def set_kernel_isa(name: str | None) -> None:
@@ -47,3 +47,43 @@ def get_kernel_isa() -> str:
     from mlx_lattice._native import ext
 
     return str(ext.isa_ceiling())
+
+
+def set_kernel_l2_bytes(n_bytes: int | None) -> None:
+    """Size the CPU kernels' output tiles for an L2 cache of ``n_bytes``.
+
+    The tile drivers read one core's L2 size once from the host and, where
+    it is 2 MiB or more (current Xeons), grow their tiles of output rows to
+    fill a share of it; smaller caches keep the sizes measured on them.
+    Results do not depend on the tile size, only speed, so tests run every
+    tile size on any host this way and benchmarks compare them. Takes effect
+    at the next call, in every thread. ``None`` returns to the host's size.
+
+    >>> previous = get_kernel_l2_bytes()
+    >>> set_kernel_l2_bytes(4 << 20); get_kernel_l2_bytes()
+    4194304
+    >>> set_kernel_l2_bytes(None); get_kernel_l2_bytes() == previous
+    True
+    >>> set_kernel_l2_bytes(-1)
+    Traceback (most recent call last):
+    ...
+    mlx_lattice._errors.MlxLatticeError: set_kernel_l2_bytes: n_bytes must be >= 0 or None, got -1.
+    """
+    from mlx_lattice._errors import MlxLatticeError
+    from mlx_lattice._native import ext
+
+    if n_bytes is not None and (isinstance(n_bytes, bool) or not isinstance(n_bytes, int)):
+        raise MlxLatticeTypeError(
+            f"set_kernel_l2_bytes: n_bytes must be an int or None, got {type(n_bytes).__name__}."
+        )
+    if n_bytes is not None and n_bytes < 0:
+        raise MlxLatticeError(f"set_kernel_l2_bytes: n_bytes must be >= 0 or None, got {n_bytes}.")
+    ext.set_l2_cache_bytes(n_bytes)
+
+
+def get_kernel_l2_bytes() -> int:
+    """The L2 size in bytes the CPU kernels size their tiles from now (the
+    host's, 0 where unknown, unless :func:`set_kernel_l2_bytes` set one)."""
+    from mlx_lattice._native import ext
+
+    return int(ext.l2_cache_bytes())

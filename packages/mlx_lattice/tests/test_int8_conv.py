@@ -141,6 +141,37 @@ CASES = [
 ]
 
 
+def large_case(rng, cin: int, cout: int):
+    """About 24k output rows: enough for the tiles grown from a forced
+    2 MiB+ L2 (cpu/tiles.h keeps 8 tiles per thread) on up to 4 threads."""
+    pts = np.unique(rng.integers(0, 36, (30000, 3)), axis=0)
+    coords = np.concatenate([np.zeros((len(pts), 1), pts.dtype), pts], 1).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    feats = rng.standard_normal((len(coords), cin)).astype(np.float32)
+    weight = mx.array(rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2)
+    return rel, feats, QuantizedWeight.from_float(weight, bits=8, group_size=32)
+
+
+@pytest.mark.parametrize("l2", [0, 512 << 10, 2 << 20, 64 << 20])
+@pytest.mark.parametrize("static", [None, np.float32(0.03)])
+def test_tiles_sized_from_any_l2_bit_for_bit(rng, l2, static):
+    """Every tile size the L2 rule picks (forced with set_kernel_l2_bytes,
+    so hosts with a small L2 run the grown tiles too) gives the reference's
+    bits: each output row sums its offsets in the same order."""
+    rel, feats, qw = large_case(rng, 32, 24)
+    assert rel.n_out_capacity >= 8 * 4 * 512
+    mlx_lattice.set_kernel_l2_bytes(l2)
+    try:
+        assert mlx_lattice.get_kernel_l2_bytes() == l2
+        out = ops.sparse_quantized_conv_features_from_relation(
+            mx.array(feats), qw, rel, act_bits=8, act_scale=None if static is None else float(static)
+        )
+        out = np.array(out)
+    finally:
+        mlx_lattice.set_kernel_l2_bytes(None)
+    np.testing.assert_array_equal(out, int8_conv_ref(feats, qw, rel, static=static))
+
+
 @pytest.mark.parametrize(("cin", "cout", "bits", "group"), CASES)
 def test_matches_int64_reference_bit_for_bit(rng, cin, cout, bits, group):
     rel, feats, qw = make_case(rng, 700, cin, cout, bits, group)

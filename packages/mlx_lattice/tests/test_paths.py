@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+import mlx_lattice
 from mlx_lattice._native import ext
 from mlx_lattice.core import (
     DataflowError,
@@ -263,3 +264,46 @@ def test_forced_dataflows_run_and_agree(rng, ref):
         ops.sparse_conv_features_from_relation(f, w, rel)
     with pytest.raises(DataflowError, match="dataflow must be one of"), use_dataflow("fastest"):
         pass
+
+
+def test_tiles_sized_from_any_l2_keep_the_bits(rng):
+    """The float32 and bfloat16 forwards and feature gradients
+    give the same bits whatever L2 size the tile drivers are told
+    (set_kernel_l2_bytes: hosts with a small L2 run the grown tiles too, and
+    large hosts the small ones); float32 also against float64 NumPy."""
+    pts = np.unique(rng.integers(0, 36, (30000, 3)), axis=0)
+    coords = np.concatenate([np.zeros((len(pts), 1), pts.dtype), pts], 1).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    assert rel.n_out_capacity >= 8 * 4 * 512
+    channels = 32
+    f = rng.standard_normal((len(coords), channels)).astype(np.float32)
+    w = (rng.standard_normal((27, channels, channels)) / np.sqrt(27 * channels)).astype(np.float32)
+
+    def run():
+        outs = []
+        for dtype in (mx.float32, mx.bfloat16):
+            fx, wx = mx.array(f).astype(dtype), mx.array(w).astype(dtype)
+            with use_dataflow("generic"):
+                y = ops.sparse_conv_features_from_relation(fx, wx, rel)
+                cot = mx.ones_like(y)
+                grad = mx.vjp(
+                    lambda a, wx=wx: ops.sparse_conv_features_from_relation(a, wx, rel), [fx], [cot]
+                )[1][0]
+            outs += [np.array(y.astype(mx.float32)), np.array(grad.astype(mx.float32))]
+        return outs
+
+    results = {}
+    for l2 in (0, 2 << 20, 64 << 20):
+        mlx_lattice.set_kernel_l2_bytes(l2)
+        try:
+            results[l2] = run()
+        finally:
+            mlx_lattice.set_kernel_l2_bytes(None)
+    for l2, outs in results.items():
+        for j, (got, want) in enumerate(zip(outs, results[0], strict=True)):
+            np.testing.assert_array_equal(got, want, err_msg=f"L2 {l2} bytes, output {j}")
+    expect = np.zeros((rel.n_out_capacity, channels))
+    e = rel.edges
+    i, o, k = np.array(e.in_rows), np.array(e.out_rows), np.array(e.kernel_ids)
+    np.add.at(expect, o, np.einsum("ec,ecd->ed", f[i].astype(np.float64), w[k].astype(np.float64)))
+    np.testing.assert_allclose(results[0][0], expect, rtol=1e-4, atol=1e-4)

@@ -160,7 +160,12 @@ bool cpu_is_intel() {
 #endif
 }
 
-int64_t l2_cache_bytes() {
+namespace {
+// set_l2_cache_bytes's value; -1: none (the host's size).
+std::atomic<int64_t> l2_override{-1};
+}  // namespace
+
+int64_t host_l2_cache_bytes() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
   static const int64_t bytes = [] {
     const long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
@@ -170,6 +175,15 @@ int64_t l2_cache_bytes() {
 #else
   return 0;
 #endif
+}
+
+int64_t l2_cache_bytes() {
+  const int64_t forced = l2_override.load(std::memory_order_relaxed);
+  return forced >= 0 ? forced : host_l2_cache_bytes();
+}
+
+void set_l2_cache_bytes(int64_t bytes) {
+  l2_override.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
 }
 
 bool isa_from_name(const char* name, Isa& isa) {

@@ -77,9 +77,18 @@ void reset_isa_ceiling();
 bool cpu_is_intel();
 
 // The size in bytes of one core's level-2 cache (sysconf on Linux, read
-// once), or 0 where unknown (off Linux x86-64). Tile drivers size their
-// output tiles from it (cpu/conv_forward.cpp).
+// once), or 0 where unknown (off Linux x86-64).
+int64_t host_l2_cache_bytes();
+
+// The L2 size the tile drivers size their output tiles from (cpu/tiles.h's
+// l2_tile_rows): set_l2_cache_bytes's value where one is set, else the
+// host's. Results do not depend on it, only speed.
 int64_t l2_cache_bytes();
+
+// Makes l2_cache_bytes() return `bytes` (>= 0) from now on, in every thread,
+// so tests run each tile size on any host and benchmarks compare them; a
+// negative value returns to the host's size.
+void set_l2_cache_bytes(int64_t bytes);
 
 // The level named `name` (isa_name's spelling); false when unknown.
 bool isa_from_name(const char* name, Isa& isa);

@@ -188,17 +188,32 @@ struct GatherAvx512 {
     uint16_t* const at = s.at.data();
     uint16_t* const bt = s.bt.data();
     const int64_t blocks = ceil_div(n, 32);
-    for (int64_t blk = 0; blk < blocks; ++blk) {
-      const uint16_t* frow[32];
-      const uint16_t* grow[32];
+    // Each block's F and G rows (scattered over the features and the
+    // cotangent) are looked up and requested one block ahead: the loads of
+    // a block's rows otherwise waited for memory, most of the call's time.
+    const uint16_t* rows_f[2][32];
+    const uint16_t* rows_g[2][32];
+    auto look_up = [&p, sj, n](int64_t blk, const uint16_t** fr, const uint16_t** gr) {
       for (int i = 0; i < 32; ++i) {
         const int64_t idx = blk * 32 + i;
-        frow[i] = grow[i] = nullptr;
+        fr[i] = gr[i] = nullptr;
         if (idx >= n) continue;
         const EdgeRows rows = edge_rows(p, sj + idx);
-        frow[i] = rows.f;
-        grow[i] = rows.g;
+        fr[i] = rows.f;
+        gr[i] = rows.g;
+        for (int64_t b = 0; b < p.cin * 2; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(rows.f) + b);
+        }
+        for (int64_t b = 0; b < p.cout * 2; b += 64) {
+          __builtin_prefetch(reinterpret_cast<const char*>(rows.g) + b);
+        }
       }
+    };
+    if (blocks > 0) look_up(0, rows_f[0], rows_g[0]);
+    for (int64_t blk = 0; blk < blocks; ++blk) {
+      if (blk + 1 < blocks) look_up(blk + 1, rows_f[(blk + 1) & 1], rows_g[(blk + 1) & 1]);
+      const uint16_t* const* frow = rows_f[blk & 1];
+      const uint16_t* const* grow = rows_g[blk & 1];
       // A: at[c][blk * 32 + i] = F row i's channel c.
       for (int64_t c0 = 0; c0 < cin_pad; c0 += 32) {
         __m512i lo[16], hi[16];

@@ -17,6 +17,11 @@ with the dataflow ``"auto"`` picks: the C64 -> C64 convolution (``generic``,
 ``sorted``), a C64 -> C14 head (``generic``, ``padded_c16``) and its
 normalization denominator (``generic`` = the full convolution of ones,
 ``denominator_csr``).
+
+``--l2-bytes N`` sizes the CPU kernels' tiles for an L2 of N bytes
+(``mlx_lattice.set_kernel_l2_bytes``) instead of the host's: the same
+program then compares tile sizes on one host (results do not depend on
+them).
 """
 
 from __future__ import annotations
@@ -24,15 +29,18 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+from collections.abc import Sequence
 
 import mlx.core as mx
 import numpy as np
+from absl import flags
 
 import mlx_lattice
 from benchmarks.host_class import host_class_line
 from benchmarks.scans import surface_coords
 from benchmarks.timing import median_s
 from benchmarks.yardstick import sgemm_reference, vector_peak
+from examples import cli
 from mlx_lattice._native import ext
 from mlx_lattice.core import (
     QuantizedWeight,
@@ -46,6 +54,13 @@ from mlx_lattice.data import synthetic_lidar_scan, voxelize_points
 CHANNELS = 64
 OTHER_CHANNELS = (32, 128)  # fp32 forward lines besides C64
 ROUNDS = 7
+
+_L2_BYTES = flags.DEFINE_integer(
+    "l2-bytes",
+    None,
+    "size the CPU kernels' tiles for an L2 of this many bytes (default: the host's)",
+    lower_bound=0,
+)
 
 
 def _sgemm_rate(m: int, k: int, n: int) -> float:
@@ -76,7 +91,10 @@ def _large_case(rng: np.random.Generator) -> tuple[int, int, float, float]:
     return rel.n_in, rel.n_edges, statistics.median(build), statistics.median(forward)
 
 
-def main() -> None:
+def main(argv: Sequence[str] | None = None) -> None:
+    cli.parsed(argv)
+    if _L2_BYTES.value is not None:
+        mlx_lattice.set_kernel_l2_bytes(_L2_BYTES.value)
     print(host_class_line())
     rng = np.random.default_rng(0)
     scan = synthetic_lidar_scan(seed=0)
@@ -185,7 +203,9 @@ def main() -> None:
         f"load {os.getloadavg()[0]:.1f}; mlx_lattice threads {mlx_lattice.get_num_threads()}, "
         f"micro-kernels fp32 {ext.gemm_isa()}, int8 {ext.int8_isa()}, bf16 {ext.bf16_isa()}, "
         f"fp16 {ext.fp16_isa()}; AMX int8 {'usable' if ext.isa_supported('amx-int8') else 'absent'}, "
-        f"AMX bf16 {'usable' if ext.isa_supported('amx-bf16') else 'absent'}"
+        f"AMX bf16 {'usable' if ext.isa_supported('amx-bf16') else 'absent'}; tiles sized for "
+        f"{mlx_lattice.get_kernel_l2_bytes() >> 10} KiB of L2"
+        f"{' (--l2-bytes)' if _L2_BYTES.value is not None else ''}"
     )
     print(
         f"scan: {n} voxels at 5 cm, {edges} edges ({edges / n:.2f} per voxel), 3x3x3 submanifold, C{CHANNELS}"
@@ -297,4 +317,4 @@ def _denominator(ones: mx.array, squared: mx.array, rel) -> mx.array:
 
 
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -225,7 +225,9 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
   };
   parallel_for(n_chunks, [&](int64_t c) {
     const int64_t i0 = c * chunk, i1 = std::min(n, i0 + chunk);
-    std::fill(map.get() + i0 * columns, map.get() + i1 * columns, -1);
+    // With masks, a cell is read only where its row's mask has the bit,
+    // which the walk sets as it writes the cell: no -1 fill.
+    if (!half) std::fill(map.get() + i0 * columns, map.get() + i1 * columns, -1);
     for (int64_t i = i0; i < i1; ++i) {
       if (half) {
         masks[i] = uint32_t{1} << centre;

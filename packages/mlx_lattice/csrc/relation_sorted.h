@@ -83,7 +83,8 @@ class SortedRows {
 // With `masks` (n entries; symmetric, at most 32 offsets), each row's offset
 // mask is written instead of the mirrors (bit k set where row r has a
 // neighbour at offset k, the centre included), and the map holds only the
-// searched columns: (n, K / 2).
+// searched columns: (n, K / 2), of which only the cells whose bit is set
+// in their row's mask are written (the others are unset, not -1).
 std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n,
                                           const std::vector<std::array<int64_t, 3>>& offsets,
                                           bool symmetric, uint32_t* masks = nullptr);

@@ -194,8 +194,7 @@ inline void run_rows(const Rows& a, const Weights& w, const Csr& csr, const int3
       // The next batch's rows are requested behind this batch's work.
       const int next = static_cast<int>(std::min<int64_t>(kBlockRows, count[k] - i0 - m));
       for (int r = 0; r < next; ++r) {
-        const uint16_t* p = a.f + static_cast<int64_t>(rows[m + r]) * a.cin;
-        for (int64_t x = 0; x < a.cin; x += 32) __builtin_prefetch(p + x);
+        prefetch_lines(a.f + static_cast<int64_t>(rows[m + r]) * a.cin, a.cin * 2);
       }
       bool consecutive = in_place && m == kBlockRows;
       for (int r = 1; consecutive && r < kBlockRows; ++r) consecutive = rows[r] == rows[0] + r;

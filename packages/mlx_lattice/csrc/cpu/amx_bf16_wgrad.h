@@ -201,12 +201,8 @@ struct GatherAvx512 {
         const EdgeRows rows = edge_rows(p, sj + idx);
         fr[i] = rows.f;
         gr[i] = rows.g;
-        for (int64_t b = 0; b < p.cin * 2; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(rows.f) + b);
-        }
-        for (int64_t b = 0; b < p.cout * 2; b += 64) {
-          __builtin_prefetch(reinterpret_cast<const char*>(rows.g) + b);
-        }
+        prefetch_lines(rows.f, p.cin * 2);
+        prefetch_lines(rows.g, p.cout * 2);
       }
     };
     if (blocks > 0) look_up(0, rows_f[0], rows_g[0]);

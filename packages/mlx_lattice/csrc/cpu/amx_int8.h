@@ -46,6 +46,7 @@
 
 #include "amx_tiles.h"
 #include "group_by.h"
+#include "parallel.h"
 #include "quantized_weight.h"
 #include "tiles.h"
 
@@ -222,8 +223,7 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
       // behind this batch's work.
       const int next = static_cast<int>(std::min<int64_t>(kBlockRows, count - i0 - m));
       for (int r = 0; r < next; ++r) {
-        const int8_t* p = a.q + static_cast<int64_t>(rows[m + r]) * stride;
-        for (int64_t x = 0; x < stride; x += 64) __builtin_prefetch(p + x);
+        prefetch_lines(a.q + static_cast<int64_t>(rows[m + r]) * stride, stride);
       }
       // The A rows: 16 consecutive feature rows are read in place (a tail
       // batch is gathered, so no tile row reads past the features).

@@ -105,9 +105,7 @@ inline void fill_row(Block& blk, int r, const OffsetJob& job, int64_t i, int64_t
 inline void prefetch_next(const OffsetJob& job, int64_t i) {
   const int64_t end = std::min<int64_t>(job.count, i + 2 * kRows);
   for (int64_t n = i + kRows; n < end; ++n) {
-    const int64_t row = job.rows[n];
-    const int8_t* next = job.q + row * job.stride;
-    for (int64_t x = 0; x < job.stride; x += 64) __builtin_prefetch(next + x);
+    prefetch_lines(job.q + job.rows[n] * job.stride, job.stride);
   }
 }
 

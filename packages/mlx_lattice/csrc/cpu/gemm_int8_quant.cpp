@@ -175,9 +175,7 @@ void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, in
     constexpr int64_t kAhead = 8;
     const int64_t r0 = chunk * kChunk;
     auto prefetch_row = [&](int64_t r) {
-      if (r >= r1) return;
-      const char* p = reinterpret_cast<const char*>(x + r * c);
-      for (int64_t b = 0; b < c * 4; b += 64) __builtin_prefetch(p + b);
+      if (r < r1) prefetch_lines(x + r * c, c * 4);
     };
     for (int64_t r = r0; r < r0 + kAhead; ++r) prefetch_row(r);
     for (int64_t r = r0; r < r1; ++r) {

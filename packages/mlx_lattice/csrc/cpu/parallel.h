@@ -26,6 +26,13 @@ void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
 // split by b.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Requests every 64-byte line of [p, p + bytes) into the cache: a row the
+// kernel gathers by index next, loaded behind the current work.
+inline void prefetch_lines(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+}
+
 // This thread's instance of a thread_local scratch object, as a reference
 // computed once. In a shared library each thread_local address is a call
 // (__tls_get_addr), and GCC 12 repeats that call at each use inside a loop

@@ -223,12 +223,8 @@ void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, c
         } else {
           gr = hg[j] = grad16 + out_row * cout;
         }
-        for (int64_t x = 0; x < cin * f_width; x += 64) {
-          __builtin_prefetch(static_cast<const char*>(fr) + x);
-        }
-        for (int64_t x = 0; x < g_bytes; x += 64) {
-          __builtin_prefetch(static_cast<const char*>(gr) + x);
-        }
+        prefetch_lines(fr, cin * f_width);
+        prefetch_lines(gr, g_bytes);
       }
       return m;
     };

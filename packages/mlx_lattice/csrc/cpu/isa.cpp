@@ -161,10 +161,12 @@ bool cpu_is_intel() {
 }
 
 namespace {
+
 // set_l2_cache_bytes's value; -1: none (the host's size).
 std::atomic<int64_t> l2_override{-1};
-}  // namespace
 
+// The size in bytes of one core's level-2 cache (sysconf on Linux, read
+// once), or 0 where unknown (off Linux x86-64).
 int64_t host_l2_cache_bytes() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__) && defined(_SC_LEVEL2_CACHE_SIZE)
   static const int64_t bytes = [] {
@@ -176,6 +178,8 @@ int64_t host_l2_cache_bytes() {
   return 0;
 #endif
 }
+
+}  // namespace
 
 int64_t l2_cache_bytes() {
   const int64_t forced = l2_override.load(std::memory_order_relaxed);

@@ -76,13 +76,10 @@ void reset_isa_ceiling();
 // (cpu/gemm_bf16.cpp).
 bool cpu_is_intel();
 
-// The size in bytes of one core's level-2 cache (sysconf on Linux, read
-// once), or 0 where unknown (off Linux x86-64).
-int64_t host_l2_cache_bytes();
-
 // The L2 size the tile drivers size their output tiles from (cpu/tiles.h's
-// l2_tile_rows): set_l2_cache_bytes's value where one is set, else the
-// host's. Results do not depend on it, only speed.
+// l2_tile_rows): set_l2_cache_bytes's value where one is set, else one
+// core's level-2 cache (sysconf on Linux, read once; 0 where unknown, off
+// Linux x86-64). Results do not depend on it, only speed.
 int64_t l2_cache_bytes();
 
 // Makes l2_cache_bytes() return `bytes` (>= 0) from now on, in every thread,

@@ -141,24 +141,22 @@ CASES = [
 ]
 
 
-def large_case(rng, cin: int, cout: int):
-    """About 24k output rows: enough for the tiles grown from a forced
+def large_case(rng, ref, cin: int, cout: int):
+    """About 22k output rows: enough for the tiles grown from a forced
     2 MiB+ L2 (cpu/tiles.h keeps 8 tiles per thread) on up to 4 threads."""
-    pts = np.unique(rng.integers(0, 36, (30000, 3)), axis=0)
-    coords = np.concatenate([np.zeros((len(pts), 1), pts.dtype), pts], 1).astype(np.int32)
-    rel = build_kernel_relation(coords, kernel_size=3)
-    feats = rng.standard_normal((len(coords), cin)).astype(np.float32)
+    rel = build_kernel_relation(ref.random_coords(rng, 30000, 36), kernel_size=3)
+    feats = rng.standard_normal((rel.n_in, cin)).astype(np.float32)
     weight = mx.array(rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2)
     return rel, feats, QuantizedWeight.from_float(weight, bits=8, group_size=32)
 
 
 @pytest.mark.parametrize("l2", [0, 512 << 10, 2 << 20, 64 << 20])
 @pytest.mark.parametrize("static", [None, np.float32(0.03)])
-def test_tiles_sized_from_any_l2_bit_for_bit(rng, l2, static):
+def test_tiles_sized_from_any_l2_bit_for_bit(rng, ref, l2, static):
     """Every tile size the L2 rule picks (forced with set_kernel_l2_bytes,
     so hosts with a small L2 run the grown tiles too) gives the reference's
     bits: each output row sums its offsets in the same order."""
-    rel, feats, qw = large_case(rng, 32, 24)
+    rel, feats, qw = large_case(rng, ref, 32, 24)
     assert rel.n_out_capacity >= 8 * 4 * 512
     mlx_lattice.set_kernel_l2_bytes(l2)
     try:

@@ -266,13 +266,12 @@ def test_forced_dataflows_run_and_agree(rng, ref):
         pass
 
 
-def test_tiles_sized_from_any_l2_keep_the_bits(rng):
+def test_tiles_sized_from_any_l2_keep_the_bits(rng, ref):
     """The float32 and bfloat16 forwards and feature gradients
     give the same bits whatever L2 size the tile drivers are told
     (set_kernel_l2_bytes: hosts with a small L2 run the grown tiles too, and
     large hosts the small ones); float32 also against float64 NumPy."""
-    pts = np.unique(rng.integers(0, 36, (30000, 3)), axis=0)
-    coords = np.concatenate([np.zeros((len(pts), 1), pts.dtype), pts], 1).astype(np.int32)
+    coords = ref.random_coords(rng, 30000, 36)
     rel = build_kernel_relation(coords, kernel_size=3)
     assert rel.n_out_capacity >= 8 * 4 * 512
     channels = 32

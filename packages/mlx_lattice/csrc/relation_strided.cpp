@@ -158,7 +158,14 @@ void merge_ascending(const int32_t* in, int64_t n, const FloorDiv* div, StridedO
   const int64_t parts = static_cast<int64_t>(bounds.size()) - 1;
   std::vector<std::vector<int32_t>> cells(parts);
   parallel_for(parts, [&](int64_t p) {
-    merge_slabs(in, bounds[p], bounds[p + 1], div, out.order.data(), out.row.data(), cells[p]);
+    // Appended to a vector of the thread's own, moved in once: the parts'
+    // vectors sit side by side in `cells`, so growing cells[p] in place
+    // would write its end pointer into a cache line the other threads'
+    // parts are writing too (measured: half the merge's time).
+    std::vector<int32_t> mine;
+    mine.reserve(static_cast<size_t>(bounds[p + 1] - bounds[p]) * 4);
+    merge_slabs(in, bounds[p], bounds[p + 1], div, out.order.data(), out.row.data(), mine);
+    cells[p] = std::move(mine);
   });
   std::vector<int32_t> base(parts + 1, 0);
   for (int64_t p = 0; p < parts; ++p) {

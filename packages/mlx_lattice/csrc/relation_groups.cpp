@@ -28,12 +28,19 @@ struct Target {
 // (and so of threads).
 template <size_t N, class Walk>
 void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& walk) {
-  // cursor[s][c * groups + g]: part c's count of g, then its first slot for g.
+  // cursor[s][c * stride[s] + g]: part c's count of g, then its first slot
+  // for g. Each part's row is padded to whole cache lines: parts run on
+  // different threads, and a few groups (a kernel's offsets) would otherwise
+  // put two parts' counters, incremented per item, in one line.
   std::array<std::vector<int32_t>, N> cursor;
-  for (size_t s = 0; s < N; ++s) cursor[s].assign(chunks * targets[s].groups, 0);
+  std::array<int64_t, N> stride;
+  for (size_t s = 0; s < N; ++s) {
+    stride[s] = (targets[s].groups + 15) / 16 * 16;
+    cursor[s].assign(chunks * stride[s], 0);
+  }
   parallel_for(chunks, [&](int64_t c) {
     std::array<int32_t*, N> count;
-    for (size_t s = 0; s < N; ++s) count[s] = cursor[s].data() + c * targets[s].groups;
+    for (size_t s = 0; s < N; ++s) count[s] = cursor[s].data() + c * stride[s];
     walk(c, [&](int32_t, const std::array<int32_t, N>& keys) {
       for (size_t s = 0; s < N; ++s) ++count[s][keys[s]];
     });
@@ -44,8 +51,8 @@ void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& 
     for (int64_t g = 0; g < groups; ++g) {
       targets[s].offsets[g] = total;
       for (int64_t c = 0; c < chunks; ++c) {
-        const int32_t n = cursor[s][c * groups + g];
-        cursor[s][c * groups + g] = total;
+        const int32_t n = cursor[s][c * stride[s] + g];
+        cursor[s][c * stride[s] + g] = total;
         total += n;
       }
     }
@@ -55,7 +62,7 @@ void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& 
     std::array<int32_t*, N> next;
     std::array<int32_t*, N> ids;
     for (size_t s = 0; s < N; ++s) {
-      next[s] = cursor[s].data() + c * targets[s].groups;
+      next[s] = cursor[s].data() + c * stride[s];
       ids[s] = targets[s].ids;
     }
     walk(c, [&](int32_t id, const std::array<int32_t, N>& keys) {
@@ -68,7 +75,7 @@ void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& 
 
 // Counting sort of edge ids by both keys, in chunks of edges.
 void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& second) {
-  constexpr int64_t kMinChunk = int64_t{1} << 16;
+  constexpr int64_t kMinChunk = int64_t{1} << 14;
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(get_num_threads(), n_edges / kMinChunk));
   const int64_t per = (n_edges + chunks - 1) / chunks;

@@ -263,6 +263,11 @@ bool rows_ascending(const int32_t* coords, int64_t n) {
   return n == 0 || scan_rows(coords, n, low, high);
 }
 
+bool rows_ascending(const int32_t* coords, int64_t n, std::array<int64_t, 4>& low,
+                    std::array<int64_t, 4>& high) {
+  return scan_rows(coords, n, low, high);
+}
+
 int64_t SortedRows::seek(int64_t key, int64_t j) const {
   // Gallop from j to the first key >= key (the sentinel ends the keys),
   // forward or back, then bisect the last step.

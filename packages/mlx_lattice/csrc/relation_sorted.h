@@ -37,6 +37,11 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
 // duplicate).
 bool rows_ascending(const int32_t* coords, int64_t n);
 
+// The same, for n > 0 rows, with each column's range (low[4], high[4])
+// from the same pass over parallel chunks of rows.
+bool rows_ascending(const int32_t* coords, int64_t n, std::array<int64_t, 4>& low,
+                    std::array<int64_t, 4>& high);
+
 // A coordinate set sorted by (batch, x, y, z), searched by key from a
 // cursor instead of hashed: lookups whose coordinates mostly ascend (the
 // coarse rows of sorted finer rows) move the cursor a few keys at a time.

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "cpu/parallel.h"
+#include "relation_sorted.h"
 #include "validate.h"
 
 namespace mlx_lattice {
@@ -45,14 +46,6 @@ void radix_sort(std::vector<uint64_t>& keys, std::vector<int32_t>& rows, int bit
     keys.swap(keys_out);
     rows.swap(rows_out);
   }
-}
-
-// Whether row a is below row b in (batch, x, y, z) order.
-bool row_below(const int32_t* a, const int32_t* b) {
-  for (int i = 0; i < 4; ++i) {
-    if (a[i] != b[i]) return a[i] < b[i];
-  }
-  return false;
 }
 
 [[noreturn]] void fail_outside(const int32_t* in, int64_t r, const FloorDiv* div,
@@ -194,53 +187,24 @@ StridedOutputs strided_outputs(const int32_t* in, int64_t n, const std::array<in
   if (n == 0) return out;
   const FloorDiv div[3] = {FloorDiv(step[0]), FloorDiv(step[1]), FloorDiv(step[2])};
 
-  // One parallel pass: the ranges of batch and quotients, and each chunk's
-  // first row floored below int32 (flooring -2^31 to a step of 3, say).
+  // One parallel pass: whether the rows ascend, and each column's range.
+  // Flooring is monotone, so the quotients' ranges are the quotients of
+  // the range's ends, and a floored coordinate below int32 exists exactly
+  // when one end's is (the first such row is then searched for the
+  // message).
   constexpr int64_t kChunk = int64_t{1} << 15;
   const int64_t n_chunks = ceil_div(n, kChunk);
-  struct Scan {
-    std::array<int64_t, 4> lo, hi;
-    int64_t bad = -1;
-    bool ascending = true;  // each row above the one before it
-  };
-  std::vector<Scan> scans(n_chunks);
-  parallel_for(n_chunks, [&](int64_t t) {
-    // Locals: without strict aliasing each store could change the arrays.
-    const FloorDiv dx = div[0], dy = div[1], dz = div[2];
-    int64_t lo_[4], hi_[4];
-    std::fill(lo_, lo_ + 4, std::numeric_limits<int64_t>::max());
-    std::fill(hi_, hi_ + 4, std::numeric_limits<int64_t>::min());
-    int64_t bad = -1;
-    bool ascending = true;
-    for (int64_t r = t * kChunk; r < std::min(n, (t + 1) * kChunk); ++r) {
-      const int32_t* c = in + 4 * r;
-      if (r > 0) ascending &= row_below(c - 4, c);
-      const int64_t v[4] = {c[0], dx.quotient(c[1]), dy.quotient(c[2]), dz.quotient(c[3])};
-      for (int a = 0; a < 4; ++a) {
-        lo_[a] = std::min(lo_[a], v[a]);
-        hi_[a] = std::max(hi_[a], v[a]);
-      }
-      if (bad < 0 && (v[1] * dx.step() < std::numeric_limits<int32_t>::min() ||
-                      v[2] * dy.step() < std::numeric_limits<int32_t>::min() ||
-                      v[3] * dz.step() < std::numeric_limits<int32_t>::min())) {
-        bad = r;
-      }
-    }
-    Scan& s = scans[t];
-    std::copy(lo_, lo_ + 4, s.lo.begin());
-    std::copy(hi_, hi_ + 4, s.hi.begin());
-    s.bad = bad;
-    s.ascending = ascending;
-  });
-  std::array<int64_t, 4> lo = scans[0].lo, hi = scans[0].hi;
+  std::array<int64_t, 4> lo, hi;
+  const bool ascending = rows_ascending(in, n, lo, hi);
   int64_t outside = -1;  // raised after duplicates, which come first
-  bool ascending = true;
-  for (const Scan& s : scans) {
-    if (outside < 0) outside = s.bad;
-    ascending &= s.ascending;
-    for (int a = 0; a < 4; ++a) {
-      lo[a] = std::min(lo[a], s.lo[a]);
-      hi[a] = std::max(hi[a], s.hi[a]);
+  for (int a = 0; a < 3; ++a) {
+    lo[a + 1] = div[a].quotient(lo[a + 1]);
+    hi[a + 1] = div[a].quotient(hi[a + 1]);
+    if (lo[a + 1] * div[a].step() < std::numeric_limits<int32_t>::min()) outside = n;
+  }
+  for (int64_t r = 0; outside == n && r < n; ++r) {
+    for (int a = 0; a < 3; ++a) {
+      if (div[a].floor(in[4 * r + a + 1]) < std::numeric_limits<int32_t>::min()) outside = r;
     }
   }
 

@@ -47,11 +47,8 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                      float* c, int64_t c_width, const Csr& csr, const int32_t* a_index,
                      const int32_t* /*c_index: each group's own row*/, const int32_t* kernel_ids) {
   const int64_t tile_rows = tile_rows_for(c_width, csr.groups);
-  const int64_t tiles = ceil_div(csr.groups, tile_rows);
   const int64_t b_stride = a_width * c_width;
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * tile_rows;
-    const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
+  parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
     float* const c_tile = c + g0 * c_width;
     std::memset(c_tile, 0, sizeof(float) * (g1 - g0) * c_width);
     if (csr.offsets[g1] == csr.offsets[g0]) return;

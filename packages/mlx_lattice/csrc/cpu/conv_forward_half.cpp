@@ -166,10 +166,7 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
   }
 #endif
   const int64_t w_stride = cin * cout;
-  const int64_t tiles = ceil_div(csr.groups, tile_rows);
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * tile_rows;
-    const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
+  parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
     const int64_t cap = g1 - g0;
     auto& s = this_thread(scratch);
     s.tile.assign(cap * cout, 0.0f);

@@ -328,10 +328,7 @@ void rows_conv(Bf16RowsFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
   const amx_bf16::Weights w = amx_bf16::view(p, n_kernels, out_ch);
   const amx_bf16::Rows rows{feats, n_in, row_ch};
   const int64_t window = l2_tile_rows(w.cout_pad * 4, kAmxTileRows, csr.groups, 8);
-  const int64_t tiles = ceil_div(csr.groups, window);
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * window;
-    const int64_t g1 = std::min(csr.groups, g0 + window);
+  parallel_for_windows(csr.groups, window, [&](int64_t g0, int64_t g1) {
     fn(rows, w, csr, a_index, kernel_ids, g0, g1, out);
   });
 }
@@ -388,10 +385,7 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
   }
   buf.zeros.assign(row_len, 0);
 
-  const int64_t tiles = ceil_div(csr.groups, kTileRows);
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * kTileRows;
-    const int64_t g1 = std::min(csr.groups, g0 + kTileRows);
+  parallel_for_windows(csr.groups, kTileRows, [&](int64_t g0, int64_t g1) {
     auto& s = this_thread(scratch);
     // The tile's output rows accumulate in a float32 buffer (in cache), then
     // are rounded to bf16 once.

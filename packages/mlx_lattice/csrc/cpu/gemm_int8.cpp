@@ -520,22 +520,17 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
               act_scale, buf.weight);
   const PackedWeight& w = buf.weight;
   const int64_t tile_rows = l2_tile_rows(cout * 4, kInt8TileRows, csr.groups, 8);
-  const int64_t tiles = ceil_div(csr.groups, tile_rows);
   if (run_rows) {
     const amx_int8::Rows rows_view{buf.q.data(), buf.scale.data(), buf.gsum.data(), storage_in,
                                    static_scale};
     const amx_int8::Weights w_view{w.codes.data(), w.scales.data(), w.biases.data(), w.quads,
                                    w.groups, w.cout_pad, n_kernels, cout};
-    parallel_for(tiles, [&](int64_t tile) {
-      const int64_t g0 = tile * tile_rows;
-      const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
+    parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
       run_rows(rows_view, w_view, group, csr, a_index, kernel_ids, g0, g1, out);
     });
     return;
   }
-  parallel_for(tiles, [&](int64_t tile) {
-    const int64_t g0 = tile * tile_rows;
-    const int64_t g1 = std::min(csr.groups, g0 + tile_rows);
+  parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
     auto& s = this_thread(scratch);
     const int64_t cap = g1 - g0;
     s.count.resize(n_kernels);

@@ -34,6 +34,17 @@ inline int64_t l2_tile_rows(int64_t row_bytes, int64_t base, int64_t groups, int
   return std::max(base, std::min(fill, balanced));
 }
 
+// Calls fn(g0, g1) for each window [g0, g1) of `rows` consecutive groups
+// of `groups` (the last one shorter), windows in parallel: the drivers'
+// outer loop.
+template <typename Fn>
+void parallel_for_windows(int64_t groups, int64_t rows, Fn&& fn) {
+  parallel_for(ceil_div(groups, rows), [&](int64_t window) {
+    const int64_t g0 = window * rows;
+    fn(g0, std::min(groups, g0 + rows));
+  });
+}
+
 // The edges of one tile of CSR groups, grouped by kernel offset: the edges
 // of offset k are edges[counts[k] : counts[k + 1]], in CSR order inside an
 // offset (a stable counting sort). Reused across tiles by its owner thread.

@@ -214,17 +214,23 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   }
   // Every other relation between two sets looks its inputs up in the hash.
   if (!self && !parents) in_table();
+  // A strided forward relation onto computed outputs: each input has at most
+  // one edge, written in the order the outputs were computed in.
+  const bool single_inputs = parents && floored && kind == "forward";
+  constexpr int64_t kPartRows = 16384;  // rows per part of its parallel passes
 
   Int32Buffer out_offsets(n_out + 1);
   out_offsets.data[0] = 0;
   Int32Buffer in_rows, out_rows, kernel_ids, k_offsets(n_kernels + 1), k_edge_ids;
-  auto allocate_edges = [&] {
-    for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] += out_offsets.data[o];
-    const int64_t n_edges = out_offsets.data[n_out];
+  auto allocate = [&](int64_t n_edges) {
     in_rows = Int32Buffer(n_edges);
     out_rows = Int32Buffer(n_edges);
     kernel_ids = Int32Buffer(n_edges);
     k_edge_ids = Int32Buffer(n_edges);
+  };
+  auto allocate_edges = [&] {
+    for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] += out_offsets.data[o];
+    allocate(out_offsets.data[n_out]);
   };
   const bool mirrored = (gridded || walked) && masked;
   // Writes row o's edges at its offset; present[0..m) and kernel[0..m) get
@@ -291,9 +297,57 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       const int64_t m = write_row(o, nbr, present, kernel);
       if (mirrored) write_mirrored_ids(o, present, kernel, m);
     });
+  } else if (single_inputs) {
+    // Computed outputs: each input's edge (if it has a parent) in the order
+    // of floored->order, which lists each output's inputs together, outputs
+    // ascending, by (x, y, z) inside an output: the order of its offsets
+    // (relation_strided.h). Parts of that order in parallel, each starting
+    // at the edges of the parts before it.
+    const int32_t* order = floored->order.data();
+    const int32_t* parent = parents->row.data();
+    const int32_t* parent_k = parents->kernel.data();
+    const int64_t parts = ceil_div(n_in, kPartRows);
+    std::vector<int32_t> first(parts + 1, 0);
+    parallel_for(parts, [&](int64_t t) {
+      int32_t count = 0;
+      for (int64_t i = t * kPartRows; i < std::min(n_in, (t + 1) * kPartRows); ++i) {
+        count += parent[order[i]] >= 0;
+      }
+      first[t + 1] = count;
+    });
+    for (int64_t t = 0; t < parts; ++t) first[t + 1] += first[t];
+    const int64_t n_edges = first[parts];
+    allocate(n_edges);
+    parallel_for(parts, [&](int64_t t) {
+      int32_t* ins = in_rows.data;
+      int32_t* outs = out_rows.data;
+      int32_t* kids = kernel_ids.data;
+      int32_t e = first[t];
+      for (int64_t i = t * kPartRows; i < std::min(n_in, (t + 1) * kPartRows); ++i) {
+        const int32_t p = order[i], q = parent[p];
+        if (q < 0) continue;
+        ins[e] = p;
+        outs[e] = q;
+        kids[e++] = parent_k[p];
+      }
+    });
+    // Outputs ascend along the edges: output o's first edge is the first
+    // edge of an output >= o (outputs without an input keep none).
+    parallel_for(ceil_div(n_edges, kPartRows), [&](int64_t t) {
+      const int32_t* outs = out_rows.data;
+      int32_t* first_edge = out_offsets.data;
+      for (int64_t e = t * kPartRows; e < std::min(n_edges, (t + 1) * kPartRows); ++e) {
+        for (int64_t o = e == 0 ? 0 : outs[e - 1] + 1; o <= outs[e]; ++o) {
+          first_edge[o] = static_cast<int32_t>(e);
+        }
+      }
+    });
+    for (int64_t o = n_edges == 0 ? 0 : out_rows.data[n_edges - 1] + 1; o <= n_out; ++o) {
+      out_offsets.data[o] = static_cast<int32_t>(n_edges);
+    }
   } else if (parents) {
     // Target: one edge at most per output (a fine row), already in output
-    // order. Forward: one at most per input; for given outputs, a stable
+    // order. Forward onto given outputs: one at most per input; a stable
     // counting sort by output, then each output's few edges by ascending
     // offset.
     const bool by_input = kind == "forward";
@@ -308,18 +362,7 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       for (int64_t o = 0; o < n_out; ++o) out_offsets.data[o + 1] = parents->row[o] >= 0;
     }
     allocate_edges();
-    if (by_input && floored) {
-      // Computed outputs: their inputs in output order, each output's by
-      // (x, y, z), which is the order of its offsets (relation_strided.h).
-      int32_t e = 0;
-      for (const int32_t p : floored->order) {
-        const int32_t q = parents->row[p];
-        if (q < 0) continue;
-        in_rows.data[e] = p;
-        out_rows.data[e] = q;
-        kernel_ids.data[e++] = parents->kernel[p];
-      }
-    } else if (by_input) {
+    if (by_input) {
       std::copy(out_offsets.data, out_offsets.data + n_out, cnt.begin());
       for (int64_t p = 0; p < n_fine; ++p) {
         const int32_t q = parents->row[p];
@@ -429,6 +472,40 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       group_by_offset(masks.data(), out_offsets.data, n_out, n_kernels, k_offsets.data,
                       k_edge_ids.data);
     }
+  } else if (single_inputs) {
+    // At most one edge per input: the input grouping is each input's edge
+    // at its rank among the inputs with one (no counting sort over n_in
+    // groups).
+    in_edge_ids = Int32Buffer(n_edges);
+    const int32_t* parent = parents->row.data();
+    const int64_t parts = ceil_div(n_in, kPartRows);
+    std::vector<int32_t> first(parts + 1, 0);
+    parallel_for(parts, [&](int64_t t) {
+      int32_t count = 0;
+      for (int64_t p = t * kPartRows; p < std::min(n_in, (t + 1) * kPartRows); ++p) {
+        count += parent[p] >= 0;
+      }
+      first[t + 1] = count;
+    });
+    for (int64_t t = 0; t < parts; ++t) first[t + 1] += first[t];
+    in_offsets.data[n_in] = first[parts];
+    parallel_for(parts, [&](int64_t t) {
+      int32_t* rank = in_offsets.data;
+      int32_t at = first[t];
+      for (int64_t p = t * kPartRows; p < std::min(n_in, (t + 1) * kPartRows); ++p) {
+        rank[p] = at;
+        at += parent[p] >= 0;
+      }
+    });
+    parallel_for(ceil_div(n_edges, kPartRows), [&](int64_t t) {
+      const int32_t* rank = in_offsets.data;
+      const int32_t* ins = in_rows.data;
+      int32_t* ids = in_edge_ids.data;
+      for (int64_t e = t * kPartRows; e < std::min(n_edges, (t + 1) * kPartRows); ++e) {
+        ids[rank[ins[e]]] = static_cast<int32_t>(e);
+      }
+    });
+    group_by(n_edges, {kernel_ids.data, n_kernels, k_offsets.data, k_edge_ids.data});
   } else {
     in_edge_ids = Int32Buffer(n_edges);
     group_by(n_edges, {in_rows.data, n_in, in_offsets.data, in_edge_ids.data},

@@ -73,11 +73,20 @@ void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& 
 
 }  // namespace
 
+namespace {
+
+// Parts of n_edges edges for a counting sort: one per thread, each of at
+// least kMinChunk edges.
+int64_t edge_chunks(int64_t n_edges) {
+  constexpr int64_t kMinChunk = int64_t{1} << 14;
+  return std::max<int64_t>(1, std::min<int64_t>(get_num_threads(), n_edges / kMinChunk));
+}
+
+}  // namespace
+
 // Counting sort of edge ids by both keys, in chunks of edges.
 void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& second) {
-  constexpr int64_t kMinChunk = int64_t{1} << 14;
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min<int64_t>(get_num_threads(), n_edges / kMinChunk));
+  const int64_t chunks = edge_chunks(n_edges);
   const int64_t per = (n_edges + chunks - 1) / chunks;
   const int32_t* a = first.keys;
   const int32_t* b = second.keys;
@@ -88,6 +97,19 @@ void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& se
                      const int64_t e1 = std::min(n_edges, (c + 1) * per);
                      for (int64_t e = c * per; e < e1; ++e) {
                        visit(static_cast<int32_t>(e), std::array<int32_t, 2>{a[e], b[e]});
+                     }
+                   });
+}
+
+void group_by(int64_t n_edges, const EdgeGrouping& grouping) {
+  const int64_t chunks = edge_chunks(n_edges);
+  const int64_t per = (n_edges + chunks - 1) / chunks;
+  const int32_t* keys = grouping.keys;
+  counting_sort<1>(chunks, {Target{grouping.groups, grouping.offsets, grouping.edge_ids}},
+                   [&](int64_t c, auto&& visit) {
+                     const int64_t e1 = std::min(n_edges, (c + 1) * per);
+                     for (int64_t e = c * per; e < e1; ++e) {
+                       visit(static_cast<int32_t>(e), std::array<int32_t, 1>{keys[e]});
                      }
                    });
 }

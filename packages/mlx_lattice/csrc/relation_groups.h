@@ -20,6 +20,9 @@ struct EdgeGrouping {
 // offset) in one counting pass and one scatter pass over the edges.
 void group_by(int64_t n_edges, const EdgeGrouping& first, const EdgeGrouping& second);
 
+// One grouping of n_edges edges: a counting pass and a scatter pass.
+void group_by(int64_t n_edges, const EdgeGrouping& grouping);
+
 // The grouping by kernel offset for edges stored by output row with
 // ascending offsets, from each row's offset mask (bit k: an edge at offset
 // k, n_kernels <= 32) and the rows' edge offsets.

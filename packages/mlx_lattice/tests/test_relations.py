@@ -804,3 +804,37 @@ def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads,
     for arrays in results[1:]:
         for a, b in zip(arrays, results[0], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("shuffled", [True, False])
+def test_strided_forward_with_parentless_rows_in_parts(rng, restore_threads, shuffled):
+    # Stride 4, kernel 2: a fine row has an edge only where its offset in
+    # its 4-cell is 0 or 1 on every axis, so most rows have none and their
+    # output may have none either. About 40k fine rows: the edges, the
+    # outputs' first edges and the input grouping are written in parallel
+    # parts, so 1, 2 and 3 threads must agree with a NumPy reference of the
+    # edges (by output, then offset) and its canonical groupings.
+    fine = shell_coords(40.0, batches=2)
+    if shuffled:
+        fine = fine[rng.permutation(len(fine))]
+    floored = np.concatenate([fine[:, :1], (fine[:, 1:] // 4) * 4], axis=1)
+    coarse, out_of_row = np.unique(floored, axis=0, return_inverse=True)
+    within = fine[:, 1:] - floored[:, 1:]
+    valid = np.all(within < 2, axis=1)
+    kid = within[:, 0] * 4 + within[:, 1] * 2 + within[:, 2]
+    rows = np.flatnonzero(valid)
+    order = np.lexsort((kid[rows], out_of_row.reshape(-1)[rows]))
+    expected = [rows[order], out_of_row.reshape(-1)[rows][order], kid[rows][order]]
+    assert 0 < len(rows) < len(fine) // 2 and len(coarse) > len(np.unique(expected[1]))
+    results = []
+    for n in (1, 2, 3):
+        restore_threads.set_num_threads(n)
+        rel = build_kernel_relation(fine, kernel_size=2, stride=4, kind="forward")
+        np.testing.assert_array_equal(np.array(rel.out_coords), coarse)
+        for got, want in zip(relation_arrays(rel)[:3], expected, strict=True):
+            np.testing.assert_array_equal(got, want)
+        check_groupings(rel)
+        results.append(relation_arrays(rel))
+    for arrays in results[1:]:
+        for a, b in zip(arrays, results[0], strict=True):
+            np.testing.assert_array_equal(a, b)

@@ -5,6 +5,10 @@
 
 #include "cpu/isa.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace mlx_lattice {
 
 namespace {
@@ -35,7 +39,10 @@ template <class Count>
 // in_edge_ids[e] = e' and in_edge_ids[e'] = e (row o's input edges are the
 // mirrors of its own, in the order of k), and the kernel group of K - 1 - k
 // holds the mirrors of group k's edges in the same order.
-template <class Count>
+//
+// With kRows false the caller has written each row's output rows and kernel
+// ids itself (emit_rows_avx512).
+template <bool kRows = true, class Count>
 [[gnu::always_inline]] inline void write_tile(const MirrorTile& m, int64_t t, Count count) {
   const int64_t o0 = t * m.tile, o1 = std::min(m.n, o0 + m.tile);
   const int k_count = static_cast<int>(m.n_kernels), mid = k_count / 2;
@@ -56,9 +63,11 @@ template <class Count>
     const int32_t* nbr = nbrs + o * mid;
     const int32_t row = static_cast<int32_t>(o);
     int32_t e = offs[o];
-    for (uint32_t bits = masks[o]; bits != 0; bits &= bits - 1) {
-      *outs++ = row;
-      *kids++ = std::countr_zero(bits);
+    if constexpr (kRows) {
+      for (uint32_t bits = masks[o]; bits != 0; bits &= bits - 1) {
+        *outs++ = row;
+        *kids++ = std::countr_zero(bits);
+      }
     }
     for (uint32_t bits = masks[o] & before_centre; bits != 0; bits &= bits - 1, ++e) {
       const int k = std::countr_zero(bits), k_mirror = k_count - 1 - k;
@@ -101,10 +110,48 @@ MLX_LATTICE_POPCNT void write_builtin(const MirrorTile& m, int64_t t) {
 }
 #endif
 
+#if defined(__x86_64__)
+#define MLX_LATTICE_AVX512 __attribute__((target("avx512f,popcnt")))
+
+// Tile t's output rows and kernel ids: row o's kernel ids are its mask's set
+// bits ascending, compressed out of 0-31 sixteen lanes at a time and stored
+// under a mask of their count, its output rows the same lanes of o (the
+// bits write_tile's loop writes, without a branch per edge).
+MLX_LATTICE_AVX512 void emit_rows_avx512(const MirrorTile& m, int64_t t) {
+  const int64_t o0 = t * m.tile, o1 = std::min(m.n, o0 + m.tile);
+  const __m512i low = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i high = _mm512_add_epi32(low, _mm512_set1_epi32(16));
+  const uint32_t* masks = m.masks;
+  int32_t* outs = m.out_rows + m.out_offsets[o0];
+  int32_t* kids = m.kernel_ids + m.out_offsets[o0];
+  for (int64_t o = o0; o < o1; ++o) {
+    const uint32_t mask = masks[o];
+    const int na = __builtin_popcount(mask & 0xffffu), nb = __builtin_popcount(mask >> 16);
+    const __mmask16 first = static_cast<__mmask16>((1u << na) - 1u);
+    const __mmask16 second = static_cast<__mmask16>((1u << nb) - 1u);
+    const __m512i row = _mm512_set1_epi32(static_cast<int32_t>(o));
+    _mm512_mask_storeu_epi32(kids, first,
+                             _mm512_maskz_compress_epi32(static_cast<__mmask16>(mask), low));
+    _mm512_mask_storeu_epi32(outs, first, row);
+    _mm512_mask_storeu_epi32(
+        kids + na, second, _mm512_maskz_compress_epi32(static_cast<__mmask16>(mask >> 16), high));
+    _mm512_mask_storeu_epi32(outs + na, second, row);
+    outs += na + nb;
+    kids += na + nb;
+  }
+}
+
+MLX_LATTICE_AVX512 void write_avx512(const MirrorTile& m, int64_t t) {
+  emit_rows_avx512(m, t);
+  write_tile<false>(m, t, BuiltinCount{});
+}
+#endif
+
 }  // namespace
 
 MirrorKernels mirror_kernels() {
 #if defined(__x86_64__)
+  if (isa::isa_usable(isa::Isa::kAvx512)) return {count_builtin, write_avx512};
   if (isa::isa_usable(isa::Isa::kAvx2)) return {count_builtin, write_builtin};
 #elif defined(__aarch64__)
   return {count_builtin, write_builtin};

@@ -1,8 +1,10 @@
 // The edge pass of a sorted symmetric relation (relation_builder.cpp's
 // mirrored path): each row's edges before the kernel's centre are written
-// with their mirrors, both groupings at once. Two builds of the same code:
-// one with the POPCNT instruction (every x86-64 CPU with AVX2, and AArch64)
-// and a portable one; mirror_kernels() picks per build.
+// with their mirrors, both groupings at once. Three builds of the same code:
+// one with the POPCNT instruction (every x86-64 CPU with AVX2, and AArch64),
+// that one with each row's kernel ids compressed by AVX-512 (x86-64 with
+// AVX-512F), and a portable one; mirror_kernels() picks per CPU and ISA
+// ceiling (MLX_LATTICE_GEMM_ISA).
 #pragma once
 
 #include <cstdint>
@@ -32,9 +34,10 @@ struct MirrorKernels {
   void (*write)(const MirrorTile& m, int64_t t);
 };
 
-// The POPCNT kernels when the CPU has the instruction (on x86-64 as part of
-// the avx2-fma level, so an ISA ceiling of `scalar` takes the portable ones),
-// else the portable ones. The results are the same bits.
+// The AVX-512 writer at the avx512f level, the POPCNT kernels when the CPU
+// has the instruction (on x86-64 as part of the avx2-fma level, so an ISA
+// ceiling of `scalar` takes the portable ones), else the portable ones. The
+// results are the same bits.
 MirrorKernels mirror_kernels();
 
 }  // namespace mlx_lattice

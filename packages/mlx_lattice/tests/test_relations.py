@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from mlx_lattice import MlxLatticeError
+from mlx_lattice._native import ext
 from mlx_lattice.core import build_kernel_relation, check_coordinates, kernel_offsets
 from mlx_lattice.core.relations import SORTED_TILE_ROWS
 
@@ -838,3 +839,46 @@ def test_strided_forward_with_parentless_rows_in_parts(rng, restore_threads, shu
     for arrays in results[1:]:
         for a, b in zip(arrays, results[0], strict=True):
             np.testing.assert_array_equal(a, b)
+
+
+_MIRROR_SCRIPT = """
+import sys
+import numpy as np
+from mlx_lattice._native import ext
+from mlx_lattice.core import build_kernel_relation
+
+rng = np.random.default_rng(11)
+pts = rng.integers(0, 24, (9000, 3))
+coords = np.unique(np.concatenate([rng.integers(0, 2, (9000, 1)), pts], 1), axis=0)
+coords = coords.astype(np.int32)
+arrays = {}
+for size in ((3, 3, 3), (3, 3, 1), (5, 5, 1), (1, 1, 1)):
+    rel = build_kernel_relation(coords, kernel_size=size)
+    for name in ("in_rows", "out_rows", "kernel_ids"):
+        arrays[f"{size}.{name}"] = np.array(getattr(rel.edges, name))
+    for name in ("input_csr", "kernel_csr", "output_csr"):
+        arrays[f"{size}.{name}.offsets"] = np.array(getattr(rel, name).row_offsets)
+        arrays[f"{size}.{name}.ids"] = np.array(getattr(rel, name).edge_ids)
+np.savez(sys.argv[1], isa=ext.gemm_isa(), **arrays)
+"""
+
+
+def test_mirrored_relations_are_the_same_bits_at_every_isa(tmp_path, isa_child):
+    # Sorted rows and odd kernels of at most 32 offsets take the mirrored
+    # edge pass, whose writer differs by ISA ceiling (AVX-512 compresses a
+    # row's kernel ids, POPCNT counts mirrors, the portable one counts bits
+    # by arithmetic): about 8k rows (several of its 2048-row tiles), kernels
+    # with both 16-offset halves, with one empty, and the single centre. The
+    # default ISA's relations are checked against the brute force by the
+    # other tests.
+    results = {}
+    for isa in ext.gemm_isas():
+        path = tmp_path / f"{isa}.npz"
+        isa_child(_MIRROR_SCRIPT, isa, path)
+        results[isa] = dict(np.load(path))
+        assert str(results[isa].pop("isa")) == isa
+    reference = results.pop(ext.gemm_isa())
+    for isa, arrays in results.items():
+        assert arrays.keys() == reference.keys()
+        for key, want in reference.items():
+            np.testing.assert_array_equal(arrays[key], want, err_msg=f"{isa}: {key}")

@@ -808,7 +808,7 @@ def test_strided_kinds_are_exact_for_any_thread_count(rng, ref, restore_threads,
 
 
 @pytest.mark.parametrize("shuffled", [True, False])
-def test_strided_forward_with_parentless_rows_in_parts(rng, restore_threads, shuffled):
+def test_strided_forward_with_parentless_rows_at_any_thread_count(rng, restore_threads, shuffled):
     # Stride 4, kernel 2: a fine row has an edge only where its offset in
     # its 4-cell is 0 or 1 on every axis, so most rows have none and their
     # output may have none either. About 40k fine rows: the edges, the

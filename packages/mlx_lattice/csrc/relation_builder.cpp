@@ -56,6 +56,22 @@ mx::array to_array(const std::vector<int32_t>& v, mx::Shape shape) {
   return mx::array(v.data(), std::move(shape), mx::int32);
 }
 
+// For items [0, n) in parts of `part` items: each part's first position
+// among the items for which keep(i) holds, counted in parallel; the last
+// entry is their number.
+template <class Keep>
+std::vector<int32_t> part_starts(int64_t n, int64_t part, Keep&& keep) {
+  const int64_t parts = ceil_div(n, part);
+  std::vector<int32_t> first(parts + 1, 0);
+  parallel_for(parts, [&](int64_t t) {
+    int32_t count = 0;
+    for (int64_t i = t * part; i < std::min(n, (t + 1) * part); ++i) count += keep(i);
+    first[t + 1] = count;
+  });
+  for (int64_t t = 0; t < parts; ++t) first[t + 1] += first[t];
+  return first;
+}
+
 // At most 7^3 kernel offsets.
 constexpr int64_t kMaxKernels = 343;
 
@@ -307,15 +323,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     const int32_t* parent = parents->row.data();
     const int32_t* parent_k = parents->kernel.data();
     const int64_t parts = ceil_div(n_in, kPartRows);
-    std::vector<int32_t> first(parts + 1, 0);
-    parallel_for(parts, [&](int64_t t) {
-      int32_t count = 0;
-      for (int64_t i = t * kPartRows; i < std::min(n_in, (t + 1) * kPartRows); ++i) {
-        count += parent[order[i]] >= 0;
-      }
-      first[t + 1] = count;
-    });
-    for (int64_t t = 0; t < parts; ++t) first[t + 1] += first[t];
+    const std::vector<int32_t> first =
+        part_starts(n_in, kPartRows, [&](int64_t i) { return parent[order[i]] >= 0; });
     const int64_t n_edges = first[parts];
     allocate(n_edges);
     parallel_for(parts, [&](int64_t t) {
@@ -479,15 +488,8 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     in_edge_ids = Int32Buffer(n_edges);
     const int32_t* parent = parents->row.data();
     const int64_t parts = ceil_div(n_in, kPartRows);
-    std::vector<int32_t> first(parts + 1, 0);
-    parallel_for(parts, [&](int64_t t) {
-      int32_t count = 0;
-      for (int64_t p = t * kPartRows; p < std::min(n_in, (t + 1) * kPartRows); ++p) {
-        count += parent[p] >= 0;
-      }
-      first[t + 1] = count;
-    });
-    for (int64_t t = 0; t < parts; ++t) first[t + 1] += first[t];
+    const std::vector<int32_t> first =
+        part_starts(n_in, kPartRows, [&](int64_t p) { return parent[p] >= 0; });
     in_offsets.data[n_in] = first[parts];
     parallel_for(parts, [&](int64_t t) {
       int32_t* rank = in_offsets.data;

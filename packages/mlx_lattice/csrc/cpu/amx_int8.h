@@ -190,10 +190,7 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
   if (g1 <= g0) return;
   const int64_t cap = g1 - g0;
   s.count.resize(nk);
-  if (static_cast<int64_t>(s.rows.size()) < nk * cap) {
-    s.rows.resize(nk * cap);
-    s.outs.resize(nk * cap);
-  }
+  fit_buckets(nk * cap, s.rows, s.outs);
   s.gathered.resize(kBlockRows * stride);
   int32_t* bucket_rows = s.rows.data();
   int32_t* bucket_outs = s.outs.data();

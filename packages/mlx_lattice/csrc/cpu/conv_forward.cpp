@@ -57,10 +57,7 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
     // no counting pass and no slot indirection (bucket_tile_edges).
     auto& s = this_thread(buckets);
     const int64_t cap = g1 - g0;
-    if (static_cast<int64_t>(s.a_ptrs.size()) < n_kernels * cap) {
-      s.a_ptrs.resize(n_kernels * cap);
-      s.c_ptrs.resize(n_kernels * cap);
-    }
+    fit_buckets(n_kernels * cap, s.a_ptrs, s.c_ptrs);
     s.count.resize(n_kernels);
     const float** a_ptrs = s.a_ptrs.data();
     float** c_ptrs = s.c_ptrs.data();

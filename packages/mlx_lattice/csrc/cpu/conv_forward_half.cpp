@@ -178,10 +178,7 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
     const int64_t out_bytes = cap * cout * 2;
     const int64_t out_step = ceil_div(ceil_div(out_bytes, 64), n_kernels) * 64;
     if (n_tile > 0) {
-      if (static_cast<int64_t>(s.a_ptrs.size()) < n_kernels * cap) {
-        s.a_ptrs.resize(n_kernels * cap);
-        s.c_ptrs.resize(n_kernels * cap);
-      }
+      fit_buckets(n_kernels * cap, s.a_ptrs, s.c_ptrs);
       s.count.assign(n_kernels, 0);
       if (static_cast<int64_t>(s.distinct.size()) < n_tile) s.distinct.resize(n_tile);
       if (static_cast<int64_t>(s.rows.size()) < n_tile * cin) s.rows.resize(n_tile * cin);

@@ -534,10 +534,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
     auto& s = this_thread(scratch);
     const int64_t cap = g1 - g0;
     s.count.resize(n_kernels);
-    if (static_cast<int64_t>(s.rows.size()) < n_kernels * cap) {
-      s.rows.resize(n_kernels * cap);
-      s.outs.resize(n_kernels * cap);
-    }
+    fit_buckets(n_kernels * cap, s.rows, s.outs);
     // Pointers captured by value: the library builds with
     // -fno-strict-aliasing, so captured references would be reloaded after
     // every store.

@@ -45,6 +45,14 @@ void parallel_for_windows(int64_t groups, int64_t rows, Fn&& fn) {
   });
 }
 
+// Grows each of a driver's per-thread bucket arrays to at least `slots`
+// entries (an offset's bucket of a window's rows per kernel offset), never
+// shrinking them: the thread reuses them across windows.
+template <typename... Buckets>
+void fit_buckets(int64_t slots, Buckets&... buckets) {
+  ((static_cast<int64_t>(buckets.size()) < slots ? buckets.resize(slots) : void()), ...);
+}
+
 // The edges of one tile of CSR groups, grouped by kernel offset: the edges
 // of offset k are edges[counts[k] : counts[k + 1]], in CSR order inside an
 // offset (a stable counting sort). Reused across tiles by its owner thread.

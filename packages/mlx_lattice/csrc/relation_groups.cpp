@@ -71,10 +71,6 @@ void counting_sort(int64_t chunks, const std::array<Target, N>& targets, Walk&& 
   });
 }
 
-}  // namespace
-
-namespace {
-
 // Parts of n_edges edges for a counting sort: one per thread, each of at
 // least kMinChunk edges.
 int64_t edge_chunks(int64_t n_edges) {

@@ -230,9 +230,10 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   }
   // Every other relation between two sets looks its inputs up in the hash.
   if (!self && !parents) in_table();
-  // A strided forward relation onto computed outputs: each input has at most
-  // one edge, written in the order the outputs were computed in.
-  const bool single_inputs = parents && floored && kind == "forward";
+  // A forward relation of a two-tap kernel: each input has at most one edge
+  // (to its parent), so its input grouping is a rank (below); onto computed
+  // outputs the edges are written in the order the outputs were computed in.
+  const bool single_inputs = parents && kind == "forward";
   constexpr int64_t kPartRows = 16384;  // rows per part of its parallel passes
 
   Int32Buffer out_offsets(n_out + 1);
@@ -313,7 +314,7 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
       const int64_t m = write_row(o, nbr, present, kernel);
       if (mirrored) write_mirrored_ids(o, present, kernel, m);
     });
-  } else if (single_inputs) {
+  } else if (single_inputs && floored) {
     // Computed outputs: each input's edge (if it has a parent) in the order
     // of floored->order, which lists each output's inputs together, outputs
     // ascending, by (x, y, z) inside an output: the order of its offsets

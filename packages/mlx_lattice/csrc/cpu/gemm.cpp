@@ -1,6 +1,7 @@
 #include "gemm.h"
 
 #include "isa.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -43,7 +44,7 @@ void for_each_block(int64_t m, const float* const* a_rows, int64_t kdim, int64_t
     // issued now, hidden behind this block's arithmetic.
     const int64_t next = std::min<int64_t>(m, r + 2 * kRows);
     for (int64_t i = r + kRows; i < next; ++i) {
-      for (int64_t x = 0; x < kdim; x += 16) __builtin_prefetch(a_rows[i] + x);
+      prefetch_lines(a_rows[i], kdim * static_cast<int64_t>(sizeof(float)));
     }
     block(a_rows + r, c_rows + r);
   }

@@ -85,7 +85,7 @@ void sort_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kern
   } else {
     // The tile's offsets are one contiguous range: all its lines requested
     // at once rather than one miss at a time.
-    for (int64_t j = j0; j < j1; j += 16) __builtin_prefetch(kernel_ids + j);
+    prefetch_lines(kernel_ids + j0, (j1 - j0) * static_cast<int64_t>(sizeof(int32_t)));
     for (int64_t j = j0; j < j1; ++j) ++counts[kernel_ids[j] + 1];
   }
   for (int64_t k = 0; k < n_kernels; ++k) counts[k + 1] += counts[k];

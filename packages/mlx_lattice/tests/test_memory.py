@@ -13,8 +13,8 @@ import pytest
 import mlx_lattice
 from mlx_lattice import _memory
 
-# Allocates, fills and frees a 64 MiB MLX array ten times and prints the
-# minor page faults of the last four rounds. The first rounds fill and settle
+# Allocates, fills and frees a 64 MiB MLX array fourteen times and prints the
+# minor page faults of the last eight rounds. The first rounds fill and settle
 # the heap: a small block the interpreter places inside a freed 64 MiB block
 # splits it, and the next round then extends the heap once (64 MiB of fresh
 # pages, seen in round 3 of 6 for one build of the extension); from then on
@@ -28,7 +28,7 @@ again = mlx_lattice.retain_freed_memory() if sys.argv[1] == "1" else None
 ones = mx.ones((16 << 20,), mx.float32)
 mx.eval(ones)
 faults = []
-for i in range(10):
+for i in range(14):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     y = ones + float(i)
     mx.eval(y)
@@ -63,8 +63,13 @@ def test_freed_arrays_are_reused_without_page_faults():
     # Without the call every 64 MiB result is a fresh mapping: at least one
     # fault per 2 MiB (one per 4 KiB page without transparent huge pages).
     assert min(default["faults"]) >= 32, default
-    # With it the freed block is handed out again, already mapped.
-    assert max(retained["faults"]) <= min(default["faults"]) // 20, (default, retained)
+    # With it the freed block is handed out again, already mapped. One round
+    # of eight may still map a fresh block: a CI run under heavy load once saw
+    # a whole 64 MiB (16,384 faults) in one of four rounds after the heap had
+    # settled, the same split as in the first rounds. Seven fault-free rounds
+    # of eight cannot happen without the call.
+    assert len(retained["faults"]) == len(default["faults"]) == 8
+    assert sorted(retained["faults"])[-2] <= min(default["faults"]) // 20, (default, retained)
 
 
 def test_other_c_libraries_are_left_alone(monkeypatch):

@@ -17,10 +17,13 @@
 // - the weight gradient (cpu/amx_bf16_wgrad.h) on the same relations: the
 //   model bit for bit against its documented order (with the portable and,
 //   where the host has AVX-512, the register slab gather), every driver within
-//   its bound, offsets with more edges than one slab;
+//   its bound, offsets with more edges than one slab; windows of 1 to 40
+//   output rows or sized from L2, and every third case with each offset's
+//   edges reversed (output rows descending: still each edge once, in order);
 // - a repeated offset or an index out of range raises InputError and
 //   leaves the tiles released.
 // Prints which tile kind ran ("model" always, "hardware" where available).
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -282,13 +285,19 @@ void compare(const char* path, const std::string& name, const std::vector<uint16
 // the model bit for bit against the order of cpu/amx_bf16_wgrad.h (edges
 // ascending, float32, flushed) and every driver within its bound.
 void check_weight_grad(const Problem& p, const Relation& r, const std::vector<uint16_t>& f,
-                       const std::vector<uint16_t>& g, const std::string& name) {
+                       const std::vector<uint16_t>& g, const std::string& name,
+                       int64_t window_rows, bool reversed) {
   const int64_t n_edges = r.out_offsets.back();
   std::vector<int32_t> k_offsets(p.n_kernels + 1, 0), k_edges(std::max<int64_t>(1, n_edges));
   for (int64_t e = 0; e < n_edges; ++e) ++k_offsets[r.kid[e] + 1];
   for (int64_t k = 0; k < p.n_kernels; ++k) k_offsets[k + 1] += k_offsets[k];
   std::vector<int32_t> cur(k_offsets.begin(), k_offsets.end() - 1);
   for (int64_t e = 0; e < n_edges; ++e) k_edges[cur[r.kid[e]]++] = static_cast<int32_t>(e);
+  if (reversed) {
+    for (int64_t k = 0; k < p.n_kernels; ++k) {
+      std::reverse(k_edges.begin() + k_offsets[k], k_edges.begin() + k_offsets[k + 1]);
+    }
+  }
   const int64_t size = p.n_kernels * p.cin * p.cout;
   std::vector<float> chain(std::max<int64_t>(1, size));
   std::vector<double> exact(chain.size()), mag(chain.size());
@@ -317,7 +326,7 @@ void check_weight_grad(const Problem& p, const Relation& r, const std::vector<ui
     std::vector<float> got(chain.size(), 12345.0f);
     if (fn) {
       bf16_weight_grad_rows(fn, f.data(), p.n_in, p.cin, g.data(), p.n_out, p.cout, kcsr,
-                            r.a_index.data(), r.c_index.data(), got.data());
+                            r.a_index.data(), r.c_index.data(), got.data(), window_rows);
     } else {
       half_weight_grad(FloatFormat::kBF16, f.data(), p.n_in, p.cin, g.data(), p.n_out, p.cout,
                        kcsr, r.a_index.data(), r.c_index.data(), got.data());
@@ -331,7 +340,9 @@ void check_weight_grad(const Problem& p, const Relation& r, const std::vector<ui
           (std::isfinite(exact[j]) ? !(std::fabs(double(got[j]) - exact[j]) <= bound)
                                    : !same)) {
         fail(std::string(path) + " weight gradient at " + std::to_string(j) + " (" +
-             std::to_string(got[j]) + " vs " + std::to_string(chain[j]) + "): " + name);
+             std::to_string(got[j]) + " vs " + std::to_string(chain[j]) + "), windows of " +
+             std::to_string(window_rows) + " rows" + (reversed ? ", edges reversed" : "") +
+             ": " + name);
         return;
       }
     }
@@ -421,7 +432,9 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
     out.resize(p.n_in * p.cin);
     compare("dispatch feature gradient", name, out, bwd, false);
   }
-  check_weight_grad(p, r, f, g, name);
+  // Windows: sized from L2 (0) or 1 to 40 rows; every third case reversed.
+  const int64_t window_rows = gen() % 4 == 0 ? 0 : 1 + static_cast<int64_t>(gen() % 40);
+  check_weight_grad(p, r, f, g, name, window_rows, gen() % 3 == 0);
   if (verbose) std::printf("  ok: %s\n", name.c_str());
   return 1;
 }

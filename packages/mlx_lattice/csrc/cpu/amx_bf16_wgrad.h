@@ -3,10 +3,18 @@
 // TileModel), with no MLX dependency; tile configuration and rounding from
 // cpu/amx_bf16.h.
 //
-// Per kernel offset k (one task each): dW[k] (cin x cout, float32) = sum
-// over the edges e of k, in kernel-CSR order, of F[in_rows[e]]^T
-// G[out_rows[e]]: a GEMM whose inner dimension is the edges. The edges are
-// taken in slabs of kSlabEdges; per slab the driver gathers
+// dW[k] (cin x cout, float32) = sum over the edges e of offset k, in
+// kernel-CSR order, of F[in_rows[e]]^T G[out_rows[e]]: a GEMM per offset
+// whose inner dimension is the edges. A call takes a list of offsets (one
+// thread's share) and walks windows of window_rows output rows: in each
+// window, for each of its offsets, the next run of that offset's edges
+// whose output rows lie in the window (found by binary search; edges whose
+// output rows are not ascending within an offset are still each taken
+// once, in order, only with less reuse). In a sorted voxel grid an
+// offset's input rows lie near its output rows, so a window's F and G rows
+// are read from memory once and then from L2 for every offset, instead of
+// the whole of F and G once per offset. Each run is taken in slabs of
+// kSlabEdges; per slab the driver gathers
 //   A: F's rows transposed, at[c][e] (cin rounded up to 16 rows, the slab's
 //      edges rounded up to 32 columns; padding zero),
 //   B: G's rows in TDPBF16PS's pair layout, bt[e / 2][x][e % 2] (cout
@@ -15,16 +23,18 @@
 // interleaves edge pairs and transposes 16 x 16 blocks of them in
 // registers; both write the same values wherever the tiles read),
 // and for each block of 16 channels and each strip of up to 64 columns
-// loads the C tiles from the float32 accumulator, runs TDPBF16PS over the
-// slab's chunks of 32 edges and stores them back (a load and store of
-// float32 is exact, so slabs change nothing in the sums).
+// loads the C tiles from the offset's float32 accumulator, runs TDPBF16PS
+// over the slab's chunks of 32 edges and stores them back (a load and
+// store of float32 is exact, so slabs and windows change nothing in the
+// sums).
 //
 // Accumulation order, per dW element: edges in kernel-CSR order, in pairs
 // (the tile model: even edge, then odd, one rounding per addition,
 // subnormals flushed; the hardware may fuse or reorder inside an
-// instruction). Error bound against the exact sum S of the n bf16 products
-// (u = 2^-24): |dW - S| <= n u sum |products| (the float32 result is not
-// rounded here; a bf16 weight's caller rounds it once, adding 2^-8 |S|).
+// instruction, whose pairs restart with each window's run). Error bound
+// against the exact sum S of the n bf16 products (u = 2^-24):
+// |dW - S| <= n u sum |products| (the float32 result is not rounded here;
+// a bf16 weight's caller rounds it once, adding 2^-8 |S|).
 #pragma once
 
 #include <algorithm>
@@ -50,12 +60,17 @@ struct WgradArgs {
   Csr kernel_csr;  // groups = K; edge_ids into in_rows / out_rows
   const int32_t* in_rows;
   const int32_t* out_rows;
+  // The offsets a call's [k0, k1) indexes (nullptr: k itself).
+  const int32_t* order = nullptr;
+  // Output rows per window (<= 0: one window of every row).
+  int64_t window_rows = 0;
 };
 
 struct WgradScratch {
   std::vector<uint16_t> at;   // cin_pad x kSlabEdges
   std::vector<uint16_t> bt;   // kSlabEdges / 2 x cout_pad x 2
-  std::vector<float> acc;     // cin_pad x cout_pad
+  std::vector<float> acc;     // per offset of the call: cin_pad x cout_pad
+  std::vector<int64_t> next;  // per offset of the call: its first edge not yet taken
 };
 
 // The F and G rows of the edge at position j of the kernel CSR; raises
@@ -244,48 +259,82 @@ struct GatherAvx512 {
 #endif
 #endif
 
-// dW[k] for offsets [k0, k1); dweight (K, cin, cout) float32, rows of those
-// offsets overwritten.
+// Tiles a slab's chunks of 32 edges (s.at, s.bt) into the float32
+// accumulator acc (cin_pad x cout_pad).
+template <class Tiles>
+inline void multiply_slab(const WgradScratch& s, int64_t chunks, int64_t cin_pad, int64_t cout_pad,
+                          float* acc) {
+  const int64_t at_stride = kSlabEdges * 2;  // bytes per row of at
+  const int64_t bt_stride = cout_pad * 4;    // bytes per pair row of bt
+  const int64_t acc_stride = cout_pad * 4;   // bytes per row of acc
+  const auto* at = reinterpret_cast<const uint8_t*>(s.at.data());
+  const auto* bt = reinterpret_cast<const uint8_t*>(s.bt.data());
+  for (int64_t c0 = 0; c0 < cin_pad; c0 += 16) {
+    float* crow = acc + c0 * cout_pad;
+    for (int64_t n0 = 0; n0 < cout_pad; n0 += kStripCols) {
+      const int nc = static_cast<int>(std::min<int64_t>(4, (cout_pad - n0) / 16));
+      amx::load_strip<Tiles>(nc, crow + n0, acc_stride);
+      for (int64_t ch = 0; ch < chunks; ++ch) {
+        Tiles::template load<4>(at + c0 * at_stride + ch * 64, at_stride);
+        amx::multiply_strip<Tiles, amx::Dot::kBf16ps>(nc, bt + ch * 16 * bt_stride + n0 * 4,
+                                                      bt_stride);
+      }
+      amx::store_strip<Tiles>(nc, crow + n0, acc_stride);
+    }
+  }
+}
+
+// dW for the offsets order[k0 .. k1) (k itself where p.order is null);
+// dweight (K, cin, cout) float32, those offsets' rows overwritten.
 template <class Tiles, class Gather = GatherScalar>
 inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight,
                       WgradScratch& s) {
   const int64_t cin_pad = ceil_div(p.cin, 16) * 16;
   const int64_t cout_pad = ceil_div(p.cout, 16) * 16;
-  const int64_t at_stride = kSlabEdges * 2;  // bytes per row of at
-  const int64_t bt_stride = cout_pad * 4;    // bytes per pair row of bt
-  const int64_t acc_stride = cout_pad * 4;   // bytes per row of acc
+  const int64_t acc_size = cin_pad * cout_pad;
+  const int64_t n_offsets = std::max<int64_t>(0, k1 - k0);
   s.at.resize(cin_pad * kSlabEdges);
   s.bt.resize(kSlabEdges / 2 * cout_pad * 2);
-  s.acc.resize(cin_pad * cout_pad);
-  if (k1 <= k0) return;
+  s.acc.assign(n_offsets * acc_size, 0.0f);
+  s.next.resize(n_offsets);
+  if (n_offsets == 0) return;
+  auto offset = [&p, k0](int64_t i) -> int64_t { return p.order ? p.order[k0 + i] : k0 + i; };
+  for (int64_t i = 0; i < n_offsets; ++i) s.next[i] = p.kernel_csr.offsets[offset(i)];
+  auto out_row = [&p](int64_t j) {
+    return p.out_rows[p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : j];
+  };
+  const int64_t rows = p.window_rows > 0 ? p.window_rows : std::max<int64_t>(1, p.n_g);
   amx::TileScope<Tiles> scope(bf16_tile_config());
-  for (int64_t k = k0; k < k1; ++k) {
-    std::fill(s.acc.begin(), s.acc.end(), 0.0f);
-    const int64_t j0 = p.kernel_csr.offsets[k];
-    const int64_t j1 = p.kernel_csr.offsets[k + 1];
-    for (int64_t sj = j0; sj < j1; sj += kSlabEdges) {
-      const int64_t n = std::min(kSlabEdges, j1 - sj);
-      const int64_t chunks = ceil_div(n, 32);
-      Gather::slab(p, sj, n, cin_pad, cout_pad, s);
-      const auto* at = reinterpret_cast<const uint8_t*>(s.at.data());
-      const auto* bt = reinterpret_cast<const uint8_t*>(s.bt.data());
-      for (int64_t c0 = 0; c0 < cin_pad; c0 += 16) {
-        float* crow = s.acc.data() + c0 * cout_pad;
-        for (int64_t n0 = 0; n0 < cout_pad; n0 += kStripCols) {
-          const int nc = static_cast<int>(std::min<int64_t>(4, (cout_pad - n0) / 16));
-          amx::load_strip<Tiles>(nc, crow + n0, acc_stride);
-          for (int64_t ch = 0; ch < chunks; ++ch) {
-            Tiles::template load<4>(at + c0 * at_stride + ch * 64, at_stride);
-            amx::multiply_strip<Tiles, amx::Dot::kBf16ps>(nc, bt + ch * 16 * bt_stride + n0 * 4,
-                                                          bt_stride);
-          }
-          amx::store_strip<Tiles>(nc, crow + n0, acc_stride);
+  // The last window takes every edge left, whatever its output row.
+  for (int64_t r1 = rows;; r1 += rows) {
+    const bool last = r1 >= p.n_g;
+    for (int64_t i = 0; i < n_offsets; ++i) {
+      const int64_t j1 = p.kernel_csr.offsets[offset(i) + 1];
+      int64_t lo = s.next[i], end = j1;
+      while (!last && lo < end) {
+        const int64_t mid = lo + (end - lo) / 2;
+        if (out_row(mid) < r1) {
+          lo = mid + 1;
+        } else {
+          end = mid;
         }
       }
+      if (!last) end = lo;
+      float* acc = s.acc.data() + i * acc_size;
+      for (int64_t sj = s.next[i]; sj < end; sj += kSlabEdges) {
+        const int64_t n = std::min(kSlabEdges, end - sj);
+        Gather::slab(p, sj, n, cin_pad, cout_pad, s);
+        multiply_slab<Tiles>(s, ceil_div(n, 32), cin_pad, cout_pad, acc);
+      }
+      s.next[i] = end;
     }
-    float* dst = dweight + k * p.cin * p.cout;
+    if (last) break;
+  }
+  for (int64_t i = 0; i < n_offsets; ++i) {
+    float* dst = dweight + offset(i) * p.cin * p.cout;
     for (int64_t c = 0; c < p.cin; ++c) {
-      std::memcpy(dst + c * p.cout, s.acc.data() + c * cout_pad, sizeof(float) * p.cout);
+      std::memcpy(dst + c * p.cout, s.acc.data() + i * acc_size + c * cout_pad,
+                  sizeof(float) * p.cout);
     }
   }
 }

@@ -1,7 +1,9 @@
 #include "gemm_bf16.h"
 
 #include <algorithm>
+#include <bit>
 #include <cstring>
+#include <numeric>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -206,7 +208,8 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void wgrad_bf16(
     return fine ? p.f + static_cast<int64_t>(row) * p.cin
                 : p.g + static_cast<int64_t>(row) * p.cout;
   };
-  for (int64_t k = k0; k < k1; ++k) {
+  for (int64_t i = k0; i < k1; ++i) {
+    const int64_t k = p.order ? p.order[i] : i;
     std::fill(acc, acc + cin_pad * cout_pad, 0.0f);
     const int64_t j0 = p.kernel_csr.offsets[k];
     const int64_t j1 = p.kernel_csr.offsets[k + 1];
@@ -480,11 +483,42 @@ void bf16_conv_rows(Bf16RowsFn rows, const uint16_t* feats, int64_t n_in, int64_
 void bf16_weight_grad_rows(Bf16WgradFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
                            const uint16_t* grad, int64_t n_out, int64_t cout,
                            const Csr& kernel_csr, const int32_t* in_rows,
-                           const int32_t* out_rows, float* dweight) {
-  const amx_bf16::WgradArgs args{feats,      n_in,    cin,     grad,
-                                 n_out,      cout,    kernel_csr, in_rows,
-                                 out_rows};
-  parallel_for(kernel_csr.groups, [&](int64_t k) { fn(args, k, k + 1, dweight); });
+                           const int32_t* out_rows, float* dweight, int64_t window_rows) {
+  // One share of the offsets per thread, balanced by edges (largest first,
+  // each to the least loaded share); a share's offsets ascending.
+  const int64_t n_kernels = kernel_csr.groups;
+  const int64_t shares = std::min<int64_t>(n_kernels, std::max(1, get_num_threads()));
+  std::vector<int32_t> by_edges(n_kernels);
+  std::iota(by_edges.begin(), by_edges.end(), 0);
+  auto edges_of = [&kernel_csr](int64_t k) {
+    return int64_t{kernel_csr.offsets[k + 1]} - kernel_csr.offsets[k];
+  };
+  std::stable_sort(by_edges.begin(), by_edges.end(),
+                   [&](int32_t a, int32_t b) { return edges_of(a) > edges_of(b); });
+  std::vector<std::vector<int32_t>> share(shares);
+  std::vector<int64_t> load(shares, 0);
+  for (const int32_t k : by_edges) {
+    const int64_t t = std::min_element(load.begin(), load.end()) - load.begin();
+    share[t].push_back(k);
+    load[t] += edges_of(k);
+  }
+  std::vector<int32_t> order;
+  std::vector<int64_t> starts{0};
+  for (auto& ks : share) {
+    std::sort(ks.begin(), ks.end());
+    order.insert(order.end(), ks.begin(), ks.end());
+    starts.push_back(static_cast<int64_t>(order.size()));
+  }
+  // A window's F and G rows (bf16) fill about a quarter of L2.
+  if (window_rows <= 0) {
+    const int64_t row_bytes = std::max<int64_t>(1, (cin + cout) * 2);
+    window_rows = std::max<int64_t>(
+        64, static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(
+                std::max<int64_t>(1, isa::l2_cache_bytes() / 4 / row_bytes)))));
+  }
+  const amx_bf16::WgradArgs args{feats, n_in,     cin,      grad,         n_out,      cout,
+                                 kernel_csr, in_rows, out_rows, order.data(), window_rows};
+  parallel_for(shares, [&](int64_t t) { fn(args, starts[t], starts[t + 1], dweight); });
 }
 
 void half_weight_grad(FloatFormat format, const uint16_t* feats, int64_t n_in, int64_t cin,

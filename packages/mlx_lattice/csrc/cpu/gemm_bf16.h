@@ -109,15 +109,19 @@ void bf16_conv_rows(Bf16RowsFn rows, const uint16_t* feats, int64_t n_in, int64_
                     uint16_t* out);
 
 // A bf16 weight-gradient driver (cpu/amx_bf16_wgrad.h's run_wgrad with a
-// tile policy): offsets [k0, k1) of dweight.
+// tile policy): the offsets p.order[k0 .. k1) of dweight (k0 .. k1 where
+// p.order is null).
 using Bf16WgradFn = void (*)(const amx_bf16::WgradArgs& p, int64_t k0, int64_t k1,
                              float* dweight);
 
-// half_weight_grad with a given driver (tests run it on the tile model).
+// half_weight_grad with a given driver (tests run it on the tile model):
+// one call per thread with its share of the offsets, balanced by edges;
+// window_rows output rows per window of the AMX driver (<= 0: sized so a
+// window's F and G rows fill about a quarter of L2).
 void bf16_weight_grad_rows(Bf16WgradFn fn, const uint16_t* feats, int64_t n_in, int64_t cin,
                            const uint16_t* grad, int64_t n_out, int64_t cout,
                            const Csr& kernel_csr, const int32_t* in_rows,
-                           const int32_t* out_rows, float* dweight);
+                           const int32_t* out_rows, float* dweight, int64_t window_rows = 0);
 
 // The AMX-BF16 drivers on the hardware (cpu/gemm_bf16_amx.cpp); nullptr
 // where this build has none. Only call where isa_supported(kAmxBf16).

@@ -10,36 +10,6 @@
 
 namespace mlx_lattice {
 
-namespace {
-
-// Whether every input row of `rel` has at most one edge and each output's
-// edges (stored together, by offset) have ascending input rows: a strided
-// forward relation of a two-tap kernel onto sorted outputs. One parallel
-// pass over the edges.
-bool single_edge_inputs(const Relation& rel) {
-  const int64_t n_rows = rel.n_in, n_edges = rel.n_edges();
-  const int32_t* by_in = rel.in_offsets.data<int32_t>();
-  const int32_t* ins = rel.in_rows.data<int32_t>();
-  const int32_t* outs = rel.out_rows.data<int32_t>();
-  if (n_edges > n_rows) return false;
-  constexpr int64_t kPart = 16384;
-  std::vector<char> ok(ceil_div(std::max(n_rows, n_edges), kPart), 1);
-  parallel_for(static_cast<int64_t>(ok.size()), [&](int64_t t) {
-    bool fine = true;
-    for (int64_t r = t * kPart; r < std::min(n_rows, (t + 1) * kPart); ++r) {
-      fine &= by_in[r + 1] - by_in[r] <= 1;
-    }
-    for (int64_t e = std::max<int64_t>(1, t * kPart); e < std::min(n_edges, (t + 1) * kPart);
-         ++e) {
-      fine &= outs[e] != outs[e - 1] || ins[e] > ins[e - 1];
-    }
-    ok[t] = fine;
-  });
-  return std::find(ok.begin(), ok.end(), 0) == ok.end();
-}
-
-}  // namespace
-
 std::map<std::string, mx::array> transpose_relation(const Relation& rel) {
   // New outputs are the old inputs: the old input grouping lists each new
   // output row's edges (old edge ids), and its offsets are the new output
@@ -53,9 +23,16 @@ std::map<std::string, mx::array> transpose_relation(const Relation& rel) {
 
   Int32Buffer out_offsets(n_rows + 1);
   std::copy(by_in, by_in + n_rows + 1, out_offsets.data);
+  const int32_t* old_in = rel.in_rows.data<int32_t>();
   Int32Buffer in_rows(n_edges), out_rows(n_edges), kernel_ids(n_edges);
   constexpr int64_t kTile = 4096;
-  parallel_for((n_rows + kTile - 1) / kTile, [&](int64_t t) {
+  // Per tile, whether its rows have at most one edge each (a row of one
+  // edge needs no sort) and its old edges, stored by output and offset,
+  // have ascending input rows within each output: with every tile so, a
+  // strided forward relation of a two-tap kernel onto sorted outputs.
+  std::vector<char> single(ceil_div(std::max(n_rows, n_edges), kTile), 1);
+  parallel_for(static_cast<int64_t>(single.size()), [&](int64_t t) {
+    bool fine = true;
     const int64_t r1 = std::min(n_rows, (t + 1) * kTile);
     for (int64_t r = t * kTile; r < r1; ++r) {
       const int64_t begin = by_in[r], end = by_in[r + 1];
@@ -65,19 +42,26 @@ std::map<std::string, mx::array> transpose_relation(const Relation& rel) {
         kernel_ids.data[e] = old_kernel[old];
         out_rows.data[e] = static_cast<int32_t>(r);
       }
-      sort_row_by_offset(kernel_ids.data, in_rows.data, begin, end);
+      if (end - begin > 1) {
+        fine = false;
+        sort_row_by_offset(kernel_ids.data, in_rows.data, begin, end);
+      }
     }
+    const int64_t e1 = std::min(n_edges, (t + 1) * kTile);
+    for (int64_t e = std::max<int64_t>(1, t * kTile); e < e1; ++e) {
+      fine &= old_out[e] != old_out[e - 1] || old_in[e] > old_in[e - 1];
+    }
+    single[t] = fine;
   });
 
   Int32Buffer in_offsets(n_groups + 1), in_edge_ids(n_edges);
   Int32Buffer k_offsets(n_kernels + 1), k_edge_ids(n_edges);
-  if (single_edge_inputs(rel)) {
+  if (std::find(single.begin(), single.end(), 0) == single.end()) {
     // Each old input has at most one edge, so old edge j is new edge
     // by_in[old_in[j]]; the new input grouping (by old output) lists, for
     // each old output in order, the new ids of its old edges, which ascend
     // with their old input rows, as they do: the old output grouping with
     // the ids renamed, no counting sort.
-    const int32_t* old_in = rel.in_rows.data<int32_t>();
     const int32_t* by_out = rel.out_offsets.data<int32_t>();
     std::copy(by_out, by_out + n_groups + 1, in_offsets.data);
     parallel_for(ceil_div(n_edges, kTile), [&](int64_t t) {

@@ -300,9 +300,6 @@ inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight
   if (n_offsets == 0) return;
   auto offset = [&p, k0](int64_t i) -> int64_t { return p.order ? p.order[k0 + i] : k0 + i; };
   for (int64_t i = 0; i < n_offsets; ++i) s.next[i] = p.kernel_csr.offsets[offset(i)];
-  auto out_row = [&p](int64_t j) {
-    return p.out_rows[p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : j];
-  };
   const int64_t rows = p.window_rows > 0 ? p.window_rows : std::max<int64_t>(1, p.n_g);
   amx::TileScope<Tiles> scope(bf16_tile_config());
   // The last window takes every edge left, whatever its output row.
@@ -310,16 +307,7 @@ inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight
     const bool last = r1 >= p.n_g;
     for (int64_t i = 0; i < n_offsets; ++i) {
       const int64_t j1 = p.kernel_csr.offsets[offset(i) + 1];
-      int64_t lo = s.next[i], end = j1;
-      while (!last && lo < end) {
-        const int64_t mid = lo + (end - lo) / 2;
-        if (out_row(mid) < r1) {
-          lo = mid + 1;
-        } else {
-          end = mid;
-        }
-      }
-      if (!last) end = lo;
+      const int64_t end = last ? j1 : first_at_row(p.kernel_csr, p.out_rows, s.next[i], j1, r1);
       float* acc = s.acc.data() + i * acc_size;
       for (int64_t sj = s.next[i]; sj < end; sj += kSlabEdges) {
         const int64_t n = std::min(kSlabEdges, end - sj);

@@ -26,6 +26,27 @@ struct Csr {
   int64_t groups = 0;
 };
 
+// The first position p in [lo, end) of `csr`'s edge list (edge
+// csr.edge_ids[p], or p where edge_ids is null) whose edge's row
+// rows[edge] is at least `row`, by bisection: the lower bound where those
+// rows ascend along [lo, end); where they do not, still a position in
+// [lo, end], never a smaller one for a larger `row`. The weight gradients
+// cut each offset's edges into runs of output rows with it.
+inline int64_t first_at_row(const Csr& csr, const int32_t* rows, int64_t lo, int64_t end,
+                            int64_t row) {
+  for (int64_t n = end - lo; n > 0;) {
+    const int64_t half = n / 2;
+    const int64_t p = lo + half;
+    if (rows[csr.edge_ids ? csr.edge_ids[p] : p] < row) {
+      lo = p + 1;
+      n -= half + 1;
+    } else {
+      n = half;
+    }
+  }
+  return lo;
+}
+
 // Builds a CSR grouping of `n_edges` edges by key (stable: edge order kept
 // within a group).
 void group_by(const int32_t* keys, int64_t n_edges, int64_t groups, std::vector<int32_t>& offsets,

@@ -118,21 +118,11 @@ void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, c
   // first row (monotone in the row even where the list is unsorted), the
   // list's ends for the first and past-the-last band.
   auto bound = [&](int64_t k, int64_t band) -> int64_t {
-    int64_t lo = kernel_csr.offsets[k];
+    const int64_t lo = kernel_csr.offsets[k];
     const int64_t end = kernel_csr.offsets[k + 1];
     if (band <= 0) return lo;
     if (band >= bands) return end;
-    const int64_t row = band * band_rows;
-    for (int64_t n = end - lo; n > 0;) {
-      const int64_t half = n / 2;
-      if (row_of(lo + half) < row) {
-        lo += half + 1;
-        n -= half + 1;
-      } else {
-        n = half;
-      }
-    }
-    return lo;
+    return first_at_row(kernel_csr, out_rows, lo, end, band * band_rows);
   };
   // Slab 0 accumulates into dW itself, the others into their own buffers
   // (a calling thread keeps them for its next call up to kKeptBytes).

@@ -1,7 +1,6 @@
 #include "gemm_bf16.h"
 
 #include <algorithm>
-#include <bit>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -510,12 +509,7 @@ void bf16_weight_grad_rows(Bf16WgradFn fn, const uint16_t* feats, int64_t n_in, 
     starts.push_back(static_cast<int64_t>(order.size()));
   }
   // A window's F and G rows (bf16) fill about a quarter of L2.
-  if (window_rows <= 0) {
-    const int64_t row_bytes = std::max<int64_t>(1, (cin + cout) * 2);
-    window_rows = std::max<int64_t>(
-        64, static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(
-                std::max<int64_t>(1, isa::l2_cache_bytes() / 4 / row_bytes)))));
-  }
+  if (window_rows <= 0) window_rows = std::max<int64_t>(64, l2_fill_rows((cin + cout) * 2, 4));
   const amx_bf16::WgradArgs args{feats, n_in,     cin,      grad,         n_out,      cout,
                                  kernel_csr, in_rows, out_rows, order.data(), window_rows};
   parallel_for(shares, [&](int64_t t) { fn(args, starts[t], starts[t + 1], dweight); });

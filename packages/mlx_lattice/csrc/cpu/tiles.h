@@ -16,6 +16,13 @@
 
 namespace mlx_lattice::kernels {
 
+// Rows of `row_bytes` each that fill 1 / l2_share of this core's L2, as a
+// power of two (at least 1).
+inline int64_t l2_fill_rows(int64_t row_bytes, int64_t l2_share) {
+  return static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(std::max<int64_t>(
+      1, isa::l2_cache_bytes() / l2_share / std::max<int64_t>(row_bytes, 1)))));
+}
+
 // Output rows per tile (a driver's window) of `groups` rows whose float32
 // sums take `row_bytes` each. `base` is the driver's size measured on cores
 // with 0.5-1 MiB of L2 (the AMD hosts). Where a core has 2 MiB or more
@@ -27,9 +34,7 @@ namespace mlx_lattice::kernels {
 inline int64_t l2_tile_rows(int64_t row_bytes, int64_t base, int64_t groups, int64_t l2_share) {
   const int64_t l2 = isa::l2_cache_bytes();
   if (l2 < (int64_t{2} << 20)) return base;
-  const int64_t fill =
-      static_cast<int64_t>(std::bit_floor(static_cast<uint64_t>(
-          l2 / l2_share / std::max<int64_t>(row_bytes, 1))));
+  const int64_t fill = l2_fill_rows(row_bytes, l2_share);
   const int64_t balanced = groups / (8 * std::max(1, get_num_threads()));
   return std::max(base, std::min(fill, balanced));
 }

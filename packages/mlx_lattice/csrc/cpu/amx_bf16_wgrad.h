@@ -64,6 +64,9 @@ struct WgradArgs {
   const int32_t* order = nullptr;
   // Output rows per window (<= 0: one window of every row).
   int64_t window_rows = 0;
+
+  // The offset at position i of order.
+  int64_t offset(int64_t i) const { return order ? order[i] : i; }
 };
 
 struct WgradScratch {
@@ -298,15 +301,14 @@ inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight
   s.acc.assign(n_offsets * acc_size, 0.0f);
   s.next.resize(n_offsets);
   if (n_offsets == 0) return;
-  auto offset = [&p, k0](int64_t i) -> int64_t { return p.order ? p.order[k0 + i] : k0 + i; };
-  for (int64_t i = 0; i < n_offsets; ++i) s.next[i] = p.kernel_csr.offsets[offset(i)];
+  for (int64_t i = 0; i < n_offsets; ++i) s.next[i] = p.kernel_csr.offsets[p.offset(k0 + i)];
   const int64_t rows = p.window_rows > 0 ? p.window_rows : std::max<int64_t>(1, p.n_g);
   amx::TileScope<Tiles> scope(bf16_tile_config());
   // The last window takes every edge left, whatever its output row.
   for (int64_t r1 = rows;; r1 += rows) {
     const bool last = r1 >= p.n_g;
     for (int64_t i = 0; i < n_offsets; ++i) {
-      const int64_t j1 = p.kernel_csr.offsets[offset(i) + 1];
+      const int64_t j1 = p.kernel_csr.offsets[p.offset(k0 + i) + 1];
       const int64_t end = last ? j1 : first_at_row(p.kernel_csr, p.out_rows, s.next[i], j1, r1);
       float* acc = s.acc.data() + i * acc_size;
       for (int64_t sj = s.next[i]; sj < end; sj += kSlabEdges) {
@@ -319,7 +321,7 @@ inline void run_wgrad(const WgradArgs& p, int64_t k0, int64_t k1, float* dweight
     if (last) break;
   }
   for (int64_t i = 0; i < n_offsets; ++i) {
-    float* dst = dweight + offset(i) * p.cin * p.cout;
+    float* dst = dweight + p.offset(k0 + i) * p.cin * p.cout;
     for (int64_t c = 0; c < p.cin; ++c) {
       std::memcpy(dst + c * p.cout, s.acc.data() + i * acc_size + c * cout_pad,
                   sizeof(float) * p.cout);

@@ -208,7 +208,7 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void wgrad_bf16(
                 : p.g + static_cast<int64_t>(row) * p.cout;
   };
   for (int64_t i = k0; i < k1; ++i) {
-    const int64_t k = p.order ? p.order[i] : i;
+    const int64_t k = p.offset(i);
     std::fill(acc, acc + cin_pad * cout_pad, 0.0f);
     const int64_t j0 = p.kernel_csr.offsets[k];
     const int64_t j1 = p.kernel_csr.offsets[k + 1];

@@ -46,6 +46,7 @@
 
 #include "amx_tiles.h"
 #include "group_by.h"
+#include "output_window.h"
 #include "parallel.h"
 #include "quantized_weight.h"
 #include "tiles.h"
@@ -164,6 +165,7 @@ struct Scratch {
   std::vector<int32_t> outs;      // [k][cap]: its window-local output row
   std::vector<int32_t> count;     // [k]: edges of offset k in the window
   std::vector<int8_t> gathered;   // 16 rows x stride
+  std::vector<float> window;      // the window's sums where the output is streamed
   alignas(64) int32_t acc[kBlockRows * 64];
 };
 
@@ -205,7 +207,10 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
                       bucket_rows[k * cap + n] = a_index[e];
                       bucket_outs[k * cap + n] = local;
                     });
-  float* window = out + g0 * cout;
+  // Summed in place, or in the thread's buffer and streamed out at the end
+  // (output_window.h).
+  const bool stream = stream_output(csr.groups * cout * int64_t{4}, cout * int64_t{4});
+  float* window = stream ? window_buffer(s.window, cap * cout) : out + g0 * cout;
   std::memset(window, 0, sizeof(float) * cap * cout);
   amx::TileScope<Tiles> scope(int8_tile_config(kc));
   int8_t* gathered = s.gathered.data();
@@ -271,6 +276,7 @@ inline void run_rows(const Rows& a, const Weights& w, int64_t group_bytes, const
       }
     }
   }
+  if (stream) stream_rows(out + g0 * cout, window, sizeof(float) * cap * cout);
 }
 
 }  // namespace mlx_lattice::kernels::amx_int8

@@ -28,6 +28,7 @@
 #include "gemm_int8.h"
 #include "input_error.h"
 #include "isa.h"
+#include "output_window.h"
 #include "parallel.h"
 
 #if defined(__GNUC__) && !defined(__clang__)
@@ -450,6 +451,18 @@ int main(int argc, char** argv) {
   set_num_threads(3);
   cases += run_case(gen, {300, 1000, 64, 64, 27, 64, 8, 0.0f, true}, true);
   cases += run_case(gen, {300, 1000, 64, 64, 27, 32, 4, 0.02f, false}, true);
+  // Windows summed in the thread's buffer and streamed out
+  // (output_window.h): told of a 4 KiB L2, these outputs are large enough;
+  // 17 and 33 columns leave rows that start and end inside 16- and 64-byte
+  // blocks. 80 columns (320-byte rows) are summed in place.
+  isa::set_l2_cache_bytes(4096);
+  for (int64_t cout : {16, 17, 33, 64, 80}) {
+    const bool streamed = stream_output(1000 * cout * 4, cout * 4);
+    if (streamed != (cout <= 64)) fail("stream_output for " + std::to_string(cout) + " columns");
+    cases += run_case(gen, {300, 1000, 64, cout, 27, 32, 8, cout == 33 ? 0.03f : 0.0f, false},
+                      true);
+  }
+  isa::set_l2_cache_bytes(-1);
   std::printf("amx int8: %d cases, seed %u, %s\n", cases, seed, failures ? "FAILED" : "ok");
   return failures ? 1 : 0;
 }

@@ -9,6 +9,7 @@
 
 #include "conv_forward_half.h"
 #include "gemm.h"
+#include "output_window.h"
 #include "parallel.h"
 #include "tiles.h"
 
@@ -37,6 +38,7 @@ struct Buckets {
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<int32_t> count;
+  std::vector<float> window;  // the tile's sums where the output is streamed
 };
 
 thread_local Buckets buckets;
@@ -48,15 +50,21 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                      const int32_t* /*c_index: each group's own row*/, const int32_t* kernel_ids) {
   const int64_t tile_rows = tile_rows_for(c_width, csr.groups);
   const int64_t b_stride = a_width * c_width;
+  const bool stream = stream_output(csr.groups * c_width * int64_t{4}, c_width * int64_t{4});
   parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
-    float* const c_tile = c + g0 * c_width;
-    std::memset(c_tile, 0, sizeof(float) * (g1 - g0) * c_width);
-    if (csr.offsets[g1] == csr.offsets[g0]) return;
+    const int64_t cap = g1 - g0;
+    if (csr.offsets[g1] == csr.offsets[g0]) {
+      std::memset(c + g0 * c_width, 0, sizeof(float) * cap * c_width);
+      return;
+    }
+    auto& s = this_thread(buckets);
+    // Summed in place, or in the thread's buffer and streamed out
+    // (output_window.h).
+    float* const c_tile = stream ? window_buffer(s.window, cap * c_width) : c + g0 * c_width;
+    std::memset(c_tile, 0, sizeof(float) * cap * c_width);
     // One bucket of g1 - g0 pointer pairs per offset (an offset has at most
     // one edge per output row), filled in one pass over the tile's edges:
     // no counting pass and no slot indirection (bucket_tile_edges).
-    auto& s = this_thread(buckets);
-    const int64_t cap = g1 - g0;
     fit_buckets(n_kernels * cap, s.a_ptrs, s.c_ptrs);
     s.count.resize(n_kernels);
     const float** a_ptrs = s.a_ptrs.data();
@@ -76,6 +84,7 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                   c_ptrs + k * cap);
       }
     }
+    if (stream) stream_rows(c + g0 * c_width, c_tile, sizeof(float) * cap * c_width);
   });
 }
 

@@ -17,6 +17,7 @@
 
 #include "amx_int8.h"
 #include "isa.h"
+#include "output_window.h"
 #include "parallel.h"
 #include "quantized_weight.h"
 #include "tiles.h"
@@ -475,6 +476,7 @@ struct Scratch {
   std::vector<int32_t> rows;   // input row of each slot
   std::vector<int32_t> outs;   // tile-local output row of each slot
   std::vector<int32_t> count;  // edges per offset
+  std::vector<float> window;   // the tile's sums where the output is streamed
 };
 
 thread_local Scratch scratch;
@@ -530,6 +532,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
     });
     return;
   }
+  const bool stream = stream_output(csr.groups * cout * int64_t{4}, cout * int64_t{4});
   parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
     auto& s = this_thread(scratch);
     const int64_t cap = g1 - g0;
@@ -547,10 +550,12 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
                       });
     // Zeroed here rather than skipped on each row's first contribution:
     // writing the tile at once is cheaper than the kernels' scattered
-    // first stores missing the cache.
-    std::memset(out + g0 * cout, 0, sizeof(float) * cap * cout);
-    OffsetJob job{nullptr,          nullptr, 0,      buf.q.data(), buf.scale.data(),
-                  buf.gsum.data(),  storage_in, groups, out + g0 * cout, static_scale,
+    // first stores missing the cache. Summed in place, or in the thread's
+    // buffer and streamed out (output_window.h).
+    float* tile = stream ? window_buffer(s.window, cap * cout) : out + g0 * cout;
+    std::memset(tile, 0, sizeof(float) * cap * cout);
+    OffsetJob job{nullptr,         nullptr,    0,      buf.q.data(), buf.scale.data(),
+                  buf.gsum.data(), storage_in, groups, tile,         static_scale,
                   all_unit};
     for (int64_t k = 0; k < n_kernels; ++k) {
       job.rows = s.rows.data() + k * cap;
@@ -558,6 +563,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
       job.count = s.count[k];
       if (job.count > 0) run_offset(job, w, k, cout);
     }
+    if (stream) stream_rows(out + g0 * cout, tile, sizeof(float) * cap * cout);
   });
 }
 

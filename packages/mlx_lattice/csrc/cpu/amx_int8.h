@@ -23,6 +23,9 @@
 //    weight's own layout, so no repacking); the C tiles are stored and the
 //    epilogue adds float(acc) * s + float(asum) * b (times the row's scale)
 //    to each edge's output row.
+// 3. The window's float32 rows are zeroed first and summed in place in the
+//    output, or, where the output is large (output_window.h), in the
+//    thread's own buffer, which is then streamed to the output.
 // The float epilogue per (offset, group) is what the documented math asks
 // (each edge's integer sum is scaled by its input row's scale and its
 // offset's group scale before the float sum), so int32 cannot accumulate

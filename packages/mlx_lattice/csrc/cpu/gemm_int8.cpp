@@ -425,6 +425,26 @@ const Int8Entry& selected() {
   return entry;
 }
 
+// The entry for a convolution of cin -> cout channels: selected(), except
+// that where that is AMX and both are at most kVnniChannels, the
+// AVX512-VNNI path runs instead (same bits). Two A tile chunks of 16 rows
+// and two C tiles per batch leave the tile unit mostly idle behind the
+// gather and the epilogue: on the Intel AMX host w8a8 at C32 (groups of
+// 32) took 4.6-4.8 ms on VNNI against 5.4-5.5 ms on AMX, while at C64 and
+// C128 AMX was faster (benchmarks/LOG.md, "Output windows").
+constexpr int64_t kVnniChannels = 32;
+
+const Int8Entry& selected_for(int64_t cin, int64_t cout) {
+  const Int8Entry& entry = selected();
+#ifdef MLX_LATTICE_X86
+  if (entry.isa == isa::Isa::kAmxInt8 && cin <= kVnniChannels && cout <= kVnniChannels &&
+      isa::isa_usable(isa::Isa::kAvx512Vnni)) {
+    return kInt8Table[1];
+  }
+#endif
+  return entry;
+}
+
 // Unpacks the codes of the affine layout into the micro-kernel layout.
 // act_scale > 0 (static): the scales and biases are premultiplied by it.
 void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
@@ -576,7 +596,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
                const int32_t* kernel_ids, float* out) {
   // An edge's output row is its CSR group (c_index repeats it; unread).
   static_cast<void>(c_index);
-  const Int8Entry& entry = selected();
+  const Int8Entry& entry = selected_for(cin, cout);
   run_int8_conv(entry.offset, entry.rows, feats, n_in, cin, packed, row_bytes, scales, biases,
                 n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids,
                 out);

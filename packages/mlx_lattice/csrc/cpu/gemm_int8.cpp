@@ -432,15 +432,17 @@ const Int8Entry& selected() {
 // gather and the epilogue: on the Intel AMX host w8a8 at C32 (groups of
 // 32) took 4.6-4.8 ms on VNNI against 5.4-5.5 ms on AMX, while at C64 and
 // C128 AMX was faster (benchmarks/LOG.md, "Output windows").
-constexpr int64_t kVnniChannels = 32;
-
 const Int8Entry& selected_for(int64_t cin, int64_t cout) {
   const Int8Entry& entry = selected();
 #ifdef MLX_LATTICE_X86
+  constexpr int64_t kVnniChannels = 32;
   if (entry.isa == isa::Isa::kAmxInt8 && cin <= kVnniChannels && cout <= kVnniChannels &&
       isa::isa_usable(isa::Isa::kAvx512Vnni)) {
     return kInt8Table[1];
   }
+#else
+  static_cast<void>(cin);
+  static_cast<void>(cout);
 #endif
   return entry;
 }

@@ -21,6 +21,7 @@ import numpy as np
 from fuzzing import fuzz
 from hypothesis import strategies as st
 
+import mlx_lattice
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 
@@ -60,6 +61,13 @@ def _exact(a: mx.array) -> np.ndarray:
     return np.array(a.astype(mx.float32)).astype(np.float64)
 
 
+def _set_l2(n_bytes: int | None) -> None:
+    """The L2 size the kernels size their tiles and windows from, in the
+    product and in the harness (each extension holds its own copy)."""
+    mlx_lattice.set_kernel_l2_bytes(n_bytes)
+    harness_ext.set_l2_cache_bytes(n_bytes)
+
+
 grids = {
     "n_points": st.integers(0, 300),
     "side": st.sampled_from([4, 6, 8, 12]),
@@ -78,14 +86,19 @@ channel_counts = st.sampled_from([1, 3, 4, 15, 16, 17, 31, 32, 33, 48, 64, 65, 7
     group=st.sampled_from([32, 64]),
     static=st.booleans(),
     nan_row=st.booleans(),
+    streamed=st.booleans(),
     data_seed=st.integers(0, 2**32 - 1),
 )
 def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, cin, cout, bits,
-                                         group, static, nan_row, data_seed):
+                                         group, static, nan_row, streamed, data_seed):
     """w8a8 / w4a8 through the AMX-INT8 driver on the tile model, with the
     portable and the AVX-512 epilogue, gives the bits of the integer path
     the dispatch chose, dynamic and static activation scales, a non-finite
-    input row included."""
+    input row included. The reference sums its output in place (no L2 size
+    known); with ``streamed`` the model and the dispatch run again under a
+    1 KiB L2, where outputs of at least 4 KiB (2 threads) in rows of at
+    most 64 channels are summed in per-thread windows and copied out
+    (cpu/output_window.h), and give the same bits."""
     rel = _relation(n_points, side, kernel_size, stride, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in = int(rel.n_in)
@@ -95,20 +108,37 @@ def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, ci
     weight = 0.2 * rng.standard_normal((int(rel.n_kernels), cin, cout)).astype(np.float32)
     qw = QuantizedWeight.from_float(mx.array(weight), bits=bits, group_size=group)
     scale = 0.05 if static else None
-    want = ops.sparse_quantized_conv_features_from_relation(
-        mx.array(feats), qw, rel, act_bits=8, act_scale=scale
-    )
-    offsets, edge_ids = _csr(rel.output_csr)
-    epilogues = ["scalar"] + (["avx512"] if harness_ext.amx_model_avx512() else [])
-    for epilogue in epilogues:
-        got = harness_ext.amx_model_int8_conv(
-            mx.array(feats), qw.weight, qw.scales.astype(mx.float32),
-            qw.biases.astype(mx.float32), offsets, edge_ids, rel.edges.in_rows,
-            rel.edges.kernel_ids, qw.storage_in_channels, group, bits, scale or 0.0, epilogue,
+
+    def dispatch() -> mx.array:
+        out = ops.sparse_quantized_conv_features_from_relation(
+            mx.array(feats), qw, rel, act_bits=8, act_scale=scale
         )
-        assert np.array_equal(
-            np.array(got).view(np.uint32), np.array(want).view(np.uint32)
-        ), epilogue
+        mx.eval(out)
+        return out
+
+    offsets, edge_ids = _csr(rel.output_csr)
+    scales, biases = qw.scales.astype(mx.float32), qw.biases.astype(mx.float32)
+    mx.eval(scales, biases)
+    epilogues = ["scalar"] + (["avx512"] if harness_ext.amx_model_avx512() else [])
+    _set_l2(0)
+    try:
+        # The reference stays alive, so the streamed call's output cannot
+        # reuse its buffer (and find its bits already there).
+        reference = dispatch()
+        want = np.array(reference).view(np.uint32)
+        if streamed:
+            _set_l2(1024)
+            again = np.array(dispatch()).view(np.uint32)
+            assert np.array_equal(again, want), "streamed"
+        for epilogue in epilogues:
+            got = harness_ext.amx_model_int8_conv(
+                mx.array(feats), qw.weight, scales, biases, offsets, edge_ids,
+                rel.edges.in_rows, rel.edges.kernel_ids, qw.storage_in_channels, group, bits,
+                scale or 0.0, epilogue,
+            )
+            assert np.array_equal(np.array(got).view(np.uint32), want), epilogue
+    finally:
+        _set_l2(None)
 
 
 def _bf16_bound(exact: np.ndarray, mag: np.ndarray, n_terms: int) -> np.ndarray:

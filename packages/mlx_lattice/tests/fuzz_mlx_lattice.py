@@ -19,6 +19,7 @@ from fuzzing import fuzz
 from hypothesis import event
 from hypothesis import strategies as st
 
+import mlx_lattice
 from mlx_lattice import MlxLatticeError, SparseTensor
 from mlx_lattice.coords import intersection_coords, lookup_coords, union_coords
 from mlx_lattice.core import build_kernel_relation
@@ -298,10 +299,11 @@ TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1.6e-2}
     weight_cin_delta=st.sampled_from([0, 0, 1]),
     feat_rows_delta=st.sampled_from([0, 0, 0, -1, 1]),
     layout=st.sampled_from(["contiguous", "transposed", "strided", "aliased", "donated"]),
+    l2=st.sampled_from([None, None, 1]),
     data_seed=st.integers(0, 2**32 - 1),
 )
 def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, weight_kernels_delta,
-                                         weight_cin_delta, feat_rows_delta, layout, data_seed):
+                                         weight_cin_delta, feat_rows_delta, layout, l2, data_seed):
     """sparse_conv_features_from_relation and sparse_pool_features_from_relation
     (max/avg/sum) on a k x k x k relation (k 1 to 5 or 7) with any dtype,
     mismatched weight or feature shapes, empty sets and channels, transposed
@@ -309,7 +311,9 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
     overlapping views of one buffer, or features only the graph holds (a
     buffer MLX may donate to the output) equal the float64 brute force
     over the relation's edges within the dtype's rounding, or raise
-    MlxLatticeError."""
+    MlxLatticeError. With ``l2`` a 1-byte L2 size, float32 outputs of more
+    than one row are summed in per-thread windows and streamed out
+    (cpu/output_window.h)."""
     from mlx_lattice.core import ops as core_ops
 
     cin, cout = channels
@@ -338,6 +342,7 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
     f_exact = np.array(f.astype(mx.float32))
     w_exact = np.array(w.astype(mx.float32))
     tol = TOLERANCE.get(dtype, 0.0)
+    mlx_lattice.set_kernel_l2_bytes(l2)
     try:
         # "donated": the features are a temporary only the graph holds, whose
         # buffer MLX may hand to an output.
@@ -346,6 +351,8 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
         mx.eval(out)
     except MlxLatticeError:
         out = None
+    finally:
+        mlx_lattice.set_kernel_l2_bytes(None)
     if out is not None:
         assert dtype in TOLERANCE and n == len(coords) and weight_kernels_delta == 0
         assert weight_cin_delta == 0 and out.dtype == f.dtype

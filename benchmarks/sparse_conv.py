@@ -7,9 +7,11 @@ GFLOP/s (GOP/s for integer kernels; each case's best of interleaved rounds,
 its median round beside it) against two yardsticks measured in the same
 run (benchmarks/yardstick.py): NumPy's real sgemm rate (a child process
 without the OpenBLAS core pin) and the machine's measured vector peak of the
-kernel's instruction family (fp32 FMA; int8 VNNI for the int8-activation
-kernels, with dynamic per-row or one static activation scale; bf16 dot for
-bf16), plus the speed-up over the fp32 forward.
+kernel's instruction family (fp32 FMA; for the int8-activation kernels, with
+dynamic per-row or one static activation scale, AMX TDPBSSD where usable,
+else VNNI; for bf16 AMX TDPBF16PS or the bf16 dot), plus the speed-up over
+the fp32 forward. Then issue 35's lines on this host: each ratio, its
+target and whether it is met.
 
 Then every dataflow (``mlx_lattice.core.dataflow``) for every dtype it
 applies to, forced, as a time ratio to ``generic`` measured in the same run,
@@ -243,6 +245,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{rate / sgemm.gflops:>8.2f}"
             f"{rate / peaks[family][1]:>7.2f}{family:>6}{same}{speedup}"
         )
+    fp32_rates = {
+        c: 2 * edges * c**2 / times[f"fp32 forward C{c}"] / 1e9 / sgemm.gflops
+        for c in OTHER_CHANNELS
+    }
+    fp32_rates[CHANNELS] = 2 * edges * CHANNELS**2 / forward / 1e9 / sgemm.gflops
+    _issue35(times, fp32_rates, amx=ext.isa_supported("amx-int8") and ext.isa_supported("amx-bf16"))
     n_big, e_big, build_big, forward_big = _large_case(rng)
     print(
         f"large surface (sphere on a 512^3 grid): {n_big} voxels, {e_big} edges "
@@ -257,6 +265,42 @@ def main(argv: Sequence[str] | None = None) -> None:
         "static-scale w8a8/w4a8 (one calibrated activation scale) faster than dynamic"
     )
     _dataflows(rel, rng)
+
+
+def _issue35(times: dict[str, float], fp32_rates: dict[int, float], amx: bool) -> None:
+    """Issue 35's lines on this host, each measured value against its target:
+    the fp32 forward against sgemm (every x86 host), no dtype's forward slower
+    than fp32's, and on AMX hosts the int8 and bf16 speed-ups (the gradients
+    against fp32's gradients, not its forward)."""
+    forward = times["fp32 forward"]
+    sections = {
+        "fp32 forward / sgemm (every x86 host)": [
+            (f"C{c}", fp32_rates[c], 0.80 if c == CHANNELS else 0.70)
+            for c in (CHANNELS, *OTHER_CHANNELS)
+        ],
+        "x fp32 forward, never below 1 (every host)": [
+            (name, forward / t, 1.0)
+            for name, t in times.items()
+            if not name.startswith("fp32") and "grad" not in name
+        ],
+    }
+    if amx:
+        sections["AMX hosts (gradients x fp32's gradients)"] = [
+            ("w8a8 forward", forward / times["w8a8 forward"], 4.0),
+            ("w8a8 static forward", forward / times["w8a8 static forward"], 4.0),
+            ("w4a8 forward", forward / times["w4a8 forward"], 3.5),
+            ("w4a8 static forward", forward / times["w4a8 static forward"], 3.5),
+            ("bf16 forward", forward / times["bf16 forward"], 2.5),
+            ("bf16 feature grad", times["fp32 feature grad"] / times["bf16 feature grad"], 2.0),
+            ("bf16 weight grad", times["fp32 weight grad"] / times["bf16 weight grad"], 2.0),
+        ]
+    where = "an AMX host" if amx else "a host without AMX (the AMX lines do not apply)"
+    print(f"targets (issue 35) on {where}:")
+    for title, rows in sections.items():
+        print(f"  {title}:")
+        for name, value, target in rows:
+            verdict = "met" if value >= target else "below"
+            print(f"    {name:<24}{value:>7.3f}  target >= {target:.2f}  {verdict}")
 
 
 def _forced(flow: str, fn) -> float:

@@ -5,7 +5,6 @@
 #include <map>
 #include <memory>
 #include <optional>
-#include <type_traits>
 
 #include "cpu/parallel.h"
 
@@ -142,6 +141,60 @@ std::vector<KeyGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& o
 
 }  // namespace
 
+namespace {
+
+// One (dx, dy) group's walk over rows [i0, i1) of sorted_neighbour_map. A
+// function of its own, every value it reads a by-value parameter: as a
+// lambda over captured references (the library builds with
+// -fno-strict-aliasing) it reloaded them after each store into the map or
+// the masks, and took 5-7% longer over a 100k-row scan's relation.
+struct Walk {
+  const int64_t* key;
+  int32_t* out;
+  uint32_t* masks;
+  bool mirror;
+  int64_t n_kernels;
+  int64_t stride;
+  int64_t delta, lo, hi;
+  const int32_t* kernel;
+};
+
+// j: the first row whose key is at least key[i0] + delta + lo. kUnit:
+// the group's offsets are consecutive along z (the usual kernels), so the
+// offset comes from the key difference, without the table.
+template <bool kUnit>
+[[gnu::noinline]] void walk_rows(const Walk w, int64_t i0, int64_t i1, int64_t j) {
+  const int64_t* const key = w.key;
+  int32_t* const out = w.out;
+  uint32_t* const row_masks = w.masks;
+  const bool mirror = w.mirror;
+  const int64_t k_count = w.n_kernels, stride = w.stride;
+  const int64_t delta = w.delta + w.lo, span = w.hi - w.lo;
+  const int32_t* const kernel = w.kernel;
+  const int32_t first_k = kernel[0];
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t base = key[i] + delta;
+    while (key[j] < base) ++j;
+    uint32_t own = 0;
+    for (int64_t u = j; key[u] <= base + span; ++u) {
+      int32_t k;
+      if constexpr (kUnit) {
+        k = first_k + static_cast<int32_t>(key[u] - base);
+      } else {
+        k = kernel[key[u] - base];
+        if (k < 0) continue;
+      }
+      out[i * stride + k] = static_cast<int32_t>(u);
+      own |= uint32_t{1} << (k & 31);
+      if (mirror) out[u * stride + k_count - 1 - k] = static_cast<int32_t>(i);
+      if (row_masks != nullptr) row_masks[u] |= uint32_t{1} << ((k_count - 1 - k) & 31);
+    }
+    if (row_masks != nullptr) row_masks[i] |= own;
+  }
+}
+
+}  // namespace
+
 std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n,
                                                 const std::vector<std::array<int64_t, 3>>& offsets,
                                                 bool symmetric, uint32_t* masks) {
@@ -182,44 +235,14 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
   }
   const int64_t n_chunks = ceil_div(n, chunk);
   auto walk = [&](int64_t i0, int64_t i1) {
-    // Local copies: with -fno-strict-aliasing every int32 store could
-    // otherwise alias the captured values, reloaded after each.
-    int32_t* const out = map.get();
-    uint32_t* const row_masks = masks;
-    const bool mirror = symmetric && !half;
-    const int64_t k_count = n_kernels, stride = columns;
-    // One walk per group; `unit` groups (the usual kernels) take the offset
-    // from the key difference, without the table.
-    auto walk_group = [&](const KeyGroup& g, auto unit) {
-      const int64_t delta = g.delta, lo = g.lo, hi = g.hi;
-      const int32_t* const kernel = g.kernel.data();
-      const int32_t first_k = kernel[0];
-      int64_t j = first_at_least(key[i0] + delta + lo);
-      for (int64_t i = i0; i < i1; ++i) {
-        const int64_t base = key[i] + delta + lo;
-        while (key[j] < base) ++j;
-        uint32_t own = 0;
-        for (int64_t u = j; key[u] <= base + (hi - lo); ++u) {
-          int32_t k;
-          if constexpr (decltype(unit)::value) {
-            k = first_k + static_cast<int32_t>(key[u] - base);
-          } else {
-            k = kernel[key[u] - base];
-            if (k < 0) continue;
-          }
-          out[i * stride + k] = static_cast<int32_t>(u);
-          own |= uint32_t{1} << (k & 31);
-          if (mirror) out[u * stride + k_count - 1 - k] = static_cast<int32_t>(i);
-          if (row_masks != nullptr) row_masks[u] |= uint32_t{1} << ((k_count - 1 - k) & 31);
-        }
-        if (row_masks != nullptr) row_masks[i] |= own;
-      }
-    };
     for (const KeyGroup& g : groups) {
+      const Walk w{key, map.get(), masks, symmetric && !half, n_kernels, columns,
+                   g.delta, g.lo, g.hi, g.kernel.data()};
+      const int64_t j = first_at_least(key[i0] + g.delta + g.lo);
       if (g.unit) {
-        walk_group(g, std::true_type{});
+        walk_rows<true>(w, i0, i1, j);
       } else {
-        walk_group(g, std::false_type{});
+        walk_rows<false>(w, i0, i1, j);
       }
     }
   };

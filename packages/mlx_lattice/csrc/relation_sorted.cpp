@@ -291,6 +291,35 @@ bool rows_ascending(const int32_t* coords, int64_t n, std::array<int64_t, 4>& lo
   return scan_rows(coords, n, low, high);
 }
 
+std::vector<int32_t> SortedRows::neighbour_map(
+    const int32_t* out_c, int64_t n_out,
+    const std::vector<std::array<int64_t, 3>>& offsets) const {
+  const int64_t n_kernels = static_cast<int64_t>(offsets.size());
+  std::vector<int32_t> map(n_out * n_kernels);
+  constexpr int64_t kTile = 1024;
+  int32_t* const cells = map.data();
+  const std::array<int64_t, 3>* const offs = offsets.data();
+  parallel_for(ceil_div(n_out, kTile), [&, cells, offs](int64_t t) {
+    const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
+    std::vector<int64_t> cursor(n_kernels, 0);
+    for (int64_t o = o0; o < o1; ++o) {
+      const int32_t* c = out_c + 4 * o;
+      for (int64_t k = 0; k < n_kernels; ++k) {
+        int32_t q[4] = {c[0], 0, 0, 0};
+        bool inside = true;
+        for (int a = 0; a < 3; ++a) {
+          const int64_t v = int64_t{c[a + 1]} + offs[k][a];
+          inside = inside && v >= std::numeric_limits<int32_t>::min() &&
+                   v <= std::numeric_limits<int32_t>::max();
+          q[a + 1] = static_cast<int32_t>(v);
+        }
+        cells[o * n_kernels + k] = inside ? find(q, cursor[k]) : -1;
+      }
+    }
+  });
+  return map;
+}
+
 int64_t SortedRows::seek(int64_t key, int64_t j) const {
   // Gallop from j to the first key >= key (the sentinel ends the keys),
   // forward or back, then bisect the last step.

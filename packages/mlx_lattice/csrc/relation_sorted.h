@@ -51,6 +51,15 @@ class SortedRows {
   // 2^62 cells.
   static std::optional<SortedRows> of(const int32_t* coords, int64_t n);
 
+  // The (n_out, K) neighbour map of other rows into this set, row-major:
+  // cell (o, k) is the row at out_c[o] + offsets[k], or -1; the hash
+  // search's map (neighbour_map, not symmetric), cell for cell. Searched
+  // from a cursor per offset, in parallel tiles of outputs: where the
+  // outputs ascend too (a strided relation's computed outputs), each
+  // offset's lookups move its cursor a few keys at a time.
+  std::vector<int32_t> neighbour_map(const int32_t* out_c, int64_t n_out,
+                                     const std::vector<std::array<int64_t, 3>>& offsets) const;
+
   // The row of coordinate q (batch, x, y, z), or -1. The search starts at
   // `cursor` (any row, or n) and leaves it at q's place.
   int32_t find(const int32_t* q, int64_t& cursor) const {

@@ -77,11 +77,17 @@ def test_submanifold_matches_brute_force(rng, ref, kernel_size, dilation, tensor
     check_groupings(rel)
 
 
+@pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize(
-    ("kernel_size", "stride"), [(2, 2), (3, 2), (3, 1), ((3, 2, 1), (2, 2, 1))]
+    ("kernel_size", "stride"), [(2, 2), (3, 2), (3, 1), ((3, 2, 1), (2, 2, 1)), (5, 2), (4, 3)]
 )
-def test_forward_computes_strided_outputs(rng, ref, kernel_size, stride):
+def test_forward_computes_strided_outputs(rng, ref, kernel_size, stride, ordered):
+    """Computed outputs and edges against brute force; ``ordered`` inputs
+    (ascending by batch, x, y, z) are searched by key (SortedRows), the
+    others in the coordinate hash."""
     coords = ref.random_coords(rng, 400, 10, batches=2)
+    if ordered:
+        coords = np.unique(coords, axis=0)
     rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
     st = np.broadcast_to(np.array(stride), (3,))
     expected = np.concatenate([coords[:, :1], (coords[:, 1:] // st) * st], axis=1)

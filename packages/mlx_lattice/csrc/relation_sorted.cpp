@@ -296,24 +296,65 @@ std::vector<int32_t> SortedRows::neighbour_map(
     const std::vector<std::array<int64_t, 3>>& offsets) const {
   const int64_t n_kernels = static_cast<int64_t>(offsets.size());
   std::vector<int32_t> map(n_out * n_kernels);
+  // The offsets grouped by (dx, dy), each group's (dz, k) ascending by dz:
+  // one cursor per group, and the group's next dz a step or two past the
+  // previous one's place.
+  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int32_t>>> by_column;
+  for (int64_t k = 0; k < n_kernels; ++k) {
+    by_column[{offsets[k][0], offsets[k][1]}].push_back(
+        {offsets[k][2], static_cast<int32_t>(k)});
+  }
+  struct Group {
+    int64_t dx, dy;
+    std::vector<std::pair<int64_t, int32_t>> dz;
+  };
+  std::vector<Group> groups;
+  for (auto& [dxy, dz] : by_column) {
+    std::sort(dz.begin(), dz.end());
+    groups.push_back({dxy.first, dxy.second, std::move(dz)});
+  }
   constexpr int64_t kTile = 1024;
   int32_t* const cells = map.data();
-  const std::array<int64_t, 3>* const offs = offsets.data();
-  parallel_for(ceil_div(n_out, kTile), [&, cells, offs](int64_t t) {
+  const int64_t* const keys = packed_.keys.data();
+  const std::array<int64_t, 4> low = packed_.low, high = packed_.high;
+  const std::array<int64_t, 3> radix = packed_.radix;
+  parallel_for(ceil_div(n_out, kTile), [&, cells, keys, low, high, radix](int64_t t) {
     const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
-    std::vector<int64_t> cursor(n_kernels, 0);
+    std::vector<int64_t> cursor(groups.size(), 0);
     for (int64_t o = o0; o < o1; ++o) {
       const int32_t* c = out_c + 4 * o;
-      for (int64_t k = 0; k < n_kernels; ++k) {
-        int32_t q[4] = {c[0], 0, 0, 0};
-        bool inside = true;
-        for (int a = 0; a < 3; ++a) {
-          const int64_t v = int64_t{c[a + 1]} + offs[k][a];
-          inside = inside && v >= std::numeric_limits<int32_t>::min() &&
-                   v <= std::numeric_limits<int32_t>::max();
-          q[a + 1] = static_cast<int32_t>(v);
+      int32_t* row = cells + o * n_kernels;
+      for (size_t gi = 0; gi < groups.size(); ++gi) {
+        const Group& g = groups[gi];
+        const int64_t x = int64_t{c[1]} + g.dx, y = int64_t{c[2]} + g.dy;
+        const bool column = c[0] >= low[0] && c[0] <= high[0] && x >= low[1] && x <= high[1] &&
+                            y >= low[2] && y <= high[2];
+        // Key of (batch, x, y, low z): the column's keys are base + (z - low z).
+        const int64_t base =
+            (((int64_t{c[0]} - low[0]) * radix[0] + (x - low[1])) * radix[1] + (y - low[2])) *
+            radix[2];
+        int64_t at = cursor[gi];
+        bool first = true;
+        for (const auto& [dz, k] : g.dz) {
+          const int64_t z = int64_t{c[3]} + dz;
+          if (!column || z < low[3] || z > high[3]) {
+            row[k] = -1;
+            continue;
+          }
+          const int64_t key = base + (z - low[3]);
+          if (first) {
+            // The group's first lookup moves its cursor (seek gallops
+            // either way); the rest step forward from it.
+            if (keys[at] != key) {
+              at = keys[at] < key && keys[at + 1] >= key ? at + 1 : seek(key, at);
+            }
+            cursor[gi] = at;
+            first = false;
+          } else {
+            while (keys[at] < key) ++at;  // a few steps: z ascends within the column
+          }
+          row[k] = keys[at] == key ? static_cast<int32_t>(at) : -1;
         }
-        cells[o * n_kernels + k] = inside ? find(q, cursor[k]) : -1;
       }
     }
   });

@@ -53,10 +53,11 @@ class SortedRows {
 
   // The (n_out, K) neighbour map of other rows into this set, row-major:
   // cell (o, k) is the row at out_c[o] + offsets[k], or -1; the hash
-  // search's map (neighbour_map, not symmetric), cell for cell. Searched
-  // from a cursor per offset, in parallel tiles of outputs: where the
-  // outputs ascend too (a strided relation's computed outputs), each
-  // offset's lookups move its cursor a few keys at a time.
+  // search's map (neighbour_map, not symmetric), cell for cell. Per output
+  // and (dx, dy), one search from that column's cursor, then each further
+  // dz a step or two on; parallel tiles of outputs. Where the outputs
+  // ascend too (a strided relation's computed outputs), each cursor moves a
+  // few keys at a time.
   std::vector<int32_t> neighbour_map(const int32_t* out_c, int64_t n_out,
                                      const std::vector<std::array<int64_t, 3>>& offsets) const;
 

@@ -329,7 +329,12 @@ std::vector<int32_t> SortedRows::neighbour_map(
         const int64_t x = int64_t{c[1]} + g.dx, y = int64_t{c[2]} + g.dy;
         const bool column = c[0] >= low[0] && c[0] <= high[0] && x >= low[1] && x <= high[1] &&
                             y >= low[2] && y <= high[2];
-        // Key of (batch, x, y, low z): the column's keys are base + (z - low z).
+        if (!column) {
+          for (const auto& cell : g.dz) row[cell.second] = -1;
+          continue;
+        }
+        // Key of (batch, x, y, low z), computed only inside the set's range
+        // (no overflow): the column's keys are base + (z - low z).
         const int64_t base =
             (((int64_t{c[0]} - low[0]) * radix[0] + (x - low[1])) * radix[1] + (y - low[2])) *
             radix[2];
@@ -337,7 +342,7 @@ std::vector<int32_t> SortedRows::neighbour_map(
         bool first = true;
         for (const auto& [dz, k] : g.dz) {
           const int64_t z = int64_t{c[3]} + dz;
-          if (!column || z < low[3] || z > high[3]) {
+          if (z < low[3] || z > high[3]) {
             row[k] = -1;
             continue;
           }

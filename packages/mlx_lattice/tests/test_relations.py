@@ -77,6 +77,22 @@ def test_submanifold_matches_brute_force(rng, ref, kernel_size, dilation, tensor
     check_groupings(rel)
 
 
+def test_given_outputs_far_outside_sorted_inputs(ref):
+    """Outputs far outside ascending inputs whose keys span 2^60 cells are
+    searched by key (SortedRows) without overflowing a key: the edges are
+    the brute-force set."""
+    coords = np.array([[0, 0, 0, 0], [0, 0, 1 << 30, 1 << 30]], np.int32)
+    outs = np.array(
+        [[0, 0, 0, 1], [0, (1 << 31) - 2, 0, 0], [0, -(1 << 31) + 1, 5, 5], [1, 0, 0, 0]],
+        np.int32,
+    )
+    rel = build_kernel_relation(coords, outs, kernel_size=3, kind="forward")
+    want = ref.brute_force_edges(coords, outs, ref.offsets((3, 3, 3), (1, 1, 1), (1, 1, 1)))
+    assert len(want) == 1
+    assert edge_set(rel) == want
+    check_groupings(rel)
+
+
 @pytest.mark.parametrize("ordered", [False, True])
 @pytest.mark.parametrize(
     ("kernel_size", "stride"), [(2, 2), (3, 2), (3, 1), ((3, 2, 1), (2, 2, 1)), (5, 2), (4, 3)]

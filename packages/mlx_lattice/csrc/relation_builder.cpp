@@ -233,10 +233,10 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // ms against 16.8-17.8 through the hash, kernel 5 in 25-27 against
   // 63-69), else in the hash.
   const bool symmetric = kind == "submanifold" && odd;
-  if (!self && !parents && !symmetric && !table && !in_sorted) {
-    in_sorted = SortedRows::of(in_c, n_in);
+  if (!self && !parents) {
+    if (!symmetric && !table && !in_sorted) in_sorted = SortedRows::of(in_c, n_in);
+    if (symmetric || !in_sorted) in_table();
   }
-  if (!self && !parents && (symmetric || !in_sorted)) in_table();
   // A forward relation of a two-tap kernel: each input has at most one edge
   // (to its parent), so its input grouping is a rank (below); onto computed
   // outputs the edges are written in the order the outputs were computed in.

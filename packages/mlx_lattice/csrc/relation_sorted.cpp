@@ -115,17 +115,24 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
 
 namespace {
 
+// Offsets [0, count) by (dx, dy): each column's (dz, k), ascending by dz.
+using OffsetColumns =
+    std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int32_t>>>;
+
+OffsetColumns offset_columns(const std::vector<std::array<int64_t, 3>>& offsets, size_t count) {
+  OffsetColumns columns;
+  for (size_t k = 0; k < count; ++k) {
+    columns[{offsets[k][0], offsets[k][1]}].push_back({offsets[k][2], static_cast<int32_t>(k)});
+  }
+  for (auto& column : columns) std::sort(column.second.begin(), column.second.end());
+  return columns;
+}
+
 // The searched offsets [0, searched), grouped by (dx, dy).
 std::vector<KeyGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& offsets,
                                     size_t searched, const std::array<int64_t, 3>& radix) {
-  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int32_t>>> by_column;
-  for (size_t k = 0; k < searched; ++k) {
-    by_column[{offsets[k][0], offsets[k][1]}].push_back(
-        {offsets[k][2], static_cast<int32_t>(k)});
-  }
   std::vector<KeyGroup> groups;
-  for (auto& [dxy, dz] : by_column) {
-    std::sort(dz.begin(), dz.end());
+  for (const auto& [dxy, dz] : offset_columns(offsets, searched)) {
     KeyGroup g{(dxy.first * radix[1] + dxy.second) * radix[2], dz.front().first,
                dz.back().first, {}};
     g.kernel.assign(g.hi - g.lo + 1, -1);
@@ -299,18 +306,12 @@ std::vector<int32_t> SortedRows::neighbour_map(
   // The offsets grouped by (dx, dy), each group's (dz, k) ascending by dz:
   // one cursor per group, and the group's next dz a step or two past the
   // previous one's place.
-  std::map<std::pair<int64_t, int64_t>, std::vector<std::pair<int64_t, int32_t>>> by_column;
-  for (int64_t k = 0; k < n_kernels; ++k) {
-    by_column[{offsets[k][0], offsets[k][1]}].push_back(
-        {offsets[k][2], static_cast<int32_t>(k)});
-  }
   struct Group {
     int64_t dx, dy;
     std::vector<std::pair<int64_t, int32_t>> dz;
   };
   std::vector<Group> groups;
-  for (auto& [dxy, dz] : by_column) {
-    std::sort(dz.begin(), dz.end());
+  for (auto& [dxy, dz] : offset_columns(offsets, offsets.size())) {
     groups.push_back({dxy.first, dxy.second, std::move(dz)});
   }
   constexpr int64_t kTile = 1024;

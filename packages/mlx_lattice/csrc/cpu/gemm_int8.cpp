@@ -202,11 +202,18 @@ const Int8Entry kInt8Table[] = {
     {isa::Isa::kScalar, padded_blocks<block_scalar>},
 };
 
+#ifdef MLX_LATTICE_X86
+// The AVX512-VNNI entry, where AMX is picked but cannot or should not run.
+const Int8Entry& avx512_vnni_entry() { return kInt8Table[1]; }
+#endif
+
 // Picked per call: set_isa_ceiling() takes effect at once. The AMX entry
 // is usable only where its driver was built.
 const Int8Entry& selected() {
   const Int8Entry& entry = isa::pick(kInt8Table);
-  if (entry.offset == nullptr && entry.rows == nullptr) return kInt8Table[1];
+#ifdef MLX_LATTICE_X86
+  if (entry.offset == nullptr && entry.rows == nullptr) return avx512_vnni_entry();
+#endif
   return entry;
 }
 
@@ -223,7 +230,7 @@ const Int8Entry& selected_for(int64_t cin, int64_t cout) {
   constexpr int64_t kVnniChannels = 32;
   if (entry.isa == isa::Isa::kAmxInt8 && cin <= kVnniChannels && cout <= kVnniChannels &&
       isa::isa_usable(isa::Isa::kAvx512Vnni)) {
-    return kInt8Table[1];
+    return avx512_vnni_entry();
   }
 #else
   static_cast<void>(cin);

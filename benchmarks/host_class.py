@@ -22,7 +22,7 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["FLAGS", "HostClass", "host_class", "host_class_line"]
+__all__ = ["FLAGS", "HostClass", "host_class", "host_class_line", "print_targets"]
 
 # The flags that decide which micro-kernels a host can run, in print order.
 FLAGS = (
@@ -96,6 +96,27 @@ def host_class(cpuinfo: str | None = None) -> HostClass:
 def host_class_line() -> str:
     """:meth:`HostClass.line` of this host."""
     return host_class().line()
+
+
+def print_targets(heading: str, sections: dict[str, list[tuple[str, float, str, float]]]) -> None:
+    """Prints an issue's target lines for this host under ``heading``: per
+    section, each ``(name, value, ">=" or "<=", target)`` with its verdict.
+
+    >>> print_targets("targets:", {"C64": [("fp32 / sgemm", 0.83, ">=", 0.8)],
+    ...                            "share": [("relations", 0.17, "<=", 0.15)]})
+    targets:
+      C64:
+        fp32 / sgemm                0.830  target >= 0.80  met
+      share:
+        relations                   0.170  target <= 0.15  above
+    """
+    print(heading)
+    for title, rows in sections.items():
+        print(f"  {title}:")
+        for name, value, sense, target in rows:
+            met = value >= target if sense == ">=" else value <= target
+            verdict = "met" if met else ("below" if sense == ">=" else "above")
+            print(f"    {name:<26}{value:>7.3f}  target {sense} {target:.2f}  {verdict}")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ struct Entry {
   std::vector<WeightSources::Key> keys;
   std::vector<int64_t> spec;
   std::vector<std::shared_ptr<const void>> held;  // the sources' buffers
-  std::shared_ptr<const std::vector<float>> weight;
+  std::shared_ptr<const kernels::LineVector<float>> weight;
   size_t bytes = 0;
 };
 
@@ -85,11 +85,11 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays) {
   return s;
 }
 
-std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
+std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
     const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
     const std::function<void(float*)>& fill) {
   const size_t bytes = floats * sizeof(float) + sources.bytes;
-  auto weight = std::make_shared<std::vector<float>>();
+  auto weight = std::make_shared<kernels::LineVector<float>>();
   if (!sources.cacheable) {
     weight->resize(floats);
     fill(weight->data());

@@ -9,6 +9,8 @@
 #include <memory>
 #include <vector>
 
+#include "cpu/line_vector.h"
+
 #include "common.h"
 
 namespace mlx_lattice {
@@ -65,7 +67,7 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays);
 // dropped to stay within the budget and kWeightCacheEntries, and a weight
 // larger than the budget is computed for its call only. Thread-safe; `fill`
 // runs outside the lock.
-std::shared_ptr<const std::vector<float>> cached_dequantized_weight(
+std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
     const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
     const std::function<void(float*)>& fill);
 

@@ -58,6 +58,7 @@
 #include "amx_tiles.h"
 #include "group_by.h"
 #include "input_error.h"
+#include "line_vector.h"
 #include "parallel.h"
 #include "tiles.h"
 
@@ -80,7 +81,7 @@ struct Weights {
 
 // The packed weight's storage (one per calling thread, repacked per call).
 struct PackedWeight {
-  std::vector<uint16_t> w;
+  LineVector<uint16_t> w;
   int64_t pairs = 0;
   int64_t cout_pad = 0;
 };
@@ -135,8 +136,8 @@ struct Scratch {
   std::vector<int32_t> rows;       // [k][cap]: input row of each bucketed edge
   std::vector<int32_t> outs;       // [k][cap]: its window-local output row
   std::vector<int32_t> count;      // [k]: edges of offset k in the window
-  std::vector<uint16_t> gathered;  // 16 rows x 2 * pairs
-  std::vector<float> window;       // cap x cout_pad float32 sums
+  LineVector<uint16_t> gathered;  // 16 rows x 2 * pairs
+  LineVector<float> window;       // cap x cout_pad float32 sums
   alignas(64) float tile[kBlockRows * kStripCols];
 };
 

@@ -47,6 +47,7 @@
 #endif
 
 #include "amx_bf16.h"
+#include "line_vector.h"
 
 namespace mlx_lattice::kernels::amx_bf16 {
 
@@ -70,9 +71,9 @@ struct WgradArgs {
 };
 
 struct WgradScratch {
-  std::vector<uint16_t> at;   // cin_pad x kSlabEdges
-  std::vector<uint16_t> bt;   // kSlabEdges / 2 x cout_pad x 2
-  std::vector<float> acc;     // per offset of the call: cin_pad x cout_pad
+  LineVector<uint16_t> at;   // cin_pad x kSlabEdges
+  LineVector<uint16_t> bt;   // kSlabEdges / 2 x cout_pad x 2
+  LineVector<float> acc;     // per offset of the call: cin_pad x cout_pad
   std::vector<int64_t> next;  // per offset of the call: its first edge not yet taken
 };
 

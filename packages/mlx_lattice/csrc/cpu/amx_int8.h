@@ -49,6 +49,7 @@
 
 #include "amx_tiles.h"
 #include "group_by.h"
+#include "line_vector.h"
 #include "output_window.h"
 #include "parallel.h"
 #include "quantized_weight.h"
@@ -167,8 +168,8 @@ struct Scratch {
   std::vector<int32_t> rows;      // [k][cap]: input row of each bucketed edge
   std::vector<int32_t> outs;      // [k][cap]: its window-local output row
   std::vector<int32_t> count;     // [k]: edges of offset k in the window
-  std::vector<int8_t> gathered;   // 16 rows x stride
-  std::vector<float> window;      // the window's sums where the output is streamed
+  LineVector<int8_t> gathered;   // 16 rows x stride
+  LineVector<float> window;      // the window's sums where the output is streamed
   alignas(64) int32_t acc[kBlockRows * 64];
 };
 

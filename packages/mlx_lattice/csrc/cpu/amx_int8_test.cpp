@@ -12,7 +12,8 @@
 //   (K = size^3) with the relation's at-most-one-edge-per-offset rule,
 //   input rows at random and in grid-like runs (16 consecutive rows of one
 //   offset are read in place);
-// - a repeated offset raises InputError on every driver.
+// - a repeated offset raises InputError on every driver;
+// - the drivers' buffers start on a cache line (line_vector.h).
 // Prints which tile kind ran ("model" always, "hardware" where available).
 #include <cmath>
 #include <cstdio>
@@ -28,6 +29,7 @@
 #include "gemm_int8.h"
 #include "input_error.h"
 #include "isa.h"
+#include "line_vector.h"
 #include "output_window.h"
 #include "parallel.h"
 
@@ -366,6 +368,35 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
   return 1;
 }
 
+// The drivers' buffers (line_vector.h): LineVector storage starts on a
+// cache line at every size and after growing; line_aligned returns an
+// operand on a line as it is, and copies one off a line only when it is
+// read often enough.
+void test_line_vectors() {
+  for (size_t n : {size_t{1}, size_t{63}, size_t{4096}, size_t{300000}}) {
+    LineVector<int8_t> bytes(n);
+    LineVector<float> floats(n);
+    LineVector<uint16_t> halves(n);
+    if (!on_line(bytes.data()) || !on_line(floats.data()) || !on_line(halves.data())) {
+      fail("LineVector of " + std::to_string(n) + " values off a line");
+    }
+    floats.resize(3 * n + 1);
+    if (!on_line(floats.data())) fail("LineVector grown to " + std::to_string(3 * n + 1));
+  }
+  LineVector<float> source(1000);
+  for (size_t i = 0; i < source.size(); ++i) source[i] = static_cast<float>(i) * 0.5f;
+  LineVector<float> copy;
+  if (line_aligned(source.data(), 999, copy, 100.0) != source.data() || !copy.empty()) {
+    fail("line_aligned copied an operand on a line");
+  }
+  const float* off = source.data() + 1;
+  if (line_aligned(off, 999, copy, 2.0) != off) fail("line_aligned copied for two reads");
+  const float* moved = line_aligned(off, 999, copy, 100.0);
+  if (moved != copy.data() || !on_line(moved) || std::memcmp(moved, off, 999 * sizeof(float))) {
+    fail("line_aligned's copy");
+  }
+}
+
 void test_repeated_offset() {
   // Output row 0 with two edges of offset 1; and 20 rows with an edge of
   // offset 0 each, row 7 with two more of offset 1 (its window's bucket of
@@ -414,6 +445,7 @@ int main(int argc, char** argv) {
   if (hw) test_hw_ops(gen);
 #endif
   test_repeated_offset();
+  test_line_vectors();
   int cases = 0;
   // Tile edges: channels, rows, groups and codes.
   const int64_t cins[] = {1, 4, 15, 16, 17, 33, 64, 70, 130};

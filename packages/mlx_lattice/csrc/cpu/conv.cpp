@@ -12,6 +12,7 @@
 #include "gemm_bf16.h"
 #include "gemm_int8.h"
 #include "group_by.h"
+#include "line_vector.h"
 #include "quantized_weight.h"
 #include "sorted_conv.h"
 #include "weight_gradient.h"
@@ -36,13 +37,13 @@ struct RoundedWeight {
     kernels::from_float32(w.data<float>(), w.size(), format, bits.data());
     kernels::to_float32(bits.data(), format, w.size(), values.data());
   }
-  std::vector<uint16_t> bits;
-  std::vector<float> values;
+  kernels::LineVector<uint16_t> bits;
+  kernels::LineVector<float> values;
 };
 
 // The float32 weight (K, cin, cout) of a weight-only quantized weight
 // (inputs 1-3: packed codes, float32 scales and biases), from the cache.
-std::shared_ptr<const std::vector<float>> dequantized_weight(const std::vector<array>& in,
+std::shared_ptr<const kernels::LineVector<float>> dequantized_weight(const std::vector<array>& in,
                                                              const WeightSources& sources,
                                                              const QuantSpec& q,
                                                              int64_t n_kernels) {
@@ -102,7 +103,7 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
              auto transposed = [&](const float* w) {
                const int64_t cin = b.shape(1);
                const int64_t cout = b.shape(2);
-               std::vector<float> wt(r.n_kernels * cin * cout);
+               kernels::LineVector<float> wt(r.n_kernels * cin * cout);
                for (int64_t k = 0; k < r.n_kernels; ++k) {
                  for (int64_t i = 0; i < cin; ++i) {
                    for (int64_t x = 0; x < cout; ++x) {

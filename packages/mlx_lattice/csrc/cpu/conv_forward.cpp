@@ -9,6 +9,7 @@
 
 #include "conv_forward_half.h"
 #include "gemm.h"
+#include "line_vector.h"
 #include "output_window.h"
 #include "parallel.h"
 #include "tiles.h"
@@ -38,10 +39,13 @@ struct Buckets {
   std::vector<const float*> a_ptrs;
   std::vector<float*> c_ptrs;
   std::vector<int32_t> count;
-  std::vector<float> window;  // the tile's sums where the output is streamed
+  LineVector<float> window;  // the tile's sums where the output is streamed
 };
 
 thread_local Buckets buckets;
+
+// The calling thread's copy of a B that MLX's allocator put off a line.
+thread_local LineVector<float> b_copy;
 
 }  // namespace
 
@@ -50,6 +54,12 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                      const int32_t* /*c_index: each group's own row*/, const int32_t* kernel_ids) {
   const int64_t tile_rows = tile_rows_for(c_width, csr.groups);
   const int64_t b_stride = a_width * c_width;
+  // Each register block of an offset's rows (gemm_rows: six rows) reads
+  // that offset's whole B.
+  constexpr int64_t kBlockRows = 6;
+  const double b_reads = static_cast<double>(csr.offsets[csr.groups]) /
+                         static_cast<double>(kBlockRows * std::max<int64_t>(n_kernels, 1));
+  b = line_aligned(b, static_cast<size_t>(n_kernels * b_stride), this_thread(b_copy), b_reads);
   const bool stream = stream_output(csr.groups * c_width * int64_t{4}, c_width * int64_t{4});
   parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
     const int64_t cap = g1 - g0;

@@ -12,6 +12,7 @@
 
 #include "gemm.h"
 #include "isa.h"
+#include "line_vector.h"
 #include "parallel.h"
 #include "float_formats.h"
 #include "tiles.h"
@@ -31,8 +32,8 @@ struct Scratch {
   // its slot among them or -1: every entry is -1 between tiles.
   std::vector<int32_t> distinct;
   std::vector<int32_t> row_slot;
-  std::vector<float> rows;  // the distinct rows widened, one after the other
-  std::vector<float> tile;  // the tile's float32 output rows
+  LineVector<float> rows;  // the distinct rows widened, one after the other
+  LineVector<float> tile;  // the tile's float32 output rows
 };
 
 thread_local Scratch scratch;

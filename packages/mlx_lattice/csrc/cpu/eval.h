@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "float_formats.h"
+#include "line_vector.h"
 #include "mlx/backend/cpu/encoder.h"
 #include "mlx/mlx.h"
 
@@ -26,7 +27,7 @@ inline const int32_t* idx(const mx::array& a) { return a.size() ? a.data<int32_t
 // thread: fresh multi-megabyte allocations per call cost more in page faults
 // than the conversions themselves. Slot 0, 1: inputs; slot 2: the output.
 inline float* staging(int slot, size_t n) {
-  thread_local std::vector<float> buffers[3];
+  thread_local kernels::LineVector<float> buffers[3];
   auto& b = buffers[slot];
   if (b.size() < n) b.resize(n);
   return b.data();

@@ -16,6 +16,7 @@
 #include "amx_bf16.h"
 #include "amx_bf16_wgrad.h"
 #include "isa.h"
+#include "line_vector.h"
 #include "parallel.h"
 #include "tiles.h"
 
@@ -28,7 +29,7 @@ constexpr int kRows = 6;  // rows per register block
 // The weight in the micro-kernel's layout: [k][pair p][cout_pad][2] bf16
 // (channels 2p and 2p + 1 of one column per 32-bit lane); padding is zero.
 struct PackedBf16 {
-  std::vector<uint16_t> w;
+  LineVector<uint16_t> w;
   int64_t pairs = 0;
   int64_t cout_pad = 0;
 };
@@ -173,9 +174,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void interleave_rows
 constexpr int64_t kWgradPairs = 64;  // edge pairs per slab: both panels in L1
 
 struct WgradPanels {
-  std::vector<uint16_t> f;  // [pair][cin_pad][2]: feature pairs, one word per channel
-  std::vector<uint16_t> g;  // [pair][cout_pad][2]: cotangent pairs
-  std::vector<float> acc;   // cin_pad x cout_pad
+  LineVector<uint16_t> f;  // [pair][cin_pad][2]: feature pairs, one word per channel
+  LineVector<uint16_t> g;  // [pair][cout_pad][2]: cotangent pairs
+  LineVector<float> acc;   // cin_pad x cout_pad
 };
 thread_local WgradPanels wgrad_panels;
 
@@ -339,16 +340,16 @@ struct Scratch {
   TileEdges edges;
   std::vector<const uint16_t*> a_ptrs;
   std::vector<float*> c_ptrs;
-  std::vector<float> sink;
-  std::vector<float> tile;
+  LineVector<float> sink;
+  LineVector<float> tile;
 };
 
 thread_local Scratch scratch;
 
 struct Buffers {
   PackedBf16 weight;
-  std::vector<uint16_t> padded;  // features with an even row length
-  std::vector<uint16_t> zeros;
+  LineVector<uint16_t> padded;  // features with an even row length
+  LineVector<uint16_t> zeros;
 };
 
 // The tile driver shared by every half-precision block (one entry's block and

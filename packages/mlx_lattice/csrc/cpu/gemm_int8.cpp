@@ -17,6 +17,7 @@
 
 #include "amx_int8.h"
 #include "isa.h"
+#include "line_vector.h"
 #include "output_window.h"
 #include "parallel.h"
 #include "quantized_weight.h"
@@ -52,9 +53,9 @@ constexpr int kRows = 6;  // rows per register block
 // (4 consecutive input channels of one column per 32-bit lane), scales and
 // biases [k][group][cout_pad]; padded columns are zero.
 struct PackedWeight {
-  std::vector<uint8_t> codes;
-  std::vector<float> scales;
-  std::vector<float> biases;
+  LineVector<uint8_t> codes;
+  LineVector<float> scales;
+  LineVector<float> biases;
   int64_t quads = 0;  // storage_in / 4
   int64_t groups = 0;
   int64_t cout_pad = 0;
@@ -115,9 +116,9 @@ inline void prefetch_next(const OffsetJob& job, int64_t i) {
 // into a sink.
 template <void (*Kernel)(const Block&, const PackedWeight&, int64_t, int64_t)>
 void padded_blocks(const OffsetJob& job, const PackedWeight& w, int64_t k, int64_t cout) {
-  thread_local std::vector<int8_t> zero_row_tls;
+  thread_local LineVector<int8_t> zero_row_tls;
   thread_local std::vector<int32_t> zero_sums_tls;
-  thread_local std::vector<float> sink_tls;
+  thread_local LineVector<float> sink_tls;
   auto& zero_row = this_thread(zero_row_tls);
   auto& zero_sums = this_thread(zero_sums_tls);
   auto& sink = this_thread(sink_tls);
@@ -290,16 +291,16 @@ struct Scratch {
   std::vector<int32_t> rows;   // input row of each slot
   std::vector<int32_t> outs;   // tile-local output row of each slot
   std::vector<int32_t> count;  // edges per offset
-  std::vector<float> window;   // the tile's sums where the output is streamed
+  LineVector<float> window;   // the tile's sums where the output is streamed
 };
 
 thread_local Scratch scratch;
 
 // The quantized activations and packed weight of one call.
 struct Buffers {
-  std::vector<int8_t> q;
-  std::vector<float> scale;
-  std::vector<int32_t> gsum;
+  LineVector<int8_t> q;
+  LineVector<float> scale;
+  LineVector<int32_t> gsum;
   PackedWeight weight;
 };
 

@@ -21,13 +21,13 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
 #include "isa.h"
+#include "line_vector.h"
 #include "parallel.h"
 
 namespace mlx_lattice::kernels {
@@ -44,14 +44,12 @@ inline bool stream_output(int64_t bytes, int64_t row_bytes) {
          bytes >= 2 * l2 * std::max(1, get_num_threads());
 }
 
-// A per-thread window buffer of at least `floats` floats, 64-byte aligned
+// A per-thread window buffer of at least `floats` floats, on a cache line
 // (the buffer grows, never shrinks, and is reused across windows and
 // calls).
-inline float* window_buffer(std::vector<float>& buffer, int64_t floats) {
-  constexpr int64_t kAlign = 16;  // floats in 64 bytes
-  if (static_cast<int64_t>(buffer.size()) < floats + kAlign) buffer.resize(floats + kAlign);
-  const auto address = reinterpret_cast<uintptr_t>(buffer.data());
-  return buffer.data() + (kAlign - static_cast<int64_t>(address / sizeof(float) % kAlign)) % kAlign;
+inline float* window_buffer(LineVector<float>& buffer, int64_t floats) {
+  if (static_cast<int64_t>(buffer.size()) < floats) buffer.resize(floats);
+  return buffer.data();
 }
 
 #if defined(__x86_64__) || defined(_M_X64)

@@ -6,6 +6,7 @@
 
 #include "gemm.h"
 #include "group_by.h"
+#include "line_vector.h"
 #include "parallel.h"
 
 namespace mlx_lattice::kernels {
@@ -23,7 +24,7 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
     thread_local struct {
       std::vector<const float*> a_ptrs;
       std::vector<float*> c_ptrs;
-      std::vector<float> tile;
+      LineVector<float> tile;
     } s_tls;
     auto& s = this_thread(s_tls);
     s.tile.assign((r1 - r0) * cout, 0.0f);

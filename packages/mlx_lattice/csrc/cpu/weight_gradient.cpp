@@ -13,6 +13,7 @@
 #include "conv_forward_half.h"
 #include "gemm.h"
 #include "isa.h"
+#include "line_vector.h"
 #include "parallel.h"
 
 namespace mlx_lattice::kernels {
@@ -49,8 +50,8 @@ void widen_rows(FloatFormat format, const uint16_t* const* src, int64_t m, int64
 // G's, null where G's row is already widened), the widened rows of one chunk
 // (kChunk rows of F, then of G) and a band's widened rows of G.
 thread_local std::vector<const uint16_t*> half_rows_tls;
-thread_local std::vector<float> widened_rows_tls;
-thread_local std::vector<float> band_rows_g_tls;
+thread_local LineVector<float> widened_rows_tls;
+thread_local LineVector<float> band_rows_g_tls;
 
 }  // namespace
 
@@ -126,7 +127,7 @@ void weight_gradient(const void* feats, FloatFormat feats_format, int64_t cin, c
   };
   // Slab 0 accumulates into dW itself, the others into their own buffers
   // (a calling thread keeps them for its next call up to kKeptBytes).
-  thread_local std::vector<float> kept;
+  thread_local LineVector<float> kept;
   std::unique_ptr<float[]> owned;
   float* partials = nullptr;
   const int64_t partial_floats = (slabs - 1) * size;

@@ -234,6 +234,32 @@ def test_compile_and_repeated_calls_are_bitwise_stable(rng, ref):
         np.testing.assert_array_equal(np.array(a), np.array(b))
 
 
+def test_outputs_start_on_a_cache_line_and_behave_as_arrays(rng, ref, tmp_path):
+    """MLX's CPU buffers start 8 bytes into a cache line; the extension puts
+    its outputs of a page or more at an offset into a buffer one line longer
+    (cpu/eval.h), so the kernels' 64-byte stores each land in one line. Such
+    an output must still behave as any array: its values against the dense
+    reference, then a slice, an elementwise op that may take its buffer,
+    NumPy and a save/load round trip."""
+    coords = ref.random_coords(rng, 600, GRID, batches=2)
+    rel = build_kernel_relation(coords)
+    f, w = feats(rng, len(coords), 16), weight5(rng, 32, (3, 3, 3), 16)
+    out = ops.sparse_conv_features_from_relation(f, w, rel)
+    mx.eval(out)
+    assert out.nbytes >= 4096
+    if mx.default_device() == mx.cpu:
+        assert np.asarray(memoryview(out)).ctypes.data % 64 == 0
+    expected = ref.dense_conv(coords, f, w, grid=(GRID,) * 3, batches=2, out_coords=coords)
+    close(out, expected)
+    values = np.array(out)
+    np.testing.assert_array_equal(np.array(out[5:9, 3:]), values[5:9, 3:])
+    # The conv's output is referenced by nothing else: the add may reuse it.
+    shifted = ops.sparse_conv_features_from_relation(f, w, rel) + 1.0
+    np.testing.assert_array_equal(np.array(shifted), values + np.float32(1.0))
+    mx.save(str(tmp_path / "out.npy"), out)
+    np.testing.assert_array_equal(np.array(mx.load(str(tmp_path / "out.npy"))), values)
+
+
 @pytest.mark.parametrize(("cin", "cout"), [(32, 32), (16, 16), (40, 3), (32, 64)])
 def test_narrow_rows_across_tiles_match_float64(rng, seed, ref, cin, cout):
     """Outputs narrower than 64 values run in larger tiles (up to 512 rows)

@@ -2,6 +2,7 @@
 // the stream's CPU encoder, and float32 views of half-precision operands.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -73,11 +74,36 @@ class FloatOut {
   float* ptr_ = nullptr;
 };
 
+// Allocates `out` with its first element on a cache line (line_vector.h):
+// MLX's CPU allocator returns buffers 8 bytes into a line, so the kernels'
+// 64-byte stores into an output would each span two lines. The buffer is a
+// line longer and the array starts at an offset into it, as a slice does.
+inline void allocate_on_line(mx::array& out) {
+  const size_t bytes = out.nbytes();
+  constexpr size_t kMinBytes = 4096;  // below a page, left as MLX places it
+  if (bytes < kMinBytes) {
+    out.set_data(mx::allocator::malloc(bytes));
+    return;
+  }
+  auto data = mx::allocator::malloc(bytes + kernels::kLineBytes);
+  const auto address = reinterpret_cast<uintptr_t>(data.buffer().raw_ptr());
+  const auto offset =
+      static_cast<int64_t>((kernels::kLineBytes - address % kernels::kLineBytes) %
+                           kernels::kLineBytes);
+  mx::array::Flags flags{};
+  flags.contiguous = true;
+  flags.row_contiguous = true;
+  int64_t largest = 0;
+  for (const auto d : out.shape()) largest = std::max<int64_t>(largest, d);
+  flags.col_contiguous = out.size() <= 1 || static_cast<int64_t>(out.size()) == largest;
+  out.set_data(std::move(data), out.size(), out.strides(), flags, offset);
+}
+
 // Allocates `out` and runs body(inputs, out) on the stream's CPU encoder,
 // with weak copies of the arrays (the encoder keeps the originals alive).
 template <typename Body>
 void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs, mx::array& out, Body body) {
-  out.set_data(mx::allocator::malloc(out.nbytes()));
+  allocate_on_line(out);
   auto& encoder = mx::cpu::get_command_encoder(stream);
   std::vector<mx::array> in;
   for (auto& a : inputs) {
@@ -101,7 +127,7 @@ void dispatch(mx::Stream stream, const std::vector<mx::array>& inputs,
     in.push_back(mx::array::unsafe_weak_copy(a));
   }
   for (auto& o : outputs) {
-    o.set_data(mx::allocator::malloc(o.nbytes()));
+    allocate_on_line(o);
     encoder.set_output_array(o);
     out.push_back(mx::array::unsafe_weak_copy(o));
   }

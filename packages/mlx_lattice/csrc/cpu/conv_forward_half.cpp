@@ -81,11 +81,14 @@ __attribute__((target("avx512f"))) void round_f16_avx512(const float* src, int64
 // each distinct input row one slot of the widened copy `rows`, which the
 // edge's A pointer names before the row is widened: distinct[0, n_rows)
 // lists the rows in order of first use and slots[r] is r's slot (it was -1
-// for every row before the pass). Each row's first and last lines are
-// requested here, a pass ahead of the widening (all of a row up to 64
-// channels; the widening requests wider rows' middles). n_rows is kept
-// current, so that on a throw the caller can put the slots back. Not
-// inlined: inside the tile loop most of its values lived on the stack.
+// for every row before the pass). The lines of each row's first kHeadBytes
+// and its last line are requested here, a pass ahead of the widening (all
+// of a row up to 64 channels; the widening requests the rest of wider
+// rows). n_rows is kept current, so that on a throw the caller can put the
+// slots back. Not inlined: inside the tile loop most of its values lived
+// on the stack.
+constexpr int64_t kHeadBytes = 128;
+
 template <bool kEdgeIds>
 [[gnu::noinline]] void fill_tile(const int32_t* offsets, const int32_t* edge_ids, int64_t g0,
                                  int64_t g1, const int32_t* kernel_ids, const int32_t* a_index,
@@ -97,7 +100,8 @@ template <bool kEdgeIds>
   int32_t* row_slot = slots.data();
   uint32_t n_slots = static_cast<uint32_t>(slots.size());
   int32_t fresh_rows = 0;
-  const int64_t last_line = width * 2 - 1;
+  const int64_t row_bytes = width * 2;
+  const int64_t head_bytes = std::min(row_bytes, kHeadBytes);
   for (int32_t local = 0; local < cap; ++local, c += stride) {
     const int64_t end = offsets[g0 + local + 1];
     for (int64_t j = offsets[g0 + local]; j < end; ++j) {
@@ -116,8 +120,8 @@ template <bool kEdgeIds>
         n_slots = static_cast<uint32_t>(slots.size());
       }
       const char* src = reinterpret_cast<const char*>(feats + static_cast<int64_t>(r) * width);
-      __builtin_prefetch(src);
-      __builtin_prefetch(src + last_line);
+      prefetch_lines(src, head_bytes);
+      __builtin_prefetch(src + row_bytes - 1);
       // Branch-free (whether a row is new is a coin flip to the
       // predictor): the stores are harmless when it is not.
       int32_t m = row_slot[r];
@@ -212,14 +216,15 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
       pass(csr.offsets, csr.edge_ids, g0, g1, kernel_ids, a_index, feats, width, rows, c, cout,
            s.row_slot, distinct, s.count.data(), a_ptrs, c_ptrs, n_rows);
       int32_t* row_slot = s.row_slot.data();
-      // Rows wider than 64 channels: their middle lines kAhead rows ahead.
+      // Rows wider than 64 channels: the lines after their head, kAhead
+      // rows ahead.
       constexpr int64_t kAhead = 8;
       const int64_t row_bytes = width * 2;
       auto ahead = [&](int64_t i) {
-        if (row_bytes <= 128 || i >= n_rows) return;
+        if (row_bytes <= kHeadBytes || i >= n_rows) return;
         const char* p =
             reinterpret_cast<const char*>(feats + static_cast<int64_t>(distinct[i]) * width);
-        for (int64_t b = 64; b < row_bytes - 64; b += 64) __builtin_prefetch(p + b);
+        prefetch_lines(p + kHeadBytes, row_bytes - kHeadBytes);
       };
       for (int64_t i = 0; i < kAhead; ++i) ahead(i);
       for (int64_t i = 0; i < n_rows; ++i) {

@@ -26,11 +26,17 @@ void parallel_for(int64_t n_tasks, const std::function<void(int64_t)>& fn);
 // split by b.
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Requests every 64-byte line of [p, p + bytes) into the cache: a row the
-// kernel gathers by index next, loaded behind the current work.
+// Requests every 64-byte line that [p, p + bytes) touches into the cache: a
+// row the kernel gathers by index next, loaded behind the current work. (A
+// row that starts inside a line, as rows of MLX's buffers do, touches one
+// line more than bytes / 64.)
 inline void prefetch_lines(const void* p, int64_t bytes) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(c + b);
+  if (bytes <= 0) return;
+  const auto start = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t end = start + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = start & ~uintptr_t{63}; line < end; line += 64) {
+    __builtin_prefetch(reinterpret_cast<const void*>(line));
+  }
 }
 
 // This thread's instance of a thread_local scratch object, as a reference

@@ -148,7 +148,10 @@ struct EpiAvx512 {
       const __m512 s = _mm512_loadu_ps(e.s + x);
       const __m512 b = _mm512_loadu_ps(e.b + x);
       for (int r = 0; r < e.m; ++r) {
-        __m512 t = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_load_si512(e.acc + r * 64 + x)), s);
+        // The zero-masked conversion of all lanes: the plain form's undefined
+        // pass-through operand reads as uninitialized to GCC 12.
+        const __m512i sums = _mm512_load_si512(e.acc + r * 64 + x);
+        __m512 t = _mm512_mul_ps(_mm512_maskz_cvtepi32_ps(0xffff, sums), s);
         __m512 u = _mm512_mul_ps(_mm512_set1_ps(e.asum[r]), b);
         asm("" : "+v"(t));
         asm("" : "+v"(u));

@@ -127,8 +127,8 @@ void SparseConv::eval_cpu(const std::vector<array>& inputs, array& out) {
                return;
              }
              if (mode == Mode::kInputGrad && a.dtype() == o.dtype() && a.dtype() != mx::float32) {
-               // Half-precision cotangent rows widened per tile by the
-               // forward's half driver (no float32 copy of G, one rounding
+               // Half-precision cotangent rows widened per register block by
+               // the forward's half driver (no float32 copy of G, one rounding
                // of each output row): the bits of the float32 path below.
                FloatIn b32(b, 1);
                const auto wt = transposed(mixed ? rounded->values.data() : b32.get());

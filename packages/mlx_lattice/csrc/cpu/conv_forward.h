@@ -1,5 +1,6 @@
 // The output-stationary float convolutions (cpu/conv_forward.cpp): float32
-// rows gathered by pointer, or half-precision rows widened per tile.
+// rows gathered by pointer, or half-precision rows widened per register
+// block.
 #pragma once
 
 #include <cstdint>
@@ -22,8 +23,8 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                      const int32_t* c_index, const int32_t* kernel_ids);
 
 // The forward stationary_conv with features and output stored as `format`:
-// half-precision input rows are converted to float32 per tile as the tile
-// gathers them, and the tile's output rows accumulate in a float32 buffer
+// half-precision input rows are converted to float32 per register block as
+// the tile's GEMMs gather them, and the tile's output rows accumulate in a float32 buffer
 // rounded to `format` once (nearest even). The arithmetic is
 // stationary_conv's, so the result is its float32 result rounded. c_index
 // must be the output CSR's own rows.

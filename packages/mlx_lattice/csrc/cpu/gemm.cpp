@@ -1,6 +1,7 @@
 #include "gemm.h"
 
 #include "isa.h"
+#include "line_vector.h"
 #include "parallel.h"
 
 #include <algorithm>
@@ -436,6 +437,31 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
 #endif
   for_each_block(m, a_rows, kdim, n, c_rows,
                  [&](const float* const* a, float* const* c) { block_scalar(a, b, kdim, n, c); });
+}
+
+void gemm_rows_widened(int64_t m, const uint16_t* const* a_rows, WidenRow widen, const float* b,
+                       int64_t kdim, int64_t n, float* const* c_rows) {
+  if (m <= 0 || n <= 0 || kdim <= 0) return;
+  // kRows widened rows, each starting on a line; reused across calls.
+  thread_local kernels::LineVector<float> widened_tls;
+  auto& widened = this_thread(widened_tls);
+  const int64_t stride = (kdim + 15) / 16 * 16;
+  if (static_cast<int64_t>(widened.size()) < kRows * stride) widened.resize(kRows * stride);
+  const float* a[kRows];
+  float* w[kRows];
+  for (int i = 0; i < kRows; ++i) {
+    w[i] = widened.data() + i * stride;
+    a[i] = w[i];
+  }
+  const int64_t row_bytes = kdim * static_cast<int64_t>(sizeof(uint16_t));
+  for (int64_t i = 0; i < std::min<int64_t>(m, kRows); ++i) prefetch_lines(a_rows[i], row_bytes);
+  for (int64_t r = 0; r < m; r += kRows) {
+    const int64_t rows = std::min<int64_t>(kRows, m - r);
+    const int64_t next = std::min<int64_t>(m, r + 2 * kRows);
+    for (int64_t i = r + kRows; i < next; ++i) prefetch_lines(a_rows[i], row_bytes);
+    for (int64_t i = 0; i < rows; ++i) widen(a_rows[r + i], kdim, w[i]);
+    gemm_rows(rows, a, b, kdim, n, c_rows + r);
+  }
 }
 
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,

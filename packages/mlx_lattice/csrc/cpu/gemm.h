@@ -18,6 +18,14 @@ namespace mlx_lattice {
 void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kdim, int64_t n,
                float* const* c_rows);
 
+// gemm_rows over half-precision rows of A: each register block's rows are
+// widened to float32 by `widen` (kdim values from a row to a buffer) just
+// before the block runs, while the next block's rows are requested. The
+// arithmetic is gemm_rows's on the widened rows, so the same bits.
+using WidenRow = void (*)(const uint16_t* src, int64_t n, float* dst);
+void gemm_rows_widened(int64_t m, const uint16_t* const* a_rows, WidenRow widen, const float* b,
+                       int64_t kdim, int64_t n, float* const* c_rows);
+
 // For rows r in [r0, r1): c[r * n + 0:n] += sum_j f[j][r] * g[j][0:n], j
 // ascending (outer products of gathered rows, as in a weight gradient).
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,

@@ -74,20 +74,14 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
     std::memset(c_tile, 0, sizeof(float) * cap * c_width);
     // One bucket of g1 - g0 pointer pairs per offset (an offset has at most
     // one edge per output row), filled in one pass over the tile's edges:
-    // no counting pass and no slot indirection (bucket_tile_edges).
+    // no counting pass and no slot indirection (bucket_row_pointers).
     fit_buckets(n_kernels * cap, s.a_ptrs, s.c_ptrs);
     s.count.resize(n_kernels);
     const float** a_ptrs = s.a_ptrs.data();
     float** c_ptrs = s.c_ptrs.data();
     int32_t* count = s.count.data();
-    // Captured by value: the library builds with -fno-strict-aliasing, so
-    // through references every pointer store would reload them.
-    bucket_tile_edges(csr, g0, g1, kernel_ids, n_kernels, count,
-                      [=](int32_t k, int32_t n, int32_t local, int32_t e) {
-                        const int64_t slot = k * cap + n;
-                        a_ptrs[slot] = a + static_cast<int64_t>(a_index[e]) * a_width;
-                        c_ptrs[slot] = c_tile + static_cast<int64_t>(local) * c_width;
-                      });
+    bucket_row_pointers(csr, g0, g1, kernel_ids, n_kernels, count, a, a_index, a_width, c_tile,
+                        c_width, a_ptrs, c_ptrs);
     for (int64_t k = 0; k < n_kernels; ++k) {
       if (count[k] > 0) {
         gemm_rows(count[k], a_ptrs + k * cap, b + k * b_stride, a_width, c_width,

@@ -111,18 +111,11 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
     if (csr.offsets[g1] > csr.offsets[g0]) {
       fit_buckets(n_kernels * cap, s.a_ptrs, s.c_ptrs);
       s.count.resize(n_kernels);
-      // Raw pointers in locals, captured by value (the library builds with
-      // -fno-strict-aliasing: through the vectors every store would reload
-      // them).
       const uint16_t** a_ptrs = s.a_ptrs.data();
       float** c_ptrs = s.c_ptrs.data();
       int32_t* count = s.count.data();
-      bucket_tile_edges(csr, g0, g1, kernel_ids, n_kernels, count,
-                        [=](int32_t k, int32_t n, int32_t local, int32_t e) {
-                          const int64_t slot = k * cap + n;
-                          a_ptrs[slot] = feats + static_cast<int64_t>(a_index[e]) * cin;
-                          c_ptrs[slot] = c + static_cast<int64_t>(local) * cout;
-                        });
+      bucket_row_pointers(csr, g0, g1, kernel_ids, n_kernels, count, feats, a_index, cin, c, cout,
+                          a_ptrs, c_ptrs);
       const char* out_lines = reinterpret_cast<const char*>(out_tile);
       for (int64_t k = 0; k < n_kernels; ++k) {
         const int64_t b1 = std::min(out_bytes, (k + 1) * out_step);

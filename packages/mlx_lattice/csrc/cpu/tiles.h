@@ -151,4 +151,24 @@ void bucket_tile_edges(const Csr& csr, int64_t g0, int64_t g1, const int32_t* ke
   }
 }
 
+// bucket_tile_edges for the drivers that gather rows by pointer: slot
+// k * (g1 - g0) + n of a_ptrs names the input row of offset k's n-th edge
+// (rows + a_index[e] * row_width) and the same slot of c_ptrs its output
+// row in the tile (c + local * c_width).
+template <typename T>
+void bucket_row_pointers(const Csr& csr, int64_t g0, int64_t g1, const int32_t* kernel_ids,
+                         int64_t n_kernels, int32_t* count, const T* rows,
+                         const int32_t* a_index, int64_t row_width, float* c, int64_t c_width,
+                         const T** a_ptrs, float** c_ptrs) {
+  const int64_t cap = g1 - g0;
+  // Captured by value: the library builds with -fno-strict-aliasing, so
+  // through references every pointer store would reload them.
+  bucket_tile_edges(csr, g0, g1, kernel_ids, n_kernels, count,
+                    [=](int32_t k, int32_t n, int32_t local, int32_t e) {
+                      const int64_t slot = k * cap + n;
+                      a_ptrs[slot] = rows + static_cast<int64_t>(a_index[e]) * row_width;
+                      c_ptrs[slot] = c + static_cast<int64_t>(local) * c_width;
+                    });
+}
+
 }  // namespace mlx_lattice::kernels

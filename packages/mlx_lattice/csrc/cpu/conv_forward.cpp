@@ -54,11 +54,9 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
                      const int32_t* /*c_index: each group's own row*/, const int32_t* kernel_ids) {
   const int64_t tile_rows = tile_rows_for(c_width, csr.groups);
   const int64_t b_stride = a_width * c_width;
-  // Each register block of an offset's rows (gemm_rows: six rows) reads
-  // that offset's whole B.
-  constexpr int64_t kBlockRows = 6;
+  // Each register block of an offset's rows reads that offset's whole B.
   const double b_reads = static_cast<double>(csr.offsets[csr.groups]) /
-                         static_cast<double>(kBlockRows * std::max<int64_t>(n_kernels, 1));
+                         static_cast<double>(kGemmBlockRows * std::max<int64_t>(n_kernels, 1));
   b = line_aligned(b, static_cast<size_t>(n_kernels * b_stride), this_thread(b_copy), b_reads);
   const bool stream = stream_output(csr.groups * c_width * int64_t{4}, c_width * int64_t{4});
   parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {

@@ -22,7 +22,7 @@ namespace mlx_lattice {
 
 namespace {
 
-constexpr int kRows = 6;  // rows per register block
+constexpr int kRows = kGemmBlockRows;
 
 // Pads a partial block: extra rows read zeros and write to scratch.
 struct Padding {
@@ -447,12 +447,8 @@ void gemm_rows_widened(int64_t m, const uint16_t* const* a_rows, WidenRow widen,
   auto& widened = this_thread(widened_tls);
   const int64_t stride = (kdim + 15) / 16 * 16;
   if (static_cast<int64_t>(widened.size()) < kRows * stride) widened.resize(kRows * stride);
-  const float* a[kRows];
   float* w[kRows];
-  for (int i = 0; i < kRows; ++i) {
-    w[i] = widened.data() + i * stride;
-    a[i] = w[i];
-  }
+  for (int i = 0; i < kRows; ++i) w[i] = widened.data() + i * stride;
   const int64_t row_bytes = kdim * static_cast<int64_t>(sizeof(uint16_t));
   for (int64_t i = 0; i < std::min<int64_t>(m, kRows); ++i) prefetch_lines(a_rows[i], row_bytes);
   for (int64_t r = 0; r < m; r += kRows) {
@@ -460,7 +456,7 @@ void gemm_rows_widened(int64_t m, const uint16_t* const* a_rows, WidenRow widen,
     const int64_t next = std::min<int64_t>(m, r + 2 * kRows);
     for (int64_t i = r + kRows; i < next; ++i) prefetch_lines(a_rows[i], row_bytes);
     for (int64_t i = 0; i < rows; ++i) widen(a_rows[r + i], kdim, w[i]);
-    gemm_rows(rows, a, b, kdim, n, c_rows + r);
+    gemm_rows(rows, w, b, kdim, n, c_rows + r);
   }
 }
 

@@ -13,6 +13,10 @@
 
 namespace mlx_lattice {
 
+// Rows per register block of gemm_rows (x86 and scalar paths): each block
+// reads the whole of B, so a call over m rows reads B about m / 6 times.
+inline constexpr int kGemmBlockRows = 6;
+
 // For r in [0, m): c_rows[r][0:n] += sum_j a_rows[r][j] * b[j * n + 0:n].
 // b is (kdim, n) row-major. Rows of c_rows must be distinct.
 void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kdim, int64_t n,

@@ -15,10 +15,11 @@ void sorted_conv(const float* feats, int64_t cin, const float* weight, int64_t n
                  int64_t cout, const int32_t* sorted_map, const int32_t* reorder, int64_t n_out,
                  bool store_sorted, float* out) {
   // A weight off a cache line copied onto one (line_vector.h): each
-  // six-row register block of a tile's rows reads an offset's whole B.
+  // register block of a tile's rows reads an offset's whole B.
   thread_local LineVector<float> weight_copy;
   weight = line_aligned(weight, static_cast<size_t>(n_kernels * cin * cout),
-                        this_thread(weight_copy), static_cast<double>(n_out) / 6.0);
+                        this_thread(weight_copy),
+                        static_cast<double>(n_out) / kGemmBlockRows);
   const int64_t tiles = ceil_div(n_out, kTileRows);
   parallel_for(tiles, [&](int64_t tile) {
     const int64_t r0 = tile * kTileRows;

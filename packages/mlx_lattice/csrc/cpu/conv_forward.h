@@ -24,8 +24,8 @@ void stationary_conv(const float* a, int64_t a_width, const float* b, int64_t n_
 
 // The forward stationary_conv with features and output stored as `format`:
 // half-precision input rows are converted to float32 per register block as
-// the tile's GEMMs gather them, and the tile's output rows accumulate in a float32 buffer
-// rounded to `format` once (nearest even). The arithmetic is
+// the tile's GEMMs gather them, and the tile's output rows accumulate in a
+// float32 buffer rounded to `format` once (nearest even). The arithmetic is
 // stationary_conv's, so the result is its float32 result rounded. c_index
 // must be the output CSR's own rows.
 void forward_conv(const void* feats, FloatFormat format, int64_t cin, const float* weight,

@@ -13,6 +13,7 @@
 #include "gemm.h"
 #include "isa.h"
 #include "line_vector.h"
+#include "output_window.h"
 #include "parallel.h"
 #include "float_formats.h"
 #include "tiles.h"
@@ -62,11 +63,9 @@ __attribute__((target("avx512f"))) void round_f16_avx512(const float* src, int64
   }
   if (i < n) convert_from_float32(src + i, n - i, FloatFormat::kF16, dst + i);
 }
-#endif
 
-}  // namespace
-
-#ifdef MLX_LATTICE_X86
+// float16 -> float32 of n values (exact), 16 per vcvtph2ps, the tail
+// through a zero-padded copy and a masked store.
 __attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, int64_t n,
                                                          float* dst) {
   int64_t i = 0;
@@ -84,24 +83,29 @@ __attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, in
 }
 #endif
 
+}  // namespace
+
+WidenRow row_widener(FloatFormat format) {
+#ifdef MLX_LATTICE_X86
+  if (format == FloatFormat::kF16 && isa::isa_usable(isa::Isa::kAvx512)) return widen_f16_avx512;
+#endif
+  return format == FloatFormat::kF16 ? widen_f16_any : widen_bf16_any;
+}
+
 void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
                        const float* weight, int64_t n_kernels, int64_t cout, const Csr& csr,
                        const int32_t* a_index, const int32_t* kernel_ids, uint16_t* out,
                        int64_t tile_rows) {
-  WidenRow widen = format == FloatFormat::kF16 ? widen_f16_any : widen_bf16_any;
+  const WidenRow widen = row_widener(format);
   RoundFn round = nullptr;
 #ifdef MLX_LATTICE_X86
-  if (format == FloatFormat::kF16 && isa::isa_usable(isa::Isa::kAvx512)) {
-    widen = widen_f16_avx512;
-    round = round_f16_avx512;
-  }
+  if (format == FloatFormat::kF16 && isa::isa_usable(isa::Isa::kAvx512)) round = round_f16_avx512;
 #endif
   const int64_t w_stride = cin * cout;
   parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
     const int64_t cap = g1 - g0;
     auto& s = this_thread(scratch);
-    if (static_cast<int64_t>(s.tile.size()) < cap * cout) s.tile.resize(cap * cout);
-    float* const c = s.tile.data();
+    float* const c = window_buffer(s.tile, cap * cout);
     std::memset(c, 0, sizeof(float) * cap * cout);
     // The tile's output lines, requested a share per offset while its GEMMs
     // run, so that the rounding below does not wait on them.

@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "float_formats.h"
+#include "gemm.h"
 #include "group_by.h"
 
 namespace mlx_lattice::kernels {
@@ -26,11 +27,10 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
                        const int32_t* a_index, const int32_t* kernel_ids, uint16_t* out,
                        int64_t tile_rows);
 
-#if defined(__x86_64__) || defined(_M_X64)
-// float16 -> float32 of n values (exact), 16 per AVX-512 vcvtph2ps, the
-// tail through a zero-padded copy and a masked store. Call it where
-// isa_usable(kAvx512) holds.
-void widen_f16_avx512(const uint16_t* src, int64_t n, float* dst);
-#endif
+// The widening of a row of `format` values (kF16 or kBF16) to float32,
+// exact, so every choice gives the same floats: 16 values per vcvtph2ps
+// for float16 where AVX-512 is usable (under the MLX_LATTICE_GEMM_ISA
+// ceiling), else convert_to_float32 (F16C or scalar; bfloat16 is a shift).
+WidenRow row_widener(FloatFormat format);
 
 }  // namespace mlx_lattice::kernels

@@ -5,14 +5,8 @@
 #include <memory>
 #include <vector>
 
-#if defined(__x86_64__) || defined(_M_X64)
-#include <immintrin.h>
-#define MLX_LATTICE_X86 1
-#endif
-
 #include "conv_forward_half.h"
 #include "gemm.h"
-#include "isa.h"
 #include "line_vector.h"
 #include "parallel.h"
 
@@ -29,21 +23,12 @@ struct TileScratch {
 thread_local TileScratch scratch;
 
 // Widens columns [c0, c1) of m half-precision rows src[j] into
-// dst + j * stride + c0 (exact, so every path gives the same floats): AVX-512
-// under the MLX_LATTICE_GEMM_ISA ceiling, else convert_to_float32 (F16C or
-// scalar; bfloat16 is a shift).
+// dst + j * stride + c0 (row_widener: exact, so every path gives the same
+// floats).
 void widen_rows(FloatFormat format, const uint16_t* const* src, int64_t m, int64_t c0,
                 int64_t c1, float* dst, int64_t stride) {
-#ifdef MLX_LATTICE_X86
-  static const bool avx512 = isa::isa_usable(isa::Isa::kAvx512);
-  if (format == FloatFormat::kF16 && avx512) {
-    for (int64_t j = 0; j < m; ++j) widen_f16_avx512(src[j] + c0, c1 - c0, dst + j * stride + c0);
-    return;
-  }
-#endif
-  for (int64_t j = 0; j < m; ++j) {
-    convert_to_float32(src[j] + c0, format, c1 - c0, dst + j * stride + c0);
-  }
+  const WidenRow widen = row_widener(format);
+  for (int64_t j = 0; j < m; ++j) widen(src[j] + c0, c1 - c0, dst + j * stride + c0);
 }
 
 // Per thread: the half-precision rows of two chunks of edges (F's, then

@@ -125,8 +125,11 @@ void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,
         const int64_t b1 = std::min(out_bytes, (k + 1) * out_step);
         for (int64_t b = k * out_step; b < b1; b += 64) __builtin_prefetch(out_lines + b, 1);
         if (count[k] > 0) {
-          gemm_rows_widened(count[k], a_ptrs + k * cap, widen, weight + k * w_stride, cin, cout,
-                            c_ptrs + k * cap);
+          if (!gemm_rows_half(count[k], a_ptrs + k * cap, format == FloatFormat::kBF16,
+                              weight + k * w_stride, cin, cout, c_ptrs + k * cap)) {
+            gemm_rows_widened(count[k], a_ptrs + k * cap, widen, weight + k * w_stride, cin,
+                              cout, c_ptrs + k * cap);
+          }
         }
       }
     }

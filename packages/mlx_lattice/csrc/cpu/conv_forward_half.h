@@ -1,6 +1,6 @@
 // The half-precision forward tile driver (cpu/conv_forward_half.cpp):
-// float16 / bfloat16 feature rows widened per register block, float32 GEMM,
-// the tile's outputs rounded once.
+// float16 / bfloat16 feature rows widened inside the register blocks,
+// float32 GEMM, the tile's outputs rounded once.
 #pragma once
 
 #include <cstdint>
@@ -13,9 +13,10 @@ namespace mlx_lattice::kernels {
 
 // out (n_out, cout) in `format` (kF16 or kBF16), overwritten: per tile of
 // `tile_rows` outputs, the tile's edges are bucketed by offset as the
-// float32 forward's are, each offset's rows run through gemm_rows_widened
-// (gemm.h: a register block's rows widened to float32, exactly, just
-// before the block runs, the next block's rows requested meanwhile), the
+// float32 forward's are, each offset's rows run through gemm_rows_half
+// (gemm.h: on AVX-512, each register block widens its rows to float32,
+// exactly, 16 values at a time as it runs) or elsewhere gemm_rows_widened
+// (a block's rows widened just before it runs), the
 // tile accumulates in a float32 buffer (stationary_conv's arithmetic:
 // offsets ascending, channels ascending), and the buffer is rounded to
 // `format` once (nearest even). So the result is stationary_conv's float32

@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -36,8 +37,8 @@ struct Padding {
 
 thread_local Padding padding;
 
-template <typename Block>
-void for_each_block(int64_t m, const float* const* a_rows, int64_t kdim, int64_t n,
+template <typename T, typename Block>
+void for_each_block(int64_t m, const T* const* a_rows, int64_t kdim, int64_t n,
                     float* const* c_rows, Block&& block) {
   int64_t r = 0;
   for (; r + kRows <= m; r += kRows) {
@@ -45,11 +46,13 @@ void for_each_block(int64_t m, const float* const* a_rows, int64_t kdim, int64_t
     // issued now, hidden behind this block's arithmetic.
     const int64_t next = std::min<int64_t>(m, r + 2 * kRows);
     for (int64_t i = r + kRows; i < next; ++i) {
-      prefetch_lines(a_rows[i], kdim * static_cast<int64_t>(sizeof(float)));
+      prefetch_lines(a_rows[i], kdim * static_cast<int64_t>(sizeof(T)));
     }
     block(a_rows + r, c_rows + r);
   }
-  if (r < m) {
+  if constexpr (!std::is_same_v<T, float>) {
+    return;  // half-precision rows come in whole blocks (rows_avx512)
+  } else if (r < m) {
     padding.fit(kdim, n);
     const float* a[kRows];
     float* c[kRows];
@@ -239,6 +242,36 @@ __attribute__((target("avx2,fma"))) void outer_avx2(int64_t m, const float* cons
   }
 }
 
+// What block512 reads A's rows as: float32, or float16 / bfloat16 values
+// widened to float32 (exactly) 16 at a time inside the block.
+constexpr int kAFloat = 0;
+constexpr int kAF16 = 1;
+constexpr int kABF16 = 2;
+template <int AF>
+using AElem = std::conditional_t<AF == kAFloat, float, uint16_t>;
+
+// n <= 16 half-precision values from src widened to float32 (zeros past n).
+template <int AF>
+__attribute__((target("avx512f"))) inline __m512 widen16(const uint16_t* src, int64_t n) {
+  __m256i h;
+  if (n == 16) {
+    h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+  } else {
+    alignas(32) uint16_t rest[16] = {};
+    std::memcpy(rest, src, sizeof(uint16_t) * static_cast<size_t>(n));
+    h = _mm256_load_si256(reinterpret_cast<const __m256i*>(rest));
+  }
+  // Zero-masked forms over all 16 lanes: the plain ones' values, without
+  // the undefined pass-through operand GCC 12 warns about.
+  constexpr __mmask16 all = 0xffff;
+  if constexpr (AF == kAF16) {
+    return _mm512_maskz_cvtph_ps(all, h);
+  } else {
+    const __m512i wide = _mm512_maskz_cvtepu16_epi32(all, h);
+    return _mm512_castsi512_ps(_mm512_maskz_slli_epi32(all, wide, 16));
+  }
+}
+
 // acc += *ptr (broadcast) * bv as one FMA with an embedded-broadcast memory
 // operand: no separate broadcast instruction. Used where a block has one or
 // two vectors per row (C <= 32), whose broadcasts otherwise take a third of
@@ -259,12 +292,13 @@ __attribute__((target("avx2,fma"))) void outer_avx2(int64_t m, const float* cons
 // times g[j]). Per
 // output value the sequence is the same as the AVX2 path (C loaded, then one
 // FMA per j ascending), so results match it bit for bit.
-template <int R, int V, bool OUTER, bool MASKED = true, bool SPLAT = false>
-__attribute__((target("avx512f"))) inline void block512(const float* const* a, const float* b,
+template <int R, int V, bool OUTER, bool MASKED = true, bool SPLAT = false, int AF = kAFloat>
+__attribute__((target("avx512f"))) inline void block512(const AElem<AF>* const* a, const float* b,
                                                         const float* const* g, int64_t kdim,
                                                         int64_t n, int64_t r0,
                                                         float* const* cr, int64_t n0,
                                                         int64_t width) {
+  static_assert(AF == kAFloat || !OUTER, "half-precision A only in the row form");
   __mmask16 mk[4];
   for (int v = 0; v < 4; ++v) {
     const int64_t rem = MASKED ? width - 16 * v : 16;
@@ -282,34 +316,59 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
   LOADROW(0) LOADROW(1) LOADROW(2) LOADROW(3) LOADROW(4) LOADROW(5)
 #undef LOADROW
 #undef LOADC
-  for (int64_t j = 0; j < kdim; ++j) {
-    const float* bj = OUTER ? g[j] + n0 : b + j * n + n0;
-    const float* fj = OUTER ? a[j] + r0 : nullptr;
-    __m512 b0 = LOAD(0, bj), b1 = zero, b2 = zero, b3 = zero;
-    if constexpr (V > 1) b1 = LOAD(1, bj + 16);
-    if constexpr (V > 2) b2 = LOAD(2, bj + 32);
-    if constexpr (V > 3) b3 = LOAD(3, bj + 48);
-    // B's vectors stay in registers: left to itself, GCC 12 folds each load
-    // into every row's FMA for R <= 3 (R loads of one vector per step), and
-    // the loop waits on the load ports.
-    asm("" : "+v"(b0));
-    if constexpr (V > 1) asm("" : "+v"(b1));
-    if constexpr (V > 2) asm("" : "+v"(b2));
-    if constexpr (V > 3) asm("" : "+v"(b3));
-#define ROW(r)                                                        \
+  // Row r's FMAs of one step, with A's float32 value at AV(r).
+#define ROW(r, AV)                                                    \
   if constexpr (R > r && !OUTER && V <= 2 && !SPLAT) {                \
-    EMB_FMA(x##r##0, b0, a[r] + j);                                   \
-    if constexpr (V > 1) EMB_FMA(x##r##1, b1, a[r] + j);              \
+    EMB_FMA(x##r##0, b0, AV(r));                                      \
+    if constexpr (V > 1) EMB_FMA(x##r##1, b1, AV(r));                 \
   } else if constexpr (R > r) {                                       \
-    const __m512 s = _mm512_set1_ps(OUTER ? fj[r] : a[r][j]);         \
+    const __m512 s = _mm512_set1_ps(*AV(r));                          \
     x##r##0 = _mm512_fmadd_ps(s, b0, x##r##0);                        \
     if constexpr (V > 1) x##r##1 = _mm512_fmadd_ps(s, b1, x##r##1);   \
     if constexpr (V > 2) x##r##2 = _mm512_fmadd_ps(s, b2, x##r##2);   \
     if constexpr (V > 3) x##r##3 = _mm512_fmadd_ps(s, b3, x##r##3);   \
   }
-    ROW(0) ROW(1) ROW(2) ROW(3) ROW(4) ROW(5)
-#undef ROW
+  // Step j: B's vectors of row j (g[j] for outer products), then every
+  // row's FMAs. B's vectors stay in registers: left to itself, GCC 12 folds
+  // each load into every row's FMA for R <= 3 (R loads of one vector per
+  // step), and the loop waits on the load ports.
+#define STEP(j, AV)                                                   \
+  {                                                                   \
+    const float* bj = OUTER ? g[j] + n0 : b + (j) * n + n0;           \
+    __m512 b0 = LOAD(0, bj), b1 = zero, b2 = zero, b3 = zero;         \
+    if constexpr (V > 1) b1 = LOAD(1, bj + 16);                       \
+    if constexpr (V > 2) b2 = LOAD(2, bj + 32);                       \
+    if constexpr (V > 3) b3 = LOAD(3, bj + 48);                       \
+    asm("" : "+v"(b0));                                               \
+    if constexpr (V > 1) asm("" : "+v"(b1));                          \
+    if constexpr (V > 2) asm("" : "+v"(b2));                          \
+    if constexpr (V > 3) asm("" : "+v"(b3));                          \
+    ROW(0, AV) ROW(1, AV) ROW(2, AV) ROW(3, AV) ROW(4, AV) ROW(5, AV) \
   }
+  if constexpr (AF == kAFloat) {
+    for (int64_t j = 0; j < kdim; ++j) {
+      const float* fj = OUTER ? a[j] + r0 : nullptr;
+#define AV_ROW(r) (OUTER ? fj + (r) : a[r] + j)
+      STEP(j, AV_ROW)
+#undef AV_ROW
+    }
+  } else {
+    // Half-precision rows of A, widened 16 values at a time into a buffer
+    // in L1 that the steps read as float32 (the same values gemm_rows reads
+    // from a widened row, so the same bits).
+    alignas(64) float wide[R][16];
+    for (int64_t j0 = 0; j0 < kdim; j0 += 16) {
+      const int64_t kc = std::min<int64_t>(16, kdim - j0);
+      for (int r = 0; r < R; ++r) _mm512_store_ps(wide[r], widen16<AF>(a[r] + j0, kc));
+      for (int64_t i = 0; i < kc; ++i) {
+#define AV_WIDE(r) (&wide[r][i])
+        STEP(j0 + i, AV_WIDE)
+#undef AV_WIDE
+      }
+    }
+  }
+#undef STEP
+#undef ROW
 #define STOREC(r, v)                                                          \
   if constexpr (R > r && V > v) {                                             \
     if constexpr (MASKED) {                                                   \
@@ -327,35 +386,37 @@ __attribute__((target("avx512f"))) inline void block512(const float* const* a, c
 
 // The last column strip: V vectors, all full (a width of 16 * V) or the
 // last one masked.
-template <int R, int V, bool OUTER, bool SPLAT>
-__attribute__((target("avx512f"))) inline void strip512(const float* const* a, const float* b,
+template <int R, int V, bool OUTER, bool SPLAT, int AF = kAFloat>
+__attribute__((target("avx512f"))) inline void strip512(const AElem<AF>* const* a, const float* b,
                                                         const float* const* g, int64_t kdim,
                                                         int64_t n, int64_t r0,
                                                         float* const* cr, int64_t n0,
                                                         int64_t width) {
   if (width == 16 * V) {
-    block512<R, V, OUTER, false, SPLAT>(a, b, g, kdim, n, r0, cr, n0, width);
+    block512<R, V, OUTER, false, SPLAT, AF>(a, b, g, kdim, n, r0, cr, n0, width);
   } else {
-    block512<R, V, OUTER, true, SPLAT>(a, b, g, kdim, n, r0, cr, n0, width);
+    block512<R, V, OUTER, true, SPLAT, AF>(a, b, g, kdim, n, r0, cr, n0, width);
   }
 }
 
 // All column strips of one R-row block.
-template <int R, bool OUTER, bool SPLAT = false>
-__attribute__((target("avx512f"))) void rows512(const float* const* a, const float* b,
+template <int R, bool OUTER, bool SPLAT = false, int AF = kAFloat>
+__attribute__((target("avx512f"))) void rows512(const AElem<AF>* const* a, const float* b,
                                                 const float* const* g, int64_t kdim, int64_t n,
                                                 int64_t r0, float* const* cr) {
   int64_t n0 = 0;
-  for (; n0 + 64 <= n; n0 += 64) block512<R, 4, OUTER, false>(a, b, g, kdim, n, r0, cr, n0, 64);
+  for (; n0 + 64 <= n; n0 += 64) {
+    block512<R, 4, OUTER, false, false, AF>(a, b, g, kdim, n, r0, cr, n0, 64);
+  }
   const int64_t rest = n - n0;
   if (rest > 48) {
-    strip512<R, 4, OUTER, SPLAT>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 4, OUTER, SPLAT, AF>(a, b, g, kdim, n, r0, cr, n0, rest);
   } else if (rest > 32) {
-    strip512<R, 3, OUTER, SPLAT>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 3, OUTER, SPLAT, AF>(a, b, g, kdim, n, r0, cr, n0, rest);
   } else if (rest > 16) {
-    strip512<R, 2, OUTER, SPLAT>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 2, OUTER, SPLAT, AF>(a, b, g, kdim, n, r0, cr, n0, rest);
   } else if (rest > 0) {
-    strip512<R, 1, OUTER, SPLAT>(a, b, g, kdim, n, r0, cr, n0, rest);
+    strip512<R, 1, OUTER, SPLAT, AF>(a, b, g, kdim, n, r0, cr, n0, rest);
   }
 }
 
@@ -390,22 +451,23 @@ bool cpu_splats() {
 // gemm_rows on AVX-512: full blocks of 6 rows, then a block of the 1-5 rows
 // left (no padding rows computed: about 7% of the work at 28 rows per
 // offset and tile).
-template <bool SPLAT>
-__attribute__((target("avx512f"))) void rows_avx512(int64_t m, const float* const* a_rows,
+template <bool SPLAT, int AF = kAFloat>
+__attribute__((target("avx512f"))) void rows_avx512(int64_t m, const AElem<AF>* const* a_rows,
                                                     const float* b, int64_t kdim, int64_t n,
                                                     float* const* c_rows) {
+  using T = AElem<AF>;
   const int64_t full = m / kRows * kRows;
-  for_each_block(full, a_rows, kdim, n, c_rows, [&](const float* const* a, float* const* c) {
-    rows512<6, false, SPLAT>(a, b, nullptr, kdim, n, 0, c);
+  for_each_block(full, a_rows, kdim, n, c_rows, [&](const T* const* a, float* const* c) {
+    rows512<6, false, SPLAT, AF>(a, b, nullptr, kdim, n, 0, c);
   });
-  const float* const* a = a_rows + full;
+  const T* const* a = a_rows + full;
   float* const* c = c_rows + full;
   switch (m - full) {
-    case 5: rows512<5, false, SPLAT>(a, b, nullptr, kdim, n, 0, c); break;
-    case 4: rows512<4, false, SPLAT>(a, b, nullptr, kdim, n, 0, c); break;
-    case 3: rows512<3, false, SPLAT>(a, b, nullptr, kdim, n, 0, c); break;
-    case 2: rows512<2, false, SPLAT>(a, b, nullptr, kdim, n, 0, c); break;
-    case 1: rows512<1, false, SPLAT>(a, b, nullptr, kdim, n, 0, c); break;
+    case 5: rows512<5, false, SPLAT, AF>(a, b, nullptr, kdim, n, 0, c); break;
+    case 4: rows512<4, false, SPLAT, AF>(a, b, nullptr, kdim, n, 0, c); break;
+    case 3: rows512<3, false, SPLAT, AF>(a, b, nullptr, kdim, n, 0, c); break;
+    case 2: rows512<2, false, SPLAT, AF>(a, b, nullptr, kdim, n, 0, c); break;
+    case 1: rows512<1, false, SPLAT, AF>(a, b, nullptr, kdim, n, 0, c); break;
     default: break;
   }
 }
@@ -458,6 +520,26 @@ void gemm_rows_widened(int64_t m, const uint16_t* const* a_rows, WidenRow widen,
     for (int64_t i = 0; i < rows; ++i) widen(a_rows[r + i], kdim, w[i]);
     gemm_rows(rows, w, b, kdim, n, c_rows + r);
   }
+}
+
+bool gemm_rows_half(int64_t m, const uint16_t* const* a_rows, bool bf16, const float* b,
+                    int64_t kdim, int64_t n, float* const* c_rows) {
+#ifdef MLX_LATTICE_X86
+  if (!has_avx512()) return false;
+  if (m <= 0 || n <= 0 || kdim <= 0) return true;
+  const bool splat = cpu_splats();
+  if (bf16) {
+    splat ? rows_avx512<true, kABF16>(m, a_rows, b, kdim, n, c_rows)
+          : rows_avx512<false, kABF16>(m, a_rows, b, kdim, n, c_rows);
+  } else {
+    splat ? rows_avx512<true, kAF16>(m, a_rows, b, kdim, n, c_rows)
+          : rows_avx512<false, kAF16>(m, a_rows, b, kdim, n, c_rows);
+  }
+  return true;
+#else
+  (void)m, (void)a_rows, (void)bf16, (void)b, (void)kdim, (void)n, (void)c_rows;
+  return false;
+#endif
 }
 
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,

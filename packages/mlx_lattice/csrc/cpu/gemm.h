@@ -30,6 +30,13 @@ using WidenRow = void (*)(const uint16_t* src, int64_t n, float* dst);
 void gemm_rows_widened(int64_t m, const uint16_t* const* a_rows, WidenRow widen, const float* b,
                        int64_t kdim, int64_t n, float* const* c_rows);
 
+// gemm_rows over float16 (bf16 false) or bfloat16 rows of A, each register
+// block widening its rows 16 values at a time as it runs (the values
+// gemm_rows_widened's widening gives, so the same bits), where gemm_rows
+// runs AVX-512; false, with nothing done, elsewhere.
+bool gemm_rows_half(int64_t m, const uint16_t* const* a_rows, bool bf16, const float* b,
+                    int64_t kdim, int64_t n, float* const* c_rows);
+
 // For rows r in [r0, r1): c[r * n + 0:n] += sum_j f[j][r] * g[j][0:n], j
 // ascending (outer products of gathered rows, as in a weight gradient).
 void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t r0, int64_t r1,

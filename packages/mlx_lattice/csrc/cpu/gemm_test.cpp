@@ -12,6 +12,9 @@
 // References: a std::fma chain in the documented order (C loaded, then j
 // ascending), which every FMA path must match bit for bit, and a double
 // accumulation that every path (scalar included) must match to rounding.
+// gemm_rows_half (float16 and bfloat16 rows of A, widened inside the
+// AVX-512 blocks) is held to the same references on A's values, and must
+// decline, leaving C alone, under every other path.
 #include <spawn.h>
 #include <sys/wait.h>
 
@@ -36,6 +39,7 @@ using mlx_lattice::gemm_isa;
 using mlx_lattice::gemm_isas;
 using mlx_lattice::gemm_outer;
 using mlx_lattice::gemm_rows;
+using mlx_lattice::gemm_rows_half;
 
 int failures = 0;
 
@@ -61,24 +65,84 @@ void check(const char* what, bool fused, int64_t m, int64_t k, int64_t n, int64_
 // them, so a kernel that writes outside a row's n values is caught.
 constexpr float kGuard = -7.25f;
 
-void test_rows(std::mt19937& gen, bool fused, int64_t m, int64_t k, int64_t n) {
+// A random float16 (bf16 false) or bfloat16 value's bits: fp16 normals of
+// magnitude 2^-5 to 2^6 and some subnormals; bf16 a normal float truncated.
+uint16_t random_half(std::mt19937& gen, bool bf16) {
+  if (bf16) {
+    const float f = std::normal_distribution<float>()(gen);
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    return static_cast<uint16_t>(u >> 16);
+  }
+  const int sign = std::uniform_int_distribution<int>(0, 1)(gen);
+  const int e = std::uniform_int_distribution<int>(9, 21)(gen);
+  const int exp = e == 9 ? 0 : e;  // 0: a subnormal
+  const int man = std::uniform_int_distribution<int>(0, 1023)(gen);
+  return static_cast<uint16_t>(sign << 15 | exp << 10 | man);
+}
+
+// The value of half bits (finite), computed arithmetically.
+float half_value(uint16_t bits, bool bf16) {
+  if (bf16) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  const int exp = (bits >> 10) & 0x1f;
+  const int man = bits & 0x3ff;
+  const float mag = exp ? std::ldexp(1.0f + man / 1024.0f, exp - 15) : std::ldexp(man, -24);
+  return bits & 0x8000 ? -mag : mag;
+}
+
+// gemm_rows (half 0), or gemm_rows_half over float16 (1) or bfloat16 (2)
+// rows of A, against the references on A's values.
+void test_rows(std::mt19937& gen, bool fused, int64_t m, int64_t k, int64_t n, int half = 0) {
   std::normal_distribution<float> normal;
   const int64_t stride = n + 3;
   std::vector<float> a_store(m * k), b(k * n), c_store(m * stride + 3, kGuard);
-  for (float& v : a_store) v = normal(gen);
+  std::vector<uint16_t> h_store(half ? m * k : 0);
+  for (int64_t i = 0; i < m * k; ++i) {
+    if (half) {
+      h_store[i] = random_half(gen, half == 2);
+      a_store[i] = half_value(h_store[i], half == 2);
+    } else {
+      a_store[i] = normal(gen);
+    }
+  }
   for (float& v : b) v = normal(gen);
   std::vector<int64_t> order(m);
   for (int64_t i = 0; i < m; ++i) order[i] = i;
   std::shuffle(order.begin(), order.end(), gen);
   std::vector<const float*> a(m);
+  std::vector<const uint16_t*> ah(m);
   std::vector<float*> c(m);
   for (int64_t r = 0; r < m; ++r) {
     a[r] = a_store.data() + order[r] * k;
+    if (half) ah[r] = h_store.data() + order[r] * k;
     c[r] = c_store.data() + 3 + order[(r + 1) % m] * stride;
     for (int64_t x = 0; x < n; ++x) c[r][x] = normal(gen);
   }
   std::vector<float> c0 = c_store;
-  gemm_rows(m, a.data(), b.data(), k, n, c.data());
+  const char* what = half ? "gemm_rows_half" : "gemm_rows";
+  const char* guard = half ? "gemm_rows_half guard" : "gemm_rows guard";
+  if (half) {
+    // The fused path runs where gemm_rows runs AVX-512, and only there.
+    const bool want = std::strcmp(gemm_isa(), "avx512f") == 0;
+    if (gemm_rows_half(m, ah.data(), half == 2, b.data(), k, n, c.data()) != want) {
+      fail("gemm_rows_half ran where it should not, or not where it should", m, k, n, -1, -1,
+           want ? 0.0f : 1.0f, want ? 1.0 : 0.0);
+      return;
+    }
+    if (!want) {
+      if (std::memcmp(c0.data(), c_store.data(), sizeof(float) * c0.size()) != 0) {
+        fail("gemm_rows_half wrote where it did not run", m, k, n, -1, -1, 0.0f, 0.0);
+      }
+      return;
+    }
+  } else {
+    gemm_rows(m, a.data(), b.data(), k, n, c.data());
+  }
   for (int64_t r = 0; r < m; ++r) {
     const float* init = c0.data() + (c[r] - c_store.data());
     for (int64_t x = 0; x < n; ++x) {
@@ -89,17 +153,17 @@ void test_rows(std::mt19937& gen, bool fused, int64_t m, int64_t k, int64_t n) {
         exact += double(a[r][j]) * b[j * n + x];
         scale += std::fabs(double(a[r][j]) * b[j * n + x]);
       }
-      check("gemm_rows", fused, m, k, n, r, x, c[r][x], chain, exact, scale);
+      check(what, fused, m, k, n, r, x, c[r][x], chain, exact, scale);
     }
   }
   for (int64_t i = 0; i < m; ++i) {
     for (int64_t x = n; x < stride; ++x) {
       float* g = c_store.data() + 3 + i * stride + x;
-      if (*g != kGuard) fail("gemm_rows guard", m, k, n, i, x, *g, kGuard);
+      if (*g != kGuard) fail(guard, m, k, n, i, x, *g, kGuard);
     }
   }
   for (int64_t x = 0; x < 3; ++x) {
-    if (c_store[x] != kGuard) fail("gemm_rows guard", m, k, n, -1, x, c_store[x], kGuard);
+    if (c_store[x] != kGuard) fail(guard, m, k, n, -1, x, c_store[x], kGuard);
   }
 }
 
@@ -150,7 +214,7 @@ int run_one(const char* isa) {
   const unsigned seed = 20261202u;
   std::mt19937 gen(seed);
   const int64_t ms[] = {1, 2, 5, 6, 7, 12, 13, 37};
-  const int64_t ks[] = {1, 3, 17, 64};
+  const int64_t ks[] = {1, 3, 17, 40, 64};
   // Widths 16, 32, 48, 64, 96, 112 take the unmasked AVX-512 strips, the
   // others a masked last vector.
   const int64_t ns[] = {1, 3, 4, 5, 8, 11, 12, 15, 16, 17, 31, 32, 33, 48, 64, 70, 96, 112};
@@ -160,7 +224,9 @@ int run_one(const char* isa) {
       for (int64_t n : ns) {
         test_rows(gen, fused, m, k, n);
         test_outer(gen, fused, k, m, n);
-        cases += 2;
+        test_rows(gen, fused, m, k, n, 1);
+        test_rows(gen, fused, m, k, n, 2);
+        cases += 4;
       }
     }
   }

@@ -172,6 +172,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline void interleave_rows
 }
 
 constexpr int64_t kWgradPairs = 64;  // edge pairs per slab: both panels in L1
+constexpr int64_t kWgradAhead = 8;  // edges between a row request and its gather
 
 struct WgradPanels {
   LineVector<uint16_t> f;  // [pair][cin_pad][2]: feature pairs, one word per channel
@@ -199,30 +200,32 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void wgrad_bf16(
   uint16_t* const fp = s.f.data();
   uint16_t* const gp = s.g.data();
   float* const acc = s.acc.data();
-  auto edge = [&](int64_t j, bool fine) -> const uint16_t* {
-    const int32_t e = p.kernel_csr.edge_ids ? p.kernel_csr.edge_ids[j] : static_cast<int32_t>(j);
-    const int32_t row = fine ? p.in_rows[e] : p.out_rows[e];
-    if (row < 0 || row >= (fine ? p.n_f : p.n_g)) {
-      throw InputError("relation: a row index is out of range");
-    }
-    return fine ? p.f + static_cast<int64_t>(row) * p.cin
-                : p.g + static_cast<int64_t>(row) * p.cout;
+  // The F and G rows of the edge at position j requested (validated as
+  // edge_rows does): the gather below asks for the edges kWgradAhead
+  // positions on, whose rows, scattered over both arrays, would otherwise
+  // be waited for one at a time.
+  auto request = [&p](int64_t j) {
+    const amx_bf16::EdgeRows rows = amx_bf16::edge_rows(p, j);
+    prefetch_lines(rows.f, p.cin * 2);
+    prefetch_lines(rows.g, p.cout * 2);
   };
   for (int64_t i = k0; i < k1; ++i) {
     const int64_t k = p.offset(i);
     std::fill(acc, acc + cin_pad * cout_pad, 0.0f);
     const int64_t j0 = p.kernel_csr.offsets[k];
     const int64_t j1 = p.kernel_csr.offsets[k + 1];
+    for (int64_t j = j0; j < std::min(j1, j0 + kWgradAhead); ++j) request(j);
     for (int64_t sj = j0; sj < j1; sj += 2 * kWgradPairs) {
       const int64_t n = std::min(2 * kWgradPairs, j1 - sj);
       const int64_t pairs = ceil_div(n, 2);
       for (int64_t q = 0; q < pairs; ++q) {
         const int64_t j = sj + 2 * q;
+        for (int64_t t = j + kWgradAhead; t < std::min(j1, j + kWgradAhead + 2); ++t) request(t);
         const bool odd = j + 1 < sj + n;
-        interleave_rows(edge(j, true), odd ? edge(j + 1, true) : nullptr, p.cin, cin_pad,
-                        fp + q * cin_pad * 2);
-        interleave_rows(edge(j, false), odd ? edge(j + 1, false) : nullptr, p.cout, cout_pad,
-                        gp + q * cout_pad * 2);
+        const amx_bf16::EdgeRows r0 = amx_bf16::edge_rows(p, j);
+        const amx_bf16::EdgeRows r1 = odd ? amx_bf16::edge_rows(p, j + 1) : r0;
+        interleave_rows(r0.f, odd ? r1.f : nullptr, p.cin, cin_pad, fp + q * cin_pad * 2);
+        interleave_rows(r0.g, odd ? r1.g : nullptr, p.cout, cout_pad, gp + q * cout_pad * 2);
       }
       for (int64_t c0 = 0; c0 < cin_pad; c0 += 4) {
         for (int64_t n0 = 0; n0 < cout_pad; n0 += 64) {

@@ -117,8 +117,8 @@ def test_half_dtypes_return_feature_dtype(rng, ref, dtype):
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_float16_forward_is_the_float32_result_rounded(rng, ref, threads):
-    """float16 rows are widened per tile (exactly) and each output tile is
-    rounded once: the result is the float32 convolution of the same values
+    """float16 rows are widened inside each register block (exactly) and
+    each output tile is rounded once: the result is the float32 convolution of the same values
     rounded to float16, bit for bit, for any thread count; outputs without
     edges are zero."""
     import mlx_lattice

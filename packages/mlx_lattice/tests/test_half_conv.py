@@ -166,8 +166,8 @@ def test_heavy_row_reuse_matches_emulation_for_any_thread_count(rng, seed, cin, 
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_heavy_row_reuse_is_the_float32_result_rounded(rng, seed, bits):
-    """Weight-only int8/int4 with float16 features (rows widened once per
-    tile) gives the float32-feature result of the same codes rounded to
+    """Weight-only int8/int4 with float16 features (rows widened inside
+    each register block) gives the float32-feature result of the same codes rounded to
     float16, bit for bit, for 1, 2 and 3 threads."""
     rel, f, w = dense_cube_case(rng, 12, 64, 48)
     q = QuantizedWeight.from_float(mx.array(w), bits=bits, group_size=32)
@@ -364,8 +364,8 @@ np.savez(sys.argv[2], **out)
 def test_every_isa_rounds_the_float32_result(rng, seed, tmp_path, isa_child, width):
     """Under every fp32 ISA ceiling this machine has (AVX-512, AVX2 + F16C,
     scalar: each its own widening, rounding and micro-kernel), the float16
-    forward and input gradient (the half driver, rows widened once per tile)
-    are the float32 path's results on the same values rounded to float16,
+    forward and input gradient (the half driver, rows widened inside each
+    register block) are the float32 path's results on the same values rounded to float16,
     bit for bit, at 1/2/3 threads; the scalar path too, whose products round
     on their own (so the fused-chain emulation does not apply to it)."""
     coords, rel, f, w = make_case(rng, width, width)

@@ -37,6 +37,9 @@ struct PackedBf16 {
 struct Block {
   const uint16_t* a[kRows];  // feature rows, 2 * pairs values each
   float* c[kRows];
+  // Rows that are edges; rows past them read zeros into a sink (blocks
+  // that take R < kRows rows skip them).
+  int rows = kRows;
 };
 
 #ifdef MLX_LATTICE_X86
@@ -148,7 +151,16 @@ __attribute__((target("avx512f,avx512bf16"))) void block_bf16(const Block& blk,
     }
     float* c[kRows];
     for (int r = 0; r < kRows; ++r) c[r] = blk.c[r] + n0;
-    pair_rows_upto<kRows>(w.cout_pad - n0, blk.a, 2, wk + n0 * 2, stride, w.pairs, c, mk);
+    const int64_t left = w.cout_pad - n0;
+    const uint16_t* const wn = wk + n0 * 2;
+    switch (blk.rows) {
+      case 1: pair_rows_upto<1>(left, blk.a, 2, wn, stride, w.pairs, c, mk); break;
+      case 2: pair_rows_upto<2>(left, blk.a, 2, wn, stride, w.pairs, c, mk); break;
+      case 3: pair_rows_upto<3>(left, blk.a, 2, wn, stride, w.pairs, c, mk); break;
+      case 4: pair_rows_upto<4>(left, blk.a, 2, wn, stride, w.pairs, c, mk); break;
+      case 5: pair_rows_upto<5>(left, blk.a, 2, wn, stride, w.pairs, c, mk); break;
+      default: pair_rows_upto<kRows>(left, blk.a, 2, wn, stride, w.pairs, c, mk); break;
+    }
   }
 }
 
@@ -408,6 +420,13 @@ void conv_tiles(const HalfEntry& entry, const uint16_t* feats, int64_t n_in, int
     Block blk;
     for (int64_t k = 0; k < n_kernels; ++k) {
       for (int64_t r = counts[k]; r < counts[k + 1]; r += kRows) {
+        // The next block's rows (this offset's or the next one's first),
+        // gathered from anywhere in the features, requested behind this one.
+        const int64_t next = std::min<int64_t>(r + kRows, counts[k + 1]);
+        for (int64_t i = next; i < std::min<int64_t>(next + kRows, n_tile); ++i) {
+          prefetch_lines(s.a_ptrs[i], row_len * 2);
+        }
+        blk.rows = static_cast<int>(std::min<int64_t>(kRows, counts[k + 1] - r));
         for (int i = 0; i < kRows; ++i) {
           const bool real = r + i < counts[k + 1];
           blk.a[i] = real ? s.a_ptrs[r + i] : buf.zeros.data();

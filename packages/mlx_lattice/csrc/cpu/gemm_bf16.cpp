@@ -212,12 +212,16 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void wgrad_bf16(
   uint16_t* const fp = s.f.data();
   uint16_t* const gp = s.g.data();
   float* const acc = s.acc.data();
-  // The F and G rows of the edge at position j requested (validated as
-  // edge_rows does): the gather below asks for the edges kWgradAhead
-  // positions on, whose rows, scattered over both arrays, would otherwise
-  // be waited for one at a time.
-  auto request = [&p](int64_t j) {
+  // The F and G rows of the edge at position j looked up (edge_rows:
+  // validated), kept for its gather and requested: the gather below asks
+  // for the edges kWgradAhead positions on, whose rows, scattered over both
+  // arrays, would otherwise be waited for one at a time. Edge j's rows stay
+  // in ahead[j % kRing] until the pair that gathers it.
+  constexpr int64_t kRing = kWgradAhead + 2;
+  amx_bf16::EdgeRows ahead[kRing];
+  auto request = [&p, &ahead](int64_t j) {
     const amx_bf16::EdgeRows rows = amx_bf16::edge_rows(p, j);
+    ahead[j % kRing] = rows;
     prefetch_lines(rows.f, p.cin * 2);
     prefetch_lines(rows.g, p.cout * 2);
   };
@@ -234,8 +238,8 @@ __attribute__((target("avx512f,avx512bf16,avx512bw,avx512vl"))) void wgrad_bf16(
         const int64_t j = sj + 2 * q;
         for (int64_t t = j + kWgradAhead; t < std::min(j1, j + kWgradAhead + 2); ++t) request(t);
         const bool odd = j + 1 < sj + n;
-        const amx_bf16::EdgeRows r0 = amx_bf16::edge_rows(p, j);
-        const amx_bf16::EdgeRows r1 = odd ? amx_bf16::edge_rows(p, j + 1) : r0;
+        const amx_bf16::EdgeRows r0 = ahead[j % kRing];
+        const amx_bf16::EdgeRows r1 = odd ? ahead[(j + 1) % kRing] : r0;
         interleave_rows(r0.f, odd ? r1.f : nullptr, p.cin, cin_pad, fp + q * cin_pad * 2);
         interleave_rows(r0.g, odd ? r1.g : nullptr, p.cout, cout_pad, gp + q * cout_pad * 2);
       }

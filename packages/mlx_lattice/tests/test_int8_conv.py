@@ -317,8 +317,8 @@ np.savez(sys.argv[1], **results)
 # The int8 micro-kernels by architecture, best first (cpu/isa.h's names);
 # "scalar" is every platform's fallback.
 _INT8_PATHS = {
-    "x86_64": ("amx-int8", "avx512-vnni", "avx-vnni"),
-    "AMD64": ("amx-int8", "avx512-vnni", "avx-vnni"),
+    "x86_64": ("amx-int8", "avx512-vnni", "avx-vnni", "avx2-fma"),
+    "AMD64": ("amx-int8", "avx512-vnni", "avx-vnni", "avx2-fma"),
     "aarch64": ("neon-i8mm", "neon-dotprod"),
     "arm64": ("neon-i8mm", "neon-dotprod"),
 }.get(platform.machine(), ())

@@ -223,6 +223,10 @@ struct Problem {
   // through offset k (most offsets present), so an offset's edges run over
   // consecutive input rows, as on a sorted voxel grid.
   bool runs = false;
+  // Extreme operands: each input row all +1 or all -1 (activations +-127)
+  // and each weight row's codes all 0 or all the largest: the largest sums
+  // of any pair or chunk, which an int16 step must hold without clipping.
+  bool extreme = false;
 };
 
 // The documented math (gemm_int8.h), directly: quantize_rows_int8's rows,
@@ -277,9 +281,19 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
   std::normal_distribution<float> nd(0.0f, 1.0f);
   std::vector<float> f(std::max<int64_t>(1, p.n_in * p.cin));
   for (auto& v : f) v = nd(gen);
+  if (p.extreme) {  // each row all +1 or all -1: its codes all +127 or all -127
+    for (int64_t i = 0; i < p.n_in; ++i) {
+      std::fill_n(f.begin() + i * p.cin, p.cin, (gen() % 2) ? 1.0f : -1.0f);
+    }
+  }
   if (p.nan_row && p.n_in > 0) f[(p.n_in / 2) * p.cin] = NAN;
   std::vector<uint8_t> packed(std::max<int64_t>(1, p.n_kernels * p.cout * row_bytes));
   for (auto& v : packed) v = static_cast<uint8_t>(gen());
+  if (p.extreme) {  // each weight row's codes all 0 or all the largest
+    for (int64_t row = 0; row < p.n_kernels * p.cout; ++row) {
+      std::fill_n(packed.begin() + row * row_bytes, row_bytes, (gen() % 2) ? 0xff : 0x00);
+    }
+  }
   std::vector<float> sc(std::max<int64_t>(1, p.n_kernels * p.cout * groups)), bi(sc.size());
   for (auto& v : sc) v = 0.01f + 0.02f * std::fabs(nd(gen));
   for (auto& v : bi) v = -0.1f * std::fabs(nd(gen));
@@ -323,7 +337,8 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
                            std::to_string(p.cout) + " K " + std::to_string(p.n_kernels) +
                            " group " + std::to_string(p.group) + " bits " +
                            std::to_string(p.bits) + (p.act_scale > 0 ? " static" : " dynamic") +
-                           (p.nan_row ? " nan-row" : "") + (p.runs ? " runs" : "");
+                           (p.nan_row ? " nan-row" : "") + (p.runs ? " runs" : "") +
+                           (p.extreme ? " extreme" : "");
   auto compare = [&](const char* path, const std::vector<float>& got) {
     if (p.n_out * p.cout > 0 &&
         std::memcmp(got.data(), want.data(), sizeof(float) * p.n_out * p.cout) != 0) {
@@ -354,7 +369,8 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
   }
   // Every path the dispatch offers, forced in turn.
   for (isa::Isa level : {isa::Isa::kAmxInt8, isa::Isa::kAvx512Vnni, isa::Isa::kAvxVnni,
-                         isa::Isa::kNeonI8mm, isa::Isa::kNeonDot, isa::Isa::kScalar}) {
+                         isa::Isa::kAvx2, isa::Isa::kNeonI8mm, isa::Isa::kNeonDot,
+                         isa::Isa::kScalar}) {
     if (level != isa::Isa::kScalar && !isa::isa_supported(level)) continue;
     isa::set_isa_ceiling(level);
     std::fill(got.begin(), got.end(), 12345.0f);
@@ -469,7 +485,15 @@ int main(int argc, char** argv) {
   // Odd groups (chunk widths 4, 8, 16, 96 = 64 + 32... as 32 x 3), empty
   // inputs, and more threads.
   for (int64_t group : {4, 8, 16, 96}) {
-    cases += run_case(gen, {20, 19, 96, 40, 8, group, 8, 0.0f, false}, true);
+    for (int64_t bits : {8, 4}) {
+      cases += run_case(gen, {20, 19, 96, 40, 8, group, bits, 0.0f, false}, true);
+    }
+  }
+  // Extreme operands, both code widths, groups of 8 to 128 quads.
+  for (int64_t bits : {8, 4}) {
+    for (int64_t group : {32, 128, 512}) {
+      cases += run_case(gen, {40, 40, 512, 24, 27, group, bits, 0.0f, false, false, true}, true);
+    }
   }
   cases += run_case(gen, {0, 5, 16, 16, 27, 32, 8, 0.0f, false}, true);
   // Offsets whose edges read 16 consecutive input rows (loaded in place),

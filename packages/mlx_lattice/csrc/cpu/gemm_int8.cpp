@@ -59,6 +59,11 @@ struct PackedWeight {
   int64_t quads = 0;  // storage_in / 4
   int64_t groups = 0;
   int64_t cout_pad = 0;
+  int bits = 8;  // codes lie in 0 .. 2^bits - 1
+  // The AVX2 kernel's form of codes wider than 4 bits (filled only for
+  // it): c ^ 0x80 (c - 128 as a signed byte) and its magnitude |c - 128|.
+  LineVector<int8_t> centered;
+  LineVector<uint8_t> magnitude;
 };
 
 // One block of kRows rows over every column. Rows: a[r] (int8, quads * 4),
@@ -177,7 +182,7 @@ void block_scalar(const Block& blk, const PackedWeight& w, int64_t k, int64_t co
   }
 }
 
-#include "gemm_int8_x86.inc"  // AVX512-VNNI and AVX-VNNI blocks
+#include "gemm_int8_x86.inc"  // AVX512-VNNI, AVX-VNNI and AVX2 blocks
 
 #include "gemm_int8_neon.inc"  // AArch64 SDOT/USDOT blocks
 
@@ -188,6 +193,7 @@ struct Int8Entry {
   isa::Isa isa;
   OffsetFn offset;
   Int8RowsFn rows = nullptr;
+  bool centered = false;  // reads PackedWeight::centered and ::magnitude
 };
 
 const Int8Entry kInt8Table[] = {
@@ -195,6 +201,7 @@ const Int8Entry kInt8Table[] = {
     {isa::Isa::kAmxInt8, nullptr, kAmxInt8RowsHw},
     {isa::Isa::kAvx512Vnni, offset_avx512_vnni},
     {isa::Isa::kAvxVnni, padded_blocks<block_avx_vnni>},
+    {isa::Isa::kAvx2, offset_avx2, nullptr, true},
 #endif
 #if defined(__aarch64__)
     {isa::Isa::kNeonI8mm, padded_blocks<block_neon_int8<true>>},
@@ -242,16 +249,24 @@ const Int8Entry& selected_for(int64_t cin, int64_t cout) {
 
 // Unpacks the codes of the affine layout into the micro-kernel layout.
 // act_scale > 0 (static): the scales and biases are premultiplied by it.
+// centered: codes wider than 4 bits also as c ^ 0x80 and |c - 128|.
 void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
                  const float* biases, int64_t n_kernels, int64_t cout, int64_t cin,
-                 int64_t storage_in, int64_t group, int bits, float act_scale,
+                 int64_t storage_in, int64_t group, int bits, float act_scale, bool centered,
                  PackedWeight& w) {
   w.quads = storage_in / 4;
   w.groups = storage_in / group;
   w.cout_pad = ceil_div(cout, 16) * 16;
+  w.bits = bits;
   w.codes.assign(n_kernels * w.quads * w.cout_pad * 4, 0);
   w.scales.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
   w.biases.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
+  const bool center = centered && bits > 4;
+  const int64_t slab = w.quads * w.cout_pad * 4;  // one offset's codes
+  if (center) {
+    w.centered.resize(n_kernels * slab);
+    w.magnitude.resize(n_kernels * slab);
+  }
   parallel_for(n_kernels, [&](int64_t k) {
     for (int64_t o = 0; o < cout; ++o) {
       const int64_t row = k * cout + o;
@@ -270,6 +285,13 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
         }
         w.scales[(k * w.groups + g) * w.cout_pad + o] = s;
         w.biases[(k * w.groups + g) * w.cout_pad + o] = b;
+      }
+    }
+    if (center) {
+      for (int64_t i = k * slab; i < (k + 1) * slab; ++i) {
+        const int v = static_cast<int>(w.codes[i]) - 128;
+        w.centered[i] = static_cast<int8_t>(v);
+        w.magnitude[i] = static_cast<uint8_t>(v < 0 ? -v : v);
       }
     }
   });
@@ -308,10 +330,10 @@ struct Buffers {
 
 namespace {
 
-void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats, int64_t n_in,
-                   int64_t cin, const uint8_t* packed, int64_t row_bytes, const float* scales,
-                   const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
-                   int64_t group, int bits, float act_scale, const Csr& csr,
+void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, const float* feats,
+                   int64_t n_in, int64_t cin, const uint8_t* packed, int64_t row_bytes,
+                   const float* scales, const float* biases, int64_t n_kernels, int64_t cout,
+                   int64_t storage_in, int64_t group, int bits, float act_scale, const Csr& csr,
                    const int32_t* a_index, const int32_t* kernel_ids, float* out) {
   // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
   // more in page faults than the quantization itself).
@@ -334,7 +356,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, const float* feats,
       static_scale && std::all_of(buf.scale.begin(), buf.scale.begin() + n_in,
                                   [](float v) { return v == 1.0f; });
   pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
-              act_scale, buf.weight);
+              act_scale, centered, buf.weight);
   const PackedWeight& w = buf.weight;
   const int64_t tile_rows = l2_tile_rows(cout * 4, kInt8TileRows, csr.groups, 8);
   if (run_rows) {
@@ -392,9 +414,9 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   // An edge's output row is its CSR group (c_index repeats it; unread).
   static_cast<void>(c_index);
   const Int8Entry& entry = selected_for(cin, cout);
-  run_int8_conv(entry.offset, entry.rows, feats, n_in, cin, packed, row_bytes, scales, biases,
-                n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids,
-                out);
+  run_int8_conv(entry.offset, entry.rows, entry.centered, feats, n_in, cin, packed, row_bytes,
+                scales, biases, n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index,
+                kernel_ids, out);
 }
 
 void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t cin,
@@ -402,8 +424,9 @@ void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t c
                     const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
                     int64_t group, int bits, float act_scale, const Csr& csr,
                     const int32_t* a_index, const int32_t* kernel_ids, float* out) {
-  run_int8_conv(nullptr, rows, feats, n_in, cin, packed, row_bytes, scales, biases, n_kernels,
-                cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids, out);
+  run_int8_conv(nullptr, rows, false, feats, n_in, cin, packed, row_bytes, scales, biases,
+                n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids,
+                out);
 }
 
 const char* int8_isa() { return isa::isa_name(selected().isa); }

@@ -1,5 +1,5 @@
 // Per-row symmetric int8 quantization of activations (gemm_int8.h): the
-// scalar definition and its AVX-512 form, same values on both.
+// scalar definition and its AVX-512 and AVX2 forms, same values on all.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -155,6 +155,72 @@ __attribute__((target("avx512f"))) void quantize_row_avx512(
     gr[g0 / group] = _mm512_reduce_add_epi32(sum);
   }
 }
+
+// The same row with AVX2 (8 channels per step; c and group are multiples of
+// 8 on this path): the values of quantize_row_avx512, by the same
+// operations. With a static scale, one pass that notes non-finite values on
+// the way (such a row is then cleared, as the scalar path leaves it).
+__attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* xr, int64_t c,
+                                                           int64_t stride, int64_t group,
+                                                           int8_t* qr, float* scale, int32_t* gr,
+                                                           float fixed) {
+  const __m256 zero = _mm256_setzero_ps();
+  __m256 bad = zero;  // lanes that saw a non-finite value (all bits set)
+  float s = fixed;
+  if (!(fixed > 0.0f)) {
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 vmax = zero;
+    for (int64_t i = 0; i < c; i += 8) {
+      const __m256 x = _mm256_loadu_ps(xr + i);
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_UNORD_Q));
+      vmax = _mm256_max_ps(vmax, _mm256_and_ps(x, magnitude));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    s = _mm_cvtss_f32(m) / 127.0f;
+  }
+  if (stride > c) std::memset(qr + c, 0, stride - c);
+  std::fill(gr, gr + stride / group, 0);
+  if (_mm256_movemask_ps(bad) != 0 || s == 0.0f) {
+    std::memset(qr, 0, c);
+    *scale = _mm256_movemask_ps(bad) != 0 ? std::numeric_limits<float>::quiet_NaN() : s;
+    return;
+  }
+  *scale = fixed > 0.0f ? 1.0f : s;
+  const __m256 vs = _mm256_set1_ps(s);
+  const __m256 lo = _mm256_set1_ps(-127.0f);
+  const __m256 hi = _mm256_set1_ps(127.0f);
+  // Byte 0 of each int32 lane, lane by lane, into the low 8 bytes.
+  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, -1);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  for (int64_t g0 = 0; g0 < c; g0 += group) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = g0; i < std::min(c, g0 + group); i += 8) {
+      const __m256 x = _mm256_loadu_ps(xr + i);
+      if (fixed > 0.0f) {
+        bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(x, x), zero, _CMP_UNORD_Q));
+      }
+      // max/min return the bound for a NaN quotient: no conversion of NaN.
+      const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(x, vs), lo), hi);
+      const __m256i q = _mm256_cvtps_epi32(v);
+      sum = _mm256_add_epi32(sum, q);
+      const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, bytes), halves);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + i), _mm256_castsi256_si128(packed));
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
+    gr[g0 / group] = _mm_cvtsi128_si32(t);
+  }
+  if (_mm256_movemask_ps(bad) != 0) {  // static scale: a non-finite value seen
+    std::memset(qr, 0, c);
+    std::fill(gr, gr + stride / group, 0);
+    *scale = std::numeric_limits<float>::quiet_NaN();
+  }
+}
 #endif
 
 }  // namespace
@@ -165,7 +231,11 @@ void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, in
   const int64_t groups = stride / group;
   auto row = quantize_row_scalar;
 #ifdef MLX_LATTICE_X86
-  if (group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) row = quantize_row_avx512;
+  if (group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) {
+    row = quantize_row_avx512;
+  } else if (group % 8 == 0 && c % 8 == 0 && isa::isa_usable(isa::Isa::kAvx2)) {
+    row = quantize_row_avx2;
+  }
 #endif
   parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
     const int64_t r1 = std::min(n, (chunk + 1) * kChunk);

@@ -13,6 +13,8 @@
 
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
+
+#include "avx2_lanes.h"
 #define MLX_LATTICE_X86 1
 #endif
 #if defined(__aarch64__)

@@ -16,6 +16,7 @@
 #endif
 
 #include "amx_int8.h"
+#include "avx2_lanes.h"
 #include "isa.h"
 #include "line_vector.h"
 #include "output_window.h"

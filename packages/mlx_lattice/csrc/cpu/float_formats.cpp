@@ -94,8 +94,38 @@ __attribute__((target("avx2,f16c"))) void float_block_to_half(const float* src, 
   for (; i < n; ++i) dst[i] = float_to_half(src[i]);
 }
 
+// float32 -> bfloat16 as float_to_bfloat, 8 values at a time: nearest
+// even by adding 0x7fff plus the kept part's lowest bit; a NaN keeps its
+// upper 16 bits with the quiet bit set.
+__attribute__((target("avx2"))) void float_block_to_bfloat(const float* src, int64_t n,
+                                                           uint16_t* dst) {
+  const __m256i magnitude = _mm256_set1_epi32(0x7fffffff);
+  const __m256i inf = _mm256_set1_epi32(0x7f800000);
+  const __m256i bias = _mm256_set1_epi32(0x7fff);
+  const __m256i one = _mm256_set1_epi32(1);
+  const __m256i quiet = _mm256_set1_epi32(0x40);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i));
+    const __m256i high = _mm256_srli_epi32(x, 16);
+    const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(x, magnitude), inf);
+    const __m256i rounded = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(x, bias), _mm256_and_si256(high, one)), 16);
+    const __m256i v = _mm256_blendv_epi8(rounded, _mm256_or_si256(high, quiet), nan);
+    // 8 x 32 -> 8 x 16 bits (values below 2^16: no saturation), in order.
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(v, v), 0x08);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), _mm256_castsi256_si128(packed));
+  }
+  for (; i < n; ++i) dst[i] = float_to_bfloat(src[i]);
+}
+
 bool has_f16c() {
   static const bool value = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return value;
+}
+
+bool has_avx2() {
+  static const bool value = __builtin_cpu_supports("avx2");
   return value;
 }
 #endif
@@ -133,6 +163,12 @@ void convert_from_float32(const float* src, int64_t n, FloatFormat format, void*
   }
   uint16_t* d = static_cast<uint16_t*>(dst);
   if (format == FloatFormat::kBF16) {
+#ifdef MLX_LATTICE_X86
+    if (has_avx2()) {
+      float_block_to_bfloat(src, n, d);
+      return;
+    }
+#endif
     for (int64_t i = 0; i < n; ++i) d[i] = float_to_bfloat(src[i]);
     return;
   }

@@ -90,7 +90,7 @@ void block_scalar(const float* const* a, const float* b, int64_t kdim, int64_t n
 
 #ifdef MLX_LATTICE_X86
 
-#include "gemm_avx2.inc"  // block_avx2, outer_avx2
+#include "gemm_avx2.inc"  // rows_avx2, outer_avx2
 
 // What block512 reads A's rows as: float32, or float16 / bfloat16 values
 // widened to float32 (exactly) 16 at a time inside the block.
@@ -342,8 +342,7 @@ void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kd
     return;
   }
   if (has_avx2()) {
-    for_each_block(m, a_rows, kdim, n, c_rows,
-                   [&](const float* const* a, float* const* c) { block_avx2(a, b, kdim, n, c); });
+    rows_avx2(m, a_rows, b, kdim, n, c_rows);
     return;
   }
 #endif

@@ -248,8 +248,9 @@ def sparse_quantized_conv_features_from_relation(
     the kernel). ``act_bits=8`` is the integer path (w8a8, or w4a8 with a
     4-bit weight): every feature row is quantized to int8 with a symmetric
     dynamic scale ``max|row| / 127`` and the convolution runs int8 x weight
-    codes -> int32 (AVX512-VNNI / AVX-VNNI ``vpdpbusd`` when the CPU has it)
-    with a float32 epilogue applying the activation scale and the weight's
+    codes -> int32 (AVX512-VNNI / AVX-VNNI ``vpdpbusd`` when the CPU has it,
+    AMX tiles on Intel Xeons, ``vpmaddubsw`` pairs on plain AVX2) with a
+    float32 epilogue applying the activation scale and the weight's
     group scales and biases. CPU stream only; the group size must be a
     multiple of 4. Its gradient with respect to the features is that of the
     float-activation convolution (straight-through). ``act_bits=None`` takes

@@ -37,14 +37,6 @@ thread_local Scratch scratch;
 
 using RoundFn = void (*)(const float* src, int64_t n, uint16_t* dst);
 
-void widen_f16_any(const uint16_t* src, int64_t n, float* dst) {
-  convert_to_float32(src, FloatFormat::kF16, n, dst);
-}
-
-void widen_bf16_any(const uint16_t* src, int64_t n, float* dst) {
-  convert_to_float32(src, FloatFormat::kBF16, n, dst);
-}
-
 #ifdef MLX_LATTICE_X86
 // All 16 lanes. The zero-masked forms of the conversions give the same
 // values as the plain ones, whose undefined pass-through operand GCC 12
@@ -82,41 +74,6 @@ __attribute__((target("avx512f"))) void widen_f16_avx512(const uint16_t* src, in
   }
 }
 
-// The AVX2 forms, 8 values at a time, called directly per gathered row (the
-// generic converters' dispatch cost about as much as the conversion at
-// C64). A tail goes through a zero-padded copy; no masked store.
-__attribute__((target("avx2,f16c"))) void widen_f16_avx2(const uint16_t* src, int64_t n,
-                                                         float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
-  }
-  if (i < n) {
-    alignas(16) uint16_t rest[8] = {};
-    alignas(32) float wide[8];
-    std::memcpy(rest, src + i, sizeof(uint16_t) * (n - i));
-    _mm256_store_ps(wide, _mm256_cvtph_ps(_mm_load_si128(reinterpret_cast<const __m128i*>(rest))));
-    std::memcpy(dst + i, wide, sizeof(float) * (n - i));
-  }
-}
-
-// bfloat16 -> float32: the 16 bits above 16 zero bits (exact).
-__attribute__((target("avx2"))) void widen_bf16_avx2(const uint16_t* src, int64_t n,
-                                                     float* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
-    const __m256i x = _mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), x);
-  }
-  if (i < n) convert_to_float32(src + i, FloatFormat::kBF16, n - i, dst + i);
-}
-
-bool has_f16c() {
-  static const bool value = __builtin_cpu_supports("f16c");
-  return value;
-}
 #endif
 
 }  // namespace
@@ -124,12 +81,9 @@ bool has_f16c() {
 WidenRow row_widener(FloatFormat format) {
 #ifdef MLX_LATTICE_X86
   if (format == FloatFormat::kF16 && isa::isa_usable(isa::Isa::kAvx512)) return widen_f16_avx512;
-  if (isa::isa_usable(isa::Isa::kAvx2)) {
-    if (format == FloatFormat::kBF16) return widen_bf16_avx2;
-    if (has_f16c()) return widen_f16_avx2;
-  }
 #endif
-  return format == FloatFormat::kF16 ? widen_f16_any : widen_bf16_any;
+  // The converter itself, chosen once per call (not per row).
+  return row_to_float32(format);
 }
 
 void half_rows_forward(const uint16_t* feats, FloatFormat format, int64_t cin,

@@ -50,6 +50,10 @@ namespace {
 
 constexpr int kRows = 6;  // rows per register block
 
+// Codes of at most this many bits are "narrow" for the AVX2 kernel (summed
+// in int16 as they are); wider ones are packed centered for it.
+constexpr int kNarrowBits = 4;
+
 // The weight in the micro-kernels' layout: codes[k][quad j][cout_pad][4]
 // (4 consecutive input channels of one column per 32-bit lane), scales and
 // biases [k][group][cout_pad]; padded columns are zero.
@@ -108,11 +112,12 @@ inline void fill_row(Block& blk, int r, const OffsetJob& job, int64_t i, int64_t
   blk.c[r] = job.tile_out + static_cast<int64_t>(job.outs[i]) * cout;
 }
 
-// Requests the quantized rows of the block after the one at `i` (gathered
-// from anywhere in the quantized features) behind this block's arithmetic.
-inline void prefetch_next(const OffsetJob& job, int64_t i) {
-  const int64_t end = std::min<int64_t>(job.count, i + 2 * kRows);
-  for (int64_t n = i + kRows; n < end; ++n) {
+// Requests the quantized rows of the block of `rows` edges after the one at
+// `i` (gathered from anywhere in the quantized features) behind this
+// block's arithmetic.
+inline void prefetch_next(const OffsetJob& job, int64_t i, int64_t rows = kRows) {
+  const int64_t end = std::min<int64_t>(job.count, i + 2 * rows);
+  for (int64_t n = i + rows; n < end; ++n) {
     prefetch_lines(job.q + job.rows[n] * job.stride, job.stride);
   }
 }
@@ -262,7 +267,7 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
   w.codes.assign(n_kernels * w.quads * w.cout_pad * 4, 0);
   w.scales.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
   w.biases.assign(n_kernels * w.groups * w.cout_pad, 0.0f);
-  const bool center = centered && bits > 4;
+  const bool center = centered && bits > kNarrowBits;
   const int64_t slab = w.quads * w.cout_pad * 4;  // one offset's codes
   if (center) {
     w.centered.resize(n_kernels * slab);

@@ -20,6 +20,7 @@ ASAN_TARGETS=(
   "$pkg:gemm_half_test"
   "$pkg:amx_int8_test"
   "$pkg:amx_bf16_test"
+  "$pkg:parallel_test"
   "$pkg:relation_tests"
   "$pkg:conv_tests"
   "$pkg:conv_padding_tests"
@@ -55,6 +56,7 @@ TSAN_TARGETS=(
   "$pkg:gemm_half_test"
   "$pkg:amx_int8_test"
   "$pkg:amx_bf16_test"
+  "$pkg:parallel_test"
   "$pkg:validation_thread_tests"
   "$pkg:thread_stress_tests"
 )

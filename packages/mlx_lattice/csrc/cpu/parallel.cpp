@@ -14,6 +14,10 @@
 #include <thread>
 #include <vector>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 namespace mlx_lattice {
 
 namespace {
@@ -49,9 +53,68 @@ bool spin_until(Ready&& ready) {
   }
 }
 
+// The calling CPU, or -1 where unknown.
+int current_cpu() {
+#if defined(__linux__)
+  return sched_getcpu();
+#else
+  return -1;
+#endif
+}
+
+// While it lives, keeps the calling thread off `cpu` (when its affinity
+// allows another CPU), then gives the thread its affinity back unless
+// someone else changed it meanwhile. A worker sleeps under one, away from
+// the CPU of the thread that posts jobs: Linux wakes a sleeping thread onto
+// its waker's CPU when it sees no idle CPU that it deems available, and a
+// small virtual machine's halted vCPU is not available to it (the worker
+// then waits behind the posting thread, for milliseconds).
+class AvoidCpu {
+ public:
+  explicit AvoidCpu(int cpu) {
+#if defined(__linux__)
+    if (cpu < 0 || cpu >= CPU_SETSIZE) return;
+    if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0) return;
+    if (!CPU_ISSET(cpu, &allowed_) || CPU_COUNT(&allowed_) < 2) return;
+    others_ = allowed_;
+    CPU_CLR(cpu, &others_);
+    set_ = sched_setaffinity(0, sizeof(others_), &others_) == 0;
+#else
+    (void)cpu;
+#endif
+  }
+  ~AvoidCpu() {
+#if defined(__linux__)
+    cpu_set_t now;
+    if (set_ && sched_getaffinity(0, sizeof(now), &now) == 0 && CPU_EQUAL(&now, &others_)) {
+      sched_setaffinity(0, sizeof(allowed_), &allowed_);
+    }
+#endif
+  }
+  AvoidCpu(const AvoidCpu&) = delete;
+  AvoidCpu& operator=(const AvoidCpu&) = delete;
+
+ private:
+#if defined(__linux__)
+  cpu_set_t allowed_{}, others_{};
+  bool set_ = false;
+#endif
+};
+
 // The pool: workers spin briefly, then sleep until a job is posted, then
 // claim tasks from a shared counter. One job runs at a time (jobs are
-// serialized by job_mutex).
+// serialized by job_mutex). A job is done when its tasks are, not when every
+// worker has looked at it: a worker still asleep (its core halted, which a
+// virtual machine takes up to milliseconds to wake) is not waited for, and
+// the threads that are awake run the tasks.
+//
+// Claims: one 64-bit word holds the job's next task (high half) and its
+// task count (low half), set for each job. A claim is a fetch_add of the
+// high half, and the word it returns says whether it got a task: a worker
+// that wakes late either finds the last job's tasks exhausted or claims a
+// task of the current one. The job's function is read after a successful
+// claim: it is written before the word, and the next job's only after all
+// the tasks of this one (the claimed one too) finished.
 class Pool {
  public:
   explicit Pool(int threads) { resize(threads); }
@@ -77,40 +140,58 @@ class Pool {
   void run(int64_t n_tasks, const std::function<void(int64_t)>& fn) {
     if (n_tasks <= 0) return;
     std::lock_guard<std::mutex> job_lock(job_mutex_);
-    if (size_.load(std::memory_order_relaxed) <= 1 || n_tasks == 1) {
+    if (size_.load(std::memory_order_relaxed) <= 1 || n_tasks == 1 ||
+        n_tasks > kMaxTasks) {
       for (int64_t t = 0; t < n_tasks; ++t) fn(t);
       return;
     }
+    fn_.store(&fn, std::memory_order_relaxed);
+    poster_cpu_.store(current_cpu(), std::memory_order_relaxed);
+    finished_.store(0, std::memory_order_relaxed);
+    failed_.store(false, std::memory_order_relaxed);
+    error_ = nullptr;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      fn_ = &fn;
-      n_tasks_ = n_tasks;
-      next_.store(0);
-      error_ = nullptr;
-      active_.store(static_cast<int>(workers_.size()));
       ++generation_;
+      claims_.store(static_cast<uint64_t>(n_tasks), std::memory_order_release);
       posted_.store(generation_, std::memory_order_release);
     }
     wake_.notify_all();
     work();
-    spin_until([this] { return active_.load(std::memory_order_acquire) == 0; });
-    std::unique_lock<std::mutex> lock(mutex_);
-    done_.wait(lock, [this] { return active_.load(std::memory_order_acquire) == 0; });
-    fn_ = nullptr;
+    auto finished = [this, n_tasks] {
+      return finished_.load(std::memory_order_acquire) == n_tasks;
+    };
+    if (!spin_until(finished)) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, finished);
+    }
     if (error_) std::rethrow_exception(error_);
   }
 
  private:
+  // Larger jobs run on the calling thread: the claims word's halves stay
+  // below 2^32 (each thread claims at most once past the count).
+  static constexpr int64_t kMaxTasks = (int64_t{1} << 31) - 1;
+
+  // Claims and runs tasks until the current job has none left.
   void work() {
     for (;;) {
-      int64_t t = next_.fetch_add(1);
-      if (t >= n_tasks_) return;
-      try {
-        (*fn_)(t);
-      } catch (...) {
+      const uint64_t claim = claims_.fetch_add(uint64_t{1} << 32, std::memory_order_acq_rel);
+      const auto t = static_cast<int64_t>(claim >> 32);
+      const auto n = static_cast<int64_t>(claim & 0xffffffffu);
+      if (t >= n) return;
+      if (!failed_.load(std::memory_order_relaxed)) {
+        try {
+          (*fn_.load(std::memory_order_relaxed))(t);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(mutex_);
+          if (!error_) error_ = std::current_exception();
+          failed_.store(true, std::memory_order_relaxed);  // later tasks are skipped
+        }
+      }
+      if (finished_.fetch_add(1, std::memory_order_acq_rel) + 1 == n) {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (!error_) error_ = std::current_exception();
-        next_.store(n_tasks_);
+        done_.notify_one();
       }
     }
   }
@@ -122,16 +203,13 @@ class Pool {
       if (spin_until([&] { return posted_.load(std::memory_order_acquire) != seen; })) {
         seen = posted_.load(std::memory_order_acquire);
       } else {
+        const AvoidCpu away(poster_cpu_.load(std::memory_order_relaxed));
         std::unique_lock<std::mutex> lock(mutex_);
         wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
         if (stop_) return;
         seen = generation_;
       }
       work();
-      if (active_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        std::lock_guard<std::mutex> lock(mutex_);
-        done_.notify_one();
-      }
     }
   }
 
@@ -150,11 +228,14 @@ class Pool {
   std::condition_variable wake_;
   std::condition_variable done_;
   std::vector<std::thread> workers_;
-  const std::function<void(int64_t)>* fn_ = nullptr;
-  int64_t n_tasks_ = 0;
-  std::atomic<int64_t> next_{0};
-  std::exception_ptr error_;
-  std::atomic<int> active_{0};
+  // The current job: written by run() before its claims word, read by the
+  // threads that claimed one of its tasks.
+  std::atomic<const std::function<void(int64_t)>*> fn_{nullptr};
+  std::atomic<uint64_t> claims_{0};  // (next task << 32) | task count
+  std::atomic<int64_t> finished_{0};
+  std::atomic<bool> failed_{false};
+  std::atomic<int> poster_cpu_{-1};  // where run() posted the job
+  std::exception_ptr error_;  // under mutex_
   uint64_t generation_ = 0;
   std::atomic<uint64_t> posted_{0};  // generation_, read without the lock
   bool stop_ = false;

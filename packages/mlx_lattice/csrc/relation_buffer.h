@@ -1,5 +1,6 @@
 // The int32 result arrays of the relation builders, allocated by MLX and
-// written in place (no copy; MLX's allocator reuses freed buffers).
+// written in place (no copy). MLX's CPU allocator keeps no freed buffers, so
+// a large result is freshly mapped memory each time (relation_pages.h).
 #pragma once
 
 #include <algorithm>
@@ -8,30 +9,10 @@
 #include <map>
 #include <string>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "mlx/mlx.h"
+#include "relation_pages.h"
 
 namespace mlx_lattice {
-
-// Asks the kernel to back the 2 MiB-aligned interior of a large fresh buffer
-// with huge pages: the buffer is written once, and faulting it in 4 KiB pages
-// costs about as much as building the relation's edges (Linux; elsewhere, or
-// when transparent huge pages are off, the advice is a no-op).
-inline void advise_huge_pages(void* data, size_t bytes) {
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHuge = uintptr_t{1} << 21;
-  if (bytes < 2 * kHuge) return;
-  const uintptr_t begin = (reinterpret_cast<uintptr_t>(data) + kHuge - 1) & ~(kHuge - 1);
-  const uintptr_t end = (reinterpret_cast<uintptr_t>(data) + bytes) & ~(kHuge - 1);
-  if (end > begin) madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE);
-#else
-  (void)data;
-  (void)bytes;
-#endif
-}
 
 // An int32 vector of n entries (n >= 0) as an MLX array, written through `data`.
 struct Int32Buffer {

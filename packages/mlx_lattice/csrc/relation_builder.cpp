@@ -83,12 +83,16 @@ inline int32_t popcount32(uint32_t v) {
 }
 
 // Raises when the counts in offsets[1..n_out] sum past int32.
-void check_edge_count(int64_t n_out, const int32_t* counts) {
-  int64_t total = 0;
-  for (int64_t o = 0; o < n_out; ++o) total += counts[o + 1];
+void check_edge_total(int64_t total) {
   if (total > std::numeric_limits<int32_t>::max()) {
     fail("build_kernel_relation", "the relation has more than 2^31 - 1 edges.");
   }
+}
+
+void check_edge_count(int64_t n_out, const int32_t* counts) {
+  int64_t total = 0;
+  for (int64_t o = 0; o < n_out; ++o) total += counts[o + 1];
+  check_edge_total(total);
 }
 
 }  // namespace
@@ -160,7 +164,7 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   // and offset masks, instead of a counting sort of all edges.
   const bool odd = kernel_size[0] % 2 == 1 && kernel_size[1] % 2 == 1 && kernel_size[2] % 2 == 1;
   const bool masked = n_kernels <= 32 && odd;
-  std::vector<uint32_t> masks;
+  UnsetVector<uint32_t> masks;  // every entry written by the walk or the grid
   std::unique_ptr<int32_t[]> sorted_map;
   if (self) {
     if (masked) masks.resize(n_in);  // also the grid's, when the walk declines
@@ -424,19 +428,34 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
     const int64_t n_tiles = ceil_div(n_out, kTile);
     std::vector<int32_t> k_slot(n_tiles * (centre + 1));
     const MirrorKernels kernels = mirror_kernels();
+    // Row offsets in two parallel passes: each row's first edge counted from
+    // its tile's, then the tiles' first edges added (no serial pass over the
+    // rows).
+    std::vector<int64_t> tile_edges(n_tiles);
     parallel_for(n_tiles, [&](int64_t t) {
       const int64_t o0 = t * kTile, o1 = std::min(n_out, o0 + kTile);
       const uint32_t* m = masks.data();
-      kernels.count(m, o0, o1, out_offsets.data + 1);
-      for (int64_t k = 0; k <= centre; ++k) {
-        int32_t count = 0;
-        for (int64_t o = o0; o < o1; ++o) count += static_cast<int32_t>((m[o] >> k) & 1u);
-        k_slot[t * (centre + 1) + k] = count;
-      }
+      int32_t* first = out_offsets.data;
+      kernels.count(m, o0, o1, first + 1, static_cast<int>(centre),
+                    k_slot.data() + t * (centre + 1));
+      int32_t edges = 0;  // at most kTile * 32
+      for (int64_t o = o0; o < o1; ++o) first[o + 1] = edges += first[o + 1];
+      tile_edges[t] = edges;
     });
-    check_edge_count(n_out, out_offsets.data);
-    allocate_edges();
-    in_edge_ids = Int32Buffer(out_offsets.data[n_out]);
+    int64_t edge_count = 0;
+    for (int64_t& edges : tile_edges) {
+      const int64_t base = edge_count;
+      edge_count += edges;
+      edges = base;
+    }
+    check_edge_total(edge_count);
+    parallel_for(n_tiles, [&](int64_t t) {
+      const auto base = static_cast<int32_t>(tile_edges[t]);
+      int32_t* first = out_offsets.data;
+      for (int64_t o = t * kTile; o < std::min(n_out, (t + 1) * kTile); ++o) first[o + 1] += base;
+    });
+    allocate(edge_count);
+    in_edge_ids = Int32Buffer(edge_count);
     int32_t total = 0;
     for (int64_t k = 0; k < n_kernels; ++k) {
       k_offsets.data[k] = total;
@@ -484,9 +503,10 @@ std::map<std::string, mx::array> build_kernel_relation(const mx::array& in_coord
   }
   const int64_t n_edges = out_offsets.data[n_out];
 
-  Int32Buffer in_offsets(n_in + 1);
+  // A symmetric relation's input grouping has its output grouping's
+  // offsets: the same array.
+  Int32Buffer in_offsets = mirrored ? out_offsets : Int32Buffer(n_in + 1);
   if (mirrored) {
-    std::copy(out_offsets.data, out_offsets.data + n_out + 1, in_offsets.data);
     if (gridded) {
       group_by_offset(masks.data(), out_offsets.data, n_out, n_kernels, k_offsets.data,
                       k_edge_ids.data);

@@ -27,10 +27,19 @@ struct BuiltinCount {
   [[gnu::always_inline]] int32_t operator()(uint32_t v) const { return __builtin_popcount(v); }
 };
 
+// Rows [o0, o1) from `from` on: each row's set bits, and the rows of each
+// bit k <= centre (its set bits below centre + 1, one at a time).
 template <class Count>
-[[gnu::always_inline]] inline void count_rows(const uint32_t* masks, int64_t o0, int64_t o1,
-                                              int32_t* counts, Count count) {
-  for (int64_t o = o0; o < o1; ++o) counts[o] = count(masks[o]);
+[[gnu::always_inline]] inline void count_rows(const uint32_t* masks, int64_t from, int64_t o1,
+                                              int32_t* counts, int centre, int32_t* k_counts,
+                                              Count count) {
+  const uint32_t low = (uint32_t{2} << centre) - 1;
+  for (int64_t o = from; o < o1; ++o) {
+    counts[o] = count(masks[o]);
+    for (uint32_t bits = masks[o] & low; bits != 0; bits &= bits - 1) {
+      ++k_counts[std::countr_zero(bits)];
+    }
+  }
 }
 
 // Row o's edges are written at its offset in order of k; for each edge
@@ -87,8 +96,10 @@ template <bool kRows = true, class Count>
   }
 }
 
-void count_portable(const uint32_t* masks, int64_t o0, int64_t o1, int32_t* counts) {
-  count_rows(masks, o0, o1, counts, PortableCount{});
+void count_portable(const uint32_t* masks, int64_t o0, int64_t o1, int32_t* counts, int centre,
+                    int32_t* k_counts) {
+  std::fill(k_counts, k_counts + centre + 1, 0);
+  count_rows(masks, o0, o1, counts, centre, k_counts, PortableCount{});
 }
 
 void write_portable(const MirrorTile& m, int64_t t) { write_tile(m, t, PortableCount{}); }
@@ -101,8 +112,9 @@ void write_portable(const MirrorTile& m, int64_t t) { write_tile(m, t, PortableC
 
 #if defined(__x86_64__) || defined(__aarch64__)
 MLX_LATTICE_POPCNT void count_builtin(const uint32_t* masks, int64_t o0, int64_t o1,
-                                      int32_t* counts) {
-  count_rows(masks, o0, o1, counts, BuiltinCount{});
+                                      int32_t* counts, int centre, int32_t* k_counts) {
+  std::fill(k_counts, k_counts + centre + 1, 0);
+  count_rows(masks, o0, o1, counts, centre, k_counts, BuiltinCount{});
 }
 
 MLX_LATTICE_POPCNT void write_builtin(const MirrorTile& m, int64_t t) {
@@ -141,6 +153,32 @@ MLX_LATTICE_AVX512 void emit_rows_avx512(const MirrorTile& m, int64_t t) {
   }
 }
 
+// count_builtin with the bits below centre + 1 counted 16 rows at a time,
+// one vector of row counts per bit (plus one in the lanes whose mask has it).
+MLX_LATTICE_AVX512 void count_avx512(const uint32_t* masks, int64_t o0, int64_t o1,
+                                     int32_t* counts, int centre, int32_t* k_counts) {
+  __m512i per_bit[16];
+  for (__m512i& v : per_bit) v = _mm512_setzero_si512();
+  const __m512i one = _mm512_set1_epi32(1);
+  int64_t o = o0;
+  for (; o + 16 <= o1; o += 16) {
+    const __m512i v = _mm512_loadu_si512(masks + o);
+    for (int k = 0; k <= centre; ++k) {
+      const __mmask16 has = _mm512_test_epi32_mask(v, _mm512_set1_epi32(1 << k));
+      per_bit[k] = _mm512_mask_add_epi32(per_bit[k], has, per_bit[k], one);
+    }
+    for (int64_t r = o; r < o + 16; ++r) counts[r] = __builtin_popcount(masks[r]);
+  }
+  alignas(64) int32_t lanes[16];
+  for (int k = 0; k <= centre; ++k) {
+    _mm512_store_si512(lanes, per_bit[k]);
+    int32_t sum = 0;
+    for (const int32_t lane : lanes) sum += lane;
+    k_counts[k] = sum;
+  }
+  count_rows(masks, o, o1, counts, centre, k_counts, BuiltinCount{});
+}
+
 MLX_LATTICE_AVX512 void write_avx512(const MirrorTile& m, int64_t t) {
   emit_rows_avx512(m, t);
   write_tile<false>(m, t, BuiltinCount{});
@@ -151,7 +189,7 @@ MLX_LATTICE_AVX512 void write_avx512(const MirrorTile& m, int64_t t) {
 
 MirrorKernels mirror_kernels() {
 #if defined(__x86_64__)
-  if (isa::isa_usable(isa::Isa::kAvx512)) return {count_builtin, write_avx512};
+  if (isa::isa_usable(isa::Isa::kAvx512)) return {count_avx512, write_avx512};
   if (isa::isa_usable(isa::Isa::kAvx2)) return {count_builtin, write_builtin};
 #elif defined(__aarch64__)
   return {count_builtin, write_builtin};

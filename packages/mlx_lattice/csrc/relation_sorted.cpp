@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "cpu/parallel.h"
+#include "relation_pages.h"
 
 namespace mlx_lattice {
 
@@ -27,7 +28,9 @@ struct KeyGroup {
 // high[4]): one pass over parallel chunks of rows.
 bool scan_rows(const int32_t* coords, int64_t n, std::array<int64_t, 4>& low,
                std::array<int64_t, 4>& high) {
-  constexpr int64_t kChunk = int64_t{1} << 15;
+  // Chunks of 8192 rows: a 79k-row scan splits into 10 tasks, even over 2
+  // threads (at 32768 rows it was 3, one thread running two).
+  constexpr int64_t kChunk = int64_t{1} << 13;
   const int64_t n_chunks = ceil_div(n, kChunk);
   std::vector<std::array<int32_t, 8>> ranges(n_chunks);
   std::vector<char> ascending(n_chunks, 1);
@@ -96,10 +99,11 @@ PackedKeys packed_keys(const int32_t* coords, int64_t n,
     product *= static_cast<unsigned __int128>(radix[a]);
     if (product > (static_cast<unsigned __int128>(1) << 62)) return packed;
   }
-  std::vector<int64_t>& keys = packed.keys;
+  UnsetVector<int64_t>& keys = packed.keys;
   keys.resize(n + 1);
+  advise_huge_pages(keys.data(), sizeof(int64_t) * keys.size());
   keys[n] = std::numeric_limits<int64_t>::max();  // a sentinel past every key
-  constexpr int64_t kChunk = int64_t{1} << 15;
+  constexpr int64_t kChunk = int64_t{1} << 13;
   parallel_for(ceil_div(n, kChunk), [&](int64_t t) {
     // Locals: without strict aliasing each store could change the arrays.
     const int64_t b0 = low[0], rx = radix[0], ry = radix[1], rz = radix[2];
@@ -200,6 +204,45 @@ template <bool kUnit>
   }
 }
 
+// Every group's walk over rows [i0, i1) at once, row by row, when every
+// group's offsets are consecutive along z: a row's cells of the map are
+// written together and its own mask once, instead of once per group pass
+// (each pass over a chunk's map rows took its store misses again). j[g]:
+// group g's first row whose key is at least key[i0] + its reach, moved
+// along.
+struct UnitGroup {
+  int64_t delta, span;  // the group's keys are key[i] + delta + [0, span]
+  int32_t first_k;
+};
+
+[[gnu::noinline]] void walk_rows_together(const Walk w, const UnitGroup* groups, int64_t n_groups,
+                                          int64_t i0, int64_t i1, int64_t* j) {
+  const int64_t* const key = w.key;
+  int32_t* const out = w.out;
+  uint32_t* const row_masks = w.masks;
+  const bool mirror = w.mirror;
+  const int64_t k_count = w.n_kernels, stride = w.stride;
+  for (int64_t i = i0; i < i1; ++i) {
+    uint32_t own = 0;
+    int32_t* const cells = out + i * stride;
+    for (int64_t g = 0; g < n_groups; ++g) {
+      const int64_t base = key[i] + groups[g].delta, last = base + groups[g].span;
+      const int32_t first_k = groups[g].first_k;
+      int64_t u = j[g];
+      while (key[u] < base) ++u;
+      j[g] = u;
+      for (; key[u] <= last; ++u) {
+        const int32_t k = first_k + static_cast<int32_t>(key[u] - base);
+        cells[k] = static_cast<int32_t>(u);
+        own |= uint32_t{1} << (k & 31);
+        if (mirror) out[u * stride + k_count - 1 - k] = static_cast<int32_t>(i);
+        if (row_masks != nullptr) row_masks[u] |= uint32_t{1} << ((k_count - 1 - k) & 31);
+      }
+    }
+    if (row_masks != nullptr) row_masks[i] |= own;
+  }
+}
+
 }  // namespace
 
 std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n,
@@ -214,10 +257,11 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
   if (n == 0) return std::unique_ptr<int32_t[]>(new int32_t[1]);
   const PackedKeys packed = packed_keys(coords, n, offsets);
   if (packed.keys.empty()) return nullptr;
-  const std::vector<int64_t>& keys = packed.keys;
+  const UnsetVector<int64_t>& keys = packed.keys;
   const std::array<int64_t, 3>& radix = packed.radix;
   // Cells and masks are initialised by the tasks that own their rows.
   std::unique_ptr<int32_t[]> map(new int32_t[n * columns]);
+  advise_huge_pages(map.get(), sizeof(int32_t) * static_cast<size_t>(n * columns));
   const size_t searched = symmetric ? static_cast<size_t>(centre) : offsets.size();
   const std::vector<KeyGroup> groups = group_offsets(offsets, searched, radix);
   int64_t lowest = 0;  // the most negative key difference searched
@@ -241,7 +285,22 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
     }
   }
   const int64_t n_chunks = ceil_div(n, chunk);
+  std::vector<UnitGroup> unit_groups;
+  for (const KeyGroup& g : groups) {
+    if (g.unit) unit_groups.push_back({g.delta + g.lo, g.hi - g.lo, g.kernel[0]});
+  }
+  const bool together = unit_groups.size() == groups.size();
   auto walk = [&](int64_t i0, int64_t i1) {
+    if (together) {
+      const Walk w{key, map.get(), masks, symmetric && !half, n_kernels, columns, 0, 0, 0, nullptr};
+      std::vector<int64_t> j(unit_groups.size());
+      for (size_t g = 0; g < unit_groups.size(); ++g) {
+        j[g] = first_at_least(key[i0] + unit_groups[g].delta);
+      }
+      walk_rows_together(w, unit_groups.data(), static_cast<int64_t>(unit_groups.size()), i0,
+                         i1, j.data());
+      return;
+    }
     for (const KeyGroup& g : groups) {
       const Walk w{key, map.get(), masks, symmetric && !half, n_kernels, columns,
                    g.delta, g.lo, g.hi, g.kernel.data()};

@@ -13,10 +13,34 @@
 #include <array>
 #include <cstdint>
 #include <memory>
+#include <new>
 #include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace mlx_lattice {
+
+// std::allocator but for value-initialization (resize(n), vector(n)), which
+// leaves the entries unset: for scratch that a pass writes whole before any
+// read, where zeroing it first is a serial pass of its own.
+template <typename T>
+struct UnsetAllocator : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = UnsetAllocator<U>;
+  };
+  template <typename U>
+  void construct(U* p) noexcept(std::is_nothrow_default_constructible_v<U>) {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... Args>
+  void construct(U* p, Args&&... args) {
+    ::new (static_cast<void*>(p)) U(std::forward<Args>(args)...);
+  }
+};
+template <typename T>
+using UnsetVector = std::vector<T, UnsetAllocator<T>>;
 
 // Keys of n > 0 rows in mixed radix, ((b * X + x) * Y + y) * Z + z, each
 // coordinate shifted to start at h (the offsets' reach on that axis) and
@@ -26,7 +50,7 @@ namespace mlx_lattice {
 // is empty when the rows are not strictly ascending or the product of
 // radices passes 2^62.
 struct PackedKeys {
-  std::vector<int64_t> keys;
+  UnsetVector<int64_t> keys;
   std::array<int64_t, 3> radix{}, reach{};
   std::array<int64_t, 4> low{}, high{};
 };

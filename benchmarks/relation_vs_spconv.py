@@ -46,7 +46,7 @@ _QUICK = flags.DEFINE_boolean(
 )
 
 
-def spconv_map(coords: np.ndarray) -> tuple[Callable[[], None], Callable[[], int]]:
+def spconv_map(coords: np.ndarray) -> tuple[Callable[[], np.ndarray], Callable[[], int]]:
     """spconv's submanifold map of ``coords`` ((batch, x, y, z) rows): a
     timed call, and a count of the edges it found (every offset, the centre
     and both directions of each pair counted, to compare with ours)."""
@@ -57,12 +57,13 @@ def spconv_map(coords: np.ndarray) -> tuple[Callable[[], None], Callable[[], int
     c[:, 1:] -= c[:, 1:].min(axis=0)  # spconv indexes a grid from 0
     c = np.ascontiguousarray(c)
     shape = [int(c[:, axis].max()) + 1 for axis in (1, 2, 3)]
-    pairs = np.empty((2, 27, len(c)), np.int32)
-    counts = np.zeros((27,), np.int32)
 
-    def run() -> None:
-        pairs.fill(-1)
-        counts.fill(0)
+    def run() -> np.ndarray:
+        # Allocated per call, as spconv's PyTorch wrapper allocates them
+        # (torch.full and torch.zeros in spconv.pytorch.ops): a large pair
+        # buffer is fresh memory each time, as our relation's arrays are.
+        pairs = np.full((2, 27, len(c)), -1, np.int32)
+        counts = np.zeros((27,), np.int32)
         SpconvOps.generate_subm_conv_inds_cpu(
             tv.from_numpy(c),
             tv.from_numpy(pairs),
@@ -73,10 +74,10 @@ def spconv_map(coords: np.ndarray) -> tuple[Callable[[], None], Callable[[], int
             ksize=[3, 3, 3],
             dilation=[1, 1, 1],
         )
+        return counts
 
     def edges() -> int:
-        run()
-        return 2 * int(counts.sum()) + len(c)
+        return 2 * int(run().sum()) + len(c)
 
     return run, edges
 

@@ -30,7 +30,7 @@ struct MirrorTile {
 struct MirrorKernels {
   // counts[o] = the number of edges of row o (its mask's set bits), o in
   // [o0, o1), and k_counts[k] = the number of those rows whose mask has bit
-  // k, for k in [0, centre] (centre < 16).
+  // k, for k in [0, centre] (centre < 32).
   void (*count)(const uint32_t* masks, int64_t o0, int64_t o1, int32_t* counts, int centre,
                 int32_t* k_counts);
   // Writes tile t's edges, their mirrors and both groupings' entries.

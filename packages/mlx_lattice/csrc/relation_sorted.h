@@ -26,6 +26,9 @@ namespace mlx_lattice {
 // read, where zeroing it first is a serial pass of its own.
 template <typename T>
 struct UnsetAllocator : std::allocator<T> {
+  UnsetAllocator() noexcept = default;
+  template <typename U>
+  UnsetAllocator(const UnsetAllocator<U>&) noexcept {}
   template <typename U>
   struct rebind {
     using other = UnsetAllocator<U>;

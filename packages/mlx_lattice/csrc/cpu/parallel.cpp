@@ -71,7 +71,7 @@ int current_cpu() {
 // then waits behind the posting thread, for milliseconds).
 class AvoidCpu {
  public:
-  explicit AvoidCpu(int cpu) {
+  explicit AvoidCpu(int cpu) : cpu_(cpu) {
 #if defined(__linux__)
     if (cpu < 0 || cpu >= CPU_SETSIZE) return;
     if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0) return;
@@ -86,8 +86,15 @@ class AvoidCpu {
   ~AvoidCpu() {
 #if defined(__linux__)
     cpu_set_t now;
-    if (set_ && sched_getaffinity(0, sizeof(now), &now) == 0 && CPU_EQUAL(&now, &others_)) {
+    if (!set_ || sched_getaffinity(0, sizeof(now), &now) != 0) return;
+    if (CPU_EQUAL(&now, &others_)) {
       sched_setaffinity(0, sizeof(allowed_), &allowed_);
+    } else if (!CPU_ISSET(cpu_, &now)) {
+      // Narrowed meanwhile (a cpuset change keeps what was asked, less what
+      // it removes): give back the CPU this object took away; the kernel
+      // keeps it out if the new set does not allow it.
+      CPU_SET(cpu_, &now);
+      sched_setaffinity(0, sizeof(now), &now);
     }
 #endif
   }
@@ -95,6 +102,7 @@ class AvoidCpu {
   AvoidCpu& operator=(const AvoidCpu&) = delete;
 
  private:
+  int cpu_;
 #if defined(__linux__)
   cpu_set_t allowed_{}, others_{};
   bool set_ = false;
@@ -170,8 +178,11 @@ class Pool {
 
  private:
   // Larger jobs run on the calling thread: the claims word's halves stay
-  // below 2^32 (each thread claims at most once past the count).
+  // below 2^32. Past the count, a thread claims at most twice per job (a
+  // worker that woke late, once for the job before and once for this one),
+  // and the pool has at most 1024 threads.
   static constexpr int64_t kMaxTasks = (int64_t{1} << 31) - 1;
+  static_assert(kMaxTasks + 2 * 1024 < (int64_t{1} << 32));
 
   // Claims and runs tasks until the current job has none left.
   void work() {

@@ -4,8 +4,9 @@
 //    (a job is done when its tasks are; a worker that wakes late claims
 //    nothing of a finished job, or a task of the current one);
 //  - jobs posted from several threads at once each run whole;
-//  - an exception from a task is rethrown by parallel_for after the job
-//    (no task runs twice), and the next job runs whole;
+//  - an exception from a task is rethrown by parallel_for once no task of
+//    the job is running (the thrower ran once, no task twice), and the
+//    next job runs whole;
 //  - on Linux, every task runs with its thread's own CPU affinity (a worker
 //    keeps off the posting thread's CPU only while it sleeps).
 // The random job sizes come from a fixed seed, printed with each failure.
@@ -91,28 +92,45 @@ void exceptions_are_rethrown() {
   mlx_lattice::set_num_threads(2);
   for (int round = 0; round < 20; ++round) {
     if (round % 5 == 0) std::this_thread::sleep_for(std::chrono::milliseconds(2));
-    std::atomic<int> ran{0};
+    const std::string label = "round " + std::to_string(round);
+    std::vector<std::atomic<int>> runs(100);
+    for (auto& r : runs) r.store(0);
+    std::atomic<int> running{0};
     bool caught = false;
+    int running_at_catch = -1;
     try {
       mlx_lattice::parallel_for(100, [&](int64_t t) {
-        ran.fetch_add(1);
+        running.fetch_add(1);
+        runs[static_cast<size_t>(t)].fetch_add(1);
+        std::this_thread::sleep_for(std::chrono::microseconds(t % 3 == 0 ? 50 : 0));
+        running.fetch_sub(1);
         if (t == 37) throw std::runtime_error("task 37");
       });
     } catch (const std::runtime_error& e) {
       caught = std::string(e.what()) == "task 37";
+      running_at_catch = running.load();
     }
-    if (!caught) fail("round " + std::to_string(round) + ": task 37's exception not rethrown");
-    if (ran.load() < 1 || ran.load() > 100) {
-      fail("round " + std::to_string(round) + ": " + std::to_string(ran.load()) + " tasks ran");
+    if (!caught) fail(label + ": task 37's exception not rethrown");
+    if (running_at_catch != 0) {
+      fail(label + ": rethrown with " + std::to_string(running_at_catch) + " tasks running");
     }
-    check_job(64, "the job after an exception, round " + std::to_string(round));
+    if (runs[37].load() != 1) fail(label + ": task 37 ran " + std::to_string(runs[37].load()));
+    for (int t = 0; t < 100; ++t) {
+      if (runs[static_cast<size_t>(t)].load() > 1) {
+        fail(label + ": task " + std::to_string(t) + " ran twice");
+      }
+    }
+    check_job(64, "the job after an exception, " + label);
   }
 }
 
 void tasks_keep_their_affinity() {
 #if defined(__linux__)
   cpu_set_t own;
-  if (sched_getaffinity(0, sizeof(own), &own) != 0) return;
+  if (sched_getaffinity(0, sizeof(own), &own) != 0 || CPU_COUNT(&own) < 2) {
+    std::printf("affinity check skipped: fewer than 2 CPUs allowed\n");
+    return;
+  }
   // Workers are created by the pool with the creating thread's affinity.
   mlx_lattice::set_num_threads(1);
   mlx_lattice::set_num_threads(std::min(4, std::max(2, CPU_COUNT(&own))));

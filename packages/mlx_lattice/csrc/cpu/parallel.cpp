@@ -71,8 +71,9 @@ int current_cpu() {
 // then waits behind the posting thread, for milliseconds).
 class AvoidCpu {
  public:
-  explicit AvoidCpu(int cpu) : cpu_(cpu) {
+  explicit AvoidCpu(int cpu) {
 #if defined(__linux__)
+    cpu_ = cpu;
     if (cpu < 0 || cpu >= CPU_SETSIZE) return;
     if (sched_getaffinity(0, sizeof(allowed_), &allowed_) != 0) return;
     if (!CPU_ISSET(cpu, &allowed_) || CPU_COUNT(&allowed_) < 2) return;
@@ -102,8 +103,8 @@ class AvoidCpu {
   AvoidCpu& operator=(const AvoidCpu&) = delete;
 
  private:
-  int cpu_;
 #if defined(__linux__)
+  int cpu_ = -1;
   cpu_set_t allowed_{}, others_{};
   bool set_ = false;
 #endif

@@ -27,12 +27,12 @@ struct BuiltinCount {
   [[gnu::always_inline]] int32_t operator()(uint32_t v) const { return __builtin_popcount(v); }
 };
 
-// Rows [o0, o1) from `from` on: each row's set bits, and the rows of each
-// bit k <= centre (its set bits below centre + 1, one at a time).
+// Rows [from, o1): each row's set bits, and added to k_counts[k] the rows
+// with bit k <= centre (their set bits below centre + 1, one at a time).
 template <class Count>
-[[gnu::always_inline]] inline void count_rows(const uint32_t* masks, int64_t from, int64_t o1,
-                                              int32_t* counts, int centre, int32_t* k_counts,
-                                              Count count) {
+[[gnu::always_inline]] inline void add_rows(const uint32_t* masks, int64_t from, int64_t o1,
+                                            int32_t* counts, int centre, int32_t* k_counts,
+                                            Count count) {
   const uint32_t low = (uint32_t{2} << centre) - 1;
   for (int64_t o = from; o < o1; ++o) {
     counts[o] = count(masks[o]);
@@ -40,6 +40,15 @@ template <class Count>
       ++k_counts[std::countr_zero(bits)];
     }
   }
+}
+
+// MirrorKernels::count, one row at a time.
+template <class Count>
+[[gnu::always_inline]] inline void count_rows(const uint32_t* masks, int64_t o0, int64_t o1,
+                                              int32_t* counts, int centre, int32_t* k_counts,
+                                              Count count) {
+  std::fill(k_counts, k_counts + centre + 1, 0);
+  add_rows(masks, o0, o1, counts, centre, k_counts, count);
 }
 
 // Row o's edges are written at its offset in order of k; for each edge
@@ -98,7 +107,6 @@ template <bool kRows = true, class Count>
 
 void count_portable(const uint32_t* masks, int64_t o0, int64_t o1, int32_t* counts, int centre,
                     int32_t* k_counts) {
-  std::fill(k_counts, k_counts + centre + 1, 0);
   count_rows(masks, o0, o1, counts, centre, k_counts, PortableCount{});
 }
 
@@ -113,7 +121,6 @@ void write_portable(const MirrorTile& m, int64_t t) { write_tile(m, t, PortableC
 #if defined(__x86_64__) || defined(__aarch64__)
 MLX_LATTICE_POPCNT void count_builtin(const uint32_t* masks, int64_t o0, int64_t o1,
                                       int32_t* counts, int centre, int32_t* k_counts) {
-  std::fill(k_counts, k_counts + centre + 1, 0);
   count_rows(masks, o0, o1, counts, centre, k_counts, BuiltinCount{});
 }
 
@@ -158,7 +165,6 @@ MLX_LATTICE_AVX512 void emit_rows_avx512(const MirrorTile& m, int64_t t) {
 MLX_LATTICE_AVX512 void count_avx512(const uint32_t* masks, int64_t o0, int64_t o1,
                                      int32_t* counts, int centre, int32_t* k_counts) {
   if (centre >= 16) {  // masks of at most 32 offsets: never, but not this block's to assume
-    std::fill(k_counts, k_counts + centre + 1, 0);
     count_rows(masks, o0, o1, counts, centre, k_counts, BuiltinCount{});
     return;
   }
@@ -181,7 +187,7 @@ MLX_LATTICE_AVX512 void count_avx512(const uint32_t* masks, int64_t o0, int64_t 
     for (const int32_t lane : lanes) sum += lane;
     k_counts[k] = sum;
   }
-  count_rows(masks, o, o1, counts, centre, k_counts, BuiltinCount{});
+  add_rows(masks, o, o1, counts, centre, k_counts, BuiltinCount{});
 }
 
 MLX_LATTICE_AVX512 void write_avx512(const MirrorTile& m, int64_t t) {

@@ -154,11 +154,11 @@ std::vector<KeyGroup> group_offsets(const std::vector<std::array<int64_t, 3>>& o
 
 namespace {
 
-// One (dx, dy) group's walk over rows [i0, i1) of sorted_neighbour_map. A
-// function of its own, every value it reads a by-value parameter: as a
-// lambda over captured references (the library builds with
-// -fno-strict-aliasing) it reloaded them after each store into the map or
-// the masks, and took 5-7% longer over a 100k-row scan's relation.
+// The walks over rows [i0, i1) of sorted_neighbour_map. Functions of their
+// own, every value they read a by-value parameter: as a lambda over
+// captured references (the library builds with -fno-strict-aliasing) the
+// walk reloaded them after each store into the map or the masks, and took
+// 5-7% longer over a 100k-row scan's relation.
 struct Walk {
   const int64_t* key;
   int32_t* out;
@@ -166,35 +166,26 @@ struct Walk {
   bool mirror;
   int64_t n_kernels;
   int64_t stride;
-  int64_t delta, lo, hi;
-  const int32_t* kernel;
 };
 
-// j: the first row whose key is at least key[i0] + delta + lo. kUnit:
-// the group's offsets are consecutive along z (the usual kernels), so the
-// offset comes from the key difference, without the table.
-template <bool kUnit>
-[[gnu::noinline]] void walk_rows(const Walk w, int64_t i0, int64_t i1, int64_t j) {
+// One (dx, dy) group whose offsets are not consecutive along z (a dilation
+// or tensor stride along z): a neighbour's offset is kernel[key difference
+// - lo], or none where that is -1. delta: the group's delta + lo; span: hi
+// - lo. j: the first row whose key is at least key[i0] + delta.
+[[gnu::noinline]] void walk_rows(const Walk w, int64_t delta, int64_t span,
+                                 const int32_t* kernel, int64_t i0, int64_t i1, int64_t j) {
   const int64_t* const key = w.key;
   int32_t* const out = w.out;
   uint32_t* const row_masks = w.masks;
   const bool mirror = w.mirror;
   const int64_t k_count = w.n_kernels, stride = w.stride;
-  const int64_t delta = w.delta + w.lo, span = w.hi - w.lo;
-  const int32_t* const kernel = w.kernel;
-  const int32_t first_k = kernel[0];
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t base = key[i] + delta;
     while (key[j] < base) ++j;
     uint32_t own = 0;
     for (int64_t u = j; key[u] <= base + span; ++u) {
-      int32_t k;
-      if constexpr (kUnit) {
-        k = first_k + static_cast<int32_t>(key[u] - base);
-      } else {
-        k = kernel[key[u] - base];
-        if (k < 0) continue;
-      }
+      const int32_t k = kernel[key[u] - base];
+      if (k < 0) continue;
       out[i * stride + k] = static_cast<int32_t>(u);
       own |= uint32_t{1} << (k & 31);
       if (mirror) out[u * stride + k_count - 1 - k] = static_cast<int32_t>(i);
@@ -204,12 +195,13 @@ template <bool kUnit>
   }
 }
 
-// Every group's walk over rows [i0, i1) at once, row by row, when every
-// group's offsets are consecutive along z: a row's cells of the map are
-// written together and its own mask once, instead of once per group pass
-// (each pass over a chunk's map rows took its store misses again). j[g]:
-// group g's first row whose key is at least key[i0] + its reach, moved
-// along.
+// The walk of every group whose offsets are consecutive along z (the usual
+// kernels: a neighbour's offset is the first one's plus the key
+// difference, without a table), all at once, row by row: a row's cells of
+// the map are written together and its own mask once, instead of once per
+// group pass (each pass over a chunk's map rows took its store misses
+// again). j[g]: group g's first row whose key is at least key[i0] + its
+// delta, moved along.
 struct UnitGroup {
   int64_t delta, span;  // the group's keys are key[i] + delta + [0, span]
   int32_t first_k;
@@ -289,27 +281,22 @@ std::unique_ptr<int32_t[]> sorted_neighbour_map(const int32_t* coords, int64_t n
   for (const KeyGroup& g : groups) {
     if (g.unit) unit_groups.push_back({g.delta + g.lo, g.hi - g.lo, g.kernel[0]});
   }
-  const bool together = unit_groups.size() == groups.size();
+  const Walk w{key, map.get(), masks, symmetric && !half, n_kernels, columns};
   auto walk = [&](int64_t i0, int64_t i1) {
-    if (together) {
-      const Walk w{key, map.get(), masks, symmetric && !half, n_kernels, columns, 0, 0, 0, nullptr};
+    // Cells are written once each and masks are ORed, so the order of the
+    // groups does not matter.
+    if (!unit_groups.empty()) {
       std::vector<int64_t> j(unit_groups.size());
       for (size_t g = 0; g < unit_groups.size(); ++g) {
         j[g] = first_at_least(key[i0] + unit_groups[g].delta);
       }
       walk_rows_together(w, unit_groups.data(), static_cast<int64_t>(unit_groups.size()), i0,
                          i1, j.data());
-      return;
     }
     for (const KeyGroup& g : groups) {
-      const Walk w{key, map.get(), masks, symmetric && !half, n_kernels, columns,
-                   g.delta, g.lo, g.hi, g.kernel.data()};
-      const int64_t j = first_at_least(key[i0] + g.delta + g.lo);
-      if (g.unit) {
-        walk_rows<true>(w, i0, i1, j);
-      } else {
-        walk_rows<false>(w, i0, i1, j);
-      }
+      if (g.unit) continue;
+      const int64_t delta = g.delta + g.lo;
+      walk_rows(w, delta, g.hi - g.lo, g.kernel.data(), i0, i1, first_at_least(key[i0] + delta));
     }
   };
   parallel_for(n_chunks, [&](int64_t c) {

@@ -7,6 +7,7 @@
 #include "bindings.h"
 #include "cpu/input_error.h"
 
+#include <cstdlib>
 #include <exception>
 #include <stdexcept>
 
@@ -243,6 +244,25 @@ void bind_ops(nb::module_& m) {
       "The L2 size (bytes >= 0) the CPU tile drivers size their tiles from; None: the host's.");
   m.def("l2_cache_bytes", &isa::l2_cache_bytes,
         "The L2 size the CPU tile drivers size their tiles from now.");
+  m.def(
+      "check_environment",
+      [] {
+        // Read as the kernels read them (at first use); an empty value is unset.
+        const char* isa_env = std::getenv("MLX_LATTICE_GEMM_ISA");
+        isa::Isa level;
+        if (isa_env && *isa_env && !isa::isa_from_name(isa_env, level)) {
+          throw ::mlx_lattice::InputError("MLX_LATTICE_GEMM_ISA: unknown ISA level '" + std::string(isa_env) +
+                           "'; the levels are " + isa::isa_level_names() + ".");
+        }
+        const char* threads_env = std::getenv("MLX_LATTICE_NUM_THREADS");
+        int threads = 0;
+        if (threads_env && *threads_env && !::mlx_lattice::threads_from_text(threads_env, threads)) {
+          throw ::mlx_lattice::InputError("MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '" +
+                           std::string(threads_env) + "'.");
+        }
+      },
+      "Raises MlxLatticeError for an MLX_LATTICE_GEMM_ISA that names no ISA level or an "
+      "MLX_LATTICE_NUM_THREADS that is no integer in [1, 1024] (unset or empty: fine).");
   m.def(
       "isa_ceiling", [] { return std::string(isa::isa_name(isa::isa_ceiling())); },
       "The current ISA ceiling's name.");

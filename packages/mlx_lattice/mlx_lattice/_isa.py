@@ -18,7 +18,9 @@ def set_kernel_isa(name: str | None) -> None:
     best kernel the CPU supports at or below the cap. The int8 family
     follows a new cap at once; the float32 GEMM and the half-precision
     forward choose once per process, at their first use, and keep it. ``None`` returns to
-    the environment variable's cap (or none).
+    the environment variable's cap (or none). A non-empty
+    ``MLX_LATTICE_GEMM_ISA`` that names no level raises
+    :class:`~mlx_lattice.MlxLatticeError` when ``mlx_lattice`` is imported.
 
     >>> previous = get_kernel_isa()
     >>> set_kernel_isa("scalar"); get_kernel_isa()

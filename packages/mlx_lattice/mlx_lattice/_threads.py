@@ -11,7 +11,9 @@ def set_num_threads(n: int) -> None:
     """Use ``n`` threads (>= 1) in the CPU kernels.
 
     The default is the ``MLX_LATTICE_NUM_THREADS`` environment variable when it
-    holds a positive integer, else all cores. Results are bitwise identical
+    is set (an integer in [1, 1024]; any other non-empty value raises
+    :class:`~mlx_lattice.MlxLatticeError` when ``mlx_lattice`` is imported),
+    else all cores. Results are bitwise identical
     for every thread count.
 
     >>> previous = get_num_threads()

@@ -203,6 +203,48 @@ def test_thread_count_environment_variable():
     assert out.stdout.strip() == "3"
 
 
+def _import_with(name, value):
+    """A child Python importing mlx_lattice with one environment variable set."""
+    code = "import mlx_lattice; from mlx_lattice._native import ext; print(ext.gemm_isa())"
+    env = dict(os.environ, **{name: value})
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
+_ISA_MESSAGE = (
+    "MLX_LATTICE_GEMM_ISA: unknown ISA level 'avx9'; the levels are scalar, avx2-fma, "
+    "avx-vnni, avx512f"
+)
+_THREADS_MESSAGE = "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '0'."
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        ("MLX_LATTICE_GEMM_ISA", "avx9", _ISA_MESSAGE),
+        ("MLX_LATTICE_GEMM_ISA", "AVX512F", "unknown ISA level 'AVX512F'"),
+        ("MLX_LATTICE_NUM_THREADS", "0", _THREADS_MESSAGE),
+        ("MLX_LATTICE_NUM_THREADS", "two", "got 'two'"),
+        ("MLX_LATTICE_NUM_THREADS", "3x", "got '3x'"),
+        ("MLX_LATTICE_NUM_THREADS", "1025", "got '1025'"),
+        ("MLX_LATTICE_NUM_THREADS", "99999999999999999999", "got '99999999999999999999'"),
+    ],
+)
+def test_environment_values_the_kernels_cannot_use_raise_at_import(name, value, message):
+    # Before, the kernels ignored such a value at their first call: a
+    # mistyped ISA cap ran the best kernel instead, silently.
+    out = _import_with(name, value)
+    assert out.returncode != 0, out.stdout
+    assert "mlx_lattice._errors.MlxLatticeError" in out.stderr and message in out.stderr, out.stderr
+
+
+def test_environment_values_the_kernels_use_import():
+    assert _import_with("MLX_LATTICE_GEMM_ISA", "scalar").stdout.strip() == "scalar"
+    for name in ("MLX_LATTICE_GEMM_ISA", "MLX_LATTICE_NUM_THREADS"):
+        out = _import_with(name, "")  # empty: as if unset
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip() == ext.gemm_isa()
+
+
 _ISA_SCRIPT = """
 import sys
 import mlx.core as mx

@@ -202,6 +202,15 @@ bool isa_from_name(const char* name, Isa& isa) {
   return false;
 }
 
+std::string isa_level_names() {
+  std::string names;
+  for (Isa level : kLevels) {
+    if (!names.empty()) names += ", ";
+    names += isa_name(level);
+  }
+  return names;
+}
+
 Isa isa_ceiling() {
   const int forced = override_ceiling.load(std::memory_order_relaxed);
   if (forced >= 0) return static_cast<Isa>(forced);

@@ -33,6 +33,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace mlx_lattice::isa {
 
@@ -89,6 +90,9 @@ void set_l2_cache_bytes(int64_t bytes);
 
 // The level named `name` (isa_name's spelling); false when unknown.
 bool isa_from_name(const char* name, Isa& isa);
+
+// Every level's name, lowest first, comma-separated (for messages).
+std::string isa_level_names();
 
 // Whether a kernel of level `isa` may run: supported and under the ceiling.
 inline bool isa_usable(Isa isa) {

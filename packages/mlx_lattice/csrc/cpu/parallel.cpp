@@ -2,6 +2,7 @@
 #include "input_error.h"
 
 #include <algorithm>
+#include <cerrno>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -23,13 +24,8 @@ namespace mlx_lattice {
 namespace {
 
 int default_threads() {
-  if (const char* env = std::getenv("MLX_LATTICE_NUM_THREADS")) {
-    char* end = nullptr;
-    long value = std::strtol(env, &end, 10);
-    if (end != env && *end == '\0' && value >= 1 && value <= 1024) {
-      return static_cast<int>(value);
-    }
-  }
+  int n = 0;
+  if (threads_from_text(std::getenv("MLX_LATTICE_NUM_THREADS"), n)) return n;
   return std::max(1u, std::thread::hardware_concurrency());
 }
 
@@ -261,6 +257,16 @@ Pool& pool() {
 }
 
 }  // namespace
+
+bool threads_from_text(const char* text, int& n) {
+  if (text == nullptr || *text < '0' || *text > '9') return false;
+  char* end = nullptr;
+  errno = 0;
+  const long value = std::strtol(text, &end, 10);
+  if (errno != 0 || *end != '\0' || value < 1 || value > 1024) return false;
+  n = static_cast<int>(value);
+  return true;
+}
 
 int get_num_threads() { return pool().size(); }
 

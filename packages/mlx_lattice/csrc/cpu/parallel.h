@@ -17,6 +17,10 @@ int get_num_threads();
 // Sets the thread count (>= 1). Raises std::invalid_argument otherwise.
 void set_num_threads(int n);
 
+// The thread count `text` names (MLX_LATTICE_NUM_THREADS's spelling: a
+// decimal integer in [1, 1024], nothing else); false otherwise.
+bool threads_from_text(const char* text, int& n);
+
 // Runs fn(task) for task in [0, n_tasks), spread over the pool; the calling
 // thread takes part. Tasks are claimed dynamically. Exceptions thrown by fn
 // are rethrown (the first one) after all tasks finished.

@@ -251,14 +251,17 @@ void bind_ops(nb::module_& m) {
         const char* isa_env = std::getenv("MLX_LATTICE_GEMM_ISA");
         isa::Isa level;
         if (isa_env && *isa_env && !isa::isa_from_name(isa_env, level)) {
-          throw ::mlx_lattice::InputError("MLX_LATTICE_GEMM_ISA: unknown ISA level '" + std::string(isa_env) +
-                           "'; the levels are " + isa::isa_level_names() + ".");
+          throw ::mlx_lattice::InputError("MLX_LATTICE_GEMM_ISA: unknown ISA level '" +
+                                          std::string(isa_env) + "'; the levels are " +
+                                          isa::isa_level_names() + ".");
         }
         const char* threads_env = std::getenv("MLX_LATTICE_NUM_THREADS");
         int threads = 0;
-        if (threads_env && *threads_env && !::mlx_lattice::threads_from_text(threads_env, threads)) {
-          throw ::mlx_lattice::InputError("MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '" +
-                           std::string(threads_env) + "'.");
+        if (threads_env && *threads_env &&
+            !::mlx_lattice::threads_from_text(threads_env, threads)) {
+          throw ::mlx_lattice::InputError(
+              "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '" +
+              std::string(threads_env) + "'.");
         }
       },
       "Raises MlxLatticeError for an MLX_LATTICE_GEMM_ISA that names no ISA level or an "

@@ -194,20 +194,26 @@ def test_threads_give_identical_bits(rng, ref, restore_threads):
         mlx_lattice.set_num_threads(2.0)
 
 
+def _child(code, name, value):
+    """A child Python running ``code`` with environment variable ``name`` set
+    to ``value`` (None: removed), the rest of the environment as ours."""
+    env = {k: v for k, v in os.environ.items() if k != name}
+    if value is not None:
+        env[name] = value
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+
+
 def test_thread_count_environment_variable():
     code = "import mlx_lattice; print(mlx_lattice.get_num_threads())"
-    env = dict(os.environ, MLX_LATTICE_NUM_THREADS="3")
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True
-    )
+    out = _child(code, "MLX_LATTICE_NUM_THREADS", "3")
+    assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "3"
 
 
 def _import_with(name, value):
-    """A child Python importing mlx_lattice with one environment variable set."""
+    """A child importing mlx_lattice with one variable set; prints its GEMM kernel."""
     code = "import mlx_lattice; from mlx_lattice._native import ext; print(ext.gemm_isa())"
-    env = dict(os.environ, **{name: value})
-    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    return _child(code, name, value)
 
 
 _ISA_MESSAGE = (
@@ -241,8 +247,9 @@ def test_environment_values_the_kernels_use_import():
     assert _import_with("MLX_LATTICE_GEMM_ISA", "scalar").stdout.strip() == "scalar"
     for name in ("MLX_LATTICE_GEMM_ISA", "MLX_LATTICE_NUM_THREADS"):
         out = _import_with(name, "")  # empty: as if unset
-        assert out.returncode == 0, out.stderr
-        assert out.stdout.strip() == ext.gemm_isa()
+        unset = _import_with(name, None)
+        assert out.returncode == 0 and unset.returncode == 0, out.stderr + unset.stderr
+        assert out.stdout.strip() == unset.stdout.strip()
 
 
 _ISA_SCRIPT = """

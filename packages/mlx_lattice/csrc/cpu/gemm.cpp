@@ -209,7 +209,7 @@ __attribute__((target("avx512f"))) inline void block512(const AElem<AF>* const* 
     // of each row are widened before this chunk's steps, so no step's
     // broadcast reads a line its own chunk has just stored (with one buffer,
     // each chunk's first broadcasts waited on the 64-byte stores: fp16 C64
-    // at 0.96-0.98 of the float32 forward on the AMD AVX-512 hosts, now
+    // at 0.95-0.98 of the float32 forward on the AMD AVX-512 hosts, now
     // 0.99-1.00).
     alignas(64) float wide[2][R][16];
     for (int r = 0; r < R; ++r) {

@@ -209,18 +209,20 @@ void bind_ops(nb::module_& m) {
   m.def("set_num_threads", &set_num_threads, "n"_a, release(),
         "Set the number of threads of the CPU kernels (>= 1).");
   m.def("get_num_threads", &get_num_threads,
-        "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else all cores.");
+        "Threads of the CPU kernels: MLX_LATTICE_NUM_THREADS if set, else the CPUs this "
+        "process may run on (its affinity mask on Linux), at most 1024.");
   m.def(
       "bf16_isa", [] { return kernels::half_isa(kernels::FloatFormat::kBF16); },
-      "The bf16 forward convolution's kernel: 'avx512-bf16' (vdpbf16ps; not on Intel CPUs, "
-      "where it is slower than float32), 'neon-bf16' (BFMLALB/T) or 'float32' (converted to "
-      "float32).");
+      "The bf16 forward convolution's kernel: 'amx-bf16' (TDPBF16PS tiles), 'avx512-bf16' "
+      "(vdpbf16ps; not on Intel CPUs, where it is slower than float32), 'neon-bf16' "
+      "(BFMLALB/T) or 'float32' (converted to float32).");
   m.def(
       "fp16_isa", [] { return kernels::half_isa(kernels::FloatFormat::kF16); },
       "The float16 forward convolution's kernel: 'neon-fhm' (FMLAL/FMLAL2) or 'float32' "
       "(converted to float32).");
   m.def("int8_isa", &kernels::int8_isa,
-        "The int8 micro-kernel in use: 'amx-int8', 'avx512-vnni', 'avx-vnni' or 'scalar'.");
+        "The int8 micro-kernel in use: 'amx-int8', 'avx512-vnni', 'avx-vnni', 'avx2-fma', "
+        "'neon-i8mm', 'neon-dotprod' or 'scalar'.");
   m.def(
       "set_isa_ceiling",
       [](const std::optional<std::string>& name) {
@@ -230,7 +232,8 @@ void bind_ops(nb::module_& m) {
         }
         isa::Isa level;
         if (!isa::isa_from_name(name->c_str(), level)) {
-          throw ::mlx_lattice::InputError("set_kernel_isa: unknown ISA level '" + *name + "'.");
+          throw ::mlx_lattice::InputError("set_kernel_isa: unknown ISA level '" + *name +
+                                          "'; the levels are " + isa::isa_level_names() + ".");
         }
         isa::set_isa_ceiling(level);
       },
@@ -263,9 +266,25 @@ void bind_ops(nb::module_& m) {
               "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '" +
               std::string(threads_env) + "'.");
         }
+        const char* splat_env = std::getenv("MLX_LATTICE_GEMM_SPLAT");
+        bool splat = false;
+        if (splat_env && *splat_env && !::mlx_lattice::splat_from_text(splat_env, splat)) {
+          throw ::mlx_lattice::InputError("MLX_LATTICE_GEMM_SPLAT: must be 0 or 1, got '" +
+                                          std::string(splat_env) + "'.");
+        }
+        const char* cache_env = std::getenv("MLX_LATTICE_WEIGHT_CACHE_MB");
+        size_t cache_bytes = 0;
+        if (cache_env && *cache_env &&
+            !::mlx_lattice::weight_cache_bytes_from_text(cache_env, cache_bytes)) {
+          throw ::mlx_lattice::InputError(
+              "MLX_LATTICE_WEIGHT_CACHE_MB: must be an integer number of MiB >= 0, got '" +
+              std::string(cache_env) + "'.");
+        }
       },
-      "Raises MlxLatticeError for an MLX_LATTICE_GEMM_ISA that names no ISA level or an "
-      "MLX_LATTICE_NUM_THREADS that is no integer in [1, 1024] (unset or empty: fine).");
+      "Raises MlxLatticeError for an MLX_LATTICE_GEMM_ISA that names no ISA level, an "
+      "MLX_LATTICE_NUM_THREADS that is no integer in [1, 1024], an MLX_LATTICE_GEMM_SPLAT "
+      "other than 0 or 1, or an MLX_LATTICE_WEIGHT_CACHE_MB that is no integer >= 0 "
+      "(unset or empty: fine).");
   m.def(
       "isa_ceiling", [] { return std::string(isa::isa_name(isa::isa_ceiling())); },
       "The current ISA ceiling's name.");

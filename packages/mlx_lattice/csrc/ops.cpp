@@ -209,8 +209,11 @@ mx::array sparse_quantized_conv_features(const mx::array& feats, const Quantized
   if (act_bits != 0 && act_bits != 8) {
     fail(op, "act_bits must be 0 (float activations) or 8, got " + str(act_bits) + ".");
   }
-  if (act_bits == 8 && q.group_size % 4 != 0) {
-    fail(op, "act_bits=8 needs a group_size that is a multiple of 4, got " +
+  // A group's int32 sum of codes (< 256) times activations (|q| <= 127) is
+  // exact up to 66,311 values per group: at most 65536 keeps every ISA's
+  // sums exact (cpu/gemm_int8.h).
+  if (act_bits == 8 && (q.group_size % 4 != 0 || q.group_size > 65536)) {
+    fail(op, "act_bits=8 needs a group_size that is a multiple of 4 and at most 65536, got " +
                  str(q.group_size) + ".");
   }
   if (act_bits == 8 && stream.device == mx::Device::gpu) {

@@ -1,5 +1,6 @@
 #include "weight_cache.h"
 
+#include <cerrno>
 #include <cstdlib>
 #include <list>
 #include <mutex>
@@ -19,12 +20,9 @@ struct Entry {
 };
 
 size_t budget_from_env() {
-  const char* env = std::getenv("MLX_LATTICE_WEIGHT_CACHE_MB");
-  if (env == nullptr || *env == '\0') return kWeightCacheDefaultBytes;
-  char* end = nullptr;
-  const long long mb = std::strtoll(env, &end, 10);
-  if (*end != '\0' || mb < 0 || mb > (int64_t{1} << 40)) return kWeightCacheDefaultBytes;
-  return static_cast<size_t>(mb) << 20;
+  size_t bytes = kWeightCacheDefaultBytes;
+  weight_cache_bytes_from_text(std::getenv("MLX_LATTICE_WEIGHT_CACHE_MB"), bytes);
+  return bytes;
 }
 
 // A key seen once, with weak references to its buffers: a note whose buffer
@@ -153,6 +151,16 @@ void set_weight_cache_budget(size_t bytes) {
   std::lock_guard<std::mutex> lock(c.mutex);
   c.budget = bytes;
   c.trim();
+}
+
+bool weight_cache_bytes_from_text(const char* text, size_t& bytes) {
+  if (text == nullptr || *text < '0' || *text > '9') return false;
+  char* end = nullptr;
+  errno = 0;
+  const long long mb = std::strtoll(text, &end, 10);
+  if (errno != 0 || *end != '\0' || mb > (int64_t{1} << 40)) return false;
+  bytes = static_cast<size_t>(mb) << 20;
+  return true;
 }
 
 }  // namespace mlx_lattice

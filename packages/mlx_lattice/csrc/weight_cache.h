@@ -89,4 +89,8 @@ void clear_weight_cache();
 // Sets the byte budget (0 turns caching off), dropping entries beyond it.
 void set_weight_cache_budget(size_t bytes);
 
+// MLX_LATTICE_WEIGHT_CACHE_MB's value: a decimal integer of MiB in
+// [0, 2^40], nothing else, sets `bytes` and returns true; false otherwise.
+bool weight_cache_bytes_from_text(const char* text, size_t& bytes);
+
 }  // namespace mlx_lattice

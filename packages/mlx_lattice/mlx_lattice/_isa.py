@@ -14,11 +14,12 @@ def set_kernel_isa(name: str | None) -> None:
     and at any time: tests and benchmarks compare kernels this way. x86-64
     levels, lowest first: ``scalar``, ``avx2-fma``, ``avx-vnni``,
     ``avx512f``, ``avx512-vnni``, ``avx512-bf16``, ``amx-int8``, ``amx-bf16``
-    (AArch64's are in the ARM64 guide). Each kernel family then runs the
-    best kernel the CPU supports at or below the cap. The int8 family
-    follows a new cap at once; the float32 GEMM and the half-precision
-    forward choose once per process, at their first use, and keep it. ``None`` returns to
-    the environment variable's cap (or none). A non-empty
+    (AArch64's are in the ARM64 guide; another architecture's names are
+    unknown). Each kernel family then runs the best kernel the CPU supports
+    at or below the cap. The int8 family follows a new cap at once; the
+    float32 GEMM and the half-precision forward and gradients choose once
+    per process, at their first use, and keep it. ``None`` returns to the
+    environment variable's cap (or none). A non-empty
     ``MLX_LATTICE_GEMM_ISA`` that names no level raises
     :class:`~mlx_lattice.MlxLatticeError` when ``mlx_lattice`` is imported.
 
@@ -29,10 +30,10 @@ def set_kernel_isa(name: str | None) -> None:
     >>> ext.int8_isa()
     'scalar'
     >>> set_kernel_isa(None)
-    >>> set_kernel_isa("avx9")
+    >>> set_kernel_isa("avx9")  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    mlx_lattice._errors.MlxLatticeError: set_kernel_isa: unknown ISA level 'avx9'.
+    mlx_lattice._errors.MlxLatticeError: ...unknown ISA level 'avx9'; the levels are scalar, ...
     """
     from mlx_lattice._native import ext
 
@@ -66,10 +67,14 @@ def set_kernel_l2_bytes(n_bytes: int | None) -> None:
     4194304
     >>> set_kernel_l2_bytes(None); get_kernel_l2_bytes() == previous
     True
-    >>> set_kernel_l2_bytes(-1)
+    >>> set_kernel_l2_bytes(-1)  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    mlx_lattice._errors.MlxLatticeError: set_kernel_l2_bytes: n_bytes must be >= 0 or None, got -1.
+    mlx_lattice._errors.MlxLatticeError: ...n_bytes must be in [0, 2**40] or None, got -1.
+    >>> set_kernel_l2_bytes(2**41)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    mlx_lattice._errors.MlxLatticeError: ...n_bytes must be in [0, 2**40] or None, got 2199...
     """
     from mlx_lattice._errors import MlxLatticeError
     from mlx_lattice._native import ext
@@ -78,8 +83,10 @@ def set_kernel_l2_bytes(n_bytes: int | None) -> None:
         raise MlxLatticeTypeError(
             f"set_kernel_l2_bytes: n_bytes must be an int or None, got {type(n_bytes).__name__}."
         )
-    if n_bytes is not None and n_bytes < 0:
-        raise MlxLatticeError(f"set_kernel_l2_bytes: n_bytes must be >= 0 or None, got {n_bytes}.")
+    if n_bytes is not None and not 0 <= n_bytes <= 2**40:
+        raise MlxLatticeError(
+            f"set_kernel_l2_bytes: n_bytes must be in [0, 2**40] or None, got {n_bytes}."
+        )
     ext.set_l2_cache_bytes(n_bytes)
 
 

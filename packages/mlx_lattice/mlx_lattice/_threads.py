@@ -13,8 +13,9 @@ def set_num_threads(n: int) -> None:
     The default is the ``MLX_LATTICE_NUM_THREADS`` environment variable when it
     is set (an integer in [1, 1024]; any other non-empty value raises
     :class:`~mlx_lattice.MlxLatticeError` when ``mlx_lattice`` is imported),
-    else all cores. Results are bitwise identical
-    for every thread count.
+    else the CPUs the process may run on (its affinity mask on Linux, as a
+    container's CPU set or ``taskset`` limits it; at most 1024). Results are
+    bitwise identical for every thread count.
 
     >>> previous = get_num_threads()
     >>> set_num_threads(1); get_num_threads()

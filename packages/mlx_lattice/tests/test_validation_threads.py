@@ -203,6 +203,19 @@ def _child(code, name, value):
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
 
 
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="no CPU affinity on this OS")
+def test_default_thread_count_is_the_cpus_the_process_may_run_on():
+    # A container's CPU set or taskset limits the CPUs; the default used to
+    # count the machine's, oversubscribing the allowed ones.
+    code = (
+        "import os; os.sched_setaffinity(0, {min(os.sched_getaffinity(0))}); "
+        "import mlx_lattice; print(mlx_lattice.get_num_threads())"
+    )
+    out = _child(code, "MLX_LATTICE_NUM_THREADS", None)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
 def test_thread_count_environment_variable():
     code = "import mlx_lattice; print(mlx_lattice.get_num_threads())"
     out = _child(code, "MLX_LATTICE_NUM_THREADS", "3")
@@ -216,10 +229,16 @@ def _import_with(name, value):
     return _child(code, name, value)
 
 
-_ISA_MESSAGE = (
-    "MLX_LATTICE_GEMM_ISA: unknown ISA level 'avx9'; the levels are scalar, avx2-fma, "
-    "avx-vnni, avx512f"
+_AARCH64 = platform.machine() in ("aarch64", "arm64")
+# This architecture's levels, lowest first; the other's names are unknown
+# here (they would cap nothing or everything).
+_LEVELS = (
+    "scalar, neon-fma, neon-dotprod, neon-fhm, neon-i8mm, neon-bf16"
+    if _AARCH64
+    else "scalar, avx2-fma, avx-vnni, avx512f, avx512-vnni, avx512-bf16, amx-int8, amx-bf16"
 )
+_OTHER_ARCH_LEVEL = "avx512f" if _AARCH64 else "neon-fma"
+_ISA_MESSAGE = f"MLX_LATTICE_GEMM_ISA: unknown ISA level 'avx9'; the levels are {_LEVELS}."
 _THREADS_MESSAGE = "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '0'."
 
 
@@ -228,11 +247,17 @@ _THREADS_MESSAGE = "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], go
     [
         ("MLX_LATTICE_GEMM_ISA", "avx9", _ISA_MESSAGE),
         ("MLX_LATTICE_GEMM_ISA", "AVX512F", "unknown ISA level 'AVX512F'"),
+        ("MLX_LATTICE_GEMM_ISA", _OTHER_ARCH_LEVEL, f"unknown ISA level '{_OTHER_ARCH_LEVEL}'"),
         ("MLX_LATTICE_NUM_THREADS", "0", _THREADS_MESSAGE),
         ("MLX_LATTICE_NUM_THREADS", "two", "got 'two'"),
         ("MLX_LATTICE_NUM_THREADS", "3x", "got '3x'"),
         ("MLX_LATTICE_NUM_THREADS", "1025", "got '1025'"),
         ("MLX_LATTICE_NUM_THREADS", "99999999999999999999", "got '99999999999999999999'"),
+        ("MLX_LATTICE_GEMM_SPLAT", "yes", "MLX_LATTICE_GEMM_SPLAT: must be 0 or 1, got 'yes'."),
+        ("MLX_LATTICE_GEMM_SPLAT", "01", "got '01'"),
+        ("MLX_LATTICE_WEIGHT_CACHE_MB", "-1", "MLX_LATTICE_WEIGHT_CACHE_MB: must be an integer"),
+        ("MLX_LATTICE_WEIGHT_CACHE_MB", "64MB", "got '64MB'"),
+        ("MLX_LATTICE_WEIGHT_CACHE_MB", "99999999999999999999", "got '99999999999999999999'"),
     ],
 )
 def test_environment_values_the_kernels_cannot_use_raise_at_import(name, value, message):
@@ -243,9 +268,36 @@ def test_environment_values_the_kernels_cannot_use_raise_at_import(name, value, 
     assert "mlx_lattice._errors.MlxLatticeError" in out.stderr and message in out.stderr, out.stderr
 
 
+def test_another_architectures_level_is_unknown_to_set_kernel_isa():
+    # Before, x86-64 took "neon-fma" (a level above all of its own: a cap of
+    # nothing) and AArch64 "avx512f" (below all of its own: everything scalar).
+    before = mlx_lattice.get_kernel_isa()
+    with pytest.raises(mlx_lattice.MlxLatticeError) as info:
+        mlx_lattice.set_kernel_isa(_OTHER_ARCH_LEVEL)
+    assert str(info.value) == (
+        f"set_kernel_isa: unknown ISA level '{_OTHER_ARCH_LEVEL}'; the levels are {_LEVELS}."
+    )
+    assert mlx_lattice.get_kernel_isa() == before
+
+
+def test_the_default_cap_is_this_architectures_highest_level():
+    code = "import mlx_lattice; print(mlx_lattice.get_kernel_isa())"
+    out = _child(code, "MLX_LATTICE_GEMM_ISA", None)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _LEVELS.split(", ")[-1]
+
+
 def test_environment_values_the_kernels_use_import():
     assert _import_with("MLX_LATTICE_GEMM_ISA", "scalar").stdout.strip() == "scalar"
-    for name in ("MLX_LATTICE_GEMM_ISA", "MLX_LATTICE_NUM_THREADS"):
+    budget = "import mlx_lattice; print(mlx_lattice.weight_cache_info()['budget'])"
+    for mib in ("0", "64"):
+        out = _child(budget, "MLX_LATTICE_WEIGHT_CACHE_MB", mib)
+        assert out.returncode == 0 and out.stdout.strip() == str(int(mib) << 20), out.stderr
+    for splat in ("0", "1"):
+        assert _import_with("MLX_LATTICE_GEMM_SPLAT", splat).returncode == 0
+    names = ("MLX_LATTICE_GEMM_ISA", "MLX_LATTICE_NUM_THREADS", "MLX_LATTICE_GEMM_SPLAT",
+             "MLX_LATTICE_WEIGHT_CACHE_MB")
+    for name in names:
         out = _import_with(name, "")  # empty: as if unset
         unset = _import_with(name, None)
         assert out.returncode == 0 and unset.returncode == 0, out.stderr + unset.stderr

@@ -304,8 +304,8 @@ bool has_avx2() { return selected_isa() != isa::Isa::kScalar; }
 // (gemm_test runs both). Read once.
 bool cpu_splats() {
   static const bool splat = [] {
-    const char* env = std::getenv("MLX_LATTICE_GEMM_SPLAT");
-    if (env && (std::strcmp(env, "0") == 0 || std::strcmp(env, "1") == 0)) return env[0] == '1';
+    bool forced = false;
+    if (splat_from_text(std::getenv("MLX_LATTICE_GEMM_SPLAT"), forced)) return forced;
     return isa::cpu_is_intel();
   }();
   return splat;
@@ -338,6 +338,14 @@ __attribute__((target("avx512f"))) void rows_avx512(int64_t m, const AElem<AF>* 
 #endif
 
 }  // namespace
+
+bool splat_from_text(const char* text, bool& splat) {
+  if (text == nullptr || (std::strcmp(text, "0") != 0 && std::strcmp(text, "1") != 0)) {
+    return false;
+  }
+  splat = text[0] == '1';
+  return true;
+}
 
 void gemm_rows(int64_t m, const float* const* a_rows, const float* b, int64_t kdim, int64_t n,
                float* const* c_rows) {

@@ -50,6 +50,10 @@ void gemm_outer(int64_t m, const float* const* f, const float* const* g, int64_t
 // one form.
 const char* gemm_isa();
 
+// MLX_LATTICE_GEMM_SPLAT's value: "1" (broadcast into registers) or "0"
+// (the memory operand) sets `splat` and returns true; anything else false.
+bool splat_from_text(const char* text, bool& splat);
+
 // The micro-kernels this build and CPU can run, best first; "scalar" always
 // last. Tests force each through MLX_LATTICE_GEMM_ISA.
 std::vector<std::string> gemm_isas();

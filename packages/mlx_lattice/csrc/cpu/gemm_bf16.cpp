@@ -311,7 +311,7 @@ const HalfEntry& pick_bf16() {
   constexpr size_t n = sizeof(kBf16Table) / sizeof(kBf16Table[0]);
   for (size_t i = 0; i + 1 < n; ++i) {
     const HalfEntry& e = kBf16Table[i];
-    if (!isa::isa_usable(e.isa) || (e.block == nullptr && e.rows == nullptr)) continue;
+    if ((e.block == nullptr && e.rows == nullptr) || !isa::isa_usable(e.isa)) continue;
 #ifdef MLX_LATTICE_X86
     if (e.isa == isa::Isa::kAvx512Bf16 && isa::cpu_is_intel()) continue;
 #endif

@@ -60,7 +60,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
                float* out);
 
 // Name of the int8 micro-kernel in use ("amx-int8", "avx512-vnni",
-// "avx-vnni", "scalar"; AArch64's "neon-i8mm", "neon-dotprod"), chosen per
+// "avx-vnni", "avx2-fma", "scalar"; AArch64's "neon-i8mm", "neon-dotprod"), chosen per
 // call under the ISA ceiling (cpu/isa.h). Where it is "amx-int8",
 // convolutions of at most 32 channels in and out run "avx512-vnni"
 // (faster there; the same bits).

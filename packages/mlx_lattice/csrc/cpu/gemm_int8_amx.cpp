@@ -4,6 +4,7 @@
 // Isa::kAmxInt8: CPUID, XCR0 and the OS permission).
 #include "amx_int8.h"
 #include "gemm_int8.h"
+#include "isa.h"
 
 // GCC 12 reports _mm512_cvtepi32_ps's own undefined pass-through operand as
 // "maybe uninitialized"; it is not read.
@@ -12,6 +13,12 @@
 #endif
 
 namespace mlx_lattice::kernels {
+
+#ifdef MLX_LATTICE_AMX
+static_assert(isa::kAmxDrivers, "cpu/isa.h's kAmxDrivers must follow MLX_LATTICE_AMX");
+#else
+static_assert(!isa::kAmxDrivers, "cpu/isa.h's kAmxDrivers must follow MLX_LATTICE_AMX");
+#endif
 
 #ifdef MLX_LATTICE_AMX
 

@@ -2,6 +2,7 @@
 
 #include "gemm_arm.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -19,11 +20,19 @@ namespace mlx_lattice::isa {
 
 namespace {
 
+// This architecture's levels, lowest first: the names MLX_LATTICE_GEMM_ISA
+// and set_isa_ceiling accept here (another architecture's name would cap
+// nothing or everything, so it is unknown), the highest the default ceiling.
+#if defined(__x86_64__) || defined(_M_X64)
 constexpr Isa kLevels[] = {Isa::kScalar,     Isa::kAvx2,       Isa::kAvxVnni,
                            Isa::kAvx512,     Isa::kAvx512Vnni, Isa::kAvx512Bf16,
-                           Isa::kAmxInt8,    Isa::kAmxBf16,
-                           Isa::kNeon,       Isa::kNeonDot,    Isa::kNeonFhm,
-                           Isa::kNeonI8mm,   Isa::kNeonBf16};
+                           Isa::kAmxInt8,    Isa::kAmxBf16};
+#elif defined(__aarch64__)
+constexpr Isa kLevels[] = {Isa::kScalar,  Isa::kNeon,      Isa::kNeonDot,
+                           Isa::kNeonFhm, Isa::kNeonI8mm,  Isa::kNeonBf16};
+#else
+constexpr Isa kLevels[] = {Isa::kScalar};
+#endif
 
 #if defined(__x86_64__) || defined(_M_X64)
 // CPUID.(EAX=7,ECX=0):EDX bit `bit` (AMX-BF16 22, AMX-TILE 24, AMX-INT8 25).
@@ -45,9 +54,14 @@ bool os_tile_state() {
 
 // Linux's per-process permission to use the tile data state (XFEATURE 18),
 // requested once however many threads ask first (a function-local static's
-// initialisation is thread-safe). Other OSes: no AMX here.
+// initialisation is thread-safe), and only when a kernel table asks for an
+// AMX level under the ceiling in a build with the AMX drivers: once granted,
+// Linux refuses every smaller sigaltstack than the AMX signal frame in the
+// whole process, so a process capped below AMX (or without the drivers)
+// never asks. Other OSes: no AMX here.
 bool tile_permission() {
 #if defined(__linux__)
+  if (!kAmxDrivers) return false;
   static const bool granted = [] {
     constexpr long kArchReqXcompPerm = 0x1023;  // ARCH_REQ_XCOMP_PERM
     constexpr long kXfeatureXtiledata = 18;     // XFEATURE_XTILEDATA
@@ -59,8 +73,9 @@ bool tile_permission() {
 #endif
 }
 
-bool amx_usable(int feature_bit) {
-  return cpuid7_edx(24) && cpuid7_edx(feature_bit) && os_tile_state() && tile_permission();
+// The CPU and OS side of an AMX level (the permission is asked apart, at use).
+bool amx_present(int feature_bit) {
+  return cpuid7_edx(24) && cpuid7_edx(feature_bit) && os_tile_state();
 }
 #endif
 
@@ -81,9 +96,9 @@ bool detect(Isa isa) {
     case Isa::kAvx512Bf16:
       return detect(Isa::kAvx512Vnni) && __builtin_cpu_supports("avx512bf16");
     case Isa::kAmxInt8:
-      return detect(Isa::kAvx512Vnni) && amx_usable(25);
+      return detect(Isa::kAvx512Vnni) && amx_present(25);
     case Isa::kAmxBf16:
-      return detect(Isa::kAvx512Bf16) && amx_usable(22);
+      return detect(Isa::kAvx512Bf16) && amx_present(22);
 #endif
 #if defined(__aarch64__)
     case Isa::kNeon:
@@ -113,7 +128,12 @@ bool isa_supported(Isa isa) {
     return mask;
   }();
   for (size_t i = 0; i < sizeof(kLevels) / sizeof(kLevels[0]); ++i) {
-    if (kLevels[i] == isa) return (bits >> i) & 1u;
+    if (kLevels[i] != isa) continue;
+    if (!((bits >> i) & 1u)) return false;
+#if defined(__x86_64__) || defined(_M_X64)
+    if (isa == Isa::kAmxInt8 || isa == Isa::kAmxBf16) return tile_permission();
+#endif
+    return true;
   }
   return false;
 }
@@ -187,7 +207,9 @@ int64_t l2_cache_bytes() {
 }
 
 void set_l2_cache_bytes(int64_t bytes) {
-  l2_override.store(bytes < 0 ? -1 : bytes, std::memory_order_relaxed);
+  // At most 1 TiB: the drivers multiply it by their thread count.
+  l2_override.store(bytes < 0 ? -1 : std::min<int64_t>(bytes, kMaxL2CacheBytes),
+                    std::memory_order_relaxed);
 }
 
 bool isa_from_name(const char* name, Isa& isa) {

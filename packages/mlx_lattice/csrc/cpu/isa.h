@@ -9,19 +9,25 @@
 // entry of every table is the portable scalar kernel, so a choice always
 // exists.
 //
-// Levels are ordered within one architecture only. On x86-64:
+// Levels are ordered within one architecture only, and only this
+// architecture's names (and "scalar") are accepted. On x86-64:
 //   scalar < avx2-fma < avx-vnni < avx512f < avx512-vnni < avx512-bf16
 //          < amx-int8 < amx-bf16
 // MLX_LATTICE_GEMM_ISA=avx512f, for example, keeps every family at or below
-// AVX-512F (fp32 keeps its AVX-512 kernel, int8 falls back to AVX-VNNI).
+// AVX-512F (fp32 keeps its AVX-512 kernel, int8 falls back to AVX-VNNI where
+// the CPU has it, else to its AVX2 kernel).
 // set_isa_ceiling() does the same from code (mlx_lattice.set_kernel_isa);
-// kernel families that pick per call (int8) follow it at once.
+// kernel families that pick per call (int8) follow it at once, those that
+// pick at first use (the fp32 GEMM, the bf16 forward and gradients) only
+// before it.
 //
 // The AMX levels need three things, all checked once: CPUID (AMX-TILE and
 // AMX-INT8 / AMX-BF16), the OS enabling the tile state in XCR0 (bits 17 and
 // 18) and the process's permission to use it, requested once with
-// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) (cpu/amx_tiles.h).
-// Anything missing: the level is unsupported and the families fall back.
+// arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) (cpu/isa.cpp) when an
+// AMX level under the ceiling is first asked about, in builds with the AMX
+// drivers (kAmxDrivers below). Anything missing: the level
+// is unsupported and the families fall back.
 //
 // ARM64 plugs in here: add levels (e.g. kNeon, kNeonDot for SDOT/UDOT,
 // kSve), answer them in `isa_supported()` (isa.cpp, from getauxval(AT_HWCAP)
@@ -36,6 +42,16 @@
 #include <string>
 
 namespace mlx_lattice::isa {
+
+// Whether this build compiles the AMX drivers: the condition of
+// cpu/amx_tiles.h's MLX_LATTICE_AMX (x86-64 Linux, GCC 11 or later), which
+// cpu/gemm_int8_amx.cpp checks against this.
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__linux__) && \
+    (defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 11)
+inline constexpr bool kAmxDrivers = true;
+#else
+inline constexpr bool kAmxDrivers = false;
+#endif
 
 enum class Isa : int {
   kScalar = 0,
@@ -62,13 +78,14 @@ bool isa_supported(Isa isa);
 const char* isa_name(Isa isa);
 
 // The ceiling: the last set_isa_ceiling() if any, else MLX_LATTICE_GEMM_ISA
-// (read once), else the highest level (also when the name is unknown).
+// (read once), else this architecture's highest level (also when the name
+// is unknown: mlx_lattice's import raises for that, check_environment).
 Isa isa_ceiling();
 
 // Sets the ceiling for the whole process (thread-safe), overriding
 // MLX_LATTICE_GEMM_ISA; reset_isa_ceiling() returns to the environment's.
-// Families that cache their choice at first use (the fp32 GEMM) see it
-// only before that use.
+// Families that cache their choice at first use (the fp32 GEMM, the bf16
+// forward and gradients) see it only before that use.
 void set_isa_ceiling(Isa isa);
 void reset_isa_ceiling();
 
@@ -83,20 +100,24 @@ bool cpu_is_intel();
 // Linux x86-64). Results do not depend on it, only speed.
 int64_t l2_cache_bytes();
 
-// Makes l2_cache_bytes() return `bytes` (>= 0) from now on, in every thread,
-// so tests run each tile size on any host and benchmarks compare them; a
-// negative value returns to the host's size.
+// Makes l2_cache_bytes() return `bytes` (>= 0, at most kMaxL2CacheBytes)
+// from now on, in every thread, so tests run each tile size on any host and
+// benchmarks compare them; a negative value returns to the host's size.
+constexpr int64_t kMaxL2CacheBytes = int64_t{1} << 40;
 void set_l2_cache_bytes(int64_t bytes);
 
-// The level named `name` (isa_name's spelling); false when unknown.
+// This architecture's level named `name` (isa_name's spelling); false when
+// unknown or another architecture's.
 bool isa_from_name(const char* name, Isa& isa);
 
-// Every level's name, lowest first, comma-separated (for messages).
+// This architecture's level names, lowest first, comma-separated (for
+// messages).
 std::string isa_level_names();
 
-// Whether a kernel of level `isa` may run: supported and under the ceiling.
+// Whether a kernel of level `isa` may run: under the ceiling (asked first,
+// so a level above it never requests the AMX permission) and supported.
 inline bool isa_usable(Isa isa) {
-  return isa_supported(isa) && static_cast<int>(isa) <= static_cast<int>(isa_ceiling());
+  return static_cast<int>(isa) <= static_cast<int>(isa_ceiling()) && isa_supported(isa);
 }
 
 // The first usable entry of a best-first table whose last entry is scalar.

@@ -23,10 +23,21 @@ namespace mlx_lattice {
 
 namespace {
 
+// MLX_LATTICE_NUM_THREADS where set, else the CPUs this process may run on
+// (its affinity mask on Linux, as a container's CPU set limits it; the
+// machine's logical CPUs elsewhere), at most the pool's 1024 threads.
 int default_threads() {
   int n = 0;
   if (threads_from_text(std::getenv("MLX_LATTICE_NUM_THREADS"), n)) return n;
-  return std::max(1u, std::thread::hardware_concurrency());
+  long cpus = static_cast<long>(std::thread::hardware_concurrency());
+#if defined(__linux__)
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  if (sched_getaffinity(0, sizeof(allowed), &allowed) == 0 && CPU_COUNT(&allowed) > 0) {
+    cpus = CPU_COUNT(&allowed);
+  }
+#endif
+  return static_cast<int>(std::clamp<long>(cpus, 1, 1024));
 }
 
 // Spins for at most kSpin while ready() is false; returns ready(). Waking a

@@ -5,8 +5,10 @@ The test-only ``harness_ext`` runs ``csrc/cpu/amx_int8.h``,
 ``amx_tile_model.h`` on any host, so random relations (dense and sparse
 grids, kernel sizes 1 to 5, strided and transposed) and tile-edge channel
 counts reach the same batching, in-place loads, gathers, epilogues and
-slab transposes that run on AMX hardware. References: the integer path the
-dispatch chose here, bit for bit (the documented math is the same bits on
+slab transposes that run on AMX hardware. References: the NumPy model of
+the integer math (``int8_refs.py``) and the integer path the dispatch
+chose here capped below AMX (on an AMX host the uncapped dispatch would run
+this very driver), bit for bit (the documented math is the same bits on
 every ISA), and float64 sums of the bf16 products within the bounds the
 headers state. Run in a child process by ``test_fuzz_amx_model.py``.
 """
@@ -22,6 +24,7 @@ from fuzzing import fuzz
 from hypothesis import strategies as st
 
 import mlx_lattice
+from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 
@@ -34,6 +37,11 @@ def _load_harness():
 
 
 harness_ext = _load_harness()
+_refs_spec = importlib.util.spec_from_file_location(
+    "int8_refs", Path(__file__).with_name("int8_refs.py")
+)
+int8_refs = importlib.util.module_from_spec(_refs_spec)
+_refs_spec.loader.exec_module(int8_refs)
 EMPTY = mx.zeros((0,), dtype=mx.int32)
 
 
@@ -92,10 +100,11 @@ channel_counts = st.sampled_from([1, 3, 4, 15, 16, 17, 31, 32, 33, 48, 64, 65, 7
 def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, cin, cout, bits,
                                          group, static, nan_row, streamed, data_seed):
     """w8a8 / w4a8 through the AMX-INT8 driver on the tile model, with the
-    portable and the AVX-512 epilogue, gives the bits of the integer path
-    the dispatch chose, dynamic and static activation scales, a non-finite
-    input row included. The reference sums its output in place (no L2 size
-    known); with ``streamed`` the model and the dispatch run again under a
+    portable and the AVX-512 epilogue, gives the bits of the NumPy model and
+    of the integer path the dispatch chose (capped at ``avx512-vnni`` on an
+    AMX host), dynamic and static activation scales, a non-finite input row
+    included. The reference sums its output in place (no L2 size known);
+    with ``streamed`` the model and the dispatch run again under a
     1 KiB L2, where outputs of at least 4 KiB (2 threads) in rows of at
     most 64 channels are summed in per-thread windows and copied out
     (cpu/output_window.h), and give the same bits."""
@@ -109,11 +118,20 @@ def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, ci
     qw = QuantizedWeight.from_float(mx.array(weight), bits=bits, group_size=group)
     scale = 0.05 if static else None
 
+    amx_host = ext.int8_isa() == "amx-int8"
+
     def dispatch() -> mx.array:
-        out = ops.sparse_quantized_conv_features_from_relation(
-            mx.array(feats), qw, rel, act_bits=8, act_scale=scale
-        )
-        mx.eval(out)
+        # Capped below AMX on an AMX host: the int8 family follows a cap at once.
+        if amx_host:
+            mlx_lattice.set_kernel_isa("avx512-vnni")
+        try:
+            out = ops.sparse_quantized_conv_features_from_relation(
+                mx.array(feats), qw, rel, act_bits=8, act_scale=scale
+            )
+            mx.eval(out)
+        finally:
+            if amx_host:
+                mlx_lattice.set_kernel_isa(None)
         return out
 
     offsets, edge_ids = _csr(rel.output_csr)
@@ -126,6 +144,10 @@ def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, ci
         # reuse its buffer (and find its bits already there).
         reference = dispatch()
         want = np.array(reference).view(np.uint32)
+        static_scale = None if scale is None else np.float32(scale)
+        model = int8_refs.int8_conv_ref(feats, qw, rel, static_scale)
+        # The same values, NaN where the reference has NaN (a non-finite row).
+        np.testing.assert_array_equal(np.array(reference), model)
         if streamed:
             _set_l2(1024)
             again = np.array(dispatch()).view(np.uint32)

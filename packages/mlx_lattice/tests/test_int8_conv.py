@@ -5,7 +5,10 @@ and for any thread count."""
 
 from __future__ import annotations
 
+import importlib.util
 import platform
+import types
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,75 +18,13 @@ import mlx_lattice
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
-
-def codes_ref(qw: QuantizedWeight) -> np.ndarray:
-    """Unsigned codes (K, Cout, storage_in) from the packed uint32 words:
-    value c is bits [c * bits, (c + 1) * bits) of the row's little-endian
-    bit stream."""
-    words = np.array(qw.weight).astype("<u4")
-    k, cout, _ = words.shape
-    bits = np.unpackbits(words.view(np.uint8).reshape(k, cout, -1), axis=2, bitorder="little")
-    bits = bits.reshape(k, cout, qw.storage_in_channels, qw.bits).astype(np.int64)
-    return (bits * (1 << np.arange(qw.bits))).sum(axis=3)
-
-
-def quantize_rows_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Symmetric per-row int8: scale max|row| / 127 (float32), q = rint(x / s)."""
-    x = x.astype(np.float32)
-    scale = (np.abs(x).max(axis=1) / np.float32(127)).astype(np.float32)
-    safe = np.where(scale > 0, scale, np.float32(1))
-    q = np.clip(np.rint(x / safe[:, None]), -127, 127).astype(np.int64)
-    q[scale == 0] = 0
-    return q, scale
-
-
-def quantize_static_ref(x: np.ndarray, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
-    """One static scale S: q = rint(clip(x / S, -127, 127)) (float32
-    division); the per-row factor is 1 (NaN for a non-finite row)."""
-    x = x.astype(np.float32)
-    with np.errstate(over="ignore", invalid="ignore"):
-        q = np.rint(np.clip(x / np.float32(scale), -127, 127))
-    finite = np.isfinite(x).all(axis=1)
-    q[~finite] = 0
-    return q.astype(np.int64), np.where(finite, np.float32(1), np.float32(np.nan))
-
-
-def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel, static=None) -> np.ndarray:
-    """The documented math (cpu/gemm_int8.h) in NumPy: exact int64 dot
-    products, then the float32 epilogue one rounding per operation, offsets
-    ascending and groups ascending inside each offset. ``static``: the
-    static activation scale S, folded into the weight's scales and biases
-    (float32 products) instead of multiplying every edge."""
-    if static is None:
-        q, sa = quantize_rows_ref(feats)
-    else:
-        q, sa = quantize_static_ref(feats, static)
-    cin, gs = qw.in_channels, qw.group_size
-    codes = codes_ref(qw)[:, :, :cin]
-    scales = np.array(qw.scales.astype(mx.float32))
-    biases = np.array(qw.biases.astype(mx.float32))
-    if static is not None:
-        scales = (scales * np.float32(static)).astype(np.float32)
-        biases = (biases * np.float32(static)).astype(np.float32)
-    in_rows = np.array(rel.edges.in_rows)
-    out_rows = np.array(rel.edges.out_rows)
-    kernel_ids = np.array(rel.edges.kernel_ids)
-    out = np.zeros((rel.n_out_capacity, qw.out_channels), dtype=np.float32)
-    for k in range(qw.n_kernels):
-        sel = kernel_ids == k
-        i, o = in_rows[sel], out_rows[sel]
-        assert len(np.unique(o)) == len(o)
-        for g in range(qw.storage_in_channels // gs):
-            c0, c1 = g * gs, min(cin, (g + 1) * gs)
-            acc = q[i, c0:c1] @ codes[k, :, c0:c1].T
-            assert np.abs(acc).max(initial=0) < 2**31
-            asum = q[i, c0:c1].sum(axis=1)
-            t = acc.astype(np.float32) * scales[k, :, g]
-            u = asum.astype(np.float32)[:, None] * biases[k, :, g]
-            t = t + u
-            # Static: sa is 1 (exact, as the kernel leaving it out) or NaN.
-            out[o] = out[o] + t * sa[i][:, None]
-    return out
+_spec = importlib.util.spec_from_file_location(
+    "int8_refs", Path(__file__).with_name("int8_refs.py")
+)
+int8_refs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(int8_refs)
+codes_ref, int8_conv_ref = int8_refs.codes_ref, int8_refs.int8_conv_ref
+quantize_rows_ref, quantize_static_ref = int8_refs.quantize_rows_ref, int8_refs.quantize_static_ref
 
 
 def float_error_bound(
@@ -482,6 +423,15 @@ def test_bad_arguments_raise(rng):
         ext.sparse_quantized_conv_features(f, qw, rel, act_bits=5)
     with pytest.raises(ValueError, match="feats"):
         ext.sparse_quantized_conv_features(f[:, :8], qw, rel, act_bits=8)
+    # One group of 70,000 channels: 255 * 127 * 70,000 overflows an int32 sum.
+    group = 70_000
+    wide = types.SimpleNamespace(
+        weight=mx.zeros((27, 8, group * 8 // 32), dtype=mx.uint32),
+        scales=mx.ones((27, 8, 1)), biases=mx.zeros((27, 8, 1)), in_channels=32,
+        out_channels=8, storage_in_channels=group, group_size=group, bits=8,
+    )
+    with pytest.raises(ValueError, match="at most 65536, got 70000"):
+        ext.sparse_quantized_conv_features(f, wide, rel, act_bits=8)
 
 
 def test_non_finite_rows_give_nan_rows_only(rng):

@@ -1,0 +1,88 @@
+"""NumPy references of the integer convolution (``act_bits=8``): the
+documented math of ``csrc/cpu/gemm_int8.h`` (int64 dot products, the
+float32 epilogue one rounding per operation, offsets and groups ascending),
+bit for bit with every ISA path. Shared by ``test_int8_conv.py`` and the
+fuzz targets."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from mlx_lattice.core import QuantizedWeight
+
+__all__ = ["codes_ref", "int8_conv_ref", "quantize_rows_ref", "quantize_static_ref"]
+
+
+def codes_ref(qw: QuantizedWeight) -> np.ndarray:
+    """Unsigned codes (K, Cout, storage_in) from the packed uint32 words:
+    value c is bits [c * bits, (c + 1) * bits) of the row's little-endian
+    bit stream."""
+    words = np.array(qw.weight).astype("<u4")
+    k, cout, _ = words.shape
+    bits = np.unpackbits(words.view(np.uint8).reshape(k, cout, -1), axis=2, bitorder="little")
+    bits = bits.reshape(k, cout, qw.storage_in_channels, qw.bits).astype(np.int64)
+    return (bits * (1 << np.arange(qw.bits))).sum(axis=3)
+
+
+def quantize_rows_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Symmetric per-row int8: scale max|row| / 127 (float32), q = rint(x / s);
+    a row with a non-finite value: scale NaN and q = 0 (cpu/gemm_int8.h)."""
+    x = x.astype(np.float32)
+    finite = np.isfinite(x).all(axis=1)
+    with np.errstate(invalid="ignore"):
+        scale = (np.abs(x).max(axis=1) / np.float32(127)).astype(np.float32)
+        safe = np.where(finite & (scale > 0), scale, np.float32(1))
+        q = np.clip(np.rint(np.where(finite[:, None], x, 0) / safe[:, None]), -127, 127)
+    q = q.astype(np.int64)
+    q[scale == 0] = 0
+    return q, np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
+
+
+def quantize_static_ref(x: np.ndarray, scale: np.float32) -> tuple[np.ndarray, np.ndarray]:
+    """One static scale S: q = rint(clip(x / S, -127, 127)) (float32
+    division); the per-row factor is 1 (NaN for a non-finite row)."""
+    x = x.astype(np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = np.rint(np.clip(x / np.float32(scale), -127, 127))
+    finite = np.isfinite(x).all(axis=1)
+    q[~finite] = 0
+    return q.astype(np.int64), np.where(finite, np.float32(1), np.float32(np.nan))
+
+
+def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel, static=None) -> np.ndarray:
+    """The documented math (cpu/gemm_int8.h) in NumPy: exact int64 dot
+    products, then the float32 epilogue one rounding per operation, offsets
+    ascending and groups ascending inside each offset. ``static``: the
+    static activation scale S, folded into the weight's scales and biases
+    (float32 products) instead of multiplying every edge."""
+    if static is None:
+        q, sa = quantize_rows_ref(feats)
+    else:
+        q, sa = quantize_static_ref(feats, static)
+    cin, gs = qw.in_channels, qw.group_size
+    codes = codes_ref(qw)[:, :, :cin]
+    scales = np.array(qw.scales.astype(mx.float32))
+    biases = np.array(qw.biases.astype(mx.float32))
+    if static is not None:
+        scales = (scales * np.float32(static)).astype(np.float32)
+        biases = (biases * np.float32(static)).astype(np.float32)
+    in_rows = np.array(rel.edges.in_rows)
+    out_rows = np.array(rel.edges.out_rows)
+    kernel_ids = np.array(rel.edges.kernel_ids)
+    out = np.zeros((rel.n_out_capacity, qw.out_channels), dtype=np.float32)
+    for k in range(qw.n_kernels):
+        sel = kernel_ids == k
+        i, o = in_rows[sel], out_rows[sel]
+        assert len(np.unique(o)) == len(o)
+        for g in range(qw.storage_in_channels // gs):
+            c0, c1 = g * gs, min(cin, (g + 1) * gs)
+            acc = q[i, c0:c1] @ codes[k, :, c0:c1].T
+            assert np.abs(acc).max(initial=0) < 2**31
+            asum = q[i, c0:c1].sum(axis=1)
+            t = acc.astype(np.float32) * scales[k, :, g]
+            u = asum.astype(np.float32)[:, None] * biases[k, :, g]
+            t = t + u
+            # Static: sa is 1 (exact, as the kernel leaving it out) or NaN.
+            out[o] = out[o] + t * sa[i][:, None]
+    return out

@@ -5,14 +5,15 @@ BF16, FP16, AMX).
 Every benchmark prints :func:`host_class_line` as its first line, so a
 figure copied from its output carries the class of machine it was measured
 on (AMD EPYC hosts without AMX and Intel hosts with AMX give different
-ratios and are reported apart in ``benchmarks/LOG.md``).
+ratios and are reported apart in ``benchmarks/LOG.md``); the convolution
+benchmarks add the micro-kernels that run (:func:`kernel_names`).
 
 >>> info = HostClass("GenuineIntel", "Xeon", ("avx512f", "amx_tile", "sse2"))
 >>> for part in info.line().split("; "):
 ...     print(part)
 host class: GenuineIntel Xeon
 flags avx512f amx_tile
-no avx512_vnni avx512_bf16 avx512_fp16 amx_int8 amx_bf16
+no avx_vnni avx512_vnni avx512_bf16 avx512_fp16 amx_int8 amx_bf16
 """
 
 from __future__ import annotations
@@ -21,13 +22,22 @@ import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-__all__ = ["FLAGS", "HostClass", "host_class", "host_class_line", "print_targets"]
+__all__ = [
+    "FLAGS",
+    "HostClass",
+    "host_class",
+    "host_class_line",
+    "kernel_names",
+    "print_targets",
+]
 
 # The flags that decide which micro-kernels a host can run, in print order.
 FLAGS = (
     "avx2",
     "fma",
+    "avx_vnni",
     "avx512f",
     "avx512bw",
     "avx512vl",
@@ -41,6 +51,7 @@ FLAGS = (
 )
 # Flags whose absence is named too (the ones the x86 kernels branch on).
 _NAMED_ABSENT = (
+    "avx_vnni",
     "avx512f",
     "avx512_vnni",
     "avx512_bf16",
@@ -93,9 +104,30 @@ def host_class(cpuinfo: str | None = None) -> HostClass:
     return HostClass(vendor, f"{model} ({os.cpu_count()} cores)", flags)
 
 
-def host_class_line() -> str:
-    """:meth:`HostClass.line` of this host."""
-    return host_class().line()
+def host_class_line(kernels: str | None = None) -> str:
+    """:meth:`HostClass.line` of this host, with ``; kernels <kernels>``
+    after it when given (see :func:`kernel_names`)."""
+    line = host_class().line()
+    return f"{line}; kernels {kernels}" if kernels else line
+
+
+def kernel_names(ext: Any) -> str:
+    """The CPU micro-kernels ``mlx_lattice``'s extension ``ext`` runs, per
+    dtype (each family picks once per process, or per call for int8 under
+    a changed cap, so the names hold for the run).
+
+    >>> class Ext:
+    ...     gemm_isa = staticmethod(lambda: "avx512f")
+    ...     int8_isa = staticmethod(lambda: "amx-int8")
+    ...     bf16_isa = staticmethod(lambda: "amx-bf16")
+    ...     fp16_isa = staticmethod(lambda: "float32")
+    >>> kernel_names(Ext)
+    'fp32 avx512f, int8 amx-int8, bf16 amx-bf16, fp16 float32'
+    """
+    return (
+        f"fp32 {ext.gemm_isa()}, int8 {ext.int8_isa()}, bf16 {ext.bf16_isa()}, "
+        f"fp16 {ext.fp16_isa()}"
+    )
 
 
 def print_targets(heading: str, sections: dict[str, list[tuple[str, float, str, float]]]) -> None:

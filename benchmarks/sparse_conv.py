@@ -38,7 +38,7 @@ import numpy as np
 from absl import flags
 
 import mlx_lattice
-from benchmarks.host_class import host_class_line, print_targets
+from benchmarks.host_class import host_class_line, kernel_names, print_targets
 from benchmarks.scans import surface_coords
 from benchmarks.timing import median_s
 from benchmarks.yardstick import sgemm_reference, vector_peak
@@ -97,7 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     cli.parsed(argv)
     if _L2_BYTES.value is not None:
         mlx_lattice.set_kernel_l2_bytes(_L2_BYTES.value)
-    print(host_class_line())
+    print(host_class_line(kernel_names(ext)))
     rng = np.random.default_rng(0)
     scan = synthetic_lidar_scan(seed=0)
     coords = mx.array(voxelize_points(scan.points, 0.05))

@@ -60,7 +60,7 @@ from tqdm import tqdm
 
 import mlx_lattice
 import quantrules as qr
-from benchmarks.host_class import host_class_line, print_targets
+from benchmarks.host_class import host_class_line, kernel_names, print_targets
 from benchmarks.timing import median_s
 from examples import cli
 from mlx_lattice import SparseTensor, geometry, nn
@@ -365,7 +365,7 @@ def _spread(values: np.ndarray, fmt: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> None:
     cli.parsed(argv)
-    print(host_class_line())
+    print(host_class_line(kernel_names(ext)))
     chosen = {m.strip().lower() for m in _MODELS.value.split(",")}
     if _CACHE_LIMIT_MB.value is not None:
         mx.set_cache_limit(_CACHE_LIMIT_MB.value << 20)

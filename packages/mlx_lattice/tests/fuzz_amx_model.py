@@ -3,7 +3,8 @@
 The test-only ``harness_ext`` runs ``csrc/cpu/amx_int8.h``,
 ``amx_bf16.h`` and ``amx_bf16_wgrad.h`` with the tile model of
 ``amx_tile_model.h`` on any host, so random relations (dense and sparse
-grids, kernel sizes 1 to 5, strided and transposed) and tile-edge channel
+grids; cubic kernels of 1 to 5 and non-cubic ones; strides 1 to 3 and
+their transposes) and tile-edge channel
 counts reach the same batching, in-place loads, gathers, epilogues and
 slab transposes that run on AMX hardware. References: the NumPy model of
 the integer math (``int8_refs.py``) and the integer path the dispatch
@@ -45,16 +46,19 @@ _refs_spec.loader.exec_module(int8_refs)
 EMPTY = mx.zeros((0,), dtype=mx.int32)
 
 
-def _relation(n_points: int, side: int, kernel_size: int, stride: int, seed: int):
+def _relation(n_points: int, side: int, kernel_size, stride: int, transposed: bool, seed: int):
     """A relation over ``n_points`` distinct voxels of a ``side``³ grid
-    (dense grids give offsets whose edges run over consecutive rows)."""
+    (dense grids give offsets whose edges run over consecutive rows): a
+    submanifold one, or with ``stride`` > 1 the strided one or its
+    transpose back onto the voxels."""
     rng = np.random.default_rng(seed)
     cells = rng.choice(side**3, size=min(n_points, side**3), replace=False)
     xyz = np.stack([cells // (side * side), (cells // side) % side, cells % side], axis=1)
     coords = np.concatenate([np.zeros((len(cells), 1), np.int64), xyz], axis=1).astype(np.int32)
     if stride == 1:
         return build_kernel_relation(coords, kernel_size=kernel_size)
-    return build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
+    rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
+    return rel.transposed() if transposed else rel
 
 
 def _csr(csr) -> tuple[mx.array, mx.array]:
@@ -79,8 +83,9 @@ def _set_l2(n_bytes: int | None) -> None:
 grids = {
     "n_points": st.integers(0, 300),
     "side": st.sampled_from([4, 6, 8, 12]),
-    "kernel_size": st.sampled_from([1, 2, 3, 3, 5]),
-    "stride": st.sampled_from([1, 1, 1, 2]),
+    "kernel_size": st.sampled_from([1, 2, 3, 3, 4, 5, (3, 3, 1), (1, 1, 7)]),
+    "stride": st.sampled_from([1, 1, 1, 2, 3]),
+    "transposed": st.booleans(),
 }
 channel_counts = st.sampled_from([1, 3, 4, 15, 16, 17, 31, 32, 33, 48, 64, 65, 70])
 
@@ -97,8 +102,9 @@ channel_counts = st.sampled_from([1, 3, 4, 15, 16, 17, 31, 32, 33, 48, 64, 65, 7
     streamed=st.booleans(),
     data_seed=st.integers(0, 2**32 - 1),
 )
-def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, cin, cout, bits,
-                                         group, static, nan_row, streamed, data_seed):
+def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, transposed, cin,
+                                         cout, bits, group, static, nan_row, streamed,
+                                         data_seed):
     """w8a8 / w4a8 through the AMX-INT8 driver on the tile model, with the
     portable and the AVX-512 epilogue, gives the bits of the NumPy model and
     of the integer path the dispatch chose (capped at ``avx512-vnni`` on an
@@ -108,7 +114,7 @@ def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, ci
     1 KiB L2, where outputs of at least 4 KiB (2 threads) in rows of at
     most 64 channels are summed in per-thread windows and copied out
     (cpu/output_window.h), and give the same bits."""
-    rel = _relation(n_points, side, kernel_size, stride, data_seed)
+    rel = _relation(n_points, side, kernel_size, stride, transposed, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in = int(rel.n_in)
     feats = rng.standard_normal((n_in, cin)).astype(np.float32)
@@ -165,7 +171,8 @@ def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, ci
 
 def _bf16_bound(exact: np.ndarray, mag: np.ndarray, n_terms: int) -> np.ndarray:
     """cpu/amx_bf16.h's bound: 2^-8 |S| + (1 + 2^-8) n u sum|products|,
-    plus flushed subnormals."""
+    plus flushed subnormals (x 1.01: n u is the first-order term of
+    (1 + u)^n - 1)."""
     return 2.0**-8 * np.abs(exact) + (1 + 2.0**-8) * 1.01 * n_terms * 2.0**-24 * mag + 2.0**-120
 
 
@@ -176,11 +183,12 @@ def _bf16_bound(exact: np.ndarray, mag: np.ndarray, n_terms: int) -> np.ndarray:
     cout=channel_counts,
     data_seed=st.integers(0, 2**32 - 1),
 )
-def test_amx_bf16_model_within_bound(n_points, side, kernel_size, stride, cin, cout, data_seed):
+def test_amx_bf16_model_within_bound(n_points, side, kernel_size, stride, transposed, cin, cout,
+                                     data_seed):
     """The bf16 forward and feature gradient through the AMX-BF16 driver on
     the tile model stay within the header's bound of float64 sums of the
     bf16 inputs' products."""
-    rel = _relation(n_points, side, kernel_size, stride, data_seed)
+    rel = _relation(n_points, side, kernel_size, stride, transposed, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in, n_out, k = int(rel.n_in), int(rel.n_out_capacity or 0), int(rel.n_kernels)
     f = _bf16(rng.standard_normal((n_in, cin)))
@@ -221,12 +229,12 @@ def test_amx_bf16_model_within_bound(n_points, side, kernel_size, stride, cin, c
     cout=channel_counts,
     data_seed=st.integers(0, 2**32 - 1),
 )
-def test_amx_bf16_wgrad_model_within_bound(n_points, side, kernel_size, stride, cin, cout,
-                                          data_seed):
+def test_amx_bf16_wgrad_model_within_bound(n_points, side, kernel_size, stride, transposed, cin,
+                                          cout, data_seed):
     """The bf16 weight gradient through the AMX-BF16 driver on the tile
     model: the portable and the AVX-512 slab gather give the same bits,
     within n u sum|products| of the float64 sum over each offset's n edges."""
-    rel = _relation(n_points, side, kernel_size, stride, data_seed)
+    rel = _relation(n_points, side, kernel_size, stride, transposed, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in, n_out, k = int(rel.n_in), int(rel.n_out_capacity or 0), int(rel.n_kernels)
     f = _bf16(rng.standard_normal((n_in, cin)))

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import mlx_lattice
 from mlx_lattice import MlxLatticeError, SparseTensor
 from mlx_lattice.coords import intersection_coords, lookup_coords, union_coords
-from mlx_lattice.core import build_kernel_relation
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation
 from mlx_lattice.geometry import (
     devoxelize,
     knn_relation,
@@ -41,6 +41,7 @@ def _load(path: Path, name: str):
 
 
 geometry_refs = _load(Path(__file__).with_name("geometry_refs.py"), "geometry_refs")
+int8_refs = _load(Path(__file__).with_name("int8_refs.py"), "int8_refs")
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 # Small values, and values at the int32 limits (neighbours there overflow).
@@ -375,6 +376,115 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
         assert got.shape == ref.shape
         bound = tol * (_pool_ref(np.abs(f_exact), edges, len(coords), "sum") + 1) * 2
         assert (np.abs(got - ref) <= bound).all(), mode
+
+
+def _tile_edge_relation(n_points, side, kernel_size, stride, transposed, seed):
+    """Up to ``n_points`` distinct voxels of a ``side``³ grid in two batch
+    entries; a submanifold relation, or with ``stride`` > 1 the strided one
+    (or its transpose back onto the voxels)."""
+    rng = np.random.default_rng(seed)
+    cells = rng.choice(2 * side**3, size=min(n_points, 2 * side**3), replace=False)
+    batch, cell = cells // side**3, cells % side**3
+    xyz = np.stack([cell // (side * side), (cell // side) % side, cell % side], axis=1)
+    coords = np.concatenate([batch[:, None], xyz], axis=1).astype(np.int32)
+    if stride == 1:
+        return build_kernel_relation(coords, kernel_size=kernel_size)
+    rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
+    return rel.transposed() if transposed else rel
+
+
+def _per_offset_sums(src: np.ndarray, weight: np.ndarray, rel, n_out: int) -> np.ndarray:
+    """out[o] = sum over edges (i, o, k) of src[i] @ weight[k], in float64."""
+    out = np.zeros((n_out, weight.shape[2]))
+    in_rows, out_rows = np.array(rel.edges.in_rows), np.array(rel.edges.out_rows)
+    kid = np.array(rel.edges.kernel_ids)
+    for k in np.unique(kid):
+        sel = kid == k
+        out[out_rows[sel]] += src[in_rows[sel]] @ weight[k]  # one edge per output and offset
+    return out
+
+
+# The unit roundoff of each storage format (the output's one rounding).
+_UNIT = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
+TILE_CHANNELS = st.sampled_from([1, 3, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 70])
+
+
+@fuzz(
+    40,
+    n_points=st.integers(0, 300),
+    side=st.sampled_from([3, 5, 8]),
+    kernel_size=st.sampled_from([1, 2, 3, 3, 4, 5, (3, 3, 1), (1, 1, 7), (2, 3, 1)]),
+    stride=st.sampled_from([1, 1, 2, 3]),
+    transposed=st.booleans(),
+    cin=TILE_CHANNELS,
+    cout=TILE_CHANNELS,
+    kind=st.sampled_from(["float32", "float16", "bfloat16", "w8a8", "w4a8", "w8a8-static"]),
+    l2=st.sampled_from([None, None, 1024]),
+    data_seed=st.integers(0, 2**32 - 1),
+)
+def test_conv_and_pool_tile_edge_shapes(n_points, side, kernel_size, stride, transposed, cin,
+                                        cout, kind, l2, data_seed):
+    """The shapes where the tile drivers have tails: channels not a multiple
+    of 16, 32 or 64, row counts not a multiple of 16, one row, empty sets,
+    cubic and non-cubic kernels, strides 1-3 and their transposes, two batch
+    entries, output windows streamed under a 1 KiB L2. Float convolutions
+    stay within the float32 summation bound of the float64 sums of the
+    rounded inputs (``n`` terms per output: ``n u sum|products|``, ``u`` =
+    2^-24, ``n`` = K * Cin + K + 1 for each edge's products, each offset's
+    sum added in and the zero start) plus the output format's one rounding;
+    w8a8 / w4a8 (dynamic and static activation scales) give the bits of the
+    NumPy model of the integer math (``int8_refs.py``); pooling gives the
+    max exactly and sums / averages within the same summation bound."""
+    from mlx_lattice.core import ops as core_ops
+
+    rel = _tile_edge_relation(n_points, side, kernel_size, stride, transposed, data_seed)
+    rng = np.random.default_rng(data_seed)
+    n_in, n_out, k = int(rel.n_in), int(rel.n_out_capacity or 0), int(rel.n_kernels)
+    f_np = rng.standard_normal((n_in, cin)).astype(np.float32)
+    w_np = (rng.standard_normal((k, cin, cout)) / np.sqrt(cin)).astype(np.float32)
+    dtype = kind if kind in _UNIT else "float32"
+    f = mx.array(f_np).astype(getattr(mx, dtype))
+    fe = np.array(f.astype(mx.float32)).astype(np.float64)
+    mlx_lattice.set_kernel_l2_bytes(l2)
+    try:
+        if kind in _UNIT:
+            w = mx.array(w_np).astype(getattr(mx, dtype))
+            out = core_ops.sparse_conv_features_from_relation(f, w, rel)
+            got = np.array(out.astype(mx.float32)).astype(np.float64)
+            we = np.array(w.astype(mx.float32)).astype(np.float64)
+            exact = _per_offset_sums(fe, we, rel, n_out)
+            mag = _per_offset_sums(np.abs(fe), np.abs(we), rel, n_out)
+            n_terms = k * cin + k + 1
+            # The last term: half of float16's smallest subnormal.
+            bound = (_UNIT[dtype] * np.abs(exact) + (1 + _UNIT[dtype]) * n_terms * 2.0**-24 * mag
+                     + 2.0**-25)
+            assert out.dtype == f.dtype and got.shape == (n_out, cout)
+            assert (np.abs(got - exact) <= bound).all(), kind
+        else:
+            bits = 4 if kind.startswith("w4") else 8
+            group = 32 if cin <= 32 else 64
+            qw = QuantizedWeight.from_float(mx.array(w_np), bits=bits, group_size=group)
+            scale = np.float32(np.abs(f_np).max(initial=1.0) / 127) if "static" in kind else None
+            out = core_ops.sparse_quantized_conv_features_from_relation(
+                f, qw, rel, act_bits=8, act_scale=scale
+            )
+            want = int8_refs.int8_conv_ref(f_np, qw, rel, scale)
+            np.testing.assert_array_equal(np.array(out), want)
+        for mode in ("max", "avg", "sum"):
+            pooled = core_ops.sparse_pool_features_from_relation(
+                f, rel, input_exclusive=False, mode=mode
+            )
+            got = np.array(pooled.astype(mx.float32)).astype(np.float64)
+            ref = _pool_ref(fe, _edge_set(rel), n_out, mode)
+            if mode == "max":
+                np.testing.assert_array_equal(got, ref)
+                continue
+            total = _pool_ref(np.abs(fe), _edge_set(rel), n_out, "sum")
+            # k + 1 terms of a sum; avg: one division more.
+            bound = (2 * _UNIT[dtype] * np.abs(ref) + (k + 3) * 2.0**-24 * total + 2.0**-25)
+            assert (np.abs(got - ref) <= bound).all(), mode
+    finally:
+        mlx_lattice.set_kernel_l2_bytes(None)
 
 
 FLOAT_DTYPES = ["float32", "float16", "bfloat16"]

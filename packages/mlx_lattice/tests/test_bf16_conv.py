@@ -242,6 +242,10 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, conv_per_isa):
     fast, capped = ("neon-bf16", "neon-i8mm") if aarch64 else ("avx512-bf16", "avx512f")
     results = conv_per_isa(coords, f, w, "bfloat16", (fast, capped))
     assert results[capped]["bf16"] == "float32"
+    if results[fast]["bf16"] == "float32":
+        # Both ran float32 (no such block here, or an Intel CPU, where
+        # avx512-bf16 is skipped): nothing to compare.
+        pytest.skip(f"no {fast} bf16 block runs on this host")
     a = bf16_values(results[fast]["out"]).astype(np.float64)
     b = bf16_values(results[capped]["out"]).astype(np.float64)
     rel = build_kernel_relation(coords, kernel_size=3)
@@ -252,4 +256,4 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, conv_per_isa):
     # Which path each process ran is checked by name, not by a != b: the two
     # orders differ in float32's last bits, which seldom cross a bf16
     # rounding boundary, so for some seeds (1330351057) every output agrees.
-    assert results[fast]["bf16"] in (fast, "float32")
+    assert results[fast]["bf16"] == fast

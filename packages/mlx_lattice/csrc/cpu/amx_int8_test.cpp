@@ -97,7 +97,8 @@ void test_model_ops(std::mt19937& gen) {
       }
     }
     // TDPBF16PS: the documented order (k ascending, even then odd), one
-    // rounding per addition; and within 2^-16 relative of the exact sum.
+    // rounding per addition; and within 2 kq u sum|products| of the exact
+    // sum (2 kq additions of exact bf16 products, u = 2^-24).
     std::vector<uint16_t> ah(m * 32), bh(kq * 32);
     std::normal_distribution<float> nd(0.0f, 1.0f);
     auto to_bf16 = [](float f) {

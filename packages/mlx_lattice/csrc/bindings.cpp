@@ -258,28 +258,29 @@ void bind_ops(nb::module_& m) {
                                           std::string(isa_env) + "'; the levels are " +
                                           isa::isa_level_names() + ".");
         }
-        const char* threads_env = std::getenv("MLX_LATTICE_NUM_THREADS");
-        int threads = 0;
-        if (threads_env && *threads_env &&
-            !::mlx_lattice::threads_from_text(threads_env, threads)) {
-          throw ::mlx_lattice::InputError(
-              "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], got '" +
-              std::string(threads_env) + "'.");
-        }
-        const char* splat_env = std::getenv("MLX_LATTICE_GEMM_SPLAT");
-        bool splat = false;
-        if (splat_env && *splat_env && !::mlx_lattice::splat_from_text(splat_env, splat)) {
-          throw ::mlx_lattice::InputError("MLX_LATTICE_GEMM_SPLAT: must be 0 or 1, got '" +
-                                          std::string(splat_env) + "'.");
-        }
-        const char* cache_env = std::getenv("MLX_LATTICE_WEIGHT_CACHE_MB");
-        size_t cache_bytes = 0;
-        if (cache_env && *cache_env &&
-            !::mlx_lattice::weight_cache_bytes_from_text(cache_env, cache_bytes)) {
-          throw ::mlx_lattice::InputError(
-              "MLX_LATTICE_WEIGHT_CACHE_MB: must be an integer number of MiB >= 0, got '" +
-              std::string(cache_env) + "'.");
-        }
+        // The others: `valid` or "VARIABLE: <rule>, got '<value>'.".
+        auto check = [](const char* name, bool (*valid)(const char*), const char* rule) {
+          const char* value = std::getenv(name);
+          if (value && *value && !valid(value)) {
+            throw ::mlx_lattice::InputError(std::string(name) + ": " + rule + ", got '" +
+                                            value + "'.");
+          }
+        };
+        check(
+            "MLX_LATTICE_NUM_THREADS",
+            [](const char* v) { int n = 0; return ::mlx_lattice::threads_from_text(v, n); },
+            "must be an integer in [1, 1024]");
+        check(
+            "MLX_LATTICE_GEMM_SPLAT",
+            [](const char* v) { bool b = false; return ::mlx_lattice::splat_from_text(v, b); },
+            "must be 0 or 1");
+        check(
+            "MLX_LATTICE_WEIGHT_CACHE_MB",
+            [](const char* v) {
+              size_t bytes = 0;
+              return ::mlx_lattice::weight_cache_bytes_from_text(v, bytes);
+            },
+            "must be an integer number of MiB >= 0");
       },
       "Raises MlxLatticeError for an MLX_LATTICE_GEMM_ISA that names no ISA level, an "
       "MLX_LATTICE_NUM_THREADS that is no integer in [1, 1024], an MLX_LATTICE_GEMM_SPLAT "

@@ -67,8 +67,9 @@ TSAN_RELATIONS=("$pkg:relation_tests" --test_arg=-k --test_arg="thread or long_s
 # The native fuzz targets (docs/topics/reliability.rst) and the AMX drivers'
 # on the tile model (random relations through the harness's bindings) at 40
 # examples per test: instrumented, each example and each child process runs
-# several times slower, and the 14 native tests at their CI budgets took
-# over 9 minutes here; the plain lanes run the full CI budgets.
+# several times slower, and the native tests at their CI budgets (14 of
+# them then) took over 9 minutes here; the plain lanes run the full CI
+# budgets.
 ASAN_FUZZ=("$pkg:fuzz_tests" "$pkg:amx_model_fuzz_tests" --test_env=QUANTLATTICE_FUZZ_EXAMPLES=40)
 
 failures=0

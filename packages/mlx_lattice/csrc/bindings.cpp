@@ -244,7 +244,8 @@ void bind_ops(nb::module_& m) {
       "set_l2_cache_bytes",
       [](std::optional<int64_t> bytes) { isa::set_l2_cache_bytes(bytes ? *bytes : -1); },
       "bytes"_a.none(),
-      "The L2 size (bytes >= 0) the CPU tile drivers size their tiles from; None: the host's.");
+      "The L2 size (bytes >= 0, at most 2^40) the CPU tile drivers size their tiles from; None: "
+      "the host's.");
   m.def("l2_cache_bytes", &isa::l2_cache_bytes,
         "The L2 size the CPU tile drivers size their tiles from now.");
   m.def(
@@ -280,11 +281,11 @@ void bind_ops(nb::module_& m) {
               size_t bytes = 0;
               return ::mlx_lattice::weight_cache_bytes_from_text(v, bytes);
             },
-            "must be an integer number of MiB >= 0");
+            "must be an integer number of MiB in [0, 2^40]");
       },
       "Raises MlxLatticeError for an MLX_LATTICE_GEMM_ISA that names no ISA level, an "
       "MLX_LATTICE_NUM_THREADS that is no integer in [1, 1024], an MLX_LATTICE_GEMM_SPLAT "
-      "other than 0 or 1, or an MLX_LATTICE_WEIGHT_CACHE_MB that is no integer >= 0 "
+      "other than 0 or 1, or an MLX_LATTICE_WEIGHT_CACHE_MB that is no integer in [0, 2^40] "
       "(unset or empty: fine).");
   m.def(
       "isa_ceiling", [] { return std::string(isa::isa_name(isa::isa_ceiling())); },
@@ -295,7 +296,9 @@ void bind_ops(nb::module_& m) {
         isa::Isa level;
         return isa::isa_from_name(name.c_str(), level) && isa::isa_supported(level);
       },
-      "name"_a, "Whether this CPU and OS can run ISA level ``name`` (False when unknown).");
+      "name"_a,
+      "Whether this build, CPU and OS can run ISA level ``name`` (False when unknown or another "
+      "architecture's); for an AMX level this asks the OS for the tile permission (once).");
   m.def("gemm_isa", &gemm_isa,
         "The GEMM micro-kernel in use: 'avx512f', 'avx2-fma', 'neon-fma' or 'scalar'.");
   m.def("gemm_isas", &gemm_isas,

@@ -38,8 +38,8 @@ def set_weight_cache_budget(nbytes: int) -> None:
     codes, scales and biases, for later calls; an entry is charged those float32 bytes plus the
     quantized buffers' bytes, and the least recently used entries are
     dropped beyond the budget. The default is 256 MiB, or
-    ``MLX_LATTICE_WEIGHT_CACHE_MB`` MiB when that is set (an integer >= 0;
-    any other non-empty value raises :class:`~mlx_lattice.MlxLatticeError`
+    ``MLX_LATTICE_WEIGHT_CACHE_MB`` MiB when that is set (a decimal integer
+    in [0, 2**40]; any other non-empty value raises :class:`~mlx_lattice.MlxLatticeError`
     when ``mlx_lattice`` is imported).
 
     >>> info = weight_cache_info()

@@ -256,6 +256,7 @@ _THREADS_MESSAGE = "MLX_LATTICE_NUM_THREADS: must be an integer in [1, 1024], go
         ("MLX_LATTICE_GEMM_SPLAT", "yes", "MLX_LATTICE_GEMM_SPLAT: must be 0 or 1, got 'yes'."),
         ("MLX_LATTICE_GEMM_SPLAT", "01", "got '01'"),
         ("MLX_LATTICE_WEIGHT_CACHE_MB", "-1", "MLX_LATTICE_WEIGHT_CACHE_MB: must be an integer"),
+        ("MLX_LATTICE_WEIGHT_CACHE_MB", "+5", "MiB in [0, 2^40], got '+5'."),
         ("MLX_LATTICE_WEIGHT_CACHE_MB", "64MB", "got '64MB'"),
         ("MLX_LATTICE_WEIGHT_CACHE_MB", "99999999999999999999", "got '99999999999999999999'"),
     ],

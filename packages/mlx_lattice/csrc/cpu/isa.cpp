@@ -55,10 +55,11 @@ bool os_tile_state() {
 // Linux's per-process permission to use the tile data state (XFEATURE 18),
 // requested once however many threads ask first (a function-local static's
 // initialisation is thread-safe), and only when a kernel table asks for an
-// AMX level under the ceiling in a build with the AMX drivers: once granted,
-// Linux refuses every smaller sigaltstack than the AMX signal frame in the
-// whole process, so a process capped below AMX (or without the drivers)
-// never asks. Other OSes: no AMX here.
+// AMX level under the ceiling (or ext.isa_supported is asked about one) in a
+// build with the AMX drivers: once granted, Linux refuses every smaller
+// sigaltstack than the AMX signal frame in the whole process, so a process
+// whose kernels are capped below AMX (or without the drivers) never asks.
+// Other OSes: no AMX here.
 bool tile_permission() {
 #if defined(__linux__)
   if (!kAmxDrivers) return false;

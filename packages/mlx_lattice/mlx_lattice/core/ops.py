@@ -252,7 +252,8 @@ def sparse_quantized_conv_features_from_relation(
     AMX tiles on Intel Xeons, ``vpmaddubsw`` pairs on plain AVX2) with a
     float32 epilogue applying the activation scale and the weight's
     group scales and biases. CPU stream only; the group size must be a
-    multiple of 4. Its gradient with respect to the features is that of the
+    multiple of 4 and at most 65536 (so every group's int32 sum is exact).
+    Its gradient with respect to the features is that of the
     float-activation convolution (straight-through). ``act_bits=None`` takes
     the weight's own ``act_bits``.
 

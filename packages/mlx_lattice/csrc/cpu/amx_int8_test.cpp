@@ -379,6 +379,10 @@ int run_case(std::mt19937& gen, const Problem& p, bool verbose) {
               p.n_kernels, p.cout, storage_in, p.group, static_cast<int>(p.bits), p.act_scale,
               csr, a_index.data(), nullptr, kid.data(), got.data());
     compare(int8_isa(), got);
+    // The level forced is the one that ran (each has its table entry).
+    if (std::strcmp(int8_isa(), isa::isa_name(level)) != 0) {
+      fail(std::string("forced ") + isa::isa_name(level) + ", ran " + int8_isa() + ": " + name);
+    }
   }
   isa::reset_isa_ceiling();
   if (verbose) std::printf("  ok: %s\n", name.c_str());

@@ -180,6 +180,13 @@ int run(const char* ceiling, const char* want_bf16, const char* want_fp16) {
       check_conv(gen, bf16, s[0], s[1], 150, 300, 27);
       ++cases;
     }
+    // One output row, no output rows, one input row, kernels of 1 and 8
+    // offsets: (n_in, n_out, K).
+    const int64_t sets[][3] = {{1, 1, 27}, {40, 1, 8}, {20, 17, 1}, {5, 0, 27}, {1, 40, 8}};
+    for (const auto& t : sets) {
+      check_conv(gen, bf16, 19, 70, t[0], t[1], t[2]);
+      ++cases;
+    }
   }
   std::printf("half conv, ceiling %s: bf16 %s, fp16 %s, %d cases, seed %u, %s\n",
               ceiling ? ceiling : "(none)",

@@ -132,6 +132,12 @@ SortedArrays sorted_from(nb::handle v) {
           array_field(v, w, "tile_masks")};
 }
 
+// "<who>: unknown ISA level '<name>'; the levels are <this architecture's>."
+std::string unknown_isa_level(const std::string& who, const std::string& name) {
+  return who + ": unknown ISA level '" + name + "'; the levels are " + isa::isa_level_names() +
+         ".";
+}
+
 QuantizedArrays quantized_from(nb::handle q) {
   const char* w = "weight";
   auto i = [&](const char* name) { return static_cast<int>(int_field(q, w, name)); };
@@ -232,8 +238,7 @@ void bind_ops(nb::module_& m) {
         }
         isa::Isa level;
         if (!isa::isa_from_name(name->c_str(), level)) {
-          throw ::mlx_lattice::InputError("set_kernel_isa: unknown ISA level '" + *name +
-                                          "'; the levels are " + isa::isa_level_names() + ".");
+          throw ::mlx_lattice::InputError(unknown_isa_level("set_kernel_isa", *name));
         }
         isa::set_isa_ceiling(level);
       },
@@ -255,9 +260,7 @@ void bind_ops(nb::module_& m) {
         const char* isa_env = std::getenv("MLX_LATTICE_GEMM_ISA");
         isa::Isa level;
         if (isa_env && *isa_env && !isa::isa_from_name(isa_env, level)) {
-          throw ::mlx_lattice::InputError("MLX_LATTICE_GEMM_ISA: unknown ISA level '" +
-                                          std::string(isa_env) + "'; the levels are " +
-                                          isa::isa_level_names() + ".");
+          throw ::mlx_lattice::InputError(unknown_isa_level("MLX_LATTICE_GEMM_ISA", isa_env));
         }
         // The others: `valid` or "VARIABLE: <rule>, got '<value>'.".
         auto check = [](const char* name, bool (*valid)(const char*), const char* rule) {

@@ -1,6 +1,7 @@
 #include "weight_cache.h"
 
-#include <cerrno>
+#include "cpu/parallel.h"
+
 #include <cstdlib>
 #include <list>
 #include <mutex>
@@ -154,11 +155,8 @@ void set_weight_cache_budget(size_t bytes) {
 }
 
 bool weight_cache_bytes_from_text(const char* text, size_t& bytes) {
-  if (text == nullptr || *text < '0' || *text > '9') return false;
-  char* end = nullptr;
-  errno = 0;
-  const long long mb = std::strtoll(text, &end, 10);
-  if (errno != 0 || *end != '\0' || mb > (int64_t{1} << 40)) return false;
+  long long mb = 0;
+  if (!decimal_from_text(text, (1LL << 40), mb)) return false;
   bytes = static_cast<size_t>(mb) << 20;
   return true;
 }

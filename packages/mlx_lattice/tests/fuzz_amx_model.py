@@ -29,20 +29,16 @@ from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
 
 
-def _load_harness():
-    path = Path(__file__).with_name("harness_ext.so")
-    spec = importlib.util.spec_from_file_location("harness_ext", path)
+def _load(name: str, filename: str):
+    """The module ``name`` from ``filename`` beside this file."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(filename))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-harness_ext = _load_harness()
-_refs_spec = importlib.util.spec_from_file_location(
-    "int8_refs", Path(__file__).with_name("int8_refs.py")
-)
-int8_refs = importlib.util.module_from_spec(_refs_spec)
-_refs_spec.loader.exec_module(int8_refs)
+harness_ext = _load("harness_ext", "harness_ext.so")
+int8_refs = _load("int8_refs", "int8_refs.py")
 EMPTY = mx.zeros((0,), dtype=mx.int32)
 
 

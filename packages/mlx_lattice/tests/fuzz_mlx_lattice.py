@@ -393,17 +393,6 @@ def _tile_edge_relation(n_points, side, kernel_size, stride, transposed, seed):
     return rel.transposed() if transposed else rel
 
 
-def _per_offset_sums(src: np.ndarray, weight: np.ndarray, rel, n_out: int) -> np.ndarray:
-    """out[o] = sum over edges (i, o, k) of src[i] @ weight[k], in float64."""
-    out = np.zeros((n_out, weight.shape[2]))
-    in_rows, out_rows = np.array(rel.edges.in_rows), np.array(rel.edges.out_rows)
-    kid = np.array(rel.edges.kernel_ids)
-    for k in np.unique(kid):
-        sel = kid == k
-        out[out_rows[sel]] += src[in_rows[sel]] @ weight[k]  # one edge per output and offset
-    return out
-
-
 # The unit roundoff of each storage format (the output's one rounding).
 _UNIT = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 TILE_CHANNELS = st.sampled_from([1, 3, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 70])
@@ -445,6 +434,7 @@ def test_conv_and_pool_tile_edge_shapes(n_points, side, kernel_size, stride, tra
     dtype = kind if kind in _UNIT else "float32"
     f = mx.array(f_np).astype(getattr(mx, dtype))
     fe = np.array(f.astype(mx.float32)).astype(np.float64)
+    edges = _edge_set(rel)
     mlx_lattice.set_kernel_l2_bytes(l2)
     try:
         if kind in _UNIT:
@@ -452,8 +442,8 @@ def test_conv_and_pool_tile_edge_shapes(n_points, side, kernel_size, stride, tra
             out = core_ops.sparse_conv_features_from_relation(f, w, rel)
             got = np.array(out.astype(mx.float32)).astype(np.float64)
             we = np.array(w.astype(mx.float32)).astype(np.float64)
-            exact = _per_offset_sums(fe, we, rel, n_out)
-            mag = _per_offset_sums(np.abs(fe), np.abs(we), rel, n_out)
+            exact = _conv_ref(fe, we, edges, n_out)
+            mag = _conv_ref(np.abs(fe), np.abs(we), edges, n_out)
             n_terms = k * cin + k + 1
             # The last term: half of float16's smallest subnormal.
             bound = (_UNIT[dtype] * np.abs(exact) + (1 + _UNIT[dtype]) * n_terms * 2.0**-24 * mag
@@ -475,11 +465,11 @@ def test_conv_and_pool_tile_edge_shapes(n_points, side, kernel_size, stride, tra
                 f, rel, input_exclusive=False, mode=mode
             )
             got = np.array(pooled.astype(mx.float32)).astype(np.float64)
-            ref = _pool_ref(fe, _edge_set(rel), n_out, mode)
+            ref = _pool_ref(fe, edges, n_out, mode)
             if mode == "max":
                 np.testing.assert_array_equal(got, ref)
                 continue
-            total = _pool_ref(np.abs(fe), _edge_set(rel), n_out, "sum")
+            total = _pool_ref(np.abs(fe), edges, n_out, "sum")
             # k + 1 terms of a sum; avg: one division more.
             bound = (2 * _UNIT[dtype] * np.abs(ref) + (k + 3) * 2.0**-24 * total + 2.0**-25)
             assert (np.abs(got - ref) <= bound).all(), mode

@@ -269,12 +269,19 @@ Pool& pool() {
 
 }  // namespace
 
-bool threads_from_text(const char* text, int& n) {
+bool decimal_from_text(const char* text, long long max, long long& value) {
   if (text == nullptr || *text < '0' || *text > '9') return false;
   char* end = nullptr;
   errno = 0;
-  const long value = std::strtol(text, &end, 10);
-  if (errno != 0 || *end != '\0' || value < 1 || value > 1024) return false;
+  const long long parsed = std::strtoll(text, &end, 10);
+  if (errno != 0 || *end != '\0' || parsed > max) return false;
+  value = parsed;
+  return true;
+}
+
+bool threads_from_text(const char* text, int& n) {
+  long long value = 0;
+  if (!decimal_from_text(text, 1024, value) || value < 1) return false;
   n = static_cast<int>(value);
   return true;
 }

@@ -17,6 +17,11 @@ int get_num_threads();
 // Sets the thread count (>= 1). Raises std::invalid_argument otherwise.
 void set_num_threads(int n);
 
+// A decimal integer in [0, max] spelled with digits only (no sign, space or
+// suffix), as the kernels' environment variables spell their numbers: sets
+// `value` and returns true; false otherwise.
+bool decimal_from_text(const char* text, long long max, long long& value);
+
 // The thread count `text` names (MLX_LATTICE_NUM_THREADS's spelling: a
 // decimal integer in [1, 1024], nothing else); false otherwise.
 bool threads_from_text(const char* text, int& n);

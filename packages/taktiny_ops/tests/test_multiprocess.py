@@ -11,6 +11,11 @@ other side, as in sharding_test): the float forward agrees to 1e-5, the
 quantized forward is as close to the float result as the 1-device one is (2.5x
 slack as in sharding_test), and after 3 QT steps parameters agree to 1e-3
 (observed 1e-4; learning rate 0.05 times gradients of order 1).
+
+The processes talk over loopback sockets: on a host that cannot bind one (a
+sandboxed TPU host) the tests skip and say so. They run on the CPU backend
+(``JAX_PLATFORMS=cpu``) wherever the test process runs, so that they never
+contend for an accelerator the test process holds.
 """
 
 from __future__ import annotations
@@ -24,12 +29,29 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
 
 
+def _loopback_error() -> str | None:
+    """Why this host cannot listen on a loopback socket, or None if it can."""
+    try:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen(1)
+    except OSError as e:
+        return f"needs loopback sockets for jax.distributed; this host cannot bind one ({e})"
+    return None
+
+
+_NO_LOOPBACK = _loopback_error()
+pytestmark = pytest.mark.skipif(_NO_LOOPBACK is not None, reason=str(_NO_LOOPBACK))
+
+
 def _env() -> dict[str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PYTHONUNBUFFERED="1",
+               JAX_PLATFORMS="cpu")
     env.pop("XLA_FLAGS", None)
     return env
 

@@ -6,6 +6,9 @@
   feature ops; :mod:`mlx_lattice.nn`: the same as ``mlx.nn.Module`` layers;
 * :func:`quantize`: rule-based quantization of convolution and linear layers
   through ``quantrules``; :func:`to_quantized` for one layer;
+* :func:`compile`: a model's inference graph (norms folded into the
+  convolutions, fused epilogues); :func:`calibrate`: static activation
+  scales from a few scans;
 * :mod:`mlx_lattice.core`: coordinates, kernel relations, quantized weights
   and the ops layer over the native MLX primitives;
 * :mod:`mlx_lattice.data`: a seeded synthetic LiDAR scan;
@@ -20,12 +23,14 @@ from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
 from mlx_lattice._isa import (
     get_kernel_isa,
     get_kernel_l2_bytes,
+    get_kernel_names,
     set_kernel_isa,
     set_kernel_l2_bytes,
 )
 from mlx_lattice._memory import retain_freed_memory
 from mlx_lattice._threads import get_num_threads, set_num_threads
 from mlx_lattice._version import __version__
+from mlx_lattice.inference import calibrate, compile
 from mlx_lattice.nn import to_quantized
 from mlx_lattice.quantize import QuantizationReport, calibrate_activation_scales, quantize
 from mlx_lattice.tensor import CoordinateManager, SparseTensor, SparseTensorError, sparse_collate
@@ -38,10 +43,13 @@ __all__ = [
     "SparseTensor",
     "SparseTensorError",
     "__version__",
+    "calibrate",
     "calibrate_activation_scales",
     "clear_caches",
+    "compile",
     "get_kernel_isa",
     "get_kernel_l2_bytes",
+    "get_kernel_names",
     "get_num_threads",
     "quantize",
     "retain_freed_memory",

@@ -70,6 +70,7 @@ __all__ = [
     "ExportedModel",
     "export_model",
     "load",
+    "lower",
 ]
 
 #: The metadata key and ``format`` value of the graph.
@@ -343,6 +344,58 @@ def _check_names(value: Sequence[str] | None, what: str, count: int, counted: st
     return names
 
 
+def lower(
+    model: mlx_nn.Module,
+    *,
+    voxel_size: float | None = None,
+    features: Sequence[str] | str | None = None,
+    class_names: Sequence[str] | None = None,
+) -> tuple[dict[str, Any], dict[str, mx.array]]:
+    """The graph (as :func:`export_model` writes it) and the tensors of a
+    :class:`~mlx_lattice.models.MinkUNet` or
+    :class:`~mlx_lattice.models.SPVCNN`, without writing a file; arguments
+    as :func:`export_model`'s. Raises :class:`ExportError` naming a layer
+    outside the vocabulary.
+
+    >>> from mlx_lattice.models import MinkUNet
+    >>> graph, tensors = lower(MinkUNet(2, 3, widths=(4, 8)))
+    >>> [node["op"] for node in graph["nodes"]][:3], graph["version"]
+    (['subm_conv', 'batch_norm', 'conv'], 2)
+    """
+    from mlx_lattice.models import SPVCNN, MinkUNet
+
+    if type(model) is MinkUNet:
+        builder, kind = _lower_minkunet(model), "voxels"
+    elif type(model) is SPVCNN:
+        builder, kind = _lower_spvcnn(model), "points"
+    else:
+        raise ExportError(f"model must be a MinkUNet or an SPVCNN, got {type(model).__name__}.")
+    if voxel_size is not None and not (
+        isinstance(voxel_size, int | float)
+        and not isinstance(voxel_size, bool)
+        and math.isfinite(voxel_size)
+        and voxel_size > 0
+    ):
+        raise ExportError(f"voxel_size must be a positive finite number, got {voxel_size!r}.")
+    feature_names = _check_names(features, "features", model.in_channels, "input channels")
+    classes = _check_names(class_names, "class_names", model.num_classes, "classes")
+    graph = {
+        "format": FORMAT,
+        "version": VERSION,
+        "model": type(model).__name__,
+        "input_kind": kind,
+        "in_channels": model.in_channels,
+        "num_classes": model.num_classes,
+        "voxel_size": None if voxel_size is None else float(voxel_size),
+        "features": feature_names,
+        "class_names": classes,
+        "input": "input",
+        "output": builder.nodes[-1]["output"],
+        "nodes": builder.nodes,
+    }
+    return graph, builder.tensors
+
+
 def export_model(
     model: mlx_nn.Module,
     path: str | os.PathLike[str],
@@ -374,23 +427,7 @@ def export_model(
 
     The model is not changed; the artifact always runs in inference mode.
     """
-    from mlx_lattice.models import SPVCNN, MinkUNet
-
-    if type(model) is MinkUNet:
-        builder, kind = _lower_minkunet(model), "voxels"
-    elif type(model) is SPVCNN:
-        builder, kind = _lower_spvcnn(model), "points"
-    else:
-        raise ExportError(f"model must be a MinkUNet or an SPVCNN, got {type(model).__name__}.")
-    if voxel_size is not None and not (
-        isinstance(voxel_size, int | float)
-        and not isinstance(voxel_size, bool)
-        and math.isfinite(voxel_size)
-        and voxel_size > 0
-    ):
-        raise ExportError(f"voxel_size must be a positive finite number, got {voxel_size!r}.")
-    feature_names = _check_names(features, "features", model.in_channels, "input channels")
-    classes = _check_names(class_names, "class_names", model.num_classes, "classes")
+    graph, tensors = lower(model, voxel_size=voxel_size, features=features, class_names=class_names)
     extra = dict(metadata or {})
     for key, value in extra.items():
         if not isinstance(key, str) or not isinstance(value, str):
@@ -398,22 +435,7 @@ def export_model(
         if key in (FORMAT, DIGEST_KEY):
             raise ExportError(f"metadata must not set the reserved key {key!r}.")
     out = _check_path_for_writing(path)
-    graph = {
-        "format": FORMAT,
-        "version": VERSION,
-        "model": type(model).__name__,
-        "input_kind": kind,
-        "in_channels": model.in_channels,
-        "num_classes": model.num_classes,
-        "voxel_size": None if voxel_size is None else float(voxel_size),
-        "features": feature_names,
-        "class_names": classes,
-        "input": "input",
-        "output": builder.nodes[-1]["output"],
-        "nodes": builder.nodes,
-    }
     graph_json = json.dumps(graph)
-    tensors = builder.tensors
     mx.eval(list(tensors.values()))
     meta = {**extra, FORMAT: graph_json, DIGEST_KEY: _digest(graph_json, tensors)}
     _write(out, tensors, meta)
@@ -764,6 +786,25 @@ def _norm_layer(node: dict[str, Any], t: Mapping[str, mx.array]) -> Callable:
     return run
 
 
+def _epilogue(node: dict[str, Any], t: Mapping[str, mx.array], layer: Callable) -> Callable:
+    """``layer``, then the node's epilogue if it has one (a compiled graph's
+    folded norm: its bias and ReLU in one pass, :func:`~mlx_lattice.fused.bias_relu`)."""
+    from mlx_lattice.fused import bias_relu
+
+    epilogue = node.get("epilogue")
+    if epilogue is None:
+        return layer
+    bias, relu = t[epilogue["bias"]], bool(epilogue["relu"])
+
+    def run(x: SparseTensor | mx.array) -> SparseTensor | mx.array:
+        y = layer(x)
+        if isinstance(y, SparseTensor):
+            return y.replace(bias_relu(y.feats, bias, relu=relu))
+        return bias_relu(y, bias, relu=relu)
+
+    return run
+
+
 def _build(graph: dict[str, Any], t: Mapping[str, mx.array]) -> list[Callable]:
     steps: list[Callable] = []
     f32 = mx.float32
@@ -771,9 +812,9 @@ def _build(graph: dict[str, Any], t: Mapping[str, mx.array]) -> list[Callable]:
         op = node["op"]
         try:
             if op in _CONV_OPS:
-                steps.append(_conv_layer(node, t))
+                steps.append(_epilogue(node, t, _conv_layer(node, t)))
             elif op == "linear":
-                steps.append(_linear_layer(node, t))
+                steps.append(_epilogue(node, t, _linear_layer(node, t)))
             elif op == "batch_norm":
                 steps.append(_norm_layer(node, t))
             elif op == "cat":
@@ -837,7 +878,15 @@ class ExportedModel:
         """Input feature channels (``None`` for a version 1 file)."""
         return self.graph.get("in_channels")
 
-    def _run(self, x: Any) -> Any:
+    @property
+    def compiled(self) -> bool:
+        """Whether this is a compiled inference graph (:func:`mlx_lattice.compile`:
+        norms folded into the convolutions, fused epilogues) rather than the
+        artifact's op-for-op interpretation of the ``eval()`` forward pass."""
+        return bool(self.graph.get("compiled", False))
+
+    def _values(self, x: Any) -> dict[str, Any]:
+        """Every value the graph makes on ``x``, by name (the input included)."""
         if not self._steps:  # built directly rather than by load()
             self._steps.extend(_build(self.graph, self.tensors))
         values: dict[str, Any] = {self.graph["input"]: x}
@@ -846,7 +895,10 @@ class ExportedModel:
             if node["op"] in _POINT_OPS:  # the point-voxel maps live on the input
                 args.insert(0, x)
             values[node["output"]] = step(*args)
-        return values[self.graph["output"]]
+        return values
+
+    def _run(self, x: Any) -> Any:
+        return self._values(x)[self.graph["output"]]
 
     def __call__(self, x: SparseTensor) -> SparseTensor:
         """The graph's output on the sparse tensor ``x`` (inference mode);
@@ -943,8 +995,15 @@ def _read(name: str) -> tuple[dict[str, mx.array], dict[str, str]]:
     return tensors, metadata
 
 
-def load(path: str | os.PathLike[str]) -> ExportedModel:
+def load(path: str | os.PathLike[str], *, compiled: bool = False) -> ExportedModel:
     """Read an artifact written by :func:`export_model` (any suffix).
+
+    By default the model runs the file's graph op for op, as the exported
+    model's ``eval()`` forward pass (bit for bit); ``compiled=True`` returns
+    its compiled inference graph instead (:func:`mlx_lattice.compile`: each
+    batch norm folded into the convolution or linear layer before it, bias
+    and ReLU fused into one epilogue pass), which is computed from the
+    file's tensors when it is loaded, so every version this reads compiles.
 
     Raises:
         ExportError: the path is not a readable safetensors file, has no
@@ -982,5 +1041,9 @@ def load(path: str | os.PathLike[str]) -> ExportedModel:
     _check_graph(graph, tensors)
     rest = {k: v for k, v in metadata.items() if k not in (FORMAT, DIGEST_KEY)}
     model = ExportedModel(graph=graph, tensors=dict(tensors), metadata=rest)
+    if compiled:
+        from mlx_lattice.inference import compile as compile_graph
+
+        return compile_graph(model)
     model._steps.extend(_build(graph, model.tensors))
     return model

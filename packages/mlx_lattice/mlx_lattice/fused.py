@@ -42,7 +42,14 @@ from mlx_lattice._native import ext
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.relations import KernelRelation, build_kernel_relation
 
-__all__ = ["add", "batch_norm_eval", "batch_norm_train", "dense_linear", "identity_relation"]
+__all__ = [
+    "add",
+    "batch_norm_eval",
+    "batch_norm_train",
+    "bias_relu",
+    "dense_linear",
+    "identity_relation",
+]
 
 _F32 = mx.float32
 
@@ -201,6 +208,36 @@ def batch_norm_eval(
     if relu:
         y = mx.maximum(y, 0)
     return y.astype(x.dtype)
+
+
+def bias_relu(x: mx.array, bias: mx.array, *, relu: bool = True) -> mx.array:
+    """``max(x + bias, 0)`` (``x + bias`` without ``relu``) of ``(N, C)``
+    features with a ``(C,)`` float32 bias, in one pass: the epilogue of a
+    convolution whose batch norm is folded into its weights
+    (:func:`mlx_lattice.compile`). Each value is ``x + bias`` computed in
+    float32 and rounded once to ``x``'s dtype: it is
+    :func:`batch_norm_eval` with mean 0, variance 1 and ``eps`` 0, whose
+    scale ``rsqrt(1) = 1`` is exact, so the sum is the only rounding.
+
+    >>> bias_relu(mx.array([[1.0, -3.0]]), mx.array([0.5, 1.0])).tolist()
+    [[1.5, 0.0]]
+    """
+    c = int(bias.shape[0]) if isinstance(bias, mx.array) and bias.ndim == 1 else -1
+    if not isinstance(x, mx.array) or x.ndim != 2 or int(x.shape[1]) != c:
+        shape = tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
+        raise MlxLatticeError(f"x must be (N, {c}) for a bias of {c} channels, got {shape}.")
+    zeros, ones = _unit_stats(c)
+    return batch_norm_eval(x, zeros, ones, None, bias, eps=0.0, relu=relu)
+
+
+_UNIT_STATS: dict[int, tuple[mx.array, mx.array]] = {}
+
+
+def _unit_stats(c: int) -> tuple[mx.array, mx.array]:
+    stats = _UNIT_STATS.get(c)
+    if stats is None:
+        stats = _UNIT_STATS[c] = (mx.zeros((c,), _F32), mx.ones((c,), _F32))
+    return stats
 
 
 _IDENTITY: OrderedDict[int, KernelRelation] = OrderedDict()

@@ -1,0 +1,257 @@
+"""Compiled inference graphs: batch norms folded into the layers before
+them, fused epilogues, and static activation scales calibrated from scans.
+
+:func:`compile` walks an ``eval()``-mode :class:`~mlx_lattice.models.MinkUNet`
+or :class:`~mlx_lattice.models.SPVCNN` (float or quantized by
+:func:`mlx_lattice.quantize`), or a loaded artifact
+(:class:`~mlx_lattice.export.ExportedModel`), once, and returns an
+:class:`~mlx_lattice.export.ExportedModel` that runs the compiled graph:
+
+* each batch norm that reads only a convolution's (or a linear layer's)
+  output is folded into that layer. With the norm's per-channel factor
+  ``s = gamma / sqrt(running_var + eps)`` (formed in float32, as the eval
+  norm forms it) and ``beta`` its bias, the layer's weight rows become
+  ``s[o] * W[o]`` and its bias ``(b[o] - running_mean[o]) * s[o] + beta[o]``.
+  A float layer's weight is scaled before it runs. A quantized layer keeps
+  its integer codes: its group scales and group biases (per output channel
+  and input group: ``w = scale * code + bias``) are multiplied by ``s[o]``,
+  which is the same map as scaling the dequantized weight, so folding
+  needs no float weight and adds no quantization error (it is folded into
+  the per-channel scales, not before quantizing; a model quantized from
+  float can be folded either way, a loaded artifact only this way);
+* the folded bias and the ReLU that follows the norm run as one epilogue
+  pass (:func:`mlx_lattice.fused.bias_relu`) instead of the norm's pass;
+* everything else (concatenations, the point moves of SPVCNN, the head)
+  runs as in the artifact interpreter.
+
+The compiled graph computes the same function as the ``eval()`` forward
+pass up to float32 rounding (folding reorders the products: the bound is
+derived in ``tests/test_inference.py``). Static activation scales are what
+the layers were calibrated with: a folded norm changes its own layer's
+output scale, not the input the next layer's static scale was measured
+on. :func:`calibrate` sets those scales from a few scans.
+
+>>> from mlx_lattice.models import MinkUNet
+>>> from mlx_lattice.tensor import SparseTensor
+>>> model = MinkUNet(2, 3, widths=(4, 8)).eval()
+>>> coords = mx.array([[0, i, j, 0] for i in range(3) for j in range(3)], dtype=mx.int32)
+>>> net = compile(model)
+>>> [n["op"] for n in net.graph["nodes"]][:3], net.compiled
+(['subm_conv', 'conv', 'subm_conv'], True)
+>>> y = net(SparseTensor(coords, mx.ones((9, 2)))).feats
+>>> ref = model(SparseTensor(coords, mx.ones((9, 2)))).feats
+>>> bool(mx.allclose(y, ref, rtol=1e-5, atol=1e-5))
+True
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as mlx_nn
+
+from mlx_lattice._errors import MlxLatticeError
+from mlx_lattice.export import _CONV_OPS, ExportedModel, ExportError, _build, lower
+from mlx_lattice.quantize import calibrate_activation_scales
+from mlx_lattice.tensor import SparseTensor
+
+__all__ = ["calibrate", "compile"]
+
+_F32 = mx.float32
+
+
+def _path(node: Mapping[str, Any]) -> str:
+    """The layer's name in the tensors (``encoder.block1.down``)."""
+    name = node["weight"]
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _fold_norm(
+    node: dict[str, Any], norm: dict[str, Any], t: dict[str, mx.array]
+) -> dict[str, Any]:
+    """``node`` (a convolution or linear layer) with ``norm`` folded in."""
+    path = _path(node)
+    s = mx.rsqrt(t[norm["running_var"]].astype(_F32) + norm["eps"])
+    if norm.get("weight") is not None:
+        s = t[norm["weight"]].astype(_F32) * s
+    centred = -t[norm["running_mean"]].astype(_F32)
+    if node.get("bias") is not None:
+        centred = t[node["bias"]].astype(_F32) + centred
+    bias = centred * s
+    if norm.get("bias") is not None:
+        bias = bias + t[norm["bias"]].astype(_F32)
+    out = {**node, "output": norm["output"], "bias": None}
+    q = node.get("quant")
+    if q is not None:
+        # scales / biases: (K, Cout, groups) for a convolution, (Cout, groups) for a linear layer
+        q = dict(q)
+        for key in ("scales", "biases"):
+            a = t[q[key]]
+            factor = s.reshape(-1, 1) if a.ndim == 2 else s.reshape(1, -1, 1)
+            q[key] = f"{path}.{key}.folded"
+            t[q[key]] = (a.astype(_F32) * factor).astype(a.dtype)
+        out["quant"] = q
+    else:
+        w = t[node["weight"]]
+        factor = s.reshape((-1,) + (1,) * (w.ndim - 1))
+        out["weight"] = f"{path}.weight.folded"
+        t[out["weight"]] = (w.astype(_F32) * factor).astype(w.dtype)
+    t[f"{path}.epilogue.bias"] = bias
+    out["epilogue"] = {"bias": f"{path}.epilogue.bias", "relu": bool(norm["relu"])}
+    return out
+
+
+def _fold(
+    nodes: list[dict[str, Any]], tensors: Mapping[str, mx.array]
+) -> tuple[list[dict[str, Any]], dict[str, mx.array]]:
+    """The nodes with every foldable norm folded, and the tensors they read."""
+    uses = Counter(name for node in nodes for name in node["inputs"])
+    t = dict(tensors)
+    out: list[dict[str, Any]] = []
+    i = 0
+    while i < len(nodes):
+        node = nodes[i]
+        nxt = nodes[i + 1] if i + 1 < len(nodes) else None
+        if (
+            node["op"] in (*_CONV_OPS, "linear")
+            and "epilogue" not in node
+            and nxt is not None
+            and nxt["op"] == "batch_norm"
+            and nxt["inputs"] == [node["output"]]
+            and uses[node["output"]] == 1
+        ):
+            out.append(_fold_norm(node, nxt, t))
+            i += 2
+        else:
+            out.append(node)
+            i += 1
+    read = {name for node in out for name in _tensor_names(node)}
+    return out, {name: a for name, a in t.items() if name in read}
+
+
+def _tensor_names(node: Mapping[str, Any]) -> Iterable[str]:
+    for key in ("weight", "bias", "running_mean", "running_var"):
+        if isinstance(node.get(key), str):
+            yield node[key]
+    for part in ("quant", "epilogue"):
+        for value in (node.get(part) or {}).values():
+            if isinstance(value, str):
+                yield value
+
+
+def compile(
+    model: mlx_nn.Module | ExportedModel,
+    *,
+    voxel_size: float | None = None,
+    features: Any = None,
+    class_names: Any = None,
+) -> ExportedModel:
+    """The compiled inference graph of ``model``: an ``eval()``-mode
+    :class:`~mlx_lattice.models.MinkUNet` or
+    :class:`~mlx_lattice.models.SPVCNN` (float or quantized), or a loaded
+    :class:`~mlx_lattice.export.ExportedModel` (see the module docstring
+    for what is folded and fused).
+
+    Returns an :class:`~mlx_lattice.export.ExportedModel` whose
+    :attr:`~mlx_lattice.export.ExportedModel.compiled` is true: call it on a
+    sparse tensor (voxel models) or use ``predict_points``. For a model,
+    ``voxel_size``, ``features`` and ``class_names`` are recorded as
+    :func:`~mlx_lattice.export.export_model` records them (an artifact keeps
+    its own). The model is not changed, and its training path is untouched.
+
+    Raises:
+        ExportError: ``model`` is in training mode, is not one of these
+            models, or has a layer outside the export vocabulary (the
+            message names the layer).
+    """
+    if isinstance(model, ExportedModel):
+        if model.compiled:
+            return model
+        graph, tensors, metadata = model.graph, model.tensors, dict(model.metadata)
+    elif isinstance(model, mlx_nn.Module):
+        if model.training:
+            raise ExportError(
+                "model is in training mode; compile an eval() model (its norms fold their "
+                "running statistics)."
+            )
+        graph, tensors = lower(
+            model, voxel_size=voxel_size, features=features, class_names=class_names
+        )
+        metadata = {}
+    else:
+        raise ExportError(
+            f"model must be a MinkUNet, an SPVCNN or an ExportedModel, got {type(model).__name__}."
+        )
+    nodes, folded = _fold(graph["nodes"], tensors)
+    compiled_graph = {**graph, "compiled": True, "nodes": nodes}
+    mx.eval(list(folded.values()))
+    net = ExportedModel(graph=compiled_graph, tensors=folded, metadata=metadata)
+    net._steps.extend(_build(compiled_graph, net.tensors))
+    return net
+
+
+def _scan_input(scan: Any) -> Any:
+    from mlx_lattice._pointcloud import PointCloudInput
+
+    if isinstance(scan, SparseTensor | PointCloudInput):
+        return scan
+    tensor = getattr(scan, "tensor", None)  # a labelled batch (mlx_lattice.data.make_batch)
+    if isinstance(tensor, SparseTensor):
+        return tensor
+    raise MlxLatticeError(
+        "scans must hold SparseTensors, PointCloudInputs or batches with a .tensor, got "
+        f"{type(scan).__name__}."
+    )
+
+
+def calibrate(
+    model: mlx_nn.Module,
+    scans: Iterable[Any],
+    forward: Callable[[mlx_nn.Module, Any], Any] | None = None,
+) -> dict[str, float]:
+    """Set the static activation scales of ``model`` from a few scans, for
+    deployment: every convolution quantized with a static scale (a rule
+    with ``act_qtype`` and ``act_static_scale=True``, see
+    :func:`mlx_lattice.quantize`) gets ``max|x| / 127`` (for int8) over the
+    inputs it sees on ``scans``. Returns the scales by module path.
+
+    ``scans`` are :class:`~mlx_lattice.SparseTensor` inputs (MinkUNet),
+    ``PointCloudInput`` inputs (SPVCNN, see
+    :func:`~mlx_lattice.models.point_cloud_input`), or labelled batches of
+    :func:`mlx_lattice.data.make_batch` (their ``.tensor``). The model runs
+    in ``eval()`` mode meanwhile, so running statistics are read, never
+    updated; its mode is restored afterwards. ``forward(model, scan)``
+    replaces ``model(scan)`` (as in
+    :func:`~mlx_lattice.calibrate_activation_scales`, which this calls).
+    Calibrate before :func:`compile` or :func:`~mlx_lattice.export.export_model`:
+    both carry the scales.
+
+    Raises:
+        MlxLatticeError: no static-scale layer, no scans, a scan of
+            another type, or a layer that saw only zeros.
+
+    >>> import quantrules as qr
+    >>> from mlx_lattice import quantize
+    >>> from mlx_lattice.models import MinkUNet
+    >>> model = MinkUNet(2, 3, widths=(32, 32))
+    >>> rule = qr.Rule(op_names=("sparse_conv",), weight_qtype="int8", act_qtype="int8",
+    ...                act_static_scale=True, tile_size=32)
+    >>> _ = quantize(model, [qr.Rule(module_path="stem/.*"), rule])
+    >>> coords = mx.array([[0, i, j, 0] for i in range(4) for j in range(4)], dtype=mx.int32)
+    >>> scales = calibrate(model, [SparseTensor(coords, mx.ones((16, 2)))])
+    >>> sorted(scales)[:2], model.training
+    (['decoder/block1/conv', 'decoder/block1/up'], True)
+    """
+    inputs = [_scan_input(scan) for scan in scans]
+    if not inputs:
+        raise MlxLatticeError("scans is empty: calibration needs at least one scan.")
+    was_training = model.training
+    model.eval()
+    try:
+        return calibrate_activation_scales(model, inputs, forward)
+    finally:
+        if was_training:
+            model.train()

@@ -1,0 +1,391 @@
+"""mlx_lattice.compile and mlx_lattice.calibrate: the compiled inference
+graph (norms folded into the layers before them, bias and ReLU as one
+epilogue) against the unfused eval() forward pass, layer by layer within a
+derived float32 bound; every zoo model and quantized form compiles; an
+artifact compiles on load (today's committed version-2 file included) and
+in a fresh process with the same bits; calibration from scans against the
+inputs each layer sees.
+
+The bound (``_fold_bound``). One folded layer computes, per output ``o``,
+``y = relu(c * s + t)`` with ``c = sum_j w_j x_j`` over its ``n`` products
+(``n = K * Cin``, ``K`` kernel offsets), the norm's factor
+``s = gamma * rsqrt(var + eps)`` and shift ``t = beta - mean * s`` (plus the
+layer bias, folded the same way). The eval forward rounds ``c`` (float32
+sums: error at most ``gamma_n * A`` with ``A = sum_j |w_j| |x_j|``, Higham's
+``gamma_n = n u / (1 - n u)``, ``u = 2**-24``), then the norm's map (a few
+roundings, each at most ``u`` times a value of magnitude at most
+``M = |s| A + |mean s| + |beta|``). The compiled graph rounds ``w_j s``
+(relative ``u``, so the sum moves by at most ``u |s| A``), sums those
+products (``gamma_n |s| A``), forms its bias (two roundings of values at
+most ``M``) and adds it (one rounding of at most ``M``). So the two differ
+by at most ``(2 gamma_n + u) |s| A + 8 u M``, with ``8 u M`` covering the
+at most eight roundings outside the sums (the norm's scale itself is formed
+by the same float32 ops on both sides but bounded as if not). ReLU is
+1-Lipschitz. Quantized layers: a weight-only layer dequantizes
+``w = scale * q + bias`` before summing, and the compiled one uses
+``fl(scale s) q + fl(bias s)``, so the roundings are relative to
+``|scale| q + |bias|`` (not ``|w|``, which can cancel): ``A`` is computed
+with that weight. An int8-activation layer quantizes the same input to the
+same codes on both sides (dynamic per-row or static scales; ``|x_q| <=
+|x| + max|x| / 254``, half a step) and differs only in its float epilogue,
+bounded the same way with ``x`` widened by half a step. ``A`` is computed in
+float32 by the same convolution on ``|x|`` and the absolute weight, a sum
+of non-negative terms, so it is at least ``(1 - gamma_n)`` times the exact
+one: it is scaled up by ``(1 + 2 gamma_n)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as mlx_nn
+import numpy as np
+import pytest
+
+import mlx_lattice
+import quantrules as qr
+from mlx_lattice import export, nn, quantize
+from mlx_lattice.export import ExportError
+from mlx_lattice.models import SPVCNN, MinkUNet, point_cloud_input
+
+DATA = Path(__file__).parent / "data"
+GOLDEN = DATA / "export_v2_spvcnn.mlxl"
+GOLDEN_EXPECTED = DATA / "export_v2_spvcnn_expected.npz"
+VOXEL = 0.25
+U = 2.0**-24
+
+_STATIC = qr.Rule(
+    op_names=("sparse_conv",),
+    weight_qtype="int8",
+    act_qtype="int8",
+    act_static_scale=True,
+    tile_size=32,
+)
+FORMS: dict[str, list[qr.Rule] | None] = {
+    "float": None,
+    "int8": [qr.Rule(weight_qtype="int8", tile_size=32)],
+    "int4": [qr.Rule(weight_qtype="int4", tile_size=32)],
+    "w8a8": [qr.Rule(weight_qtype="int8", act_qtype="int8", tile_size=32)],
+    "w8a8-static": [_STATIC, qr.Rule(weight_qtype="int8", act_qtype="int8", tile_size=32)],
+}
+
+
+def _randomize_norms(model, rng: np.random.Generator) -> None:
+    """Norm statistics and affine parameters away from the defaults (some
+    factors negative), so every fold changes its layer."""
+    for _, m in model.named_modules():
+        if isinstance(m, mlx_nn.BatchNorm):
+            n = int(m.running_mean.shape[0])
+            m.running_mean = mx.array(rng.normal(0, 0.3, n).astype(np.float32))
+            m.running_var = mx.array(rng.uniform(0.3, 3.0, n).astype(np.float32))
+            sign = np.where(rng.uniform(size=n) < 0.2, -1.0, 1.0)
+            m.weight = mx.array((sign * rng.uniform(0.5, 1.5, n)).astype(np.float32))
+            m.bias = mx.array(rng.normal(0, 0.2, n).astype(np.float32))
+
+
+def _points(rng: np.random.Generator, n: int, extent: float) -> tuple[np.ndarray, np.ndarray]:
+    pts = rng.uniform(0, extent, (n, 3)).astype(np.float32)
+    return pts, rng.standard_normal((n, 3)).astype(np.float32)
+
+
+def _model(arch: str, form: str, rng: np.random.Generator, pts, feats):
+    cls = MinkUNet if arch == "MinkUNet" else SPVCNN
+    model = cls(3, 5, widths=(16, 32, 32), depths=(1, 2, 1))
+    _randomize_norms(model, rng)
+    model.eval()
+    if FORMS[form] is not None:
+        quantize(model, FORMS[form], allow_growth=True)
+    if form.endswith("static"):
+        mlx_lattice.calibrate(model, [_input(arch, pts, feats)])
+    return model
+
+
+def _input(arch: str, pts, feats):
+    inp = point_cloud_input(pts, mx.array(feats), VOXEL)
+    return inp if arch == "SPVCNN" else inp.tensor
+
+
+def _abs_layer(node: dict, tensors: dict):
+    """The node's layer with ``|weight|`` (quantized: ``|scale| q + |bias|``),
+    no bias, float activations: its output on ``|x|`` is ``A``."""
+    q = node.get("quant")
+    if q is None:
+        weight = mx.abs(tensors[node["weight"]].astype(mx.float32))
+    else:
+        full = mx.dequantize(
+            tensors[node["weight"]],
+            mx.abs(tensors[q["scales"]].astype(mx.float32)),
+            mx.abs(tensors[q["biases"]].astype(mx.float32)),
+            group_size=q["group_size"],
+            bits=q["bits"],
+        )[..., : node["in_channels"]]
+        if full.ndim == 3:  # conv: (K, Cout, Cin) -> (Cout, kx, ky, kz, Cin)
+            k = node["kernel_size"]
+            full = full.reshape(*k, *full.shape[1:]).transpose(3, 0, 1, 2, 4)
+        weight = full
+    plain = {k: v for k, v in node.items() if k not in ("quant", "epilogue")}
+    t = {"abs.weight": weight}
+    plain.update(weight="abs.weight", bias=None)
+    if node["op"] == "linear":
+        return export._linear_layer(plain, t)
+    return export._conv_layer(plain, t)
+
+
+def _products(node: dict) -> int:
+    q = node.get("quant")
+    cin = q["storage_in_channels"] if q else node.get("in_channels")
+    if node["op"] == "linear":
+        return int(cin if cin else node["weight_shape"][1])
+    k = node["kernel_size"]
+    return int(k[0] * k[1] * k[2] * cin)
+
+
+def _feats(v):
+    return v.feats if isinstance(v, mlx_lattice.SparseTensor) else v
+
+
+def _check_layers_within_bound(ref: export.ExportedModel, x) -> int:
+    """Every folded layer of compile(ref), run on the input the unfused
+    graph gave its layer, against the unfused layer + norm output; returns
+    how many layers were checked."""
+    net = mlx_lattice.compile(ref)
+    values = ref._values(x)
+    by_output = {n["output"]: n for n in ref.graph["nodes"]}
+    checked = 0
+    for node, step in zip(net.graph["nodes"], net._steps, strict=True):
+        if "epilogue" not in node:
+            continue
+        norm = by_output[node["output"]]
+        layer = by_output[norm["inputs"][0]]
+        assert norm["op"] == "batch_norm" and layer["inputs"] == node["inputs"]
+        t = ref.tensors
+        if layer["op"] == "linear" and "quant" not in layer:
+            layer = {**layer, "in_channels": int(t[layer["weight"]].shape[1])}
+        elif layer["op"] != "linear" and "quant" not in layer:
+            layer = {**layer, "in_channels": int(t[layer["weight"]].shape[4])}
+        x_in = values[node["inputs"][0]]
+        got, want = _feats(step(x_in)), _feats(values[node["output"]])
+        xa = mx.abs(_feats(x_in).astype(mx.float32))
+        if (layer.get("quant") or {}).get("act_bits") is not None:
+            xa = xa + mx.max(xa) / 254.0  # half an int8 step of the widest row
+        abs_in = x_in.replace(xa) if isinstance(x_in, mlx_lattice.SparseTensor) else xa
+        n = _products(layer)
+        gamma = n * U / (1 - n * U)
+        a = np.array(_feats(_abs_layer(layer, t)(abs_in))) * (1 + 2 * gamma)
+        s = np.array(mx.rsqrt(t[norm["running_var"]] + norm["eps"]) * t[norm["weight"]])
+        m = np.abs(np.array(t[norm["running_mean"]]) * s) + np.abs(np.array(t[norm["bias"]]))
+        bound = (2 * gamma + U) * np.abs(s) * a + 8 * U * (np.abs(s) * a + m)
+        err = np.abs(np.array(got, np.float64) - np.array(want, np.float64))
+        worst = float((err - bound).max())
+        assert worst <= 0, (layer["weight"], float(err.max()), float(bound.max()))
+        # The fold is not a no-op: the norm changed the layer's output.
+        assert float(np.abs(np.array(want)).max()) > 0
+        checked += 1
+    return checked
+
+
+@pytest.mark.parametrize("arch", ["MinkUNet", "SPVCNN"])
+@pytest.mark.parametrize("form", list(FORMS))
+def test_folded_layers_match_the_eval_forward_within_the_bound(
+    arch: str, form: str, rng: np.random.Generator
+) -> None:
+    pts, feats = _points(rng, 900, 4.0)
+    model = _model(arch, form, rng, pts, feats)
+    graph, tensors = export.lower(model)
+    ref = export.ExportedModel(graph=graph, tensors=tensors, metadata={})
+    x = _input(arch, *_points(rng, 1200, 5.0))
+    checked = _check_layers_within_bound(ref, x)
+    norms = sum(isinstance(m, mlx_nn.BatchNorm) for _, m in model.named_modules())
+    assert checked == norms  # every norm of these models follows its layer
+    # The whole network: the eval forward and the compiled graph score alike.
+    net = mlx_lattice.compile(model)
+    assert net.compiled and not any(n["op"] == "batch_norm" for n in net.graph["nodes"])
+    a = model(x) if arch == "SPVCNN" else model(x).feats
+    b = net._run(x) if arch == "SPVCNN" else net(x).feats
+    # Rounding differences only: a flipped class needs two scores within a
+    # few float32 ulps (float); int8 forms can move a code by one step at a
+    # rounding boundary, so 1% of the rows may flip there.
+    agree = float(mx.mean(mx.argmax(a, axis=1) == mx.argmax(b, axis=1)))
+    assert agree >= (0.999 if form in ("float", "int8", "int4") else 0.99), agree
+
+
+def test_the_folded_weights_are_the_scaled_ones(rng: np.random.Generator) -> None:
+    """One float convolution + norm: the compiled weight is s[o] * W[o] and
+    the epilogue bias (b - mean) * s + beta, computed here in float64."""
+    model = MinkUNet(3, 2, widths=(8, 8))
+    _randomize_norms(model, rng)
+    model.stem.conv.bias = mx.array(rng.normal(0, 1, 8).astype(np.float32))
+    net = mlx_lattice.compile(model.eval())
+    node = net.graph["nodes"][0]
+    norm = model.stem.norm
+    s = np.array(norm.weight, np.float64) / np.sqrt(
+        np.array(norm.running_var, np.float64) + norm.eps
+    )
+    w = np.array(model.stem.conv.weight, np.float64) * s[:, None, None, None, None]
+    np.testing.assert_allclose(np.array(net.tensors[node["weight"]]), w, rtol=4 * U, atol=0)
+    centred = (np.array(model.stem.conv.bias, np.float64) - np.array(norm.running_mean)) * s
+    b = centred + np.array(norm.bias)
+    got = np.array(net.tensors[node["epilogue"]["bias"]])
+    # s: rsqrt and a product (3u relative with the rsqrt's own error); then
+    # a difference, a product and a sum, one rounding each.
+    assert (np.abs(got - b) <= 6 * U * (np.abs(centred) + np.abs(b))).all()
+    assert node["epilogue"]["relu"] is True and node["bias"] is None
+
+
+def test_quantized_folds_into_the_scales_and_keeps_the_codes(rng: np.random.Generator) -> None:
+    model = MinkUNet(3, 2, widths=(32, 32))
+    _randomize_norms(model, rng)
+    quantize(model, [qr.Rule(module_path="stem/.*"), qr.Rule(weight_qtype="int4", tile_size=32)])
+    net = mlx_lattice.compile(model.eval())
+    node = next(n for n in net.graph["nodes"] if n.get("quant") and n["op"] == "conv")
+    layer, norm = model.encoder.block1.down, model.encoder.block1.down_norm
+    assert mx.array_equal(net.tensors[node["weight"]], layer.weight)  # the same codes
+    s = np.array(norm.weight) / np.sqrt(np.array(norm.running_var) + norm.eps)
+    for key in ("scales", "biases"):
+        want = np.array(layer[key]) * s[None, :, None]
+        got = np.array(net.tensors[node["quant"][key]])
+        np.testing.assert_allclose(got, want, rtol=4 * U, atol=0)
+
+
+def test_every_zoo_model_compiles_or_names_the_layer(rng: np.random.Generator) -> None:
+    for cls in (MinkUNet, SPVCNN):
+        for depths in (1, (1, 2, 3)):
+            model = cls(2, 3, widths=(8, 16, 16), depths=depths).eval()
+            net = mlx_lattice.compile(model)
+            assert net.model_type == cls.__name__
+    model = MinkUNet(2, 3, widths=(8, 16)).eval()
+    model.encoder.block1.conv = nn.NormalizedSubMConv3d(16, 16)
+    with pytest.raises(ExportError, match=r"encoder\.block1\.conv"):
+        mlx_lattice.compile(model)
+    with pytest.raises(ExportError, match="training mode"):
+        mlx_lattice.compile(MinkUNet(2, 3, widths=(8, 16)))
+    with pytest.raises(ExportError, match="model must be"):
+        mlx_lattice.compile(nn.SubMConv3d(2, 3).eval())
+
+
+def test_training_path_is_unchanged(rng: np.random.Generator) -> None:
+    """Compiling copies: the model's parameters and its forward stay as they were."""
+    model = MinkUNet(2, 3, widths=(8, 16))
+    _randomize_norms(model, rng)
+    model.eval()
+    pts, feats = _points(rng, 300, 3.0)
+    x = point_cloud_input(pts, mx.array(feats[:, :2]), VOXEL).tensor
+    before = model(x).feats
+    weight = model.stem.conv.weight
+    mlx_lattice.compile(model)
+    assert model.stem.conv.weight is weight
+    assert mx.array_equal(model(x).feats, before)
+
+
+def test_artifact_compiles_on_load(tmp_path: Path, rng: np.random.Generator) -> None:
+    pts, feats = _points(rng, 900, 4.0)
+    model = _model("SPVCNN", "w8a8-static", rng, pts, feats)
+    path = tmp_path / "net.mlxl"
+    export.export_model(model, path, voxel_size=VOXEL, class_names=list("abcde"))
+    net = export.load(path, compiled=True)
+    assert net.compiled and net.class_names == tuple("abcde") and net.voxel_size == VOXEL
+    direct = mlx_lattice.compile(model)
+    q_pts, q_feats = _points(rng, 700, 4.0)
+    a = net.predict_points(q_pts, q_feats)
+    assert mx.array_equal(a, direct.predict_points(q_pts, q_feats, voxel_size=VOXEL))
+    assert mlx_lattice.compile(net) is net
+
+
+def test_committed_version_2_artifact_compiles() -> None:
+    """Today's committed file loads compiled; each folded layer is within
+    the bound of the file's own op-for-op run, and the scores are the
+    recorded ones within the committed test's tolerance."""
+    ref = export.load(GOLDEN)
+    net = export.load(GOLDEN, compiled=True)
+    with np.load(GOLDEN_EXPECTED) as case:
+        inp = point_cloud_input(case["points"], case["feats"], VOXEL)
+        assert _check_layers_within_bound(ref, inp) == 7  # 5 convolutions, 2 point MLPs
+        got = np.array(net.predict_points(case["points"], case["feats"]))
+        np.testing.assert_allclose(got, case["scores"], rtol=1e-4, atol=1e-4)
+
+
+_CHILD = """
+import sys
+import numpy as np
+import mlx.core as mx
+from mlx_lattice import export
+
+net = export.load(sys.argv[1], compiled=True)
+case = np.load(sys.argv[2])
+scores = net.predict_points(case["points"], case["feats"])
+mx.eval(scores)
+np.savez(sys.argv[3], scores=np.array(scores.view(mx.uint8)),
+         models=np.array(any(m.startswith("mlx_lattice.models") for m in sys.modules)))
+"""
+
+
+@pytest.mark.parametrize("form", ["float", "w8a8-static"])
+def test_compiled_graph_bit_for_bit_in_a_fresh_process(
+    form: str, tmp_path: Path, rng: np.random.Generator
+) -> None:
+    pts, feats = _points(rng, 900, 4.0)
+    model = _model("SPVCNN", form, rng, pts, feats)
+    path = tmp_path / "net.mlxl"
+    export.export_model(model, path, voxel_size=VOXEL)
+    q_pts, q_feats = _points(rng, 1100, 5.0)
+    np.savez(tmp_path / "case.npz", points=q_pts, feats=q_feats)
+    want = export.load(path, compiled=True).predict_points(q_pts, q_feats)
+    out = tmp_path / "out.npz"
+    subprocess.run(
+        [sys.executable, "-c", _CHILD, str(path), str(tmp_path / "case.npz"), str(out)], check=True
+    )
+    with np.load(out) as got:
+        assert not bool(got["models"])
+        assert np.array_equal(got["scores"], np.array(want.view(mx.uint8)))
+
+
+def test_calibrate_sets_max_abs_input_over_127(rng: np.random.Generator) -> None:
+    """Each static layer's scale is the largest |input| it sees over the
+    scans / 127, the inputs recorded independently from the float model's
+    forward (the static layers run with dynamic scales while calibrating,
+    so a layer's input depends on the layers before it: the reference
+    records them from the quantized model with the dynamic rule instead)."""
+    scans = [_input("MinkUNet", *_points(rng, 600, 4.0)) for _ in range(2)]
+    model = MinkUNet(3, 5, widths=(32, 32))
+    _randomize_norms(model, rng)
+    twin = MinkUNet(3, 5, widths=(32, 32))
+    twin.update(model.parameters())
+    quantize(model, [qr.Rule(module_path="stem/.*"), _STATIC])
+    dynamic = dataclasses.replace(_STATIC, act_static_scale=False)
+    quantize(twin, [qr.Rule(module_path="stem/.*"), dynamic])
+    twin.eval()
+    peaks: dict[str, float] = {}
+
+    class Recorder(mlx_nn.Module):
+        def __init__(self, inner, path) -> None:
+            super().__init__()
+            self.inner, self.path = inner, path
+
+        def __call__(self, x, *args):
+            peaks[self.path] = max(peaks.get(self.path, 0.0), float(mx.abs(x.feats).max()))
+            return self.inner(x, *args)
+
+    for name, m in list(twin.named_modules()):
+        if isinstance(m, nn.QuantizedConv):
+            *parents, last = name.split(".")
+            node = twin
+            for p in parents:
+                node = node[p]
+            setattr(node, last, Recorder(m, name.replace(".", "/")))
+    for x in scans:
+        mx.eval(twin(x).feats)
+    running = np.array(model.stem.norm.running_mean)
+    scales = mlx_lattice.calibrate(model, scans)
+    assert model.training  # restored
+    assert np.array_equal(np.array(model.stem.norm.running_mean), running)  # not updated
+    assert set(scales) == set(peaks)
+    for path, scale in scales.items():
+        assert scale == pytest.approx(peaks[path] / 127, rel=1e-6), path
+    with pytest.raises(mlx_lattice.MlxLatticeError, match="scans is empty"):
+        mlx_lattice.calibrate(model, [])
+    with pytest.raises(mlx_lattice.MlxLatticeError, match="scans must hold"):
+        mlx_lattice.calibrate(model, [np.zeros((3, 3))])

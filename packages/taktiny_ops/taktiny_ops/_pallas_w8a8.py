@@ -5,11 +5,15 @@ by Qwix 0.1.8 (``qvalue [K, N]`` int8, ``scale [1, N]``), the activation
 ``x[M, K]`` quantized per row (per token) inside the kernel with Qwix's absmax
 rule:
 
-* ``x_scale[m] = max_k |x[m, k]| / 127.5`` in float32 (Qwix's symmetric int8
-  bound is ``qmax + 0.5``), replaced by 1 below ``sqrt(finfo.tiny)``;
+* ``x_scale[m] = max_k |x[m, k]| * float32(1 / 127.5)`` (Qwix's symmetric
+  int8 bound is ``qmax + 0.5``; Qwix writes ``absmax / 127.5``, which XLA
+  turns into this multiplication by the rounded reciprocal, so the kernel
+  writes the multiplication: one IEEE product on every backend), replaced by 1
+  below ``sqrt(finfo(float32).tiny)``;
 * ``q_x = clip(round_half_even(x * x_inv), -128, 127)`` with
-  ``x_inv = 1 / x_scale`` computed once per row, so a quantized value does not
-  depend on how a compiler fuses the division (Qwix divides, in ``x.dtype``);
+  ``x_inv = 1 / x_scale`` computed once per row before the kernel, so a
+  quantized value does not depend on how a compiler fuses a division (Qwix
+  divides ``x`` by the scale, in ``x.dtype``);
 * ``acc = q_x @ qvalue`` in int32 on the MXU; the result is
   ``acc * x_scale[m] * w_scale[n]`` in float32, never rounded to bf16 first.
 
@@ -30,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -40,7 +45,7 @@ from taktiny_ops._pallas_matmul import DTypeLike, _out_dtype, check_weight
 __all__ = ["reference_w8a8_matmul", "w8a8_matmul"]
 
 _INT8 = (jnp.dtype(jnp.int8),)
-_QMAX = 127.5  # Qwix: iinfo(int8).max + 0.5
+_INV_QMAX = np.float32(1 / 127.5)  # Qwix's int8 bound: iinfo(int8).max + 0.5
 _CHUNK = 512  # activation columns quantized at a time (bounds the f32 temporary)
 
 
@@ -53,7 +58,7 @@ def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     ([2.0, 1.0], [0.5, 1.0])
     """
     absmax = jnp.max(jnp.abs(x), axis=1, keepdims=True).astype(jnp.float32)
-    scale = absmax / jnp.float32(_QMAX)
+    scale = absmax * _INV_QMAX
     tiny = jnp.sqrt(jnp.finfo(jnp.float32).tiny)
     scale = jnp.where(scale < tiny, jnp.float32(1), scale)
     return scale, jnp.float32(1) / scale
@@ -167,7 +172,7 @@ def _call(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *, out_dtype: DType
         name="taktiny_w8a8_matmul",
     )(x, x_inv, x_scale, qvalue, w_scale)
     if parts:
-        return outs[1][:m, :k], x_scale[:m, 0], outs[0][:m, :n]
+        return outs[1][:m, :k], x_scale[:m, 0], x_inv[:m, 0], outs[0][:m, :n]
     return outs[0][:m, :n]
 
 
@@ -202,8 +207,11 @@ def w8a8_matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *,
 def w8a8_parts(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *,
                block_m: int | None = None, block_n: int | None = None,
                block_k: int | None = None,
-               interpret: bool | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The kernel's integer parts: ``(q_x int8 [M, K], x_scale f32 [M], acc int32 [M, N])``.
+               interpret: bool | None = None) -> tuple[jax.Array, ...]:
+    """The kernel's parts: ``(q_x, x_scale, x_inv, acc)``.
+
+    ``q_x`` int8 ``[M, K]``, ``x_scale`` and ``x_inv`` float32 ``[M]``,
+    ``acc`` int32 ``[M, N]``.
 
     The same kernel as :func:`w8a8_matmul` with the float epilogue left out and
     the in-VMEM int8 activation block written out (for tests).

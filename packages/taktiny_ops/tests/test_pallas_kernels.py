@@ -1,0 +1,217 @@
+"""The Pallas TPU matmul kernels against NumPy, in interpret mode off a TPU.
+
+Weights are quantized by Qwix itself (the layout the kernels take); the
+references are float64/int64 NumPy. The integer parts of w8a8 (the int8
+activation values and the int32 accumulation) are compared bit for bit; float
+results within the bounds derived beside each check. A lowering test exports
+each kernel for the TPU platform on any host: Pallas lowers to a Mosaic custom
+call (Mosaic's own compilation happens on the chip, not here).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import qwix
+
+from taktiny_ops import _qwix_private as P
+from taktiny_ops._common import TaktinyOpsError
+from taktiny_ops._pallas_blocks import plan, use_interpret
+from taktiny_ops._pallas_matmul import reference_weight_only_matmul, weight_only_matmul
+from taktiny_ops._pallas_w8a8 import reference_w8a8_matmul, w8a8_matmul, w8a8_parts
+
+U32 = 2.0**-24  # float32 unit roundoff
+U_OUT = {"float32": U32, "bfloat16": 2.0**-8}
+
+
+def qwix_weight(w: jax.Array, qtype: str, tile: int | None) -> qwix.QArray:
+    """The rhs of x[M, K] @ w[K, N] quantized as Qwix's dot_general does."""
+    how = P.dot_how(dimension_numbers=(((1,), (0,)), ((), ())), ndims=(2, 2),
+                    for_lhs=False, tile_size=tile, qtype=qtype, calibration_method="absmax")
+    return P.quantize(w, how)
+
+
+def f64(a: jax.Array) -> np.ndarray:
+    return np.asarray(a.astype(jnp.float32), dtype=np.float64)
+
+
+def dequantized(q: qwix.QArray) -> np.ndarray:
+    """Qwix's layout read as documented: rows g*t .. g*t+t-1 use scale[g]."""
+    qv, s = f64(q.qvalue), f64(q.scale)
+    return qv * np.repeat(s, qv.shape[0] // s.shape[0], axis=0)
+
+
+# (qtype, tile, x dtype, result dtype, M, K, N, blocks): odd M and N are
+# padded; explicit blocks give several K and N steps (the accumulator and the
+# scale per K tile).
+WEIGHT_ONLY = [
+    ("int8", None, "bfloat16", "bfloat16", 5, 384, 200, {}),
+    ("int8", 128, "float32", "float32", 19, 384, 256, {"block_k": 256, "block_n": 128}),
+    ("int4", None, "bfloat16", "float32", 16, 512, 256, {"block_k": 128}),
+    ("int4", 128, "bfloat16", "float32", 3, 512, 384, {"block_k": 256, "block_n": 128}),
+    ("float8_e4m3fn", 256, "bfloat16", "bfloat16", 7, 512, 130, {}),
+    ("float8_e5m2", None, "float32", "float32", 9, 256, 128, {}),
+]
+
+
+@pytest.mark.parametrize(("qtype", "tile", "xdt", "odt", "m", "k", "n", "blocks"), WEIGHT_ONLY)
+def test_weight_only_matches_numpy(rng: np.random.Generator, qtype: str, tile: int | None,
+                                   xdt: str, odt: str, m: int, k: int, n: int,
+                                   blocks: dict) -> None:
+    w = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+    q = qwix_weight(w, qtype, tile)
+    groups = 1 if tile is None else k // tile
+    assert q.scale.shape == (groups, n) and q.qvalue.shape == (k, n)
+    deq = dequantized(q)
+    # The documented layout is Qwix's: its own dequantize gives the same floats.
+    np.testing.assert_array_equal(deq.astype(np.float32), np.asarray(qwix.dequantize(q)))
+    x = jnp.asarray(rng.standard_normal((m, k)), xdt)
+    y = weight_only_matmul(x, q.qvalue, q.scale, out_dtype=odt, interpret=True, **blocks)
+    y_ref = reference_weight_only_matmul(x, q.qvalue, q.scale, out_dtype=odt)
+    assert y.dtype == y_ref.dtype == jnp.dtype(odt) and y.shape == (m, n)
+    exact = f64(x) @ deq
+    # Bound: the float32 products x*q (one rounding for float32 x; exact for
+    # bf16 x), a float32 sum of at most K terms per output ((K-1)u), one
+    # rounding per K tile for the scale and G-1 more additions: at most
+    # (2K + G + 2)u times sum_k |x q s|, any summation order; a bf16 result
+    # adds its own rounding, 2^-8 of the value.
+    mag = np.abs(f64(x)) @ np.abs(deq)
+    bound = (2 * k + groups + 2) * U32 * mag
+    bound = bound + U_OUT[odt] * (np.abs(exact) + bound) * (odt != "float32")
+    assert np.all(np.abs(f64(y) - exact) <= bound)
+    assert np.all(np.abs(f64(y_ref) - exact) <= bound)
+
+
+def _activation(rng: np.random.Generator, m: int, k: int) -> np.ndarray:
+    x = rng.standard_normal((m, k)).astype(np.float32) * rng.uniform(0.1, 10.0, (m, 1))
+    x[1] = 0.0  # an all-zero row: Qwix's scale guard makes its scale 1
+    # A row whose absmax is 127.5 has scale 1 and reciprocal 1: x*inv lands on
+    # exact halves, which round to even (2.5 -> 2, -3.5 -> -4), and the
+    # extremes map to 128 -> clipped 127 and -128.
+    x[2] = np.resize(np.array([127.5, -127.5, 2.5, -3.5, 0.5, -0.5, 1.5], np.float32), k)
+    return x
+
+
+def _np_scales(x: np.ndarray) -> np.ndarray:
+    """Qwix's absmax rule in float32 NumPy: absmax times float32(1/127.5), guarded."""
+    absmax = np.max(np.abs(x), axis=1).astype(np.float32)
+    scale = absmax * np.float32(1 / 127.5)
+    return np.where(scale < np.sqrt(np.finfo(np.float32).tiny), np.float32(1), scale)
+
+
+def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.abs(a.view(np.int32).astype(np.int64) - b.view(np.int32).astype(np.int64))
+
+
+# Several K and N blocks (the requantized path), then one K block over two N
+# blocks (the int8 activation block made once and kept across N).
+@pytest.mark.parametrize("blocks", [{"block_k": 128, "block_n": 128}, {"block_n": 128}])
+@pytest.mark.parametrize("xdt", ["bfloat16", "float32"])
+def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, blocks: dict,
+                                        xdt: str) -> None:
+    m, k, n = 37, 384, 200
+    x = jnp.asarray(_activation(rng, m, k), xdt)
+    q = qwix_weight(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), "int8", None)
+    q_x, x_scale, x_inv, acc = w8a8_parts(x, q.qvalue, q.scale, interpret=True, **blocks)
+    xf = np.asarray(x.astype(jnp.float32))
+    # The scale is one float32 product: bit for bit on every backend.
+    np.testing.assert_array_equal(np.asarray(x_scale), _np_scales(xf))
+    # The reciprocal is a float32 division, correctly rounded on a CPU; a TPU's
+    # division is allowed 1 ulp. It is computed once, before the kernel.
+    assert _ulps(np.asarray(x_inv), np.float32(1) / np.asarray(x_scale)).max() <= 1
+    # Given x_inv, the int8 values are exact: one product, round half even, clip.
+    q_np = np.clip(np.rint(xf * np.asarray(x_inv)[:, None]), -128, 127).astype(np.int8)
+    np.testing.assert_array_equal(np.asarray(q_x), q_np)
+    assert q_np[2, :7].tolist() == [127, -128, 2, -4, 0, 0, 2] and not q_np[1].any()
+    s_np = np.asarray(x_scale)
+    acc_np = q_np.astype(np.int64) @ np.asarray(q.qvalue, np.int64)
+    np.testing.assert_array_equal(np.asarray(acc, np.int64), acc_np)
+
+    y = w8a8_matmul(x, q.qvalue, q.scale, out_dtype=jnp.float32, interpret=True, **blocks)
+    # Bound: acc -> float32 (one rounding), times x_scale, times w_scale: three
+    # roundings of a product, so |y - exact| <= ((1+u)^3 - 1)|exact| < 3.01u|exact|.
+    exact = acc_np * s_np.astype(np.float64)[:, None] * f64(q.scale)
+    assert np.all(np.abs(f64(y) - exact) <= 3.01 * U32 * np.abs(exact))
+    # The reference runs the same float32 operations in the same order.
+    np.testing.assert_array_equal(
+        np.asarray(y), np.asarray(reference_w8a8_matmul(x, q.qvalue, q.scale,
+                                                        out_dtype=jnp.float32)))
+    y16 = w8a8_matmul(x, q.qvalue, q.scale, interpret=True, **blocks)
+    assert y16.dtype == jnp.dtype(xdt)
+    # A bf16 result: one more rounding of 2^-8 of the value.
+    assert np.all(np.abs(f64(y16) - exact)
+                  <= (3.01 * U32 + U_OUT[xdt] * (1 + 3.01 * U32)) * np.abs(exact))
+
+
+def _ops(qtype: str = "int8", groups: int = 1, k: int = 256, n: int = 128):
+    x = jnp.ones((4, k), jnp.bfloat16)
+    return x, jnp.ones((k, n), qtype), jnp.ones((groups, n), jnp.float32)
+
+
+@pytest.mark.parametrize(("change", "arg"), [
+    (lambda x, q, s: (x[0], q, s), "x"),
+    (lambda x, q, s: (x.astype(jnp.int32), q, s), "x"),
+    (lambda x, q, s: (x, q.astype(jnp.int16), s), "qvalue"),
+    (lambda x, q, s: (x, q[:128], s), "qvalue"),
+    (lambda x, q, s: (x, q, s[:, :64]), "scale"),
+    (lambda x, q, s: (x, q, jnp.ones((3, 128), jnp.float32)), "scale"),  # 3 does not divide 256
+    (lambda x, q, s: (x, q, jnp.ones((4, 128), jnp.float32)), "scale"),  # tile 64
+])
+def test_bad_operands_raise(change, arg: str) -> None:
+    x, q, s = change(*_ops())
+    for fn in (weight_only_matmul, reference_weight_only_matmul, w8a8_matmul,
+               reference_w8a8_matmul):
+        with pytest.raises(TaktinyOpsError, match=arg):
+            fn(x, q, s)
+
+
+def test_bad_options_raise() -> None:
+    x, q, s = _ops()
+    with pytest.raises(TaktinyOpsError, match="block_n"):
+        weight_only_matmul(x, q, s, block_n=100)
+    with pytest.raises(TaktinyOpsError, match="block_m"):
+        w8a8_matmul(x, q, s, block_m=16)  # its int8 activation block needs 32 rows
+    with pytest.raises(TaktinyOpsError, match="block_k"):
+        weight_only_matmul(*_ops(groups=2, k=512), block_k=128)  # the tile is 256
+    with pytest.raises(TaktinyOpsError, match="out_dtype"):
+        weight_only_matmul(x, q, s, out_dtype=jnp.int32)
+    with pytest.raises(TaktinyOpsError, match="scale"):
+        w8a8_matmul(*_ops(groups=2))  # w8a8 takes channelwise weights only
+    with pytest.raises(TaktinyOpsError, match="qvalue"):
+        w8a8_matmul(*_ops(qtype="int4"))
+
+
+def test_plan_pads_to_legal_blocks() -> None:
+    p = plan("weight_only", 5, 200, 384, block_m=None, block_n=None, block_k=None, m_step=16)
+    assert p.bm % 16 == 0 and p.bn % 128 == 0 and p.bk % 128 == 0
+    assert (p.m_pad % p.bm, p.n_pad % p.bn, p.k_pad % p.bk) == (0, 0, 0)
+    assert p.m_pad >= 5 and p.n_pad >= 200 and p.k_pad >= 384
+    assert use_interpret(None) == (jax.default_backend() != "tpu")
+
+
+_S = jax.ShapeDtypeStruct
+
+
+@pytest.mark.parametrize("m", [16, 1024])
+@pytest.mark.parametrize("kernel", ["int8", "int4", "float8_e4m3fn", "float8_e5m2", "w8a8"])
+@pytest.mark.parametrize("groups", [1, 32])
+def test_lowers_to_mosaic(kernel: str, groups: int, m: int) -> None:
+    k, n = 4096, 14336
+    if kernel == "w8a8":
+        if groups > 1:
+            pytest.skip("w8a8 takes channelwise weights")
+        qtype = "int8"
+
+        def fn(x, q, s):
+            return w8a8_matmul(x, q, s, interpret=False)
+    else:
+        qtype = kernel
+
+        def fn(x, q, s):
+            return weight_only_matmul(x, q, s, interpret=False)
+    exp = jax.export.export(jax.jit(fn), platforms=["tpu"])(
+        _S((m, k), jnp.bfloat16), _S((k, n), jnp.dtype(qtype)), _S((groups, n), jnp.bfloat16))
+    assert exp.platforms == ("tpu",)
+    assert "tpu_custom_call" in exp.mlir_module()

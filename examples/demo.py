@@ -66,6 +66,14 @@ NUM_CLASSES = 5
 #: The model variants compared: float, the rule set with every weight qtype
 #: replaced by int8 / int4, and the rule set as written.
 VARIANTS = ("float", "int8", "int4", "rules")
+#: The compiled static-int8 network: int8 weights and int8 activations with
+#: static scales calibrated on a few training scans (``mlx_lattice.calibrate``),
+#: run as the inference graph of ``mlx_lattice.compile`` (norms folded).
+COMPILED = "static i8"
+#: The columns of the score table: the variants, then the compiled network.
+SCORED = (*VARIANTS, COMPILED)
+#: Training scans the static activation scales are calibrated on.
+CALIBRATION_SCANS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -270,14 +278,15 @@ def train(model, batches, setup: Setup, seed: int, ignore: int | None = None) ->
     return losses
 
 
-def score(model, batches) -> tuple[float, np.ndarray, list[np.ndarray]]:
+def score(model, batches, num_classes: int | None = None) -> tuple[float, np.ndarray, list[np.ndarray]]:
     """mIoU and per-class IoU over the labelled points of ``batches`` (labels
     past the last class are unlabeled and not scored), and each batch's
-    point predictions."""
+    point predictions. ``model`` is a model or a compiled graph (then
+    ``num_classes`` is given)."""
     from mlx_lattice.data import confusion_matrix, iou_per_class, mean_iou
     from mlx_lattice.models import predict
 
-    k = model.num_classes
+    k = model.num_classes if num_classes is None else num_classes
     cm = np.zeros((k, k), np.int64)
     preds = []
     for b in batches:
@@ -362,21 +371,63 @@ def compare_variants(model, rules, eval_tensor, val_batches, setup: Setup, progr
     return results
 
 
+def compiled_static_int8(model, train_batches, val_batches, eval_tensor, setup: Setup,
+                         progress) -> dict:  # fmt: skip
+    """The float model quantized to int8 weights and static int8 activations
+    (every convolution but the 2-channel stem; the head stays float),
+    calibrated on the first training scans and compiled: its mIoU, bytes
+    and forward time."""
+    import mlx_lattice
+    import quantrules as qr
+    from mlx_lattice.models import MinkUNet
+
+    with progress.step(f"{COMPILED}: quantize, calibrate, compile, score"):
+        copy = MinkUNet(model.in_channels, model.num_classes, setup.widths)
+        copy.update(model.parameters())
+        rules = [
+            qr.Rule(module_path="stem/.*"),
+            qr.Rule(
+                op_names=("sparse_conv",),
+                weight_qtype="int8",
+                act_qtype="int8",
+                act_static_scale=True,
+                tile_size=32,
+            ),
+        ]
+        mlx_lattice.quantize(copy, rules)
+        mlx_lattice.calibrate(copy, train_batches[:CALIBRATION_SCANS])
+        net = mlx_lattice.compile(copy.eval())
+        miou, ious, preds = score(net, val_batches, model.num_classes)
+        return {
+            "model": net,
+            "miou": miou,
+            "ious": ious,
+            "preds": preds,
+            "bytes": module_bytes(copy),
+            "ms": forward_ms(net, eval_tensor),
+        }
+
+
 def print_summary(results: dict, class_names: Sequence[str], out=None) -> None:
     out = out or sys.stdout
     print("\nsparse MinkUNet (mlx_lattice, op sparse_conv) on the validation scans", file=out)
-    print(f"{'':14s}" + "".join(f"{v:>10s}" for v in VARIANTS), file=out)
-    print(f"{'mIoU':14s}" + "".join(f"{results[v]['miou']:10.3f}" for v in VARIANTS), file=out)
+    print(f"{'':14s}" + "".join(f"{v:>10s}" for v in SCORED), file=out)
+    print(f"{'mIoU':14s}" + "".join(f"{results[v]['miou']:10.3f}" for v in SCORED), file=out)
     for k, name in enumerate(class_names):
-        cells = "".join(f"{results[v]['ious'][k]:10.3f}" for v in VARIANTS)
+        cells = "".join(f"{results[v]['ious'][k]:10.3f}" for v in SCORED)
         print(f"{'IoU ' + name:14s}{cells}", file=out)
-    print(f"{'bytes':14s}" + "".join(f"{results[v]['bytes']:10d}" for v in VARIANTS), file=out)
-    print(f"{'forward ms':14s}" + "".join(f"{results[v]['ms']:10.1f}" for v in VARIANTS), file=out)
+    print(f"{'bytes':14s}" + "".join(f"{results[v]['bytes']:10d}" for v in SCORED), file=out)
+    print(f"{'forward ms':14s}" + "".join(f"{results[v]['ms']:10.1f}" for v in SCORED), file=out)
     print(
         "float: trained weights; int8/int4: the rule set with every weight qtype set to it; "
-        "rules: the rule set as written. bytes: all weights, norms and the head.",
+        f"rules: the rule set as written; {COMPILED}: int8 weights and static int8 activations "
+        f"(every convolution but the stem), calibrated on {CALIBRATION_SCANS} training scans "
+        "(mlx_lattice.calibrate), run as the compiled graph (mlx_lattice.compile). bytes: all "
+        "weights, norms and the head.",
         file=out,
     )
+    drop = results["float"]["miou"] - results[COMPILED]["miou"]
+    print(f"{COMPILED} mIoU drop against float: {drop:.4f}", file=out)
 
 
 def print_layers(results: dict, rules, out=None) -> None:
@@ -460,10 +511,10 @@ def write_results(path: Path, results: dict, class_names: Sequence[str], setup: 
 
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    rows = [["mIoU", *(f"{results[v]['miou']:.3f}" for v in VARIANTS)]]
-    rows += [[f"IoU {name}", *(f"{results[v]['ious'][k]:.3f}" for v in VARIANTS)]
+    rows = [["mIoU", *(f"{results[v]['miou']:.3f}" for v in SCORED)]]
+    rows += [[f"IoU {name}", *(f"{results[v]['ious'][k]:.3f}" for v in SCORED)]
              for k, name in enumerate(class_names)]  # fmt: skip
-    rows.append(["weights (MB)", *(f"{results[v]['bytes'] / 1e6:.2f}" for v in VARIANTS)])
+    rows.append(["weights (MB)", *(f"{results[v]['bytes'] / 1e6:.2f}" for v in SCORED)])
     lines = [
         ".. Written by examples/demo.py (--results); refresh with",
         ".. ./bazelw run //examples:demo -- --results docs/results/demo.inc",
@@ -475,7 +526,7 @@ def write_results(path: Path, results: dict, class_names: Sequence[str], setup: 
         "   :header-rows: 1",
         "",
         "   * - score",
-        *(f"     - {v}" for v in VARIANTS),
+        *(f"     - {v}" for v in SCORED),
     ]
     for row in rows:
         lines.append(f"   * - {row[0]}")
@@ -520,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     features = parse_features(_FEATURES.value)
     rules = load_rules(_RULES.value)
     out_dir = output_dir(_OUT_DIR.value)
-    progress = Progress(total=4 + len(VARIANTS) + 2)
+    progress = Progress(total=4 + len(SCORED) + 2)
     if data_dir is not None:
         with progress.step(f"labelled scans: {_LAYOUT.value} data in {data_dir}, voxelized"):
             data, class_names, ignore = dataset_scans(data_dir, _LAYOUT.value, setup, seed)
@@ -573,6 +624,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         first = data.validation_seeds[0] if data.validation_seeds else "on disk"
         source = f"validation scan {first} ({eval_tensor.num_points} voxels)"
     results = compare_variants(model, rules, eval_tensor, val_batches, setup, progress)
+    results[COMPILED] = compiled_static_int8(
+        model, train_batches, val_batches, eval_tensor, setup, progress
+    )
     with progress.step("dense JAX head: an NNX model quantized by the rules") as step:
         feats = np.array(model.features(eval_tensor).feats).astype(np.float32)
         head, head_report, dense_rows = jax_head.run_head(

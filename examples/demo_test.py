@@ -69,6 +69,12 @@ def test_quick_run_trains_and_reports_miou(quick):
     assert abs(float(summary["mIoU"][2]) - float(summary["mIoU"][1])) < 0.02
     sizes = [int(v) for v in summary["bytes"][1:]]
     assert sizes[0] > sizes[1] > sizes[2]
+    # The compiled static-int8 network (calibrated on training scans) keeps
+    # the float mIoU as the int8 weight-only variant does.
+    compiled = float(summary["mIoU"][1 + demo.SCORED.index(demo.COMPILED)])
+    assert abs(compiled - float(summary["mIoU"][1])) < 0.02
+    drop = float(out.split(f"{demo.COMPILED} mIoU drop against float: ", 1)[1].split()[0])
+    assert drop == pytest.approx(float(summary["mIoU"][1]) - compiled, abs=2e-3)
 
 
 def test_quick_run_writes_the_scores_the_docs_include(quick):
@@ -89,7 +95,7 @@ def test_quick_run_writes_the_scores_the_docs_include(quick):
             rows[name] = []
         elif line.startswith("     - ") and name is not None:
             rows[name].append(line.removeprefix("     - "))
-    assert rows["score"] == list(demo.VARIANTS)
+    assert rows["score"] == list(demo.SCORED)
     assert rows["mIoU"] == [f"{float(v):.3f}" for v in summary["mIoU"][1:]]
     for k, cls in enumerate(CLASS_NAMES):
         printed = next(line.split() for line in out.splitlines() if line.startswith(f"IoU {cls} "))
@@ -192,7 +198,7 @@ def test_demo_trains_on_a_semantickitti_tree(tmp_path):
               "--out-dir", str(tmp_path), "--save", str(save))  # fmt: skip
     assert f"data: {tmp_path} (semantickitti): 3 training scans, 1 validation scans" in out
     miou = [float(v) for v in table(out, "sparse MinkUNet")["mIoU"][1:]]
-    assert len(miou) == 4 and all(0 < v <= 1 for v in miou), miou
+    assert len(miou) == len(demo.SCORED) and all(0 < v <= 1 for v in miou), miou
     assert "IoU road" in out and "IoU traffic-sign" in out
     first, last = (float(v) for v in out.split("training: loss ", 1)[1].split()[0:3:2])
     assert last < first

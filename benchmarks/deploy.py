@@ -22,7 +22,12 @@ w8a8 with calibrated static scales), per artifact:
   kernel runs), as a share of the model's evaluated call: the overhead the
   artifact adds without the load noise of the kernels it shares with the
   model;
-* whether the outputs are the same bits.
+* whether the outputs are the same bits;
+* the compiled graph (``export.load(path, compiled=True)``, see
+  :func:`mlx_lattice.compile`: norms folded into the layers, bias and ReLU
+  as one epilogue): its load time and its ``points`` call against the
+  model's, as a speed-up ``model / compiled`` (median of ``--pairs``
+  back-to-back ratios, as the overhead).
 
 Pass ``--quick`` for a small scan and model (a smoke run).
 """
@@ -155,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     header = (
         f"{'model':9s} {'form':12s} {'bytes':>10s} {'vs float':>8s} {'load ms':>8s} "
         f"{'points: model ms':>16s} {'artifact':>8s} {'overhead':>8s} "
-        f"{'voxels: model ms':>16s} {'overhead':>8s} {'dispatch':>9s}  same bits"
+        f"{'voxels: model ms':>16s} {'overhead':>8s} {'dispatch':>9s} {'same bits':>9s} "
+        f"{'compiled: load ms':>17s} {'ms':>7s} {'speed-up':>8s}"
     )
     print(header)
     tmp = Path(tempfile.mkdtemp(prefix="deploy_bench_"))
@@ -233,11 +239,20 @@ def main(argv: Sequence[str] | None = None) -> None:
                     _PAIRS.value,
                 )
                 warm = f"{t_warm * 1e3:16.1f} {ratio_warm - 1:+8.1%}"
+            compiled_load_s = median_s(
+                lambda path=path: export.load(path, compiled=True), _REPEATS.value
+            )
+            compiled = export.load(path, compiled=True)
+            _, t_compiled, ratio_compiled = _paired(
+                in_process, lambda net=compiled, fresh=fresh: artifact(net, fresh), _PAIRS.value
+            )
             ratio = f"{size / float_bytes:8.2f}" if float_bytes else f"{'-':>8s}"
             print(
                 f"{arch:9s} {form:12s} {size:10d} {ratio} {load_s * 1e3:8.1f} "
                 f"{t_model * 1e3:16.1f} {t_artifact * 1e3:8.1f} "
-                f"{ratio_points - 1:+8.1%} {warm} {dispatch:+9.3%}  {'yes' if same else 'NO'}",
+                f"{ratio_points - 1:+8.1%} {warm} {dispatch:+9.3%} {'yes' if same else 'NO':>9s} "
+                f"{compiled_load_s * 1e3:17.1f} {t_compiled * 1e3:7.1f} "
+                f"{1 / ratio_compiled:8.2f}",
                 flush=True,
             )
             path.unlink()

@@ -72,8 +72,10 @@ _VMEM_CAP = {"v4": 28 * MIB, "v5e": 100 * MIB, "v5p": 80 * MIB, "v6e": 100 * MIB
 # bucket first. M <= 128 is memory bound: few large weight blocks, so the
 # per-step overhead (~0.35 us) stays small against each block's HBM time.
 # Large M is MXU bound: 512-row blocks reuse each dequantized weight block.
-# bk == 0 means "all of K in one block" (w8a8 then quantizes each x block once
-# and keeps it in VMEM across the N blocks).
+# bk == 0 means "all of K in one block" up to K = _FULL_K_MAX, else 2048 (w8a8
+# then quantizes each x block once and keeps it in VMEM across the N blocks;
+# at K=14336 and bm=512 the bf16 block alone would take 2 x 14 MiB).
+_FULL_K_MAX = 8192
 _TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[int, int, int]], ...]] = {
     ("weight_only", "v5e"): ((128, (128, 2048, 1024)), (512, (256, 1024, 1024)),
                              (math.inf, (512, 1024, 1024))),
@@ -147,8 +149,8 @@ def plan(kernel: str, m: int, n: int, k: int, *, block_m: int | None,
     bn = block_n if block_n is not None else _largest_dividing(n_al, dn, LANE)
     if block_k is not None:
         bk = block_k
-    elif dk == 0:
-        bk = k_al
+    elif dk == 0:  # all of K, while the activation block stays small in VMEM
+        bk = k_al if k_al <= _FULL_K_MAX else _largest_dividing(k_al, 2048, k_step)
     else:
         bk = _largest_dividing(k_al, max(dk, k_step), k_step)
     return Plan(bm, bn, bk, round_up(m, bm), round_up(n, bn), round_up(k, bk))

@@ -1,10 +1,17 @@
-"""The instruction-set ceiling and the cache size of the native CPU kernels."""
+"""The instruction-set cap, the micro-kernels it lets run, and the cache
+size of the native CPU kernels."""
 
 from __future__ import annotations
 
 from mlx_lattice._errors import MlxLatticeTypeError
 
-__all__ = ["get_kernel_isa", "get_kernel_l2_bytes", "set_kernel_isa", "set_kernel_l2_bytes"]
+__all__ = [
+    "get_kernel_isa",
+    "get_kernel_l2_bytes",
+    "get_kernel_names",
+    "set_kernel_isa",
+    "set_kernel_l2_bytes",
+]
 
 
 def set_kernel_isa(name: str | None) -> None:
@@ -45,11 +52,67 @@ def set_kernel_isa(name: str | None) -> None:
 
 
 def get_kernel_isa() -> str:
-    """The current instruction-set cap of the CPU micro-kernels (the highest
-    level of the architecture when nothing caps them)."""
+    """The current instruction-set cap of the CPU micro-kernels: the last
+    :func:`set_kernel_isa`, else ``MLX_LATTICE_GEMM_ISA``, else the highest
+    level of the architecture (``amx-bf16`` on x86-64).
+
+    This is a ceiling, not what runs: on a CPU without AMX, for example, the
+    default cap is still ``amx-bf16`` while the kernels are AVX-512 or AVX2
+    ones. :func:`get_kernel_names` names the kernels that run.
+
+    >>> previous = get_kernel_isa()
+    >>> set_kernel_isa("scalar"); get_kernel_isa()
+    'scalar'
+    >>> set_kernel_isa(None); get_kernel_isa() == previous
+    True
+    """
     from mlx_lattice._native import ext
 
     return str(ext.isa_ceiling())
+
+
+def get_kernel_names() -> dict[str, str]:
+    """The CPU micro-kernel each data type's convolutions run now, by name:
+    ``{"fp32": ..., "bf16": ..., "fp16": ..., "int8": ...}``.
+
+    Each kernel family picks the best kernel the CPU (and OS) supports at or
+    below the cap (:func:`get_kernel_isa`), and each name is the one its
+    dispatch picked:
+
+    * ``fp32``: ``avx512f``, ``avx2-fma``, ``neon-fma`` or ``scalar``;
+    * ``bf16`` and ``fp16``: the half-precision kernel (``amx-bf16``,
+      ``avx512-bf16``, ``neon-bf16``, ``neon-fhm``), or ``float32`` where the
+      data are converted to float32 and run by the ``fp32`` kernel (every
+      x86 CPU for float16; Intel CPUs without AMX for bfloat16, where
+      ``vdpbf16ps`` is slower than float32);
+    * ``int8``: the integer kernel of int8 activations (w8a8, w4a8):
+      ``amx-int8``, ``avx512-vnni``, ``avx-vnni``, ``avx2-fma``,
+      ``neon-i8mm``, ``neon-dotprod`` or ``scalar`` (under ``amx-int8``,
+      convolutions of at most 32 input and output channels run
+      ``avx512-vnni``, which is faster there; weight-only layers run the
+      float kernels).
+
+    The int8 family follows a new cap at once. The fp32, bf16 and fp16
+    families choose once per process, at their first use (or their first
+    report here), and keep that kernel, so a cap set later leaves their
+    names, like their kernels, as they are: to compare them, cap them with
+    ``MLX_LATTICE_GEMM_ISA`` in a new process. Benchmarks print these names
+    beside their figures.
+
+    >>> sorted(get_kernel_names())
+    ['bf16', 'fp16', 'fp32', 'int8']
+    >>> set_kernel_isa("scalar"); get_kernel_names()["int8"]
+    'scalar'
+    >>> set_kernel_isa(None)
+    """
+    from mlx_lattice._native import ext
+
+    return {
+        "fp32": str(ext.gemm_isa()),
+        "bf16": str(ext.bf16_isa()),
+        "fp16": str(ext.fp16_isa()),
+        "int8": str(ext.int8_isa()),
+    }
 
 
 def set_kernel_l2_bytes(n_bytes: int | None) -> None:

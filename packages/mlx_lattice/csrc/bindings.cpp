@@ -460,6 +460,33 @@ dynamic per-row scales by one static scale for every row (values beyond
 )pbdoc");
 
   m.def(
+      "sparse_quantized_conv_fused",
+      [](const mx::array& feats, nb::handle weight, nb::handle relation, float in_scale,
+         std::optional<mx::array> bias, std::optional<mx::array> residual, float residual_scale,
+         bool relu, float out_scale, std::optional<std::string> out_dtype,
+         mx::StreamOrDevice s) {
+        auto q = quantized_from(weight);
+        auto rel = relation_from(relation);
+        FusedEpilogueArgs args{in_scale, std::move(bias), std::move(residual), residual_scale,
+                               relu, out_scale, out_dtype.value_or("")};
+        nb::gil_scoped_release unlocked;
+        return sparse_quantized_conv_fused(feats, q, rel, args, s);
+      },
+      "feats"_a, "weight"_a, "relation"_a, nb::kw_only(), "in_scale"_a, "bias"_a = nb::none(),
+      "residual"_a = nb::none(), "residual_scale"_a = 0.0f, "relu"_a = false,
+      "out_scale"_a = 0.0f, "out_dtype"_a = nb::none(), "stream"_a = nb::none(),
+      R"pbdoc(
+Static-scale w8a8 / w4a8 convolution with a fused epilogue; inference only
+(no gradient or vmap; mx.eval and mx.compile work). ``feats``: float rows
+quantized with ``in_scale``, or int8 codes already at ``in_scale``. Per
+output value, in float32 (one rounding per operation): ``y = acc + bias``,
+``+ residual`` (float) or ``+ float(residual) * residual_scale`` (int8),
+``relu`` (``y < 0 -> 0``); then int8 ``clip(round_half_even(y / out_scale),
+-127, 127)`` (NaN -> 0) when ``out_scale > 0``, else ``y`` in ``out_dtype``.
+The full contract: csrc/README.md, "The fused int8 convolution".
+)pbdoc)pbdoc");
+
+  m.def(
       "sparse_conv_normalization_denominator",
       [](const mx::array& weight, nb::handle relation, mx::StreamOrDevice s) {
         auto rel = relation_from(relation);

@@ -144,6 +144,40 @@ std::vector<mx::array> checked_point_voxel_map(const mx::array& rows, const mx::
 
 }  // namespace
 
+void check_quantized_weight(const std::string& op, const QuantizedArrays& q, int64_t n_kernels,
+                            int64_t feat_cols) {
+  const int bits = q.bits;
+  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
+    fail(op, "bits must be one of 2, 3, 4, 5, 6, 8, got " + str(bits) + ".");
+  }
+  if (q.group_size < 1 || q.in_channels < 1 || q.out_channels < 1 ||
+      q.storage_in_channels < q.in_channels || q.storage_in_channels % q.group_size != 0 ||
+      (static_cast<int64_t>(q.storage_in_channels) * bits) % 32 != 0) {
+    fail(op, "need 1 <= in_channels <= storage_in_channels, storage_in_channels a multiple of "
+             "group_size and of 32 / gcd(bits, 32); got in_channels=" + str(q.in_channels) +
+             ", storage_in_channels=" + str(q.storage_in_channels) + ", group_size=" +
+             str(q.group_size) + ", bits=" + str(bits) + ".");
+  }
+  if (feat_cols != q.in_channels) {
+    fail(op, "feats must have in_channels = " + str(q.in_channels) + " columns, got " +
+                 str(feat_cols) + ".");
+  }
+  const int k = static_cast<int>(n_kernels);
+  const int packed_cols = static_cast<int>(static_cast<int64_t>(q.storage_in_channels) * bits / 32);
+  mx::Shape packed_shape = {k, q.out_channels, packed_cols};
+  mx::Shape group_shape = {k, q.out_channels, q.storage_in_channels / q.group_size};
+  if (q.packed.dtype() != mx::uint32 || q.packed.shape() != packed_shape) {
+    fail(op, "weight must be uint32 of shape " + shape_str(packed_shape) + ", got " +
+                 dtype_str(q.packed.dtype()) + " " + shape_str(q.packed.shape()) + ".");
+  }
+  check_float_dtype(op.c_str(), "scales", q.scales);
+  check_float_dtype(op.c_str(), "biases", q.biases);
+  if (q.scales.shape() != group_shape || q.biases.shape() != group_shape) {
+    fail(op, "scales and biases must have shape " + shape_str(group_shape) + ", got " +
+                 shape_str(q.scales.shape()) + " and " + shape_str(q.biases.shape()) + ".");
+  }
+}
+
 mx::array sparse_conv_features(const mx::array& feats, const mx::array& weight,
                                const RelationArrays& relation, mx::StreamOrDevice s) {
   const std::string op = "sparse_conv_features";
@@ -176,36 +210,8 @@ mx::array sparse_quantized_conv_features(const mx::array& feats, const Quantized
   auto stream = mx::to_stream(s);
   auto rel = validated_relation(op, relation);
   check_features(op, feats, *rel);
+  check_quantized_weight(op, q, rel->n_kernels, feats.shape(1));
   const int bits = q.bits;
-  if (bits != 2 && bits != 3 && bits != 4 && bits != 5 && bits != 6 && bits != 8) {
-    fail(op, "bits must be one of 2, 3, 4, 5, 6, 8, got " + str(bits) + ".");
-  }
-  if (q.group_size < 1 || q.in_channels < 1 || q.out_channels < 1 ||
-      q.storage_in_channels < q.in_channels || q.storage_in_channels % q.group_size != 0 ||
-      (static_cast<int64_t>(q.storage_in_channels) * bits) % 32 != 0) {
-    fail(op, "need 1 <= in_channels <= storage_in_channels, storage_in_channels a multiple of "
-             "group_size and of 32 / gcd(bits, 32); got in_channels=" + str(q.in_channels) +
-             ", storage_in_channels=" + str(q.storage_in_channels) + ", group_size=" +
-             str(q.group_size) + ", bits=" + str(bits) + ".");
-  }
-  if (feats.shape(1) != q.in_channels) {
-    fail(op, "feats must have in_channels = " + str(q.in_channels) + " columns, got " +
-                 str(feats.shape(1)) + ".");
-  }
-  const int k = static_cast<int>(rel->n_kernels);
-  const int packed_cols = static_cast<int>(static_cast<int64_t>(q.storage_in_channels) * bits / 32);
-  mx::Shape packed_shape = {k, q.out_channels, packed_cols};
-  mx::Shape group_shape = {k, q.out_channels, q.storage_in_channels / q.group_size};
-  if (q.packed.dtype() != mx::uint32 || q.packed.shape() != packed_shape) {
-    fail(op, "weight must be uint32 of shape " + shape_str(packed_shape) + ", got " +
-                 dtype_str(q.packed.dtype()) + " " + shape_str(q.packed.shape()) + ".");
-  }
-  check_float_dtype(op.c_str(), "scales", q.scales);
-  check_float_dtype(op.c_str(), "biases", q.biases);
-  if (q.scales.shape() != group_shape || q.biases.shape() != group_shape) {
-    fail(op, "scales and biases must have shape " + shape_str(group_shape) + ", got " +
-                 shape_str(q.scales.shape()) + " and " + shape_str(q.biases.shape()) + ".");
-  }
   if (act_bits != 0 && act_bits != 8) {
     fail(op, "act_bits must be 0 (float activations) or 8, got " + str(act_bits) + ".");
   }

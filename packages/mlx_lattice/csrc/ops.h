@@ -6,6 +6,7 @@
 // (K, Cin, Cout) layout; mlx_lattice.core.weights converts the 5-D layout.
 #pragma once
 
+#include <optional>
 #include <string>
 
 #include "mlx/mlx.h"
@@ -38,6 +39,29 @@ mx::array sparse_conv_features_sorted_implicit_gemm(const mx::array& feats,
 mx::array sparse_quantized_conv_features(const mx::array& feats, const QuantizedArrays& weight,
                                          const RelationArrays& relation, int act_bits = 0,
                                          float act_scale = 0.0f, mx::StreamOrDevice s = {});
+
+// The checks of a QuantizedArrays weight for a convolution over n_kernels
+// offsets of feat_cols input channels (shared by the quantized ops).
+void check_quantized_weight(const std::string& op, const QuantizedArrays& q, int64_t n_kernels,
+                            int64_t feat_cols);
+
+// The epilogue arguments of sparse_quantized_conv_fused (csrc/README.md).
+struct FusedEpilogueArgs {
+  float in_scale = 0.0f;               // static scale of feats (> 0, finite)
+  std::optional<mx::array> bias;       // (Cout,) float
+  std::optional<mx::array> residual;   // (N_out, Cout) float or int8
+  float residual_scale = 0.0f;         // an int8 residual's scale (> 0)
+  bool relu = false;
+  float out_scale = 0.0f;              // > 0: int8 output at this scale
+  std::string out_dtype;               // float output: "", float32, float16, bfloat16
+};
+
+// Static-scale w8a8 / w4a8 convolution with a fused epilogue
+// (fused_conv.cpp; cpu/gemm_int8.h: Int8Epilogue). feats float (quantized
+// with in_scale) or int8 codes at in_scale. CPU stream only; inference only.
+mx::array sparse_quantized_conv_fused(const mx::array& feats, const QuantizedArrays& weight,
+                                      const RelationArrays& relation,
+                                      const FusedEpilogueArgs& args, mx::StreamOrDevice s = {});
 
 mx::array sparse_conv_normalization_denominator(const mx::array& weight,
                                                 const RelationArrays& relation,

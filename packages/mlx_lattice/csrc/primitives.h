@@ -115,6 +115,38 @@ class SparseQuantizedConv : public SparsePrimitive {
   QuantSpec spec_;
 };
 
+// The inference-only static-scale integer convolution with a fused
+// epilogue (cpu/gemm_int8.h: Int8Epilogue): (F float or int8 codes, packed,
+// scales, biases[, bias (Cout) float32][, residual (N_out, Cout) float32 or
+// int8]) -> out (float or int8, the array's dtype). Built by
+// sparse_quantized_conv_fused (fused_conv.cpp); no gradients, no vmap.
+struct FusedSpec {
+  QuantSpec quant;       // act_bits 8; act_scale: the input's static scale
+  bool int8_input = false;
+  bool has_bias = false;
+  int residual = 0;      // 0 none, 1 float32, 2 int8 (times residual_scale)
+  float residual_scale = 0.0f;
+  bool relu = false;
+  float out_scale = 0.0f;  // > 0: int8 output at this scale
+  bool operator==(const FusedSpec&) const = default;
+};
+
+class SparseQuantizedConvFused : public SparsePrimitive {
+ public:
+  SparseQuantizedConvFused(mx::Stream s, RelationPtr rel, FusedSpec spec)
+      : SparsePrimitive(s, std::move(rel)), spec_(spec) {}
+  void eval_cpu(const std::vector<array>& inputs, array& out) override;
+  void eval_gpu(const std::vector<array>& inputs, array& out) override;
+  DEFINE_VMAP()
+  DEFINE_GRADS()
+  DEFINE_NAME(SparseQuantizedConvFused)
+  bool is_equivalent(const mx::Primitive& other) const override;
+  const FusedSpec& spec() const { return spec_; }
+
+ private:
+  FusedSpec spec_;
+};
+
 // kDenominator: (W) -> out[o] = sum_e colsum(W[k_e]).
 // kGradient:    (G) -> dS[k] = sum_{e of k} G[out_e].
 class SparseDenominator : public SparsePrimitive {
@@ -394,6 +426,7 @@ class BatchNormEval : public mx::UnaryPrimitive {
   X(SparseConv)                   \
   X(SparseConvSorted)             \
   X(SparseQuantizedConv)          \
+  X(SparseQuantizedConvFused)     \
   X(SparseDenominator)            \
   X(SparsePool)                   \
   X(FeatureAdd)                   \

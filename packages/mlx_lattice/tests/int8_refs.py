@@ -1,7 +1,9 @@
 """NumPy references of the integer convolution (``act_bits=8``): the
 documented math of ``csrc/cpu/gemm_int8.h`` (int64 dot products, the
 float32 epilogue one rounding per operation, offsets and groups ascending),
-bit for bit with every ISA path. Shared by ``test_int8_conv.py`` and the
+bit for bit with every ISA path; and the fused epilogue of
+``sparse_quantized_conv_fused`` (bias, residual, ReLU, requantization to
+int8). Shared by ``test_int8_conv.py``, ``test_fused_int8_conv.py`` and the
 fuzz targets."""
 
 from __future__ import annotations
@@ -11,7 +13,14 @@ import numpy as np
 
 from mlx_lattice.core import QuantizedWeight
 
-__all__ = ["codes_ref", "int8_conv_ref", "quantize_rows_ref", "quantize_static_ref"]
+__all__ = [
+    "codes_ref",
+    "fused_epilogue_ref",
+    "int8_conv_ref",
+    "quantize_rows_ref",
+    "quantize_static_ref",
+    "requantize_ref",
+]
 
 
 def codes_ref(qw: QuantizedWeight) -> np.ndarray:
@@ -50,13 +59,19 @@ def quantize_static_ref(x: np.ndarray, scale: np.float32) -> tuple[np.ndarray, n
     return q.astype(np.int64), np.where(finite, np.float32(1), np.float32(np.nan))
 
 
-def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel, static=None) -> np.ndarray:
+def int8_conv_ref(
+    feats: np.ndarray | None, qw: QuantizedWeight, rel, static=None, codes=None
+) -> np.ndarray:
     """The documented math (cpu/gemm_int8.h) in NumPy: exact int64 dot
     products, then the float32 epilogue one rounding per operation, offsets
     ascending and groups ascending inside each offset. ``static``: the
     static activation scale S, folded into the weight's scales and biases
-    (float32 products) instead of multiplying every edge."""
-    if static is None:
+    (float32 products) instead of multiplying every edge. ``codes``: int8
+    rows already at scale ``static`` (feats unused; -128 reads as -127)."""
+    if codes is not None:
+        q = np.maximum(np.asarray(codes).astype(np.int64), -127)
+        sa = np.ones(len(q), dtype=np.float32)
+    elif static is None:
         q, sa = quantize_rows_ref(feats)
     else:
         q, sa = quantize_static_ref(feats, static)
@@ -86,3 +101,44 @@ def int8_conv_ref(feats: np.ndarray, qw: QuantizedWeight, rel, static=None) -> n
             # Static: sa is 1 (exact, as the kernel leaving it out) or NaN.
             out[o] = out[o] + t * sa[i][:, None]
     return out
+
+
+def requantize_ref(y: np.ndarray, out_scale) -> np.ndarray:
+    """The fused epilogue's requantization: q = clip(rint(y / out_scale),
+    -127, 127) with a float32 division and rounding half to even, NaN -> 0,
+    +-inf saturating; int8."""
+    y = np.asarray(y, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        v = y / np.float32(out_scale)
+        q = np.rint(np.clip(v, -127, 127))
+    q[np.isnan(v)] = 0
+    return q.astype(np.int8)
+
+
+def fused_epilogue_ref(
+    acc: np.ndarray,
+    bias=None,
+    residual=None,
+    residual_scale=None,
+    relu: bool = False,
+    out_scale=None,
+) -> np.ndarray:
+    """The fused epilogue on the convolution's float32 sums ``acc`` (N, C),
+    one float32 rounding per operation in this order: + bias (C,); +
+    residual (float, as float32) or + float32(int8 residual) *
+    residual_scale (product rounded, then the sum); ReLU as ``y < 0 -> +0``
+    (NaN stays); then ``requantize_ref`` when ``out_scale`` is given, else
+    float32 ``y`` (the caller rounds to a half dtype)."""
+    y = np.array(acc, dtype=np.float32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if bias is not None:
+            y = y + np.asarray(bias, dtype=np.float32)
+        if residual is not None:
+            r = np.asarray(residual)
+            if r.dtype == np.int8:
+                y = y + r.astype(np.float32) * np.float32(residual_scale)
+            else:
+                y = y + r.astype(np.float32)
+        if relu:
+            y = np.where(y < 0, np.float32(0), y).astype(np.float32)
+    return y if out_scale is None else requantize_ref(y, out_scale)

@@ -336,17 +336,21 @@ struct Buffers {
 
 namespace {
 
+// feats: float32 rows (quantized here), or codes: int8 rows at act_scale.
+// ep: the fused epilogue (int8_conv_fused), or null for float32 sums in out.
 void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, const float* feats,
-                   int64_t n_in, int64_t cin, const uint8_t* packed, int64_t row_bytes,
-                   const float* scales, const float* biases, int64_t n_kernels, int64_t cout,
-                   int64_t storage_in, int64_t group, int bits, float act_scale, const Csr& csr,
-                   const int32_t* a_index, const int32_t* kernel_ids, float* out) {
+                   const int8_t* codes, int64_t n_in, int64_t cin, const uint8_t* packed,
+                   int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
+                   int64_t cout, int64_t storage_in, int64_t group, int bits, float act_scale,
+                   const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
+                   const Int8Epilogue* ep, void* out_data) {
   // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
   // more in page faults than the quantization itself).
   // (A reference: the worker threads below must see this thread's buffers,
   // not their own thread_local instances.)
   thread_local Buffers buffers;
   Buffers& buf = this_thread(buffers);
+  float* const out = static_cast<float*>(out_data);  // the float32 sums (no epilogue)
   const int64_t groups = storage_in / group;
   buf.q.resize(n_in * storage_in);
   buf.scale.resize(n_in);
@@ -354,8 +358,13 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
   // Static scale: every finite row's scale is 1 here (the kernels' "* sa" is
   // then exact and left out), S is folded into the weight's scales and biases.
   const bool static_scale = act_scale > 0.0f;
-  quantize_rows_int8(feats, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
-                     buf.gsum.data(), act_scale);
+  if (codes != nullptr) {
+    load_rows_int8(codes, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
+                   buf.gsum.data());
+  } else {
+    quantize_rows_int8(feats, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
+                       buf.gsum.data(), act_scale);
+  }
   // Static and every row finite (the usual case): the kernels need no
   // row's scale at all.
   const bool all_unit =
@@ -370,8 +379,17 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
                                    static_scale};
     const amx_int8::Weights w_view{w.codes.data(), w.scales.data(), w.biases.data(), w.quads,
                                    w.groups, w.cout_pad, n_kernels, cout};
+    // With an epilogue the driver's float32 sums go to a per-thread buffer
+    // of the whole output first (the drivers address the output by row).
+    thread_local LineVector<float> sums_tls;
+    float* sums = out;
+    if (ep != nullptr) {
+      auto& sums_buf = this_thread(sums_tls);
+      sums = window_buffer(sums_buf, csr.groups * cout);
+    }
     parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
-      run_rows(rows_view, w_view, group, csr, a_index, kernel_ids, g0, g1, out);
+      run_rows(rows_view, w_view, group, csr, a_index, kernel_ids, g0, g1, sums);
+      if (ep != nullptr) int8_epilogue_rows(sums + g0 * cout, g0, g1, cout, *ep, out_data);
     });
     return;
   }
@@ -395,7 +413,8 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
     // writing the tile at once is cheaper than the kernels' scattered
     // first stores missing the cache. Summed in place, or in the thread's
     // buffer and streamed out (output_window.h).
-    float* tile = stream ? window_buffer(s.window, cap * cout) : out + g0 * cout;
+    float* tile =
+        stream || ep != nullptr ? window_buffer(s.window, cap * cout) : out + g0 * cout;
     std::memset(tile, 0, sizeof(float) * cap * cout);
     OffsetJob job{nullptr,         nullptr,    0,      buf.q.data(), buf.scale.data(),
                   buf.gsum.data(), storage_in, groups, tile,         static_scale,
@@ -406,7 +425,11 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
       job.count = s.count[k];
       if (job.count > 0) run_offset(job, w, k, cout);
     }
-    if (stream) stream_rows(out + g0 * cout, tile, sizeof(float) * cap * cout);
+    if (ep != nullptr) {
+      int8_epilogue_rows(tile, g0, g1, cout, *ep, out_data);
+    } else if (stream) {
+      stream_rows(out + g0 * cout, tile, sizeof(float) * cap * cout);
+    }
   });
 }
 
@@ -420,9 +443,21 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   // An edge's output row is its CSR group (c_index repeats it; unread).
   static_cast<void>(c_index);
   const Int8Entry& entry = selected_for(cin, cout);
-  run_int8_conv(entry.offset, entry.rows, entry.centered, feats, n_in, cin, packed, row_bytes,
-                scales, biases, n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index,
-                kernel_ids, out);
+  run_int8_conv(entry.offset, entry.rows, entry.centered, feats, nullptr, n_in, cin, packed,
+                row_bytes, scales, biases, n_kernels, cout, storage_in, group, bits, act_scale,
+                csr, a_index, kernel_ids, nullptr, out);
+}
+
+void int8_conv_fused(const float* feats, const int8_t* codes, int64_t n_in, int64_t cin,
+                     const uint8_t* packed, int64_t row_bytes, const float* scales,
+                     const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
+                     int64_t group, int bits, float in_scale, const Csr& csr,
+                     const int32_t* a_index, const int32_t* kernel_ids, const Int8Epilogue& ep,
+                     void* out) {
+  const Int8Entry& entry = selected_for(cin, cout);
+  run_int8_conv(entry.offset, entry.rows, entry.centered, feats, codes, n_in, cin, packed,
+                row_bytes, scales, biases, n_kernels, cout, storage_in, group, bits, in_scale,
+                csr, a_index, kernel_ids, &ep, out);
 }
 
 void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t cin,
@@ -430,9 +465,9 @@ void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t c
                     const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
                     int64_t group, int bits, float act_scale, const Csr& csr,
                     const int32_t* a_index, const int32_t* kernel_ids, float* out) {
-  run_int8_conv(nullptr, rows, false, feats, n_in, cin, packed, row_bytes, scales, biases,
-                n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index, kernel_ids,
-                out);
+  run_int8_conv(nullptr, rows, false, feats, nullptr, n_in, cin, packed, row_bytes, scales,
+                biases, n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index,
+                kernel_ids, nullptr, out);
 }
 
 const char* int8_isa() { return isa::isa_name(selected().isa); }

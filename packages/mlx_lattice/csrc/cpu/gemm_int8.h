@@ -31,6 +31,7 @@
 
 #include <cstdint>
 
+#include "float_formats.h"
 #include "group_by.h"
 
 namespace mlx_lattice::kernels {
@@ -58,6 +59,51 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
                const Csr& csr,
                const int32_t* a_index, const int32_t* c_index, const int32_t* kernel_ids,
                float* out);
+
+// Rows of int8 codes already quantized at a static scale (the previous
+// layer's requantized output): q (n, stride) with zeros in [c, stride),
+// the per-group sums gsum (n, stride / group), scale[i] = 1. A code of -128
+// reads as -127 (the symmetric range every kernel path sums exactly).
+void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64_t group,
+                    int8_t* q, float* scale, int32_t* gsum);
+
+// The fused epilogue of int8_conv_fused, per output row o and column x, on
+// the float32 sum acc[o, x] that int8_conv computes (in float32, one
+// rounding per operation, no fused multiply-add, in this order):
+//   y = acc[o, x] + bias[x]                               (bias given)
+//   y = y + residual[o, x]                                (float32 residual)
+//   y = y + float(rq[o, x]) * residual_scale              (int8 residual)
+//   y = y < 0 ? +0 : y                                    (relu; NaN stays)
+// then out_scale == 0: out[o, x] = y rounded to out_format (nearest even);
+// out_scale > 0: out[o, x] = int8 q with
+//   q = clamp(round_half_even(y / out_scale), -127, 127),   NaN -> 0
+// (the division of quantize_rows_int8's static path: the codes equal those
+// the next layer would compute from the float output; +-inf saturate).
+struct Int8Epilogue {
+  const float* bias = nullptr;     // (cout) or none
+  const void* residual = nullptr;  // (n_out, cout) float32 or int8, or none
+  bool residual_int8 = false;
+  float residual_scale = 0.0f;  // the int8 residual's scale (> 0)
+  bool relu = false;
+  float out_scale = 0.0f;  // > 0: int8 output at this static scale
+  FloatFormat out_format = FloatFormat::kF32;  // float output's format
+};
+
+// Output rows [r0, r1) of the epilogue: acc holds their float32 sums
+// ((r1 - r0) x cout, overwritten with y), out the whole output.
+void int8_epilogue_rows(float* acc, int64_t r0, int64_t r1, int64_t cout, const Int8Epilogue& ep,
+                        void* out);
+
+// int8_conv with a static activation scale in_scale (> 0) and the fused
+// epilogue: feats are float32 rows quantized with in_scale, or (codes not
+// null, feats null) int8 codes already at in_scale. out: (n_out, cout) in
+// the epilogue's output type.
+void int8_conv_fused(const float* feats, const int8_t* codes, int64_t n_in, int64_t cin,
+                     const uint8_t* packed, int64_t row_bytes, const float* scales,
+                     const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
+                     int64_t group, int bits, float in_scale, const Csr& csr,
+                     const int32_t* a_index, const int32_t* kernel_ids, const Int8Epilogue& ep,
+                     void* out);
 
 // Name of the int8 micro-kernel in use ("amx-int8", "avx512-vnni",
 // "avx-vnni", "avx2-fma", "scalar"; AArch64's "neon-i8mm", "neon-dotprod"), chosen per

@@ -47,6 +47,8 @@ void encode(const SparseConvSorted& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, mx::array& out);
 void encode(const SparseQuantizedConv& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, mx::array& out);
+void encode(const SparseQuantizedConvFused& p, KernelEncoder& enc, Operands& ops,
+            const std::vector<mx::array>& in, mx::array& out);
 void encode(const SparseDenominator& p, KernelEncoder& enc, Operands& ops,
             const std::vector<mx::array>& in, mx::array& out);
 void encode(const SparsePool& p, KernelEncoder& enc, Operands& ops,

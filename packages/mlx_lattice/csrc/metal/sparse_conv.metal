@@ -1,5 +1,6 @@
 // Generic sparse convolution kernels (float32), their gradients, the
-// quantized convolution and the normalization denominator.
+// quantized convolutions (the static-int8 one with its fused epilogue) and
+// the normalization denominator.
 //
 // One thread per output value, reducing in a fixed order (edges in CSR order,
 // then channels ascending), so results do not depend on scheduling. Edges of
@@ -168,4 +169,130 @@ kernel void mlxl_denominator_grad(
     acc += grad[size_t(out_rows[k_edge_ids[j]]) * d.cout + c];
   }
   out[size_t(k) * d.cout + c] = acc;
+}
+
+// ---- The static-scale integer convolution with its fused epilogue
+// (cpu/gemm_int8.h: int8_conv_fused, Int8Epilogue): one thread per output
+// value, edges in CSR order (offsets ascending), groups ascending, each
+// edge's group term in float32 one rounding per operation: the CPU
+// kernels' sums, bit for bit.
+struct FusedDims {
+  uint n_rows;
+  uint cin;
+  uint cout;
+  uint n_kernels;
+  uint row_bytes;
+  uint groups;
+  uint group_size;
+  uint bits;
+  uint int8_input;  // feats are int8 codes (buffer 1), else floats (buffer 0)
+  uint has_bias;
+  uint residual;    // 0 none, 1 float (buffer 6), 2 int8 (buffer 7)
+  uint relu;
+  float in_scale;
+  float residual_scale;
+  float out_scale;  // > 0: int8 output
+};
+
+// The unsigned code of offset k, output channel c, input channel i.
+inline int quant_code(device const uchar* packed, constant FusedDims& d, uint k, uint c, uint i) {
+  device const uchar* p = packed + size_t(k * d.cout + c) * d.row_bytes;
+  const uint bit = i * d.bits;
+  const uint byte = bit >> 3;
+  uint v = p[byte];
+  if (byte + 1 < d.row_bytes) v |= uint(p[byte + 1]) << 8;
+  return int((v >> (bit & 7)) & ((1u << d.bits) - 1u));
+}
+
+// y of output row o, channel c, before its output conversion.
+inline float fused_value(device const float* feats, device const char* codes,
+                         device const uchar* packed, device const float* scales,
+                         device const float* biases, device const float* bias,
+                         device const float* res_f, device const char* res_q,
+                         device const int* in_rows, device const int* kernel_ids,
+                         device const int* out_offsets, constant FusedDims& d, uint o, uint c) {
+  float acc = 0.0f;
+  for (int e = out_offsets[o]; e < out_offsets[o + 1]; ++e) {
+    const uint row = uint(in_rows[e]);
+    const uint k = uint(kernel_ids[e]);
+    device const float* f = feats + size_t(row) * d.cin;
+    device const char* q = codes + size_t(row) * d.cin;
+    // A float row with a non-finite value adds NaN (its codes are 0).
+    bool finite = true;
+    if (d.int8_input == 0) {
+      for (uint i = 0; i < d.cin; ++i) finite = finite && (f[i] - f[i] == 0.0f);
+    }
+    for (uint g = 0; g < d.groups; ++g) {
+      int dot = 0;
+      int asum = 0;
+      const uint c1 = min(d.cin, (g + 1) * d.group_size);
+      for (uint i = g * d.group_size; finite && i < c1; ++i) {
+        const int a = d.int8_input != 0 ? max(int(q[i]), -127)
+                                        : int(rint(clamp(f[i] / d.in_scale, -127.0f, 127.0f)));
+        dot += a * quant_code(packed, d, k, c, i);
+        asum += a;
+      }
+      const uint gi = (k * d.cout + c) * d.groups + g;
+      const float s = scales[gi] * d.in_scale;
+      const float b = biases[gi] * d.in_scale;
+      float t = float(dot) * s;
+      const float u = float(asum) * b;
+      t = t + u;
+      acc = acc + (finite ? t : t * NAN);
+    }
+  }
+  const size_t at = size_t(o) * d.cout + c;
+  float y = acc;
+  if (d.has_bias != 0) y = y + bias[c];
+  if (d.residual == 1) y = y + res_f[at];
+  if (d.residual == 2) {
+    const float r = float(res_q[at]) * d.residual_scale;
+    y = y + r;
+  }
+  if (d.relu != 0 && y < 0.0f) y = 0.0f;
+  return y;
+}
+
+kernel void mlxl_int8_conv_fused_float(
+    device const float* feats [[buffer(0)]],
+    device const char* codes [[buffer(1)]],
+    device const uchar* packed [[buffer(2)]],
+    device const float* scales [[buffer(3)]],
+    device const float* biases [[buffer(4)]],
+    device const float* bias [[buffer(5)]],
+    device const float* res_f [[buffer(6)]],
+    device const char* res_q [[buffer(7)]],
+    device const int* in_rows [[buffer(8)]],
+    device const int* kernel_ids [[buffer(9)]],
+    device const int* out_offsets [[buffer(10)]],
+    device float* out [[buffer(11)]],
+    constant FusedDims& d [[buffer(12)]],
+    uint2 pos [[thread_position_in_grid]]) {
+  const uint c = pos.x, o = pos.y;
+  if (c >= d.cout || o >= d.n_rows) return;
+  out[size_t(o) * d.cout + c] = fused_value(feats, codes, packed, scales, biases, bias, res_f,
+                                            res_q, in_rows, kernel_ids, out_offsets, d, o, c);
+}
+
+// q = clamp(round_half_even(y / out_scale), -127, 127), NaN -> 0.
+kernel void mlxl_int8_conv_fused_int8(
+    device const float* feats [[buffer(0)]],
+    device const char* codes [[buffer(1)]],
+    device const uchar* packed [[buffer(2)]],
+    device const float* scales [[buffer(3)]],
+    device const float* biases [[buffer(4)]],
+    device const float* bias [[buffer(5)]],
+    device const float* res_f [[buffer(6)]],
+    device const char* res_q [[buffer(7)]],
+    device const int* in_rows [[buffer(8)]],
+    device const int* kernel_ids [[buffer(9)]],
+    device const int* out_offsets [[buffer(10)]],
+    device char* out [[buffer(11)]],
+    constant FusedDims& d [[buffer(12)]],
+    uint2 pos [[thread_position_in_grid]]) {
+  const uint c = pos.x, o = pos.y;
+  if (c >= d.cout || o >= d.n_rows) return;
+  const float v = fused_value(feats, codes, packed, scales, biases, bias, res_f, res_q, in_rows,
+                              kernel_ids, out_offsets, d, o, c) / d.out_scale;
+  out[size_t(o) * d.cout + c] = v != v ? char(0) : char(rint(clamp(v, -127.0f, 127.0f)));
 }

@@ -1,0 +1,157 @@
+// The integer convolution's fused epilogue (gemm_int8.h: Int8Epilogue) and
+// the loading of int8 input rows: the scalar definition and its AVX-512
+// form, the same values on both.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define MLX_LATTICE_X86 1
+#endif
+
+#include "gemm_int8.h"
+#include "isa.h"
+#include "parallel.h"
+
+// GCC 12 reports the undefined pass-through operands of some AVX-512
+// builtins as "maybe uninitialized"; they are not read.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace mlx_lattice::kernels {
+
+namespace {
+
+// A value the compiler may not fuse with the next operation (no FMA): every
+// path rounds after each product and each sum, as the documented math.
+#if defined(__aarch64__)
+#define MLX_LATTICE_EPI_ROUNDED(v) asm("" : "+w"(v))
+#elif defined(MLX_LATTICE_X86)
+#define MLX_LATTICE_EPI_ROUNDED(v) asm("" : "+x"(v))
+#else
+#define MLX_LATTICE_EPI_ROUNDED(v) static_cast<void>(v)
+#endif
+
+// y = acc + bias; + residual; relu, on one row of n values (the scalar
+// definition). res: the row's float32 residual, rq: its int8 residual.
+void epilogue_row_scalar(float* y, int64_t n, const Int8Epilogue& ep, const float* res,
+                         const int8_t* rq) {
+  for (int64_t x = 0; x < n; ++x) {
+    float v = y[x];
+    if (ep.bias != nullptr) v = v + ep.bias[x];
+    if (res != nullptr) v = v + res[x];
+    if (rq != nullptr) {
+      float r = static_cast<float>(rq[x]) * ep.residual_scale;
+      MLX_LATTICE_EPI_ROUNDED(r);
+      v = v + r;
+    }
+    if (ep.relu && v < 0.0f) v = 0.0f;
+    y[x] = v;
+  }
+}
+
+// q = clamp(rint(y / s), -127, 127), NaN -> 0 (rint: nearest even, the
+// default rounding mode, as quantize_rows_int8).
+void requantize_row_scalar(const float* y, int64_t n, float s, int8_t* q) {
+  for (int64_t x = 0; x < n; ++x) {
+    const float v = y[x] / s;
+    q[x] = std::isnan(v) ? int8_t{0}
+                         : static_cast<int8_t>(std::nearbyint(std::clamp(v, -127.0f, 127.0f)));
+  }
+}
+
+#ifdef MLX_LATTICE_X86
+__attribute__((target("avx512f"))) void epilogue_row_avx512(float* y, int64_t n,
+                                                            const Int8Epilogue& ep,
+                                                            const float* res, const int8_t* rq) {
+  const __m512 zero = _mm512_setzero_ps();
+  const __m512 rs = _mm512_set1_ps(ep.residual_scale);
+  for (int64_t x = 0; x < n; x += 16) {
+    const __mmask16 m = n - x >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (n - x)) - 1u);
+    __m512 v = _mm512_maskz_loadu_ps(m, y + x);
+    if (ep.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, ep.bias + x));
+    if (res != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, res + x));
+    if (rq != nullptr) {
+      // (A tail's bytes through a local: byte-masked loads need AVX-512BW.)
+      alignas(16) int8_t tail[16] = {};
+      std::memcpy(tail, rq + x, static_cast<size_t>(std::min<int64_t>(16, n - x)));
+      const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), rs);
+      MLX_LATTICE_EPI_ROUNDED(r);
+      v = _mm512_add_ps(v, r);
+    }
+    if (ep.relu) v = _mm512_mask_mov_ps(v, _mm512_cmp_ps_mask(v, zero, _CMP_LT_OQ), zero);
+    _mm512_mask_storeu_ps(y + x, m, v);
+  }
+}
+
+__attribute__((target("avx512f"))) void requantize_row_avx512(const float* y, int64_t n, float s,
+                                                              int8_t* q) {
+  const __m512 vs = _mm512_set1_ps(s);
+  const __m512 lo = _mm512_set1_ps(-127.0f);
+  const __m512 hi = _mm512_set1_ps(127.0f);
+  for (int64_t x = 0; x < n; x += 16) {
+    const __mmask16 m = n - x >= 16 ? static_cast<__mmask16>(0xffff)
+                                    : static_cast<__mmask16>((1u << (n - x)) - 1u);
+    const __m512 v = _mm512_div_ps(_mm512_maskz_loadu_ps(m, y + x), vs);
+    const __mmask16 number = _mm512_cmp_ps_mask(v, v, _CMP_ORD_Q);
+    // max/min return the bound for NaN; NaN lanes are then zeroed.
+    const __m512 c = _mm512_maskz_mov_ps(number, _mm512_min_ps(_mm512_max_ps(v, lo), hi));
+    _mm512_mask_cvtepi32_storeu_epi8(q + x, m, _mm512_cvtps_epi32(c));
+  }
+}
+#endif
+
+}  // namespace
+
+void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64_t group,
+                    int8_t* q, float* scale, int32_t* gsum) {
+  const int64_t groups = stride / group;
+  parallel_for(ceil_div(n, int64_t{1024}), [&](int64_t chunk) {
+    const int64_t r1 = std::min(n, (chunk + 1) * 1024);
+    for (int64_t r = chunk * 1024; r < r1; ++r) {
+      const int8_t* xr = x + r * c;
+      int8_t* qr = q + r * stride;
+      int32_t* gr = gsum + r * groups;
+      std::fill(gr, gr + groups, 0);
+      for (int64_t i = 0; i < c; ++i) {
+        const int8_t v = std::max<int8_t>(xr[i], -127);
+        qr[i] = v;
+        gr[i / group] += v;
+      }
+      if (stride > c) std::memset(qr + c, 0, stride - c);
+      scale[r] = 1.0f;
+    }
+  });
+}
+
+void int8_epilogue_rows(float* acc, int64_t r0, int64_t r1, int64_t cout, const Int8Epilogue& ep,
+                        void* out) {
+  auto row_fn = epilogue_row_scalar;
+  auto requantize = requantize_row_scalar;
+#ifdef MLX_LATTICE_X86
+  if (isa::isa_usable(isa::Isa::kAvx512)) {
+    row_fn = epilogue_row_avx512;
+    requantize = requantize_row_avx512;
+  }
+#endif
+  const auto* res = ep.residual_int8 ? nullptr : static_cast<const float*>(ep.residual);
+  const auto* rq = ep.residual_int8 ? static_cast<const int8_t*>(ep.residual) : nullptr;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* y = acc + (r - r0) * cout;
+    row_fn(y, cout, ep, res != nullptr ? res + r * cout : nullptr,
+           rq != nullptr ? rq + r * cout : nullptr);
+    if (ep.out_scale > 0.0f) {
+      requantize(y, cout, ep.out_scale, static_cast<int8_t*>(out) + r * cout);
+    } else if (ep.out_format == FloatFormat::kF32) {
+      std::memcpy(static_cast<float*>(out) + r * cout, y, sizeof(float) * cout);
+    } else {
+      convert_from_float32(y, cout, ep.out_format, static_cast<uint16_t*>(out) + r * cout);
+    }
+  }
+}
+
+}  // namespace mlx_lattice::kernels

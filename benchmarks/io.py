@@ -16,6 +16,12 @@ Coders (``mlx_lattice.coding``):
 Readers (``mlx_lattice.io``): rows per second reading a 10^6-point scan
 written as KITTI ``.bin``, binary PLY and binary PCD, against NumPy's
 ``fromfile`` on the same bytes; LAS and LAZ against ``laspy.read``.
+
+The segment command's write stage against its forward: the demo's model
+(MinkUNet widths 16-96, occupancy and height, 5 classes, 0.15 m voxels) as
+an artifact on an 88k-point 64-beam scan; the write is the ``.npy`` of the
+labels and the PLY with class colours and labels (target: under a tenth
+of the forward).
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ import zlib
 
 import numpy as np
 
-from benchmarks.host_class import host_class_line
+from benchmarks.host_class import host_class_line, kernel_names, print_targets
 from benchmarks.timing import median_s
+from examples.palette import class_colours
 from mlx_lattice import coding, io
-from mlx_lattice.data import synthetic_lidar_scan
+from mlx_lattice.data import CLASS_NAMES, SceneConfig, synthetic_lidar_scan
 from mlx_lattice.geometry import quantize_points
 
 N_SYMBOLS = 1_000_000
@@ -221,14 +228,59 @@ def readers(rng: np.random.Generator, folder: str) -> None:
         )
 
 
+def segment_write(folder: str) -> float:
+    """The segment command's write stage over its forward on the demo's
+    model and an 88k-point scan (the forward as the command times it for an
+    artifact: voxelize, network, argmax per point); returns the ratio."""
+    import mlx.core as mx
+
+    from mlx_lattice import export
+    from mlx_lattice.models import MinkUNet
+
+    mx.random.seed(0)
+    model = MinkUNet(2, len(CLASS_NAMES), (16, 32, 64, 96)).eval()  # the demo's FULL widths
+    path = os.path.join(folder, "demo.mlxl")
+    export.export_model(model, path, voxel_size=0.15, features="occupancy,height",
+                        class_names=CLASS_NAMES)  # fmt: skip
+    net = export.load(path)
+    points = synthetic_lidar_scan(3, SceneConfig(beams=64, azimuth_steps=1400)).points
+    feats = np.stack([np.ones(len(points)), points[:, 2] / 4.0], 1).astype(np.float32)
+
+    def forward() -> np.ndarray:
+        return np.array(mx.argmax(net.predict_points(points, feats), axis=1)).astype(np.int32)
+
+    labels = forward()
+    palette = class_colours(len(CLASS_NAMES))
+
+    def write() -> None:  # as examples/segment.py writes --out and --ply-out
+        np.save(os.path.join(folder, "labels.npy"), labels)
+        rgb = palette[labels]
+        io.write_ply(os.path.join(folder, "scan.ply"), points,
+                     {"red": rgb[:, 0], "green": rgb[:, 1], "blue": rgb[:, 2], "label": labels})  # fmt: skip
+
+    t_forward = median_s(forward, repeats=7)
+    t_write = median_s(write, repeats=7)
+    ratio = t_write / t_forward
+    print(
+        f"segment: {len(points)} points, forward {t_forward * 1e3:7.1f} ms (MinkUNet widths "
+        f"16-96 artifact), write {t_write * 1e3:6.1f} ms (.npy + PLY with colours and labels):"
+        f" write/forward {ratio:.3f}"
+    )
+    return ratio
+
+
 def main() -> None:
-    print(host_class_line())
+    from mlx_lattice._native import ext
+
+    print(host_class_line(kernel_names(ext)))
     rng = np.random.default_rng(0)
     table_coders(rng)
     cdf_coders(rng)
     occupancy()
     with tempfile.TemporaryDirectory() as folder:
         readers(rng, folder)
+        ratio = segment_write(folder)
+    print_targets("targets (issue 55):", {"segment": [("write / forward", ratio, "<=", 0.1)]})
 
 
 if __name__ == "__main__":

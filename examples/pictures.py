@@ -29,47 +29,11 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from examples.palette import CLASS_COLOURS, UNLABELED_COLOUR, class_colours
+
 __all__ = ["CLASS_COLOURS", "UNLABELED_COLOUR", "class_colours", "loss_curve_png", "top_down_png"]
 
-Colour = tuple[int, int, int]
-
-#: One colour per class of the built-in scans: ground, building, car, pole, vegetation.
-CLASS_COLOURS: tuple[Colour, ...] = (
-    (150, 150, 150),
-    (214, 96, 77),
-    (33, 102, 172),
-    (240, 190, 0),
-    (27, 150, 60),
-)
-
-#: Points labelled past the named classes (a dataset's unlabeled points).
-UNLABELED_COLOUR: Colour = (225, 225, 225)
-
 DPI = 100
-
-
-def class_colours(n: int) -> np.ndarray:
-    """``(n, 3)`` uint8 colours: :data:`CLASS_COLOURS`, then matplotlib's
-    ``tab20`` colours for further classes (a dataset's 19 classes).
-
-    >>> class_colours(7)[:5].tolist() == [list(c) for c in CLASS_COLOURS], class_colours(7).shape
-    (True, (7, 3))
-    >>> len({tuple(c) for c in class_colours(25).tolist()})  # all distinct
-    25
-    """
-    from matplotlib import colormaps
-
-    out = [np.array(c, np.float64) for c in CLASS_COLOURS[:n]]
-    extra = [np.array(c) * 255 for c in colormaps["tab20"].colors + colormaps["tab20b"].colors]
-    taken = {tuple(np.rint(c).astype(int)) for c in out}
-    for colour in extra:
-        if len(out) >= n:
-            break
-        if tuple(np.rint(colour).astype(int)) not in taken:
-            out.append(colour)
-    if len(out) < n:
-        raise ValueError(f"class_colours: at most {len(out)} classes, got n={n}")
-    return np.rint(np.array(out, np.float64)).astype(np.uint8).reshape(n, 3)
 
 
 def _save(fig: Figure, path: Path) -> Path:

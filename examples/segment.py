@@ -1,7 +1,8 @@
 """Run a saved segmentation model on one scan.
 
 ``./bazelw run //examples:segment -- --model model.safetensors --points scan.bin
---out labels.npy [--labels-out DIR] [--ply-out scan.ply] [--picture scan.png]``
+[--out labels.npy] [--labels-out DIR [--label-map map.json]] [--ply-out scan.ply]
+[--picture scan.png]``
 
 ``--model`` is a model file (``mlx_lattice.models.save_model``; the demo's
 ``--save``) or an exported artifact (``mlx_lattice.export.export_model``;
@@ -12,14 +13,24 @@ other flag is needed: the features are built from the scan exactly as
 declared, and a scan that lacks one is an error naming the feature and the
 file. Any file ``mlx_lattice.io.read_points`` reads works as ``--points``.
 
-Outputs: ``--out`` gets one int32 class index per point (into the model's
-class names; ``.npy``); ``--labels-out DIR`` a SemanticKITTI ``.label``
-file named after the scan (one uint32 raw semantic id per point: each
-class, by name, mapped back with ``LEARNING_MAP_INV``); ``--ply-out`` a
-binary PLY with the points, their class colour (``red``, ``green``,
-``blue``) and a ``label`` property (the class index); ``--picture`` a
-top-down PNG. Prints the time of each stage: load, read, voxelize (for an
-artifact: features; it voxelizes in the forward stage), forward, write.
+Outputs, at least one of them: ``--out`` gets one int32 class index per
+point (into the model's class names; ``.npy``); ``--labels-out DIR`` a
+SemanticKITTI-style ``.label`` file named after the scan (one uint32 raw
+semantic id per point); ``--ply-out`` a binary PLY with the points, their
+class colour (``red``, ``green``, ``blue``; the pictures' colours) and a
+``label`` property (the class index); ``--picture`` a top-down PNG.
+
+The ``.label`` ids: ``--label-map FILE.json``, an object of each of the
+model's class names to its id (0 to 65535, e.g. ``{"ground": 40,
+"building": 50, "car": 10, "pole": 80, "vegetation": 70}``); without one,
+each class's SemanticKITTI raw id by name (``LEARNING_MAP_INV`` of its
+training class), which needs every class to be a SemanticKITTI class name:
+the demo's ``ground`` is none, so its models need a map (the error message
+prints one to start from).
+
+Prints the time of each stage: load, read, voxelize (for an artifact:
+features; it voxelizes in the forward stage), forward, write (the files),
+picture.
 """
 
 from __future__ import annotations
@@ -47,15 +58,32 @@ _POINTS = flags.DEFINE_string(
 )
 _OUT = flags.DEFINE_string("out", None, "per-point class indices (.npy)")
 _LABELS_OUT = flags.DEFINE_string(
-    "labels-out", None, "directory for a SemanticKITTI .label file of the predictions"
+    "labels-out", None, "directory for a SemanticKITTI-style .label file of the predictions"
+)
+_LABEL_MAP = flags.DEFINE_string(
+    "label-map",
+    None,
+    "JSON object of each class name of the model to its id in the --labels-out file "
+    "(default: SemanticKITTI's raw ids, for classes with SemanticKITTI names)",
 )
 _PLY_OUT = flags.DEFINE_string(
     "ply-out", None, "a PLY of the points with class colours and a label property"
 )
 _PICTURE = flags.DEFINE_string("picture", None, "a top-down PNG of the predicted classes")
-flags.mark_flags_as_required(["model", "points", "out"])
+OUTPUTS = ("out", "labels-out", "ply-out", "picture")
+flags.mark_flags_as_required(["model", "points"])
 flags.register_validator(
     "out", lambda path: path is None or Path(path).suffix == ".npy", message="--out must be a .npy path"
+)
+flags.register_multi_flags_validator(
+    OUTPUTS,
+    lambda values: any(values.values()),
+    message="no output: give at least one of --out, --labels-out, --ply-out, --picture",
+)
+flags.register_multi_flags_validator(
+    ["label-map", "labels-out"],
+    lambda values: values["label-map"] is None or values["labels-out"] is not None,
+    message="--label-map sets the ids of the --labels-out file: give --labels-out too",
 )
 
 
@@ -100,6 +128,21 @@ def _safetensors_metadata(path: Path) -> dict:
     return meta if isinstance(meta, dict) else {}
 
 
+def _voxel_count(points: np.ndarray, voxel_size: float) -> int:
+    """Occupied voxels of edge ``voxel_size`` (one key per voxel: ~10x faster
+    than ``np.unique(axis=0)``, which took longer than the forward).
+
+    >>> _voxel_count(np.array([[0.1, 0, 0], [0.2, 0, 0], [1.1, 0, -3]]), 0.5)
+    2
+    """
+    cells = np.floor(points / voxel_size).astype(np.int64)
+    cells -= cells.min(axis=0)
+    dims = cells.max(axis=0) + 1
+    if float(np.prod(dims.astype(np.float64))) >= 2.0**62:
+        return len(np.unique(cells, axis=0))
+    return len(np.unique(np.ravel_multi_index(tuple(cells.T), tuple(dims))))
+
+
 def load(path: Path) -> Model:
     """A save_model file or an export artifact at ``path``."""
     import mlx.core as mx
@@ -123,7 +166,7 @@ def load(path: Path) -> Model:
             from mlx_lattice.data import point_feature_columns
 
             feats = point_feature_columns(points, net.features, values, source=source)
-            voxels = len(np.unique(np.floor(points / net.voxel_size).astype(np.int64), axis=0))
+            voxels = _voxel_count(points, float(net.voxel_size))
             return (points, feats), voxels
 
         def predict_artifact(inp: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
@@ -167,60 +210,89 @@ def load(path: Path) -> Model:
     )
 
 
-def semantickitti_ids(labels: np.ndarray, class_names: Sequence[str]) -> np.ndarray:
-    """Raw SemanticKITTI ids (uint32) of class indices: each class, by name,
-    is a SemanticKITTI training class, written back with ``LEARNING_MAP_INV``.
+def read_label_map(path: Path) -> dict[str, int]:
+    """``--label-map``'s JSON object: class name -> id (an int in [0, 65535],
+    the semantic half of a ``.label`` word)."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise InputError(f"--label-map: cannot read {path} ({e.strerror or e}).") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+        raise InputError(f"--label-map: {path} is not JSON ({e}).") from None
+    if not isinstance(data, dict):
+        raise InputError(
+            f"--label-map: {path} must hold a JSON object of class names to ids, "
+            f"got a {type(data).__name__}."
+        )
+    for name, value in data.items():
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 0xFFFF:
+            raise InputError(
+                f"--label-map: {path}: the id of {name!r} must be an integer in [0, 65535], "
+                f"got {json.dumps(value)}."
+            )
+    return data
 
-    >>> semantickitti_ids(np.array([0, 1, 1]), ["road", "car"]).tolist()
-    [40, 10, 10]
+
+def label_ids(class_names: Sequence[str], label_map: dict[str, int] | None) -> np.ndarray:
+    """The ``.label`` id (uint32) of each class: ``label_map``'s, or without
+    one SemanticKITTI's raw id of the class of that name
+    (``LEARNING_MAP_INV``).
+
+    >>> label_ids(["road", "car"], None).tolist()
+    [40, 10]
+    >>> label_ids(["ground", "car"], {"ground": 72, "car": 10, "truck": 18}).tolist()
+    [72, 10]
+    >>> try:
+    ...     label_ids(["ground", "car"], None)
+    ... except InputError as e:
+    ...     print(str(e).split(" (")[0], "...", str(e).split(". ")[-1])
+    --labels-out: the model's class 'ground' is not a SemanticKITTI class ... Pass --label-map FILE.json, a JSON object of each class name to its id (0-65535), for this model {"ground": ID, "car": 10} with an ID of your choice for 'ground'.
     """
     from mlx_lattice.io.semantickitti import CLASS_NAMES, LEARNING_MAP_INV
 
-    raw = []
-    for name in class_names:
-        if name not in CLASS_NAMES:
+    kitti = {name: LEARNING_MAP_INV[k + 1] for k, name in enumerate(CLASS_NAMES)}
+    if label_map is not None:
+        missing = [name for name in class_names if name not in label_map]
+        if missing:
             raise InputError(
-                f"--labels-out: the model's class {name!r} is not a SemanticKITTI class "
-                f"({', '.join(CLASS_NAMES)})."
+                f"--label-map has no id for the model's class{'es' if len(missing) > 1 else ''} "
+                f"{', '.join(map(repr, missing))} (it maps {', '.join(map(repr, label_map))})."
             )
-        raw.append(LEARNING_MAP_INV[CLASS_NAMES.index(name) + 1])
-    return np.asarray(raw, np.uint32)[labels]
+        return np.array([label_map[name] for name in class_names], np.uint32)
+    unknown = [name for name in class_names if name not in kitti]
+    if unknown:
+        example = ", ".join(f'"{name}": {kitti.get(name, "ID")}' for name in class_names)
+        raise InputError(
+            f"--labels-out: the model's class {unknown[0]!r} is not a SemanticKITTI class "
+            f"({', '.join(CLASS_NAMES)}), so its .label id is unknown. Pass --label-map "
+            f"FILE.json, a JSON object of each class name to its id (0-65535), for this "
+            f"model {{{example}}} with an ID of your choice for "
+            f"{', '.join(map(repr, unknown))}."
+        )
+    return np.array([kitti[name] for name in class_names], np.uint32)
 
 
 def write_ply(path: Path, points: np.ndarray, labels: np.ndarray, class_names: Sequence[str]) -> None:
-    """A binary little-endian PLY: ``x y z`` float, ``red green blue`` uchar
-    (the class colours of the pictures) and ``label`` int (class index)."""
-    from examples.pictures import class_colours
+    """A binary little-endian PLY (``mlx_lattice.io.write_ply``): ``x y z``
+    float, ``red green blue`` uchar (the class colours of the pictures) and
+    ``label`` int (class index)."""
+    from examples.palette import class_colours
+    from mlx_lattice.io import write_ply as write
 
-    colours = np.asarray(class_colours(len(class_names)), np.uint8)
-    vertex = np.empty(
-        len(points),
-        dtype=[("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("red", "u1"), ("green", "u1"),
-               ("blue", "u1"), ("label", "<i4")],
-    )  # fmt: skip
-    vertex["x"], vertex["y"], vertex["z"] = points[:, 0], points[:, 1], points[:, 2]
-    rgb = colours[labels]
-    vertex["red"], vertex["green"], vertex["blue"] = rgb[:, 0], rgb[:, 1], rgb[:, 2]
-    vertex["label"] = labels
-    header = (
-        "ply\nformat binary_little_endian 1.0\n"
-        "comment segment: label is the class index; classes "
-        + ",".join(name.replace(" ", "_") for name in class_names)
-        + f"\nelement vertex {len(points)}\n"
-        "property float x\nproperty float y\nproperty float z\n"
-        "property uchar red\nproperty uchar green\nproperty uchar blue\n"
-        "property int label\nend_header\n"
+    rgb = class_colours(len(class_names))[labels]
+    classes = ",".join(name.replace(" ", "_") for name in class_names)
+    write(
+        path,
+        points,
+        {"red": rgb[:, 0], "green": rgb[:, 1], "blue": rgb[:, 2], "label": labels.astype(np.int32)},
+        comments=[f"segment: label is the class index; classes {classes}"],
     )
-    with open(path, "wb") as f:
-        f.write(header.encode("ascii"))
-        f.write(vertex.tobytes())
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Label the scan of ``argv``'s flags (without the program name;
     ``None``: the command line); 0, or 2 with an error message on stderr."""
     cli.parsed(argv)
-    out = _user_path(_OUT.value)
 
     from mlx_lattice import MlxLatticeError
     from mlx_lattice.io import PointCloudFormatError, read_points
@@ -231,6 +303,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         model = load(_user_path(_MODEL.value))
         times["load model"] = time.perf_counter() - start
+        ids = None
+        if _LABELS_OUT.value:  # before the forward: a wrong map fails at once
+            label_map = read_label_map(_user_path(_LABEL_MAP.value)) if _LABEL_MAP.value else None
+            ids = label_ids(model.class_names, label_map)
         start = time.perf_counter()
         cloud = read_points(points_path)
         times["read"] = time.perf_counter() - start
@@ -245,26 +321,43 @@ def main(argv: Sequence[str] | None = None) -> int:
         start = time.perf_counter()
         labels = model.predict(inp)
         times["forward"] = time.perf_counter() - start
-        raw = semantickitti_ids(labels, model.class_names) if _LABELS_OUT.value else None
     except (InputError, PointCloudFormatError, MlxLatticeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     start = time.perf_counter()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    np.save(out, labels.astype(np.int32))
-    written = [f"labels: {out}"]
-    if raw is not None:
+    written = []
+    if _OUT.value:
+        out = _user_path(_OUT.value)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        np.save(out, labels.astype(np.int32))
+        written.append(f"labels: {out}")
+    if ids is not None:
         label_dir = _user_path(_LABELS_OUT.value)
         label_dir.mkdir(parents=True, exist_ok=True)
         label_file = label_dir / (points_path.stem + ".label")
-        raw.astype("<u4").tofile(label_file)
-        written.append(f"SemanticKITTI labels: {label_file}")
+        ids[labels].astype("<u4").tofile(label_file)
+        written.append(f"{'mapped' if _LABEL_MAP.value else 'SemanticKITTI'} labels: {label_file}")
     if _PLY_OUT.value:
         ply = _user_path(_PLY_OUT.value)
         ply.parent.mkdir(parents=True, exist_ok=True)
         write_ply(ply, cloud.points, labels, model.class_names)
         written.append(f"PLY: {ply}")
-    times["write"] = time.perf_counter() - start
+    if written:
+        times["write"] = time.perf_counter() - start
+    if _PICTURE.value:
+        from examples.pictures import top_down_png
+
+        start = time.perf_counter()
+        extent = float(np.percentile(np.abs(cloud.points[:, :2]), 98)) or 1.0
+        png = top_down_png(
+            _user_path(_PICTURE.value),
+            cloud.points,
+            [("prediction", labels)],
+            model.class_names,
+            extent=extent,
+        )
+        times["picture"] = time.perf_counter() - start
+        written.append(f"picture: {png}")
 
     print(
         f"model: {model.description}, voxel size {model.voxel_size} m, "
@@ -278,18 +371,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{name} {c}" for name, c in zip(model.class_names, counts, strict=True) if c
     ))  # fmt: skip
     print("\n".join(written))
-    if _PICTURE.value:
-        from examples.pictures import top_down_png
-
-        extent = float(np.percentile(np.abs(cloud.points[:, :2]), 98)) or 1.0
-        png = top_down_png(
-            _user_path(_PICTURE.value),
-            cloud.points,
-            [("prediction", labels)],
-            model.class_names,
-            extent=extent,
-        )
-        print(f"picture: {png}")
     return 0
 
 

@@ -4,10 +4,12 @@ the model's own voxel argmax per point, the stages are timed, the picture is
 a PNG with the classes' colours, and a damaged model or scan is an error
 message, not a traceback. The same model exported as an artifact; a model
 that declares intensity; SemanticKITTI .label files and a PLY read back by
-plyfile."""
+plyfile. Any one output is enough and none is a usage error; --label-map
+gives the demo's own classes (not SemanticKITTI names) their .label ids."""
 
 import contextlib
 import io
+import json
 
 import mlx.core as mx
 import mlx.optimizers as optim
@@ -182,6 +184,12 @@ def test_segment_declared_intensity_labels_and_ply(tmp_path):
     np.testing.assert_array_equal(raw, np.array(ids, np.uint32)[labels])
     ply = PlyData.read(str(tmp_path / "scan.ply"))
     vertex = ply["vertex"]
+    assert vertex.count == len(scan.points)
+    assert [(p.name, vertex[p.name].dtype.str) for p in vertex.properties] == [
+        ("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("red", "|u1"), ("green", "|u1"),
+        ("blue", "|u1"), ("label", "<i4"),
+    ]  # fmt: skip
+    assert ply.comments == [f"segment: label is the class index; classes {','.join(names)}"]
     np.testing.assert_array_equal(
         np.stack([vertex["x"], vertex["y"], vertex["z"]], 1), scan.points
     )
@@ -200,3 +208,86 @@ def test_segment_declared_intensity_labels_and_ply(tmp_path):
     code, _, err = run("--model", str(other), "--points", str(scan_path), "--out",
                        str(tmp_path / "o.npy"), "--labels-out", str(tmp_path / "kitti"))  # fmt: skip
     assert code == 2 and "class 'ground' is not a SemanticKITTI class" in err
+    # ... and the message says how to give them ids, with the model's classes.
+    assert "Pass --label-map FILE.json" in err
+    assert '{"ground": ID, "building": 50, "car": 10, "pole": 80, "vegetation": 70}' in err
+
+
+def test_any_one_output_is_enough_and_none_is_a_usage_error(tmp_path, model_file):
+    path, model = model_file
+    scan, scan_path = _kitti_bin(tmp_path)
+    batch = make_batch([scan], VOXEL)
+    expect = np.array(mx.argmax(model(batch.tensor).feats, axis=1))[batch.point_to_voxel]
+    outputs = {
+        "--ply-out": tmp_path / "out" / "only.ply",
+        "--picture": tmp_path / "out" / "only.png",
+        "--labels-out": tmp_path / "out" / "only",
+    }
+    label_map = tmp_path / "map.json"
+    label_map.write_text(json.dumps({"ground": 72, "building": 50, "car": 10, "pole": 80,
+                                     "vegetation": 70}))  # fmt: skip
+    for flag, target in outputs.items():
+        extra = ["--label-map", str(label_map)] if flag == "--labels-out" else []
+        code, out, err = run("--model", str(path), "--points", str(scan_path), flag, str(target),
+                             *extra)  # fmt: skip
+        assert code == 0, (flag, err)
+        written = [p for p in (tmp_path / "out").rglob("*") if p.is_file()]
+        assert written == [target / "scan.label" if flag == "--labels-out" else target], flag
+        assert not any(line.startswith("labels: ") for line in out.splitlines())  # no .npy
+        if flag == "--ply-out":
+            from plyfile import PlyData
+
+            np.testing.assert_array_equal(PlyData.read(str(target))["vertex"]["label"], expect)
+        written[0].unlink()
+    # None at all: absl's usage error (exit status 2), before anything runs.
+    with pytest.raises(SystemExit) as info:
+        run("--model", str(path), "--points", str(scan_path))
+    assert info.value.code == 2
+    with pytest.raises(SystemExit):  # a map without a file to map into
+        run("--model", str(path), "--points", str(scan_path), "--out", str(tmp_path / "l.npy"),
+            "--label-map", str(label_map))  # fmt: skip
+
+
+def test_label_map_gives_the_demo_classes_their_ids(tmp_path, model_file, monkeypatch):
+    """The demo's classes (ground is no SemanticKITTI name) written through
+    --label-map: each point's id is the map's id of its predicted class."""
+    path, _ = model_file
+    _, scan_path = _kitti_bin(tmp_path)
+    ids = {"ground": 72, "building": 50, "car": 10, "pole": 80, "vegetation": 70}
+    label_map = tmp_path / "map.json"
+    label_map.write_text(json.dumps({**ids, "truck": 18}))  # a class the model lacks: unused
+    code, out, err = run("--model", str(path), "--points", str(scan_path), "--out",
+                         str(tmp_path / "l.npy"), "--labels-out", str(tmp_path / "kitti"),
+                         "--label-map", str(label_map))  # fmt: skip
+    assert code == 0, err
+    labels = np.load(tmp_path / "l.npy")
+    raw = np.fromfile(tmp_path / "kitti" / "scan.label", dtype="<u4")
+    np.testing.assert_array_equal(raw, np.array([ids[n] for n in CLASS_NAMES], np.uint32)[labels])
+    assert len(np.unique(labels)) > 1  # the map is checked on more than one class
+    assert f"mapped labels: {tmp_path / 'kitti' / 'scan.label'}" in out
+    # Bad maps: an error naming the file or the class, before the scan is
+    # even read (so before the forward).
+    import mlx_lattice.io
+
+    def no_read(*_args, **_kwargs):
+        raise AssertionError("the scan was read")
+
+    monkeypatch.setattr(mlx_lattice.io, "read_points", no_read)
+    bad = {
+        "missing.json": (json.dumps({"ground": 1}), "no id for the model's classes 'building', 'car'"),
+        "list.json": ("[1, 2]", "must hold a JSON object of class names to ids, got a list"),
+        "range.json": (json.dumps({**ids, "car": 70000}),
+                       "the id of 'car' must be an integer in [0, 65535], got 70000"),
+        "float.json": (json.dumps({**ids, "car": 1.5}), "got 1.5"),
+        "bool.json": (json.dumps({**ids, "car": True}), "got true"),
+        "broken.json": ('{"ground": ', "broken.json is not JSON"),
+    }  # fmt: skip
+    for name, (text, message) in bad.items():
+        (tmp_path / name).write_text(text)
+        code, out, err = run("--model", str(path), "--points", str(scan_path), "--labels-out",
+                             str(tmp_path / "k2"), "--label-map", str(tmp_path / name))  # fmt: skip
+        assert code == 2 and message in err, (name, err)
+        assert not (tmp_path / "k2").exists(), name
+    code, _, err = run("--model", str(path), "--points", str(scan_path), "--labels-out",
+                       str(tmp_path / "k2"), "--label-map", str(tmp_path / "absent.json"))  # fmt: skip
+    assert code == 2 and "--label-map: cannot read" in err and "absent.json" in err

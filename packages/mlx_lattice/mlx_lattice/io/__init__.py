@@ -1,6 +1,8 @@
 """Point clouds from files: readers for KITTI ``.bin``/``.label``, PLY,
-LAS/LAZ (through ``laspy``), PCD and NumPy files, and labelled datasets on
-disk (a SemanticKITTI tree, a folder of labelled files) for training.
+LAS/LAZ (through ``laspy``), PCD and NumPy files, a binary PLY writer
+(points with labels, colours or any per-point values), and labelled
+datasets on disk (a SemanticKITTI tree, a folder of labelled files) for
+training.
 
 >>> from mlx_lattice.io import PointCloudFormatError, read_points
 >>> try:
@@ -26,6 +28,7 @@ from mlx_lattice.io.readers import (
     read_ply,
     read_points,
 )
+from mlx_lattice.io.writers import write_ply
 
 __all__ = [
     "LABEL_FIELDS",
@@ -44,4 +47,5 @@ __all__ = [
     "read_points",
     "semantickitti",
     "semantickitti_dataset",
+    "write_ply",
 ]

@@ -142,12 +142,146 @@ def _tensor_names(node: Mapping[str, Any]) -> Iterable[str]:
                 yield value
 
 
+def _is_static(node: Mapping[str, Any]) -> bool:
+    """A convolution with int8 activations at one calibrated static scale."""
+    q = node.get("quant")
+    return node["op"] in _CONV_OPS and bool(q) and q["act_bits"] == 8 and bool(q["act_static"])
+
+
+def _int8_values(nodes: list[dict[str, Any]], output: str, t: Mapping[str, mx.array]) -> dict:
+    """The values that stay int8 codes, each with its scale.
+
+    Values joined by a concatenation form one group (a concatenation of
+    codes needs one scale). A group stays int8 when every value in it is
+    made by a static-scale convolution (or such a concatenation) and read
+    only by static-scale convolutions (or the group's concatenations), and
+    it is not the graph's output. Its scale is the largest calibrated input
+    scale among the convolutions that read it: a reader calibrated lower
+    reads codes at that scale (no value saturates; the codes are at most
+    that ratio coarser), and the producers' epilogues requantize once to it.
+    """
+    parent: dict[str, str] = {}
+
+    def root(v: str) -> str:
+        while parent.get(v, v) != v:
+            v = parent[v]
+        return v
+
+    for node in nodes:
+        if node["op"] == "cat":
+            for name in node["inputs"]:
+                parent[root(name)] = root(node["output"])
+    producer = {node["output"]: node for node in nodes}
+    readers: dict[str, list[dict[str, Any]]] = {}
+    for node in nodes:
+        for name in node["inputs"]:
+            readers.setdefault(name, []).append(node)
+    groups: dict[str, list[str]] = {}
+    for node in nodes:
+        groups.setdefault(root(node["output"]), []).append(node["output"])
+    plan: dict[str, float] = {}
+    for members in groups.values():
+        demands, ok = [], True
+        for v in members:
+            made = producer[v]
+            ok = ok and v != output and (_is_static(made) or made["op"] == "cat")
+            for reader in readers.get(v, []):
+                if _is_static(reader):
+                    demands.append(float(t[reader["quant"]["act_scale"]].astype(_F32).item()))
+                elif reader["op"] != "cat":
+                    ok = False
+        if ok and demands:
+            plan.update(dict.fromkeys(members, max(demands)))
+    return plan
+
+
+def _fused_relation(node: Mapping[str, Any], x: SparseTensor) -> tuple[Any, Any]:
+    """The relation and output key a convolution node runs on (as :mod:`mlx_lattice.ops`)."""
+    from mlx_lattice import ops
+
+    size, stride = tuple(node["kernel_size"]), tuple(node["stride"])
+    dilation = tuple(node["dilation"])
+    padding = None if node.get("padding") is None else tuple(node["padding"])
+    if node["op"] == "subm_conv" or (
+        node["op"] == "conv" and stride == (1, 1, 1) and padding is None
+    ):
+        return x.manager.relation(
+            x.coordinate_key, kernel_size=size, dilation=dilation, kind="submanifold"
+        )
+    if node["op"] == "conv":
+        return ops._forward_relation(x, size, stride, padding, dilation, None)
+    return ops._transpose_relation(x, size, stride, padding, dilation, None)
+
+
+def _fused_step(
+    node: Mapping[str, Any], t: Mapping[str, mx.array], in_scale: float, out_scale: float
+) -> Callable[[SparseTensor], SparseTensor]:
+    """A static-scale convolution with its epilogue in the native fused op
+    (``ext.sparse_quantized_conv_fused``): int8 codes at ``in_scale`` or
+    float rows in, and int8 codes at ``out_scale`` (> 0) or float32 out."""
+    from mlx_lattice._native import ext
+    from mlx_lattice.core.quantized import QuantizedWeight, with_float32_scales
+
+    q = node["quant"]
+    weight = with_float32_scales(
+        QuantizedWeight(
+            t[node["weight"]],
+            t[q["scales"]],
+            t[q["biases"]],
+            node["in_channels"],
+            node["out_channels"],
+            q["storage_in_channels"],
+            q["group_size"],
+            q["bits"],
+        )
+    )
+    epilogue = node.get("epilogue") or {}
+    bias = t[epilogue["bias"]] if epilogue.get("bias") else None
+    relu = bool(epilogue.get("relu", False))
+
+    def run(x: SparseTensor) -> SparseTensor:
+        rel, out_key = _fused_relation(node, x)
+        feats = ext.sparse_quantized_conv_fused(
+            x.feats,
+            weight,
+            rel,
+            in_scale=in_scale,
+            bias=bias,
+            relu=relu,
+            out_scale=out_scale,
+        )
+        return x.at(out_key, feats)
+
+    return run
+
+
+def _int8_steps(
+    graph: Mapping[str, Any], t: Mapping[str, mx.array], steps: list[Callable]
+) -> dict[str, float]:
+    """Replace the steps of static-scale convolutions by the fused native op,
+    keeping int8 codes between them where :func:`_int8_values` allows;
+    returns the int8 values' scales."""
+    from mlx_lattice._native import ext
+
+    if not hasattr(ext, "sparse_quantized_conv_fused"):
+        return {}
+    nodes = graph["nodes"]
+    plan = _int8_values(nodes, graph["output"], t)
+    for i, node in enumerate(nodes):
+        if _is_static(node):
+            own = float(t[node["quant"]["act_scale"]].astype(_F32).item())
+            in_scale = plan.get(node["inputs"][0], own)
+            steps[i] = _fused_step(node, t, in_scale, plan.get(node["output"], 0.0))
+    return plan
+
+
 def compile(
     model: mlx_nn.Module | ExportedModel,
     *,
     voxel_size: float | None = None,
     features: Any = None,
     class_names: Any = None,
+    int8: bool = True,
 ) -> ExportedModel:
     """The compiled inference graph of ``model``: an ``eval()``-mode
     :class:`~mlx_lattice.models.MinkUNet` or
@@ -157,7 +291,17 @@ def compile(
 
     Returns an :class:`~mlx_lattice.export.ExportedModel` whose
     :attr:`~mlx_lattice.export.ExportedModel.compiled` is true: call it on a
-    sparse tensor (voxel models) or use ``predict_points``. For a model,
+    sparse tensor (voxel models) or use ``predict_points``.
+
+    ``int8`` (default): where the extension has the fused int8 convolution
+    (``ext.sparse_quantized_conv_fused``), every static-scale w8a8 / w4a8
+    convolution runs it, its folded bias and ReLU in the kernel's epilogue,
+    and consecutive ones keep int8 codes between them: an epilogue
+    requantizes its output once to the scale its readers take (the largest
+    calibrated scale among them; a concatenation's two inputs share it, so
+    the concatenation joins codes). The chosen scales are
+    ``graph["int8_values"]`` (value name -> scale). ``int8=False`` keeps
+    float values between layers. For a model,
     ``voxel_size``, ``features`` and ``class_names`` are recorded as
     :func:`~mlx_lattice.export.export_model` records them (an artifact keeps
     its own). The model is not changed, and its training path is untouched.
@@ -189,7 +333,10 @@ def compile(
     compiled_graph = {**graph, "compiled": True, "nodes": nodes}
     mx.eval(list(folded.values()))
     net = ExportedModel(graph=compiled_graph, tensors=folded, metadata=metadata)
-    net._steps.extend(_build(compiled_graph, net.tensors))
+    steps = _build(compiled_graph, net.tensors)
+    if int8:
+        compiled_graph["int8_values"] = _int8_steps(compiled_graph, net.tensors, steps)
+    net._steps.extend(steps)
     return net
 
 

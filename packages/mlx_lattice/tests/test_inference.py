@@ -148,16 +148,17 @@ def _feats(v):
     return v.feats if isinstance(v, mlx_lattice.SparseTensor) else v
 
 
-def _check_layers_within_bound(ref: export.ExportedModel, x) -> int:
-    """Every folded layer of compile(ref), run on the input the unfused
-    graph gave its layer, against the unfused layer + norm output; returns
-    how many layers were checked."""
-    net = mlx_lattice.compile(ref)
+def _check_layers_within_bound(ref: export.ExportedModel, x, *, int8: bool = False) -> int:
+    """Every folded layer of compile(ref, int8=int8) with float input and
+    output, run on the input the unfused graph gave its layer, against the
+    unfused layer + norm output; returns how many layers were checked."""
+    net = mlx_lattice.compile(ref, int8=int8)
+    chain = net.graph.get("int8_values", {})
     values = ref._values(x)
     by_output = {n["output"]: n for n in ref.graph["nodes"]}
     checked = 0
     for node, step in zip(net.graph["nodes"], net._steps, strict=True):
-        if "epilogue" not in node:
+        if "epilogue" not in node or node["output"] in chain or node["inputs"][0] in chain:
             continue
         norm = by_output[node["output"]]
         layer = by_output[norm["inputs"][0]]
@@ -201,6 +202,10 @@ def test_folded_layers_match_the_eval_forward_within_the_bound(
     checked = _check_layers_within_bound(ref, x)
     norms = sum(isinstance(m, mlx_nn.BatchNorm) for _, m in model.named_modules())
     assert checked == norms  # every norm of these models follows its layer
+    if _fused_op() and form == "w8a8-static" and arch == "SPVCNN":
+        # The fused op's float epilogue: SPVCNN's stem reads the float input
+        # and writes float values (read by the point branch).
+        assert _check_layers_within_bound(ref, x, int8=True) >= 1
     # The whole network: the eval forward and the compiled graph score alike.
     net = mlx_lattice.compile(model)
     assert net.compiled and not any(n["op"] == "batch_norm" for n in net.graph["nodes"])
@@ -211,6 +216,65 @@ def test_folded_layers_match_the_eval_forward_within_the_bound(
     # rounding boundary, so 1% of the rows may flip there.
     agree = float(mx.mean(mx.argmax(a, axis=1) == mx.argmax(b, axis=1)))
     assert agree >= (0.999 if form in ("float", "int8", "int4") else 0.99), agree
+
+
+def _fused_op() -> bool:
+    from mlx_lattice._native import ext
+
+    return hasattr(ext, "sparse_quantized_conv_fused")
+
+
+@pytest.mark.skipif(not _fused_op(), reason="the extension has no fused int8 convolution")
+@pytest.mark.parametrize("arch", ["MinkUNet", "SPVCNN"])
+def test_int8_chain_requantizes_bit_for_bit(arch: str, rng: np.random.Generator) -> None:
+    """Layer by layer: each int8 value a static layer writes is its float32
+    epilogue output (the same layer, same input, float out) requantized by
+    NumPy: clip(round_half_even(y / scale), -127, 127), every code equal.
+    Concatenations join codes of one scale. Readers read at the group's
+    scale, the largest of their calibrated ones."""
+    from mlx_lattice.inference import _fused_step
+
+    pts, feats = _points(rng, 900, 4.0)
+    model = _model(arch, "w8a8-static", rng, pts, feats)
+    net = mlx_lattice.compile(model)
+    plan = net.graph["int8_values"]
+    assert plan  # the decoder's concatenations and the stages between them
+    x = _input(arch, *_points(rng, 1200, 5.0))
+    values = net._values(x)
+    nodes = net.graph["nodes"]
+    own = {
+        n["output"]: float(net.tensors[n["quant"]["act_scale"]].item())
+        for n in nodes
+        if n.get("quant") and n["quant"]["act_static"]
+    }
+    checked = 0
+    for node in nodes:
+        out = node["output"]
+        if out not in plan:
+            continue
+        got = _feats(values[out])
+        assert got.dtype == mx.int8, (out, got.dtype)
+        if node["op"] == "cat":
+            parts = [np.array(_feats(values[name])) for name in node["inputs"]]
+            assert np.array_equal(np.array(got), np.concatenate(parts, axis=1))
+            continue
+        readers = [n for n in nodes if out in n["inputs"] and n["op"] != "cat"]
+        for reader in readers:  # the largest calibrated scale of the readers (and cat readers')
+            assert plan[out] >= own[reader["output"]] - 0.0
+        src = node["inputs"][0]
+        in_scale = plan.get(src, own[out])
+        y = _feats(_fused_step(node, net.tensors, in_scale, 0.0)(values[src]))
+        assert y.dtype == mx.float32
+        scale = np.float32(plan[out])
+        want = np.clip(np.rint(np.array(y) / scale), -127, 127).astype(np.int8)
+        assert np.array_equal(np.array(got), want), out
+        checked += 1
+    assert checked >= 3
+    # The whole network against the eval forward: codes move by at most a
+    # step where a reader's scale grew, so a few rows at close scores flip.
+    a = model(x) if arch == "SPVCNN" else model(x).feats
+    b = net._run(x) if arch == "SPVCNN" else net(x).feats
+    assert float(mx.mean(mx.argmax(a, axis=1) == mx.argmax(b, axis=1))) >= 0.97
 
 
 def test_the_folded_weights_are_the_scaled_ones(rng: np.random.Generator) -> None:

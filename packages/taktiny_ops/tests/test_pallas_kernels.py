@@ -1,4 +1,4 @@
-"""The Pallas TPU matmul kernels against NumPy, in interpret mode off a TPU.
+"""The Pallas TPU matmul kernels against NumPy: compiled on a TPU, interpreted elsewhere.
 
 Weights are quantized by Qwix itself (the layout the kernels take); the
 references are float64/int64 NumPy. The integer parts of w8a8 (the int8
@@ -68,7 +68,7 @@ def test_weight_only_matches_numpy(rng: np.random.Generator, qtype: str, tile: i
     # The documented layout is Qwix's: its own dequantize gives the same floats.
     np.testing.assert_array_equal(deq.astype(np.float32), np.asarray(qwix.dequantize(q)))
     x = jnp.asarray(rng.standard_normal((m, k)), xdt)
-    y = weight_only_matmul(x, q.qvalue, q.scale, out_dtype=odt, interpret=True, **blocks)
+    y = weight_only_matmul(x, q.qvalue, q.scale, out_dtype=odt, **blocks)
     y_ref = reference_weight_only_matmul(x, q.qvalue, q.scale, out_dtype=odt)
     assert y.dtype == y_ref.dtype == jnp.dtype(odt) and y.shape == (m, n)
     exact = f64(x) @ deq
@@ -114,7 +114,7 @@ def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, blocks: dict,
     m, k, n = 37, 384, 200
     x = jnp.asarray(_activation(rng, m, k), xdt)
     q = qwix_weight(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), "int8", None)
-    q_x, x_scale, x_inv, acc = w8a8_parts(x, q.qvalue, q.scale, interpret=True, **blocks)
+    q_x, x_scale, x_inv, acc = w8a8_parts(x, q.qvalue, q.scale, **blocks)
     xf = np.asarray(x.astype(jnp.float32))
     # The scale is one float32 product: bit for bit on every backend.
     np.testing.assert_array_equal(np.asarray(x_scale), _np_scales(xf))
@@ -129,7 +129,7 @@ def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, blocks: dict,
     acc_np = q_np.astype(np.int64) @ np.asarray(q.qvalue, np.int64)
     np.testing.assert_array_equal(np.asarray(acc, np.int64), acc_np)
 
-    y = w8a8_matmul(x, q.qvalue, q.scale, out_dtype=jnp.float32, interpret=True, **blocks)
+    y = w8a8_matmul(x, q.qvalue, q.scale, out_dtype=jnp.float32, **blocks)
     # Bound: acc -> float32 (one rounding), times x_scale, times w_scale: three
     # roundings of a product, so |y - exact| <= ((1+u)^3 - 1)|exact| < 3.01u|exact|.
     exact = acc_np * s_np.astype(np.float64)[:, None] * f64(q.scale)
@@ -138,7 +138,7 @@ def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, blocks: dict,
     np.testing.assert_array_equal(
         np.asarray(y), np.asarray(reference_w8a8_matmul(x, q.qvalue, q.scale,
                                                         out_dtype=jnp.float32)))
-    y16 = w8a8_matmul(x, q.qvalue, q.scale, interpret=True, **blocks)
+    y16 = w8a8_matmul(x, q.qvalue, q.scale, **blocks)
     assert y16.dtype == jnp.dtype(xdt)
     # A bf16 result: one more rounding of 2^-8 of the value.
     assert np.all(np.abs(f64(y16) - exact)
@@ -215,3 +215,13 @@ def test_lowers_to_mosaic(kernel: str, groups: int, m: int) -> None:
         _S((m, k), jnp.bfloat16), _S((k, n), jnp.dtype(qtype)), _S((groups, n), jnp.bfloat16))
     assert exp.platforms == ("tpu",)
     assert "tpu_custom_call" in exp.mlir_module()
+
+
+def test_float32_and_odd_shapes_lower_to_mosaic() -> None:
+    def fn(x, q, s):
+        return (weight_only_matmul(x, q, s, interpret=False),
+                w8a8_matmul(x, q, s[:1], interpret=False))
+
+    exp = jax.export.export(jax.jit(fn), platforms=["tpu"])(
+        _S((5, 384), jnp.float32), _S((384, 200), jnp.int8), _S((3, 200), jnp.float32))
+    assert exp.mlir_module().count("tpu_custom_call") >= 2

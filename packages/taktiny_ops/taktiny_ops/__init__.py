@@ -4,6 +4,9 @@
 ``quant`` argument (anything :mod:`quantrules` accepts) and a
 ``module_path``; rule resolution happens at trace time, so under
 ``jax.jit`` the compiled program is the same as a hand-written Qwix call.
+``quantize_weight`` quantizes a weight once for them, as the PTQ layers hold
+it; ``kernel=`` (``kernels=`` on ``quantize``) switches the matmul between
+Qwix's program and the Pallas TPU kernels.
 """
 
 from taktiny_ops._common import TaktinyOpsError
@@ -19,6 +22,7 @@ from taktiny_ops._layers import (
     QuantizedEinsum,
     QuantizedKernel,
     QuantizedLinear,
+    quantize_weight,
 )
 from taktiny_ops._quantize import LayerQuantization, QuantizationReport, quantize
 from taktiny_ops._version import __version__
@@ -45,4 +49,5 @@ __all__ = [
     "linear",
     "load_model",
     "quantize",
+    "quantize_weight",
 ]

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import qwix
 
 from quantrules import qwix_qtype
+from taktiny_ops import _kernels as K
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
     DENSE,
@@ -95,11 +96,47 @@ def _qt_config(rule: Any, lhs_weight: bool, rhs_weight: bool) -> Any:
     return config
 
 
+def as_is(x: Any, how: Any) -> bool:
+    """True for a QArray laid out as quantizing its float value with ``how`` makes
+    one (the same qtype, scale shape and zero point): it is used as given."""
+    if not is_qarray(x):
+        return False
+    try:
+        want = jax.eval_shape(lambda a: P.quantize(a, how),
+                              jax.ShapeDtypeStruct(x.shape, x.scale.dtype))
+    except ValueError:
+        return False
+    return (str(want.qtype) == str(x.qtype) and want.qvalue.dtype == x.qvalue.dtype
+            and want.scale.shape == x.scale.shape
+            and (want.zero_point is None) == (x.zero_point is None))
+
+
+def quantize_or_keep(x: Any, how: Any, res: Any, operand: str) -> Any:
+    """``x`` as is when it is a QArray that :func:`as_is` accepts, else its
+    (dequantized) value quantized with ``how``."""
+    return x if as_is(x, how) else quantize_operand(dequantize(x), how, res, operand)
+
+
+def _plain_layout(lhs: Any, rhs: Any, dnums: Any, lhs_weight: bool, rhs_weight: bool,
+                  out_sharding: Any) -> str | None:
+    """None for ``x[..., K] @ w[K, N]`` (weight second, unsharded), else why not."""
+    if out_sharding is not None:
+        return "the Pallas kernels take no out_sharding"
+    if lhs_weight or not rhs_weight or len(rhs.shape) != 2 or dnums != (
+            ((len(lhs.shape) - 1,), (0,)), ((), ())):
+        return "not an x[..., K] @ w[K, N] contraction with the weight second"
+    return None
+
+
 def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weight: bool,
-                          rhs_weight: bool, precision: Any, out_sharding: Any) -> jax.Array:
-    """The selected rule applied to float operands (PTQ or QT)."""
+                          rhs_weight: bool, precision: Any, out_sharding: Any,
+                          kernel: str = "qwix") -> jax.Array:
+    """The selected rule applied to the operands (PTQ or QT); a PTQ operand
+    given as a QArray laid out as the rule would make it is used as is."""
     rule = res.rule
     check_backend_support(rule, lhs_weight, rhs_weight)
+    if res.mode == "qt" or 0 in lhs.shape or 0 in rhs.shape:
+        lhs, rhs = dequantize(lhs), dequantize(rhs)
     if 0 in lhs.shape or 0 in rhs.shape:
         # An empty operand has no scale (Qwix divides by its size); the exact
         # result is empty or zeros, so nothing is quantized.
@@ -114,16 +151,19 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     ndims = (len(lhs.shape), len(rhs.shape))
     for_rhs = calibration(rule, rhs_weight)
     for_lhs = calibration(rule, lhs_weight)
-    if for_rhs:
-        rhs = quantize_operand(rhs, P.dot_how(dimension_numbers=dnums, ndims=ndims,
-                                              for_lhs=False, tile_size=rule.tile_size,
-                                              qtype=for_rhs[0], calibration_method=for_rhs[1]),
-                               res, "rhs")
-    if for_lhs:
-        lhs = quantize_operand(lhs, P.dot_how(dimension_numbers=dnums, ndims=ndims,
-                                              for_lhs=True, tile_size=rule.tile_size,
-                                              qtype=for_lhs[0], calibration_method=for_lhs[1]),
-                               res, "lhs")
+
+    def how(for_lhs: bool, qtype_method: tuple) -> Any:
+        return P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=for_lhs,
+                         tile_size=rule.tile_size, qtype=qtype_method[0],
+                         calibration_method=qtype_method[1])
+
+    rhs = quantize_or_keep(rhs, how(False, for_rhs), res, "rhs") if for_rhs else dequantize(rhs)
+    chosen, _ = K.choose(kernel, res, layout=_plain_layout(
+        lhs, rhs, dnums, lhs_weight, rhs_weight, out_sharding))
+    if chosen != K.QWIX and K.misfit(lhs, rhs) is None:
+        return K.matmul(chosen, dequantize(lhs), rhs, result_dtype(
+            (lhs, rhs), quant_set=True, preferred_element_type=None))
+    lhs = quantize_or_keep(lhs, how(True, for_lhs), res, "lhs") if for_lhs else dequantize(lhs)
     return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
 
 
@@ -140,17 +180,29 @@ def dot_general(
     module_path: str = "",
     lhs_weight: bool = False,
     rhs_weight: bool = True,
+    kernel: str = "qwix",
 ) -> jax.Array:
     """Contract two operands using JAX or Qwix dot_general.
 
     ``dimension_numbers`` has the contracting and batch-axis layout of
     :func:`jax.lax.dot_general`. Dense inputs use JAX; without a rule, QArray
     inputs use Qwix. A selected ``quant`` rule (resolved through
-    :mod:`quantrules` for op ``dot_general`` at ``module_path``) dequantizes
-    existing QArrays, then gives ``weight_qtype`` to the operands marked by
-    ``lhs_weight`` / ``rhs_weight`` and ``act_qtype`` to the others. A QT rule
-    (``mode='qt'``, or a ``QtProvider``) uses Qwix's training kernel with
-    ``bwd_qtype``; others use PTQ. QT does not support ``out_sharding``.
+    :mod:`quantrules` for op ``dot_general`` at ``module_path``) gives
+    ``weight_qtype`` to the operands marked by ``lhs_weight`` / ``rhs_weight``
+    and ``act_qtype`` to the others. A QT rule (``mode='qt'``, or a
+    ``QtProvider``) uses Qwix's training kernel with ``bwd_qtype``; others use
+    PTQ. QT does not support ``out_sharding``.
+
+    Under a PTQ rule, an operand given as a QArray laid out as the rule would
+    quantize it (the same qtype, scale shape and zero point; see
+    :func:`quantize_weight`) is used as is, values trusted; any other QArray
+    is dequantized and quantized again by the rule. Under a QT rule QArrays
+    are dequantized.
+
+    ``kernel`` is ``'qwix'`` (the Qwix-exact program), ``'pallas'`` (a Pallas
+    kernel where one exists for the rule: see :func:`quantize`; it needs the
+    layout ``x[..., K] @ w[K, N]`` with ``rhs_weight`` and no
+    ``out_sharding``) or ``'auto'`` (``'pallas'`` on a TPU).
 
     The result is dense. Its dtype is ``preferred_element_type`` if given, else
     the promotion of the operand dtypes (QArray scale dtypes), with raw FP8
@@ -162,6 +214,7 @@ def dot_general(
     ... ).shape
     (2, 4)
     """
+    K.check_switch(kernel, "kernel")
     dnums = _check_dnums(lhs, rhs, dimension_numbers)
     res = select_rule(quant, module_path, "dot_general")
     dtype = result_dtype((lhs, rhs), quant_set=quant is not None,
@@ -175,9 +228,9 @@ def dot_general(
             preferred_element_type=preferred_element_type, out_sharding=out_sharding)
     else:
         check_qt_sharding(res, out_sharding)
-        out = quantized_dot_general(dequantize(lhs), dequantize(rhs), dnums, res,
-                                    lhs_weight=lhs_weight, rhs_weight=rhs_weight,
-                                    precision=precision, out_sharding=out_sharding)
+        out = quantized_dot_general(lhs, rhs, dnums, res, lhs_weight=lhs_weight,
+                                    rhs_weight=rhs_weight, precision=precision,
+                                    out_sharding=out_sharding, kernel=kernel)
     return finish(out, dtype, out_sharding)
 
 
@@ -192,6 +245,7 @@ def linear(
     precision: Any = None,
     preferred_element_type: Any = None,
     out_sharding: Any = None,
+    kernel: str = "qwix",
 ) -> jax.Array:
     """Compute ``x @ w + b`` with optional quantized multiplication.
 
@@ -202,11 +256,24 @@ def linear(
     ``weight_qtype`` and ``x`` takes ``act_qtype``. ``preferred_element_type``
     selects the returned dtype, also after the bias.
 
+    A ``w`` from :func:`quantize_weight` (quantized once, as the PTQ layer
+    :class:`QuantizedLinear` holds its kernel) is used as is, and the result
+    is bitwise what that layer computes; a float ``w`` is quantized on every
+    call. ``kernel`` switches the matmul: ``'qwix'`` (default, the Qwix-exact
+    program), ``'pallas'`` (the Pallas weight-only or w8a8 kernel where one
+    exists for the rule, Qwix elsewhere; interpret mode off a TPU) or
+    ``'auto'`` (``'pallas'`` on a TPU backend).
+
     >>> linear(jnp.ones((2, 3)), jnp.ones((3, 4))).shape
     (2, 4)
     >>> linear(jnp.ones((2, 3)), jnp.ones((3, 4)), quant='int8',
     ...        preferred_element_type=jnp.bfloat16).dtype
     dtype(bfloat16)
+    >>> from taktiny_ops import quantize_weight
+    >>> wq = quantize_weight(jnp.ones((3, 4)), 'int8')
+    >>> bool((linear(jnp.ones((2, 3)), wq, quant='int8')
+    ...       == linear(jnp.ones((2, 3)), jnp.ones((3, 4)), quant='int8')).all())
+    True
     """
     if len(x.shape) < 1:
         raise TaktinyOpsError(f"x: expected shape (..., in_features), got a scalar {x.shape}")
@@ -230,7 +297,8 @@ def linear(
     dtype = result_dtype((x, w, b), quant_set=quant is not None,
                          preferred_element_type=preferred_element_type)
     y = dot_general(x, w, dnums, precision, None if b is not None else preferred_element_type,
-                    out_sharding=out_sharding, quant=quant, module_path=module_path)
+                    out_sharding=out_sharding, quant=quant, module_path=module_path,
+                    kernel=kernel)
     if b is not None:
         y = y + prepare(dequantize(b), dtype)
     return finish(y, dtype, out_sharding)

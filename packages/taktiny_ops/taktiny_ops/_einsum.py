@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import qwix
 
+from taktiny_ops import _kernels as K
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
     DENSE,
@@ -21,11 +22,10 @@ from taktiny_ops._common import (
     finish,
     is_qarray,
     prepare,
-    quantize_operand,
     result_dtype,
     select_rule,
 )
-from taktiny_ops._dot import _qt_config
+from taktiny_ops._dot import _qt_config, quantize_or_keep
 
 __all__ = ["einsum"]
 
@@ -104,7 +104,8 @@ def _sum_private_indices(subscripts: str, act: jax.Array,
         private = [c for c in dict.fromkeys(head + tail)
                    if c not in other and c not in output and (head + tail).count(c) == 1]
         if private:
-            operands[i] = jnp.sum(operands[i], axis=tuple(positions[c] for c in private))
+            operands[i] = jnp.sum(dequantize(operands[i]),
+                                  axis=tuple(positions[c] for c in private))
             terms[i] = "".join(c for c in term if c not in private)
             changed = True
     if not changed:
@@ -120,6 +121,21 @@ def _contracted(subscripts: str) -> set[str]:
     if not arrow:
         return a & b
     return (a & b) - set(output)
+
+
+def _plain_layout(subscripts: str, out_sharding: Any) -> str | None:
+    """None for ``x[..., K] @ w[K, N]`` written as an einsum ('...k,kn->...n',
+    'btk,kn->btn'), else why the Pallas kernels cannot run it."""
+    if out_sharding is not None:
+        return "the Pallas kernels take no out_sharding"
+    inputs, _, output = subscripts.replace(" ", "").partition("->")
+    act, weight = inputs.split(",")
+    letters = act.replace("...", "")
+    plain = (len(weight) == 2 and act.endswith(weight[0]) and weight[1] not in act
+             and len(set(letters)) == len(letters) and output == act[:-1] + weight[1])
+    if plain:
+        return None
+    return f"einsum {subscripts!r} is not an x[..., K] @ w[K, N] contraction"
 
 
 def _qt_einsum(subscripts: str, act: jax.Array, weight: jax.Array, rule: Any,
@@ -156,6 +172,7 @@ def einsum(
     precision: Any = None,
     preferred_element_type: Any = None,
     out_sharding: Any = None,
+    kernel: str = "qwix",
 ) -> jax.Array:
     """Evaluate an Einstein summation with optional quantized contractions.
 
@@ -172,9 +189,17 @@ def einsum(
     providers ignore an activation-only rule; here it quantizes the
     activation.
 
+    Under a PTQ rule, an operand given as a QArray laid out as the rule would
+    quantize it (for the weight: :func:`quantize_weight` with op ``'einsum'``
+    and these subscripts) is used as is, and the result is bitwise what
+    :class:`QuantizedEinsum` computes; other QArrays are dequantized and
+    quantized again. ``kernel`` is the switch of :func:`linear`; the Pallas
+    kernels run ``x[..., K] @ w[K, N]`` contractions (``'btk,kn->btn'``).
+
     >>> einsum('...i,io->...o', jnp.ones((2, 3)), jnp.ones((3, 4))).shape
     (2, 4)
     """
+    K.check_switch(kernel, "kernel")
     _check_subscripts(subscripts, operands)
     res = select_rule(quant, module_path, "einsum")
     dtype = result_dtype(operands, quant_set=quant is not None,
@@ -199,7 +224,7 @@ def einsum(
                 f"weight), got {len(operands)} operands for {subscripts!r}"
             )
         check_qt_sharding(res, out_sharding)
-        act, weight = map(dequantize, operands)
+        act, weight = operands
         rule = res.rule
         check_backend_support(rule, False, True)
         given = subscripts
@@ -211,20 +236,33 @@ def einsum(
             )
         if 0 in act.shape or 0 in weight.shape:
             # An empty operand has no scale: the exact result is empty or zeros.
-            out = jnp.einsum(subscripts, act, weight, precision=precision)
+            out = jnp.einsum(subscripts, dequantize(act), dequantize(weight), precision=precision)
         elif res.mode == "qt":
-            out = _qt_einsum(subscripts, act, weight, rule, precision)
+            out = _qt_einsum(subscripts, dequantize(act), dequantize(weight), rule, precision)
         else:
-            ndims = (len(act.shape), len(weight.shape))
-            for_w, for_a = calibration(rule, True), calibration(rule, False)
-            if for_w:
-                weight = quantize_operand(weight, P.einsum_how(
-                    einsum_str=subscripts, ndims=ndims, for_lhs=False, tile_size=rule.tile_size,
-                    qtype=for_w[0], calibration_method=for_w[1]), res, "the weight")
-            if for_a:
-                act = quantize_operand(act, P.einsum_how(
-                    einsum_str=subscripts, ndims=ndims, for_lhs=True, tile_size=rule.tile_size,
-                    qtype=for_a[0], calibration_method=for_a[1]), res, "the activation")
-            # qwix.einsum mishandles out_sharding; finish() reshards instead.
-            out = qwix.einsum(subscripts, act, weight, precision=precision)
+            out = _ptq_einsum(subscripts, act, weight, res, precision, kernel, out_sharding)
     return finish(out, dtype, out_sharding)
+
+
+def _ptq_einsum(subscripts: str, act: Any, weight: Any, res: Any, precision: Any, kernel: str,
+                out_sharding: Any) -> jax.Array:
+    """The PTQ contraction: quantized operands (matching QArrays kept), on Qwix or Pallas."""
+    rule = res.rule
+    ndims = (len(act.shape), len(weight.shape))
+    for_w, for_a = calibration(rule, True), calibration(rule, False)
+
+    def how(for_lhs: bool, qtype_method: tuple) -> Any:
+        return P.einsum_how(einsum_str=subscripts, ndims=ndims, for_lhs=for_lhs,
+                            tile_size=rule.tile_size, qtype=qtype_method[0],
+                            calibration_method=qtype_method[1])
+
+    weight = (quantize_or_keep(weight, how(False, for_w), res, "the weight") if for_w
+              else dequantize(weight))
+    chosen, _ = K.choose(kernel, res, layout=_plain_layout(subscripts, out_sharding))
+    if chosen != K.QWIX and K.misfit(act, weight) is None:
+        return K.matmul(chosen, dequantize(act), weight,
+                        result_dtype((act, weight), quant_set=True, preferred_element_type=None))
+    act = (quantize_or_keep(act, how(True, for_a), res, "the activation") if for_a
+           else dequantize(act))
+    # qwix.einsum mishandles out_sharding; finish() reshards instead.
+    return qwix.einsum(subscripts, act, weight, precision=precision)

@@ -25,21 +25,24 @@ import qwix
 from flax import nnx
 
 import quantrules
+from taktiny_ops import _kernels as K
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
+    DENSE,
     TaktinyOpsError,
     _eager_jit_enabled,
     calibration,
-    check_backend_support,
     dequantize,
     finish,
+    is_qarray,
     prepare,
     quantize_operand,
     result_dtype,
+    select_rule,
 )
 from taktiny_ops._conv import conv_general_dilated
 from taktiny_ops._dot import linear
-from taktiny_ops._einsum import _check_subscripts, einsum
+from taktiny_ops._einsum import einsum
 
 __all__ = [
     "Conv",
@@ -49,6 +52,7 @@ __all__ = [
     "QuantizedEinsum",
     "QuantizedKernel",
     "QuantizedLinear",
+    "quantize_weight",
 ]
 
 _default_kernel_init = nnx.initializers.lecun_normal()
@@ -278,19 +282,19 @@ def _conv_call(x: jax.Array, kernel: Any, bias: Any, *, config: tuple, quant: An
 
 
 def _linear_forward(x: jax.Array, kernel: Any, bias: Any, *, quant: Any, module_path: str,
-                    precision: Any) -> jax.Array:
-    if isinstance(quant, _Prequantized):
-        return _ptq_linear(x, kernel, bias, res=quant.res, precision=precision)
-    return linear(x, kernel, bias, quant=quant, module_path=module_path, precision=precision)
+                    precision: Any, impl: str = K.QWIX) -> jax.Array:
+    """The stateless op; a PTQ layer's QArray kernel matches its rule, so the op uses it as is."""
+    if is_qarray(kernel) and (len(x.shape) < 1 or x.shape[-1] != kernel.shape[0]):
+        raise TaktinyOpsError(f"x: expected shape (..., {kernel.shape[0]}), got {tuple(x.shape)}")
+    return linear(x, kernel, bias, quant=quant, module_path=module_path, precision=precision,
+                  kernel=impl)
 
 
 def _einsum_forward(x: jax.Array, kernel: Any, bias: Any, *, quant: Any, module_path: str,
-                    einsum_str: str, kernel_shape: tuple, precision: Any) -> jax.Array:
-    if isinstance(quant, _Prequantized):
-        y = _ptq_einsum(x, kernel, res=quant.res, einsum_str=einsum_str, precision=precision)
-    else:
-        y = einsum(einsum_str, x, kernel, quant=quant, module_path=module_path,
-                   precision=precision)
+                    einsum_str: str, kernel_shape: tuple, precision: Any,
+                    impl: str = K.QWIX) -> jax.Array:
+    y = einsum(einsum_str, x, kernel, quant=quant, module_path=module_path,
+               precision=precision, kernel=impl)
     return _add_einsum_bias(y, bias, einsum_str, kernel_shape)
 
 
@@ -316,13 +320,19 @@ class _QuantizedLayer(nnx.Module):
 
     module_path: str
     resolution: quantrules.Resolution
-    quant: Any  # the rule set, as the ops accept it (QT forms call the ops with it)
+    quant: Any  # the rule set, as the ops accept it
+    matmul_kernel: str  # 'qwix', 'pallas-weight-only' or 'pallas-w8a8'
 
     def _init_quant(self, module_path: str, resolution: quantrules.Resolution,
-                    quant: Any) -> None:
+                    quant: Any, matmul_kernel: str = K.QWIX) -> None:
         self.module_path = module_path
         self.resolution = resolution
         self.quant = quant
+        self.matmul_kernel = matmul_kernel
+
+    def _switch(self) -> str:
+        """The ops' ``kernel=`` that gives this layer's :attr:`matmul_kernel`."""
+        return K.QWIX if self.matmul_kernel == K.QWIX else "pallas"
 
     @property
     def mode(self) -> str:
@@ -345,78 +355,57 @@ class QuantizedLinear(_QuantizedLayer):
     """A :class:`Linear` with the rule its module path selected.
 
     PTQ: the kernel is held quantized (``weight_qtype``, the rule's tile
-    size), activations take ``act_qtype`` per call; QT: the float kernel is
-    quantized per call by Qwix's training kernel. Either way the output is
-    bitwise what ``taktiny_ops.linear(x, kernel, bias, quant=rules,
-    module_path=path)`` returns for the float kernel.
+    size; as :func:`quantize_weight` makes it), activations take
+    ``act_qtype`` per call; QT: the float kernel is quantized per call by
+    Qwix's training kernel. Either way the output is bitwise what
+    ``taktiny_ops.linear(x, kernel, bias, quant=rules, module_path=path)``
+    returns for the float kernel, or for the kernel it holds.
+    ``matmul_kernel`` is the kernel :func:`taktiny_ops.quantize` chose
+    (``'qwix'``, ``'pallas-weight-only'`` or ``'pallas-w8a8'``).
     """
 
     def __init__(self, kernel: Any, bias: Any, *, module_path: str,
-                 resolution: quantrules.Resolution, quant: Any, precision: Any = None) -> None:
-        self._init_quant(module_path, resolution, quant)
+                 resolution: quantrules.Resolution, quant: Any, precision: Any = None,
+                 matmul_kernel: str = K.QWIX) -> None:
+        self._init_quant(module_path, resolution, quant, matmul_kernel)
         self.precision = precision
         self.in_features, self.out_features = kernel.shape
         if not self.prequantized:
             self.kernel = nnx.Param(kernel)
         else:
-            dnums = (((1,), (0,)), ((), ()))
             self.kernel = QuantizedKernel(_quantize_weight(
-                kernel, resolution, module_path,
-                lambda qtype, method, tile: P.dot_how(
-                    dimension_numbers=dnums, ndims=(2, 2), for_lhs=False, tile_size=tile,
-                    qtype=qtype, calibration_method=method)))
+                kernel, resolution, module_path, _weight_how(module_path, resolution)))
         self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel, quant = self._kernel_for_call()
-        return _dispatch(_linear_forward, (x, kernel, _value(self.bias)), (
-            ("quant", quant), ("module_path", self.module_path), ("precision", self.precision)))
+        return _dispatch(_linear_forward, (x, _value(self.kernel), _value(self.bias)), (
+            ("quant", self.quant), ("module_path", self.module_path),
+            ("precision", self.precision), ("impl", self._switch())))
 
 
 class QuantizedEinsum(_QuantizedLayer):
     """An :class:`Einsum` with the rule its module path selected (see :class:`QuantizedLinear`)."""
 
     def __init__(self, einsum_str: str, kernel: Any, bias: Any, *, module_path: str,
-                 resolution: quantrules.Resolution, quant: Any, precision: Any = None) -> None:
-        self._init_quant(module_path, resolution, quant)
+                 resolution: quantrules.Resolution, quant: Any, precision: Any = None,
+                 matmul_kernel: str = K.QWIX) -> None:
+        self._init_quant(module_path, resolution, quant, matmul_kernel)
         self.einsum_str = einsum_str
         self.kernel_shape = tuple(kernel.shape)
         self.precision = precision
         if not self.prequantized:
             self.kernel = nnx.Param(kernel)
         else:
-            act_term, weight_term = einsum_str.partition("->")[0].split(",")
-            output = einsum_str.partition("->")[2]
-            if "..." in weight_term:
-                raise TaktinyOpsError(
-                    f"{module_path}: einsum_str {einsum_str!r}: a PTQ kernel term cannot have '...'"
-                )
-            private = [c for c in weight_term if c not in act_term and c not in output]
-            if private:
-                raise TaktinyOpsError(
-                    f"{module_path}: einsum_str {einsum_str!r} sums kernel index "
-                    f"{private[0]!r} away before contracting; a PTQ layer stores its kernel "
-                    "quantized, so write the kernel without that axis"
-                )
-            if resolution.rule.tile_size is not None and not (set(act_term) & set(weight_term)
-                                                              - set(output) - {"."}):
-                raise TaktinyOpsError(
-                    f"{module_path}: rule #{resolution.index} sets tile_size="
-                    f"{resolution.rule.tile_size} but {einsum_str!r} contracts no index to tile"
-                )
-            ndims = (len(act_term.replace("...", "")), len(weight_term))
             self.kernel = QuantizedKernel(_quantize_weight(
                 kernel, resolution, module_path,
-                lambda qtype, method, tile: P.einsum_how(
-                    einsum_str=einsum_str, ndims=ndims, for_lhs=False, tile_size=tile,
-                    qtype=qtype, calibration_method=method)))
+                _weight_how(module_path, resolution, einsum_str, "einsum_str")))
         self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        kernel, quant = self._kernel_for_call()
-        return _dispatch(_einsum_forward, (x, kernel, _value(self.bias)), (
-            ("quant", quant), ("module_path", self.module_path), ("einsum_str", self.einsum_str),
-            ("kernel_shape", self.kernel_shape), ("precision", self.precision)))
+        return _dispatch(_einsum_forward, (x, _value(self.kernel), _value(self.bias)), (
+            ("quant", self.quant), ("module_path", self.module_path),
+            ("einsum_str", self.einsum_str), ("kernel_shape", self.kernel_shape),
+            ("precision", self.precision), ("impl", self._switch())))
 
 
 class QuantizedConv(_QuantizedLayer):
@@ -461,6 +450,109 @@ class QuantizedConv(_QuantizedLayer):
             ("config", self.config), ("quant", quant), ("module_path", self.module_path)))
 
 
+def _weight_how(where: str, res: quantrules.Resolution, einsum_str: str | None = None,
+                argument: str = "subscripts") -> Any:
+    """``how(qtype, method, tile)``: Qwix's quantization of a linear kernel
+    ``(in, out)``, or of an einsum's second operand, as the op quantizes its
+    weight (an einsum is checked: a kernel term without '...', no index summed
+    away, an index to tile)."""
+    if einsum_str is None:
+        dnums = (((1,), (0,)), ((), ()))
+        return lambda qtype, method, tile: P.dot_how(
+            dimension_numbers=dnums, ndims=(2, 2), for_lhs=False, tile_size=tile, qtype=qtype,
+            calibration_method=method)
+    act_term, weight_term = einsum_str.partition("->")[0].split(",")
+    output = einsum_str.partition("->")[2]
+    if "..." in weight_term:
+        raise TaktinyOpsError(
+            f"{where}: {argument} {einsum_str!r}: a PTQ kernel term cannot have '...'"
+        )
+    private = [c for c in weight_term if c not in act_term and c not in output]
+    if private:
+        raise TaktinyOpsError(
+            f"{where}: {argument} {einsum_str!r} sums kernel index {private[0]!r} away before "
+            "contracting; a PTQ layer stores its kernel quantized, so write the kernel without "
+            "that axis"
+        )
+    if res.rule.tile_size is not None and not (set(act_term) & set(weight_term)
+                                               - set(output) - {"."}):
+        raise TaktinyOpsError(
+            f"{where}: rule #{res.index} sets tile_size={res.rule.tile_size} but "
+            f"{einsum_str!r} contracts no index to tile"
+        )
+    ndims = (len(act_term.replace("...", "")), len(weight_term))
+    return lambda qtype, method, tile: P.einsum_how(
+        einsum_str=einsum_str, ndims=ndims, for_lhs=False, tile_size=tile, qtype=qtype,
+        calibration_method=method)
+
+
+def quantize_weight(w: jax.Array, quant: Any, *, module_path: str = "",
+                    op: str = "dot_general", subscripts: str | None = None) -> Any:
+    """``w`` as the NNX layer at ``module_path`` holds its kernel, for the stateless ops.
+
+    The rule ``quant`` selects for ``op`` at ``module_path`` decides: a PTQ
+    rule with a ``weight_qtype`` gives a Qwix ``QArray`` (packed values and
+    scales), bitwise the kernel :class:`QuantizedLinear` (``op='dot_general'``,
+    ``w`` of shape ``(in_features, out_features)``) or :class:`QuantizedEinsum`
+    (``op='einsum'``, ``w`` the second operand of ``subscripts``) holds; any
+    other rule, or none, returns ``w`` unchanged (the layer keeps it float).
+
+    Passed with the same ``quant`` and ``module_path`` to
+    :func:`taktiny_ops.linear` (or :func:`taktiny_ops.dot_general` in linear's
+    layout) or :func:`taktiny_ops.einsum` (the same ``subscripts``), the
+    QArray is used as is: the weight is quantized once instead of per call,
+    and the result is bitwise what the layer computes in the same program.
+
+    Raises:
+        TaktinyOpsError: for an ``op`` other than ``'dot_general'`` or
+            ``'einsum'``, a ``w`` that is not a float array of the layout,
+            ``subscripts`` missing or not an explicit two-operand equation,
+            or a rule that cannot quantize ``w`` (a tile size that does not
+            divide its contraction axis, an empty ``w``).
+
+    >>> import taktiny_ops as tk
+    >>> w = jnp.arange(12.0).reshape(4, 3)
+    >>> wq = tk.quantize_weight(w, "int8")
+    >>> type(wq).__name__, wq.qvalue.dtype, wq.scale.shape
+    ('QArray', dtype('int8'), (1, 3))
+    >>> tk.linear(jnp.ones((2, 4)), wq, quant="int8").shape
+    (2, 3)
+    >>> tk.quantize_weight(w, None) is w
+    True
+    """
+    if op not in ("dot_general", "einsum"):
+        raise TaktinyOpsError(f"op: expected 'dot_general' or 'einsum', got {op!r}")
+    if is_qarray(w) or not hasattr(w, "shape") or not jnp.issubdtype(
+            jnp.result_type(w), jnp.floating):
+        raise TaktinyOpsError(
+            f"w: expected a float array, got {type(w).__name__}"
+            + (f" of dtype {jnp.result_type(w)}" if hasattr(w, "dtype") else "")
+        )
+    if op == "einsum":
+        spec = subscripts.replace(" ", "") if isinstance(subscripts, str) else ""
+        terms = spec.partition("->")[0].split(",")
+        if "->" not in spec or len(terms) != 2:
+            raise TaktinyOpsError(
+                f"subscripts: op='einsum' needs the explicit two-operand equation "
+                f"'x,w->out' of the calls, got {subscripts!r}"
+            )
+        if len(terms[1].replace("...", "")) != len(w.shape):
+            raise TaktinyOpsError(
+                f"w: shape {tuple(w.shape)} does not fit the weight term {terms[1]!r} of "
+                f"{subscripts!r}"
+            )
+    elif len(w.shape) != 2:
+        raise TaktinyOpsError(
+            f"w: expected shape (in_features, out_features), got {tuple(w.shape)}"
+        )
+    res = select_rule(quant, module_path, op)
+    if res is None or res == DENSE or res.mode != "ptq" or res.rule.weight_qtype is None:
+        return w
+    where = f"w (module_path={module_path!r})" if module_path else "w"
+    einsum_str = spec if op == "einsum" else None
+    return _quantize_weight(w, res, where, _weight_how(where, res, einsum_str))
+
+
 def _quantize_weight(kernel: jax.Array, res: quantrules.Resolution, module_path: str,
                      how: Any) -> Any:
     """The kernel as a QArray, quantized as the op quantizes it per call."""
@@ -476,8 +568,9 @@ def _quantize_weight(kernel: jax.Array, res: quantrules.Resolution, module_path:
 
 
 # ---------------------------------------------------------------------------
-# The PTQ forward passes with a prequantized kernel: the ops' own PTQ paths,
-# minus the weight's quantization (done once, bitwise as the op does it).
+# The PTQ convolution with a prequantized kernel: the op's own PTQ path, minus
+# the weight's quantization (done once, bitwise as the op does it). Linear and
+# einsum layers need no such path: the ops take a matching QArray as is.
 
 
 def _dispatch(fn: Any, arrays: tuple, statics: tuple) -> Any:
@@ -498,54 +591,6 @@ def _dispatch(fn: Any, arrays: tuple, statics: tuple) -> Any:
 @functools.lru_cache(maxsize=256)
 def _compiled(fn: Any, statics: tuple) -> Any:
     return jax.jit(functools.partial(fn, **dict(statics)))
-
-
-def _ptq_linear(x: Any, w: Any, b: Any = None, *, res: quantrules.Resolution,
-                precision: Any = None) -> jax.Array:
-    if len(x.shape) < 1 or x.shape[-1] != w.qvalue.shape[0]:
-        raise TaktinyOpsError(
-            f"x: expected shape (..., {w.qvalue.shape[0]}), got {tuple(x.shape)}"
-        )
-    rule = res.rule
-    dtype = result_dtype((x, w, b), quant_set=True, preferred_element_type=None)
-    dot_dtype = result_dtype((x, w), quant_set=True, preferred_element_type=None)
-    x = prepare(x, dot_dtype)
-    check_backend_support(rule, False, True)
-    dnums = (((len(x.shape) - 1,), (0,)), ((), ()))
-    if 0 in x.shape:
-        y = jax.lax.dot_general(x, dequantize(w), dnums, precision=precision)
-    else:
-        for_x = calibration(rule, False)
-        if for_x:
-            x = quantize_operand(x, P.dot_how(dimension_numbers=dnums, ndims=(len(x.shape), 2),
-                                              for_lhs=True, tile_size=rule.tile_size,
-                                              qtype=for_x[0], calibration_method=for_x[1]),
-                                 res, "lhs")
-        y = qwix.dot_general(x, w, dnums, precision=precision)
-    y = finish(y, dot_dtype, None)
-    if b is not None:
-        y = y + prepare(b, dtype)
-    return finish(y, dtype, None)
-
-
-def _ptq_einsum(x: Any, w: Any, *, res: quantrules.Resolution, einsum_str: str,
-                precision: Any = None) -> jax.Array:
-    _check_subscripts(einsum_str, (x, w.qvalue))
-    rule = res.rule
-    dtype = result_dtype((x, w), quant_set=True, preferred_element_type=None)
-    x = prepare(x, dtype)
-    check_backend_support(rule, False, True)
-    if 0 in x.shape:
-        out = jnp.einsum(einsum_str, x, dequantize(w), precision=precision)
-    else:
-        for_x = calibration(rule, False)
-        if for_x:
-            x = quantize_operand(x, P.einsum_how(
-                einsum_str=einsum_str, ndims=(len(x.shape), len(w.qvalue.shape)), for_lhs=True,
-                tile_size=rule.tile_size, qtype=for_x[0], calibration_method=for_x[1]),
-                res, "the activation")
-        out = qwix.einsum(einsum_str, x, w, precision=precision)
-    return finish(out, dtype, None)
 
 
 def _ptq_conv(x: Any, w: Any, *, res: quantrules.Resolution, strides: tuple, padding: Any,

@@ -15,7 +15,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 import quantrules
+from taktiny_ops import _kernels as K
 from taktiny_ops._common import TaktinyOpsError, check_backend_support
+from taktiny_ops._einsum import _plain_layout
 from taktiny_ops._layers import (
     Conv,
     Einsum,
@@ -54,6 +56,10 @@ class LayerQuantization:
     ``weight_qtype``/``act_qtype`` are ``None`` where that operand stays
     float; ``mode`` is ``'ptq'``, ``'qt'`` or ``'float'``; ``bytes_after``
     counts the kernel as held (packed integer values plus scales for PTQ).
+    ``kernel`` is the matmul the layer runs: ``'float'`` (no quantizing
+    rule), ``'qwix'`` (Qwix's program), ``'pallas-weight-only'`` or
+    ``'pallas-w8a8'``; ``kernel_note`` says why a layer for which ``kernels=``
+    asked for Pallas runs Qwix (empty otherwise).
     """
 
     path: str
@@ -66,6 +72,8 @@ class LayerQuantization:
     tile_size: int | float | None
     bytes_before: int
     bytes_after: int
+    kernel: str = "qwix"
+    kernel_note: str = ""
 
 
 @dataclass
@@ -89,12 +97,13 @@ class QuantizationReport:
 
     def __str__(self) -> str:
         lines = [f"{'layer':24s} {'op':20s} {'mode':5s} {'weight':>7s} {'act':>7s} "
-                 f"{'bytes':>9s}  rule"]
+                 f"{'bytes':>9s}  {'kernel':18s}  rule"]
         for layer in self.layers:
+            note = f" [Qwix: {layer.kernel_note}]" if layer.kernel_note else ""
             lines.append(
                 f"{layer.path:24s} {layer.op:20s} {layer.mode:5s} "
                 f"{layer.weight_qtype or '-':>7s} {layer.act_qtype or '-':>7s} "
-                f"{layer.bytes_after:>9d}  {layer.rule}"
+                f"{layer.bytes_after:>9d}  {layer.kernel:18s}  {layer.rule}{note}"
             )
         lines.append(f"kernels: {self.bytes_before} -> {self.bytes_after} bytes")
         return "\n".join(lines)
@@ -135,17 +144,24 @@ def _check_plain(path: str, layer: nnx.Module) -> None:
 
 
 def _quantized_form(path: str, layer: nnx.Module, res: quantrules.Resolution,
-                    quant: Any) -> nnx.Module:
+                    quant: Any, kernels: str) -> tuple[nnx.Module, str]:
+    """The layer's quantized form, and why it runs Qwix where ``kernels`` asked for Pallas."""
     kernel = layer.kernel[...]
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(module_path=path, resolution=res, quant=quant)
     if isinstance(layer, Linear | nnx.Linear):
-        return QuantizedLinear(kernel, bias, precision=layer.precision, **common)
+        chosen, note = K.choose(kernels, res)
+        new = QuantizedLinear(kernel, bias, precision=layer.precision, matmul_kernel=chosen,
+                              **common)
+        return _check_fit(new, note)
     if isinstance(layer, Einsum | nnx.Einsum):
         if layer.einsum_str is None:
             raise TaktinyOpsError(f"{path}: nnx.Einsum without an einsum_str is not supported")
-        return QuantizedEinsum(layer.einsum_str.replace(" ", ""), kernel, bias,
-                               precision=layer.precision, **common)
+        einsum_str = layer.einsum_str.replace(" ", "")
+        chosen, note = K.choose(kernels, res, layout=_plain_layout(einsum_str, None))
+        new = QuantizedEinsum(einsum_str, kernel, bias, precision=layer.precision,
+                              matmul_kernel=chosen, **common)
+        return _check_fit(new, note)
     if isinstance(layer, Conv):
         config = layer.config
     else:
@@ -155,7 +171,19 @@ def _quantized_form(path: str, layer: nnx.Module, res: quantrules.Resolution,
                                   layer.feature_group_count, layer.precision)
         except TaktinyOpsError as err:
             raise TaktinyOpsError(f"{path}: {err}") from None
-    return QuantizedConv(kernel, bias, config, **common)
+    _, note = K.choose(kernels, res, layout="no Pallas kernel for convolutions")
+    return QuantizedConv(kernel, bias, config, **common), note
+
+
+def _check_fit(layer: QuantizedLinear | QuantizedEinsum,
+               note: str) -> tuple[nnx.Module, str]:
+    """A Pallas choice the held kernel cannot take (e.g. K tiles not a multiple of
+    128) falls back to Qwix, with the reason."""
+    if layer.matmul_kernel != K.QWIX:
+        misfit = K.misfit(None, layer.kernel.get_value())
+        if misfit is not None:
+            layer.matmul_kernel, note = K.QWIX, misfit
+    return layer, note
 
 
 def _canonical(quant: Any) -> Any:
@@ -166,7 +194,7 @@ def _canonical(quant: Any) -> Any:
     return quantrules.QtProvider(rules) if mode == "qt" else quantrules.PtqProvider(rules)
 
 
-def quantize(model: nnx.Module, quant: Any) -> QuantizationReport:
+def quantize(model: nnx.Module, quant: Any, *, kernels: str = "qwix") -> QuantizationReport:
     """Quantize the layers of an NNX ``model`` that ``quant``'s rules select, in place.
 
     ``quant`` is anything :func:`quantrules.resolve` accepts (a qtype
@@ -182,10 +210,25 @@ def quantize(model: nnx.Module, quant: Any) -> QuantizationReport:
     quantize the kernel once (the layer holds packed values and scales), QT
     rules keep it float for training. A rule that disables quantization, or
     no match, leaves the layer as it is. The report lists every layer with
-    the rule it got (:func:`quantrules.explain`) and its kernel bytes.
+    the rule it got (:func:`quantrules.explain`), its kernel bytes and the
+    matmul kernel it runs.
+
+    ``kernels`` chooses that kernel. ``'qwix'`` (the default) runs Qwix's
+    program, bitwise equal to Qwix's own model path. ``'pallas'`` runs the
+    Pallas TPU kernels where one exists for the layer's rule: a PTQ
+    ``Linear``, or an ``Einsum`` that is an ``x[..., K] @ w[K, N]``
+    contraction (``'btk,kn->btn'``), with int8, int4 or fp8 weight-only
+    (channelwise, or K tiles of a multiple of 128), or int8 weights x int8
+    activations (w8a8) with channelwise weights and per-token absmax
+    activations; every other layer runs Qwix, and the report's
+    ``kernel_note`` says why. ``'auto'`` is ``'pallas'`` on a TPU backend and
+    ``'qwix'`` otherwise. Off a TPU the Pallas kernels run in Pallas
+    interpret mode (correct, slow). They compute the same products as Qwix
+    but not bitwise: the float epilogue (scales, summation order) differs.
 
     Raises:
-        TaktinyOpsError: naming the layer's path, for a rule this layer
+        TaktinyOpsError: for a ``kernels`` other than ``'qwix'``, ``'pallas'``
+            or ``'auto'``; naming the layer's path, for a rule this layer
             cannot take (a tile size it cannot tile, mixed conv qtypes,
             stored calibration or random rounding, a contraction XLA on CPU
             lacks), for a supported layer with options the ops cannot
@@ -207,7 +250,15 @@ def quantize(model: nnx.Module, quant: Any) -> QuantizationReport:
     [('fc1', 'ptq', 'int8'), ('fc2', 'float', None)]
     >>> type(model.fc1).__name__, model(jnp.ones((2, 8))).shape
     ('QuantizedLinear', (2, 4))
+    >>> [layer.kernel for layer in report.layers]
+    ['qwix', 'float']
+    >>> report = quantize(Mlp(nnx.Rngs(0)), [qr.Rule(module_path="fc1", weight_qtype="int8"),
+    ...                                      qr.Rule(weight_qtype="int4", tile_size=8)],
+    ...                   kernels="pallas")
+    >>> [(layer.kernel, layer.kernel_note) for layer in report.layers]
+    [('pallas-weight-only', ''), ('qwix', 'the Pallas kernel needs K tiles of a multiple of 128, not 8')]
     """
+    K.check_switch(kernels, "kernels")
     try:
         canonical = _canonical(quant)
     except quantrules.QuantRulesError as err:
@@ -236,11 +287,13 @@ def quantize(model: nnx.Module, quant: Any) -> QuantizationReport:
             rule = layer.resolution.rule
             report.layers.append(LayerQuantization(
                 path, op, kind.__name__, f"rule #{layer.resolution.index} (already quantized)",
-                layer.mode, rule.weight_qtype, rule.act_qtype, rule.tile_size, before, before))
+                layer.mode, rule.weight_qtype, rule.act_qtype, rule.tile_size, before, before,
+                layer.matmul_kernel))
             continue
         if res is None or res.disabled:
             report.layers.append(LayerQuantization(path, op, kind.__name__, explanation.summary,
-                                                   "float", None, None, None, before, before))
+                                                   "float", None, None, None, before, before,
+                                                   "float"))
             continue
         if kind in _UNSUPPORTED:
             raise TaktinyOpsError(
@@ -264,11 +317,12 @@ def quantize(model: nnx.Module, quant: Any) -> QuantizationReport:
             check_backend_support(rule, False, True)
         except NotImplementedError as err:
             raise TaktinyOpsError(f"{path}: rule #{res.index}: {err}") from None
-        new = _quantized_form(path, layer, res, canonical)
+        new, note = _quantized_form(path, layer, res, canonical, kernels)
         swaps.append((keys, new))
         report.layers.append(LayerQuantization(
             path, op, kind.__name__, explanation.summary, res.mode, rule.weight_qtype,
-            rule.act_qtype, rule.tile_size, before, _kernel_bytes(new.kernel)))
+            rule.act_qtype, rule.tile_size, before, _kernel_bytes(new.kernel),
+            new.matmul_kernel, note))
     for keys, new in swaps:
         _replace(model, keys, new)
     return report

@@ -65,8 +65,13 @@ def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _quantize(x: jax.Array, inv: jax.Array) -> jax.Array:
-    v = jnp.round(x.astype(jnp.float32) * inv)  # round half to even
-    return jnp.clip(v, -128.0, 127.0).astype(jnp.int8)
+    """clip(round_half_even(x * inv), -128, 127) as int8.
+
+    Clipping to the integer bounds first gives the same values and lets
+    Mosaic fuse the rounding into the float-to-int conversion.
+    """
+    v = jnp.clip(x.astype(jnp.float32) * inv, -128.0, 127.0)
+    return jnp.round(v).astype(jnp.int8)  # jnp.round rounds half to even
 
 
 def _check(x: jax.Array, qvalue: jax.Array, scale: jax.Array) -> None:
@@ -126,6 +131,10 @@ def _call(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *, out_dtype: DType
           block_m: int | None, block_n: int | None, block_k: int | None,
           interpret: bool | None, parts: bool) -> Any:
     _check(x, qvalue, scale)
+    interpret = B.use_interpret(interpret)
+    if not interpret and B.tpu_generation() == "v4":
+        raise TaktinyOpsError("w8a8_matmul: int8 matmuls on the MXU need a TPU v5e or later;"
+                              " this is a v4 (pass interpret=True or use weight_only_matmul)")
     out_dt = jnp.dtype(jnp.int32) if parts else _out_dtype(out_dtype, x)
     (m, k), n = x.shape, qvalue.shape[1]
     p = B.plan("w8a8", m, n, k, block_m=block_m, block_n=block_n, block_k=block_k,
@@ -168,7 +177,7 @@ def _call(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *, out_dtype: DType
             dimension_semantics=("parallel", "arbitrary" if cache_x else "parallel",
                                  "arbitrary"),
             vmem_limit_bytes=B.vmem_limit(nbytes)),
-        interpret=B.use_interpret(interpret),
+        interpret=interpret,
         name="taktiny_w8a8_matmul",
     )(x, x_inv, x_scale, qvalue, w_scale)
     if parts:

@@ -75,7 +75,7 @@ def check_weight(x: jax.Array, qvalue: jax.Array, scale: jax.Array,
     if kq != k:
         raise TaktinyOpsError(f"qvalue has {kq} rows but x has K={k} columns")
     if m == 0 or k == 0 or n == 0:
-        raise TaktinyOpsError(f"empty matmul: x {x.shape}, qvalue {qvalue.shape}")
+        raise TaktinyOpsError(f"x and qvalue must not be empty: x {x.shape}, qvalue {qvalue.shape}")
     _check_float("scale", scale, 2)
     groups, ns = scale.shape
     if ns != n or groups == 0 or k % groups:

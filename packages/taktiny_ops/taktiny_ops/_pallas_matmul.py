@@ -107,15 +107,13 @@ def _kernel(x_ref: Any, w_ref: Any, s_ref: Any, o_ref: Any, acc_ref: Any, *, nk:
         acc_ref[...] = jnp.zeros_like(acc_ref)
 
     bk = w_ref.shape[0]
-    acc = acc_ref[...]
     for c in range(bk // chunk):  # static: each chunk is one K tile when tiled
         rows = pl.ds(c * chunk, chunk)
         part = jnp.dot(x_ref[:, rows], _mxu(w_ref[rows, :], x_ref.dtype),
                        preferred_element_type=jnp.float32, precision=precision)
         if tiled:
             part = part * s_ref[pl.ds(k * tiles_per_block + c, 1), :]
-        acc = acc + part
-    acc_ref[...] = acc
+        acc_ref[...] += part  # accumulate in VMEM, chunk by chunk
 
     @pl.when(k == nk - 1)
     def _():

@@ -372,6 +372,20 @@ def test_committed_version_2_artifact_compiles() -> None:
         np.testing.assert_allclose(got, case["scores"], rtol=1e-4, atol=1e-4)
 
 
+def test_damaged_and_foreign_files_raise_when_loaded_compiled(tmp_path: Path) -> None:
+    """load(compiled=True) checks the file as load() does before compiling."""
+    data = bytearray(GOLDEN.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a byte of a tensor
+    damaged = tmp_path / "damaged.mlxl"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(ExportError, match="digest does not match"):
+        export.load(damaged, compiled=True)
+    foreign = tmp_path / "foreign.safetensors"
+    mx.save_safetensors(str(foreign), {"w": mx.zeros((2,))})
+    with pytest.raises(ExportError, match=r"has no 'mlx_lattice\.graph' metadata"):
+        export.load(foreign, compiled=True)
+
+
 _CHILD = """
 import sys
 import numpy as np

@@ -47,22 +47,26 @@ def _step(a: np.ndarray, qtype: str | None) -> float:
     return float(np.abs(a).max(initial=0.0)) * TOP_GAP[str(qtype)]
 
 
-def _bound(product: Callable, x: object, w: object, rule: qr.Rule | None) -> np.ndarray:
+def _bound(product: Callable, x: object, w: object, rule: qr.Rule | None,
+           x_err: object = 0.0) -> np.ndarray:
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
-    dx = _step(x, rule.act_qtype if rule else None)
+    ax = np.abs(x) + x_err
+    dx = _step(ax, rule.act_qtype if rule else None)
     dw = _step(w, rule.weight_qtype if rule else None)
-    ax, aw = np.abs(x) + dx, np.abs(w) + dw
-    flips = product(np.full_like(x, dx), aw + dw) + product(ax, np.full_like(w, dw))
-    return flips + 1e-5 * product(ax, aw) + 1e-30
+    aw = np.abs(w) + dw
+    moved = product(x_err + np.full_like(x, dx), aw + dw) + product(ax + dx, np.full_like(w, dw))
+    return moved + 1e-5 * product(ax + dx, aw) + 1e-30
 
 
 @pytest.fixture
 def cross_program_bound() -> Callable:
-    """``bound(product, x, w, rule)``: elementwise bound of |P1 - P2| where P1
-    and P2 are two differently compiled programs (op by op against compiled,
-    this library against Qwix's own model) computing the same quantized
-    bilinear ``product`` (a float64 NumPy function of x and w, each output a
-    sum of x_i * w_j terms) of the same inputs under ``rule``.
+    """``bound(product, x, w, rule, x_err=0)``: elementwise bound of |P1 - P2|
+    where P1 and P2 are two differently compiled programs (op by op against
+    compiled, this library against Qwix's own model, one backend against
+    another) computing the same quantized bilinear ``product`` (a float64
+    NumPy function of x and w, each output a sum of x_i * w_j terms) under
+    ``rule``, P1 of ``x`` and P2 of an input within ``x_err`` (elementwise)
+    of ``x`` (a layer after one whose outputs already differ).
 
     Derivation. Each program computes sum x^ w^ with x^ = s_x q_x and
     w^ = s_w q_w, q = round(a / s), s = absmax / qmax. The absmax is exact in
@@ -71,9 +75,11 @@ def cross_program_bound() -> Callable:
     ulps of a rounding boundary can round to the neighbouring level in one
     program and not in the other: each dequantized value may move by one step
     (at most the type's top gap times the operand's absmax, a bound on every
-    per-channel or per-tile step), nothing more. With |x^| <= |x| + dx and
-    |w^| <= |w| + dw:
-    |x^' w^' - x^ w^| <= dx (|w| + 2 dw) + (|x| + dx) dw per term.
+    per-channel or per-tile step), nothing more. An input that differs by e
+    moves its quantized value by at most e + dx (each side is within half a
+    step of its input; the step taken from the absmax of |x| + e). With
+    |x^| <= |x| + e + dx and |w^| <= |w| + dw:
+    |x^' w^' - x^ w^| <= (e + dx) (|w| + 2 dw) + (|x| + e + dx) dw per term.
     Float32 accumulation in either order (with float32 products) adds at most
     2 K 2^-24 sum |x^||w^| for K summed terms; 1e-5 covers K <= 80 and the
     scale ulps (every contraction of these tests is shorter).

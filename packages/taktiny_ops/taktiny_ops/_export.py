@@ -4,10 +4,12 @@ The file is a NumPy ``.npz`` archive (a zip with a CRC per member):
 
 - ``meta``: UTF-8 JSON, ``{"format": "taktiny_ops.jax_export", "version": 1,
   "weights": [{"name", "dtype", "shape", "encoding"}, ...], "input": {...},
-  "layers": [...]}``;
+  "layers": [...], "platforms": [...], "matmul_precision": ...}`` (the last
+  two are informational: files written before they existed load the same);
 - ``module``: the bytes of ``jax.export.Exported.serialize()``, a StableHLO
   module whose first arguments are the weights (in ``meta`` order) and whose
-  last is the input, with a symbolic batch axis;
+  last is the input, with a symbolic batch axis, lowered for each of
+  ``platforms`` (it runs on any of them);
 - ``w0``, ``w1``, ...: each weight as ``uint8`` bytes. ``encoding`` is
   ``"raw"`` (the dtype's bytes, little-endian) or ``"nibbles"`` (int4/uint4
   packed two to a byte, low nibble first).
@@ -15,6 +17,13 @@ The file is a NumPy ``.npz`` archive (a zip with a CRC per member):
 Weights are what the model holds: a PTQ layer's packed integer values and
 its scales, float kernels elsewhere. Loading needs only JAX and NumPy (see
 :data:`LOADER`); :func:`load_model` is the same loader with checks.
+
+The module fixes the precision of its float matmuls when it is exported
+(asking for another when loading changes nothing): ``export_model`` traces
+under ``jax.default_matmul_precision(matmul_precision)``, ``"highest"`` by
+default, so that float32 products are float32 products on every backend (a
+TPU's default rounds float32 operands to bfloat16). Integer contractions
+(w8a8) are exact either way.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ import json
 import os
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -101,8 +110,14 @@ def _decode(data: np.ndarray, spec: dict) -> np.ndarray:
     return data.view(dtype).reshape(shape)
 
 
+#: The platforms :func:`export_model` lowers for unless told otherwise.
+PLATFORMS = ("cpu", "tpu")
+_PRECISIONS = ("default", "high", "highest", "bfloat16", "tensorfloat32", "float32")
+
+
 def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike, *,
-                 batch_axis: int = 0) -> int:
+                 batch_axis: int = 0, platforms: Sequence[str] = PLATFORMS,
+                 matmul_precision: str = "highest") -> int:
     """Write ``model`` (any NNX model, typically quantized) as one ``jax.export`` file.
 
     The model's forward pass on inputs like ``example_input`` is exported
@@ -112,13 +127,26 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
     is described in this module's docstring; :data:`LOADER` loads it with
     only JAX and NumPy, and :func:`load_model` does the same with checks.
 
+    The module is lowered for each of ``platforms`` (JAX platform names, by
+    default CPU and TPU, whichever backend exports), and its float matmuls
+    run at ``matmul_precision`` (a ``jax.default_matmul_precision`` value,
+    ``"highest"`` by default: float32 products on every backend). Loaded on
+    the backend that exported it, the artifact returns bit for bit what the
+    model returns in one jitted program under that precision; on another
+    backend, within the bounds of docs/topics/export.rst.
+
     Writing (and reading) needs the ``flatbuffers`` package, which
     ``jax.export`` uses to serialize; the wheel requires it.
 
     Raises:
         ImportError: ``flatbuffers`` is not installed.
-        TaktinyOpsError: ``example_input`` has no axis ``batch_axis``, or the
-            model cannot be traced with a symbolic batch size.
+        TaktinyOpsError: ``example_input`` has no axis ``batch_axis``, the
+            model cannot be traced with a symbolic batch size, or
+            ``platforms`` / ``matmul_precision`` is not a valid value.
+        ArtifactError: the model cannot be lowered for one of ``platforms``
+            (e.g. a layer runs a Pallas TPU kernel and ``platforms`` names
+            ``"cpu"``); the message names the layers that chose a Pallas
+            kernel.
 
     >>> import tempfile, quantrules as qr
     >>> from taktiny_ops import Linear, quantize
@@ -141,6 +169,16 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
             f"batch_axis: {batch_axis} is not an axis of example_input of shape {x.shape}"
         )
     batch_axis %= x.ndim
+    if (isinstance(platforms, str) or not platforms
+            or not all(isinstance(p, str) and p for p in platforms)):
+        raise TaktinyOpsError(
+            f"platforms: expected a non-empty sequence of JAX platform names such as "
+            f"('cpu', 'tpu'), got {platforms!r}")
+    platforms = tuple(dict.fromkeys(p.lower() for p in platforms))
+    if matmul_precision not in _PRECISIONS:
+        raise TaktinyOpsError(
+            f"matmul_precision: expected one of {', '.join(map(repr, _PRECISIONS))}, "
+            f"got {matmul_precision!r}")
     graphdef, state = nnx.split(model)
     leaves, treedef = jax.tree.flatten(state)
     leaves = [np.asarray(leaf) for leaf in leaves]
@@ -154,12 +192,11 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
     shape[batch_axis] = batch
     specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
     try:
-        exported = jax.export.export(jax.jit(forward))(
-            *specs, jax.ShapeDtypeStruct(tuple(shape), x.dtype))
-    except (TypeError, ValueError) as err:
-        raise TaktinyOpsError(
-            f"model: cannot export with a symbolic batch axis {batch_axis}: {err}"
-        ) from err
+        with jax.default_matmul_precision(matmul_precision):
+            exported = jax.export.export(jax.jit(forward), platforms=platforms)(
+                *specs, jax.ShapeDtypeStruct(tuple(shape), x.dtype))
+    except Exception as err:  # lowering rules raise many types (NotImplementedError, MLIR...)
+        raise _export_error(model, platforms, batch_axis, err) from err
     arrays: dict[str, np.ndarray] = {}
     weights = []
     for i, leaf in enumerate(leaves):
@@ -174,6 +211,8 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
         "input": {"shape": [None if i == batch_axis else d for i, d in enumerate(x.shape)],
                   "dtype": x.dtype.name, "batch_axis": batch_axis},
         "layers": _layers(model),
+        "platforms": list(platforms),
+        "matmul_precision": matmul_precision,
         "jax_version": jax.__version__,
     }
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), np.uint8)
@@ -183,6 +222,31 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
     with open(path, "wb") as f:
         f.write(buffer.getvalue())
     return len(buffer.getvalue())
+
+
+def _export_error(model: nnx.Module, platforms: tuple[str, ...], batch_axis: int,
+                  err: Exception) -> TaktinyOpsError:
+    """The error for a model that jax.export refused: an ArtifactError naming
+    the layers that chose a Pallas kernel (it lowers for TPUs only), else a
+    TaktinyOpsError for a trace that failed (TypeError/ValueError: usually
+    the symbolic batch size), else an ArtifactError for a platform's lowering."""
+    first = (str(err).strip().splitlines() or [""])[0]
+    pallas = [f"{layer['path']} ({layer['kernel']})" for layer in _layers(model)
+              if layer["kernel"] != "qwix"]
+    if pallas:
+        advice = ("export with platforms=('tpu',) or quantize with kernels='qwix'"
+                  if platforms != ("tpu",) else "quantize with kernels='qwix'")
+        return ArtifactError(
+            f"platforms: cannot lower for {', '.join(platforms)}: layer(s) {', '.join(pallas)} "
+            f"run a Pallas TPU kernel, which lowers for 'tpu' only (and for the shapes it was "
+            f"written for); {advice} ({type(err).__name__}: {first})")
+    if isinstance(err, TypeError | ValueError):
+        return TaktinyOpsError(
+            f"model: cannot export with a symbolic batch axis {batch_axis} for "
+            f"{', '.join(platforms)}: {err}")
+    return ArtifactError(
+        f"platforms: cannot lower the model for {', '.join(platforms)} "
+        f"({type(err).__name__}: {first})")
 
 
 def _serialize(exported: Any) -> bytearray:
@@ -201,7 +265,8 @@ def _layers(model: nnx.Module) -> list[dict[str, Any]]:
             rule = resolution.rule
             out.append({"path": "/".join(map(str, keys)), "mode": resolution.mode,
                         "rule": resolution.index, "weight_qtype": rule.weight_qtype,
-                        "act_qtype": rule.act_qtype, "tile_size": rule.tile_size})
+                        "act_qtype": rule.act_qtype, "tile_size": rule.tile_size,
+                        "kernel": getattr(node, "matmul_kernel", "qwix")})
     return sorted(out, key=lambda layer: layer["path"])
 
 
@@ -214,8 +279,9 @@ def load_model(path: str | os.PathLike) -> Callable[[Any], Any]:
     Raises:
         ArtifactError: the file is not a zip archive, a member is damaged
             (CRC) or missing, ``meta`` is not this format, the version is
-            not one this reader supports, or a weight does not match its
-            declared shape and dtype.
+            not one this reader supports, a weight does not match its
+            declared shape and dtype, or the module was not lowered for this
+            process's default backend.
         FileNotFoundError: no file at ``path``.
     """
     try:
@@ -249,6 +315,12 @@ def load_model(path: str | os.PathLike) -> Callable[[Any], Any]:
         raise ImportError(f"taktiny_ops.load_model: {err}") from err
     except Exception as err:  # flatbuffer and MLIR errors share no narrower type
         raise ArtifactError(f"{path}: the StableHLO module cannot be read: {err}") from None
+    backend = jax.default_backend()
+    if backend not in exported.platforms:
+        raise ArtifactError(
+            f"{path}: lowered for {', '.join(exported.platforms)}; this process runs {backend} "
+            f"(export with platforms=(..., {backend!r}), or run with JAX_PLATFORMS set to one "
+            f"of those)")
     if len(exported.in_avals) != len(weights) + 1:
         raise ArtifactError(
             f"{path}: the module takes {len(exported.in_avals) - 1} weights, the file has "

@@ -6,10 +6,10 @@ by Qwix 0.1.8 (``qvalue [K, N]`` int8, ``scale [1, N]``), the activation
 rule:
 
 * ``x_scale[m] = max_k |x[m, k]| * float32(1 / 127.5)`` (Qwix's symmetric
-  int8 bound is ``qmax + 0.5``; Qwix writes ``absmax / 127.5``, which XLA
-  turns into this multiplication by the rounded reciprocal, so the kernel
-  writes the multiplication: one IEEE product on every backend), replaced by 1
-  below ``sqrt(finfo(float32).tiny)``;
+  int8 bound is ``qmax + 0.5``; Qwix writes ``absmax / 127.5``, which XLA's
+  CPU compiler turns into this multiplication by the rounded reciprocal; the
+  kernel writes the multiplication, one IEEE product on every backend),
+  replaced by 1 below ``sqrt(finfo(float32).tiny)``;
 * ``q_x = clip(round_half_even(x * x_inv), -128, 127)`` with
   ``x_inv = 1 / x_scale`` computed once per row before the kernel, so a
   quantized value does not depend on how a compiler fuses a division (Qwix
@@ -20,11 +20,13 @@ rule:
 The per-row absmax needs the whole row while a kernel sees one block, so a
 row reduction runs before the kernel (one read of ``x``: at M=8192, K=4096 it
 is 64 MiB, ~80 us on a v5e against ~2.5 ms of int8 MXU work) and hands each row
-its scale and reciprocal; a full-K activation block would need
-``2 * block_m * K * 2`` bytes of VMEM (28 MiB at block_m=512, K=14336) on top of
-the int8 copy, for no saving. No int8 copy of ``x`` is written to HBM: each
-activation block is quantized in VMEM. When one block spans all of K, that int8
-block is made once per row block and reused for every column block.
+its scale and reciprocal. Finding the absmax inside the kernel instead would
+force a full-K activation block at every K: ``2 * block_m * K * 2`` bytes of
+double-buffered VMEM (28 MiB at block_m=512, K=14336) besides the weight
+blocks. No int8 copy of ``x`` is written to HBM: each activation block is
+quantized in VMEM. Where one block spans all of K (the table does so up to
+K=8192) that int8 block is made once per row block and reused for every
+column block; otherwise it is remade for each column block.
 """
 
 from __future__ import annotations

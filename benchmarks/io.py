@@ -36,7 +36,7 @@ import numpy as np
 
 from benchmarks.host_class import host_class_line, kernel_names, print_targets
 from benchmarks.timing import median_s
-from examples.palette import class_colours
+from examples.palette import colour_columns
 from mlx_lattice import coding, io
 from mlx_lattice.data import CLASS_NAMES, SceneConfig, synthetic_lidar_scan
 from mlx_lattice.geometry import quantize_points
@@ -250,13 +250,14 @@ def segment_write(folder: str) -> float:
         return np.array(mx.argmax(net.predict_points(points, feats), axis=1)).astype(np.int32)
 
     labels = forward()
-    palette = class_colours(len(CLASS_NAMES))
+    npy = os.path.join(folder, "labels.npy")
 
-    def write() -> None:  # as examples/segment.py writes --out and --ply-out
-        np.save(os.path.join(folder, "labels.npy"), labels)
-        rgb = palette[labels]
-        io.write_ply(os.path.join(folder, "scan.ply"), points,
-                     {"red": rgb[:, 0], "green": rgb[:, 1], "blue": rgb[:, 2], "label": labels})  # fmt: skip
+    def write() -> None:  # as examples/segment.py writes --out and --ply-out, over the last ones
+        if os.path.exists(npy):
+            os.unlink(npy)
+        np.save(npy, labels)
+        colours = colour_columns(labels, len(CLASS_NAMES))
+        io.write_ply(os.path.join(folder, "scan.ply"), points, {**colours, "label": labels})
 
     t_forward = median_s(forward, repeats=7)
     t_write = median_s(write, repeats=7)

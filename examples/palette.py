@@ -16,7 +16,7 @@ import colorsys
 
 import numpy as np
 
-__all__ = ["CLASS_COLOURS", "MAX_CLASSES", "UNLABELED_COLOUR", "class_colours"]
+__all__ = ["CLASS_COLOURS", "MAX_CLASSES", "UNLABELED_COLOUR", "class_colours", "colour_columns"]
 
 Colour = tuple[int, int, int]
 
@@ -69,3 +69,15 @@ def class_colours(n: int) -> np.ndarray:
             taken.add(colour)
         k += 1
     return np.array(out, np.uint8).reshape(n, 3)
+
+
+def colour_columns(labels: np.ndarray, n: int) -> dict[str, np.ndarray]:
+    """Each point's class colour as PLY properties: ``red``, ``green``,
+    ``blue`` uint8 columns of :func:`class_colours` ``(n)`` by label
+    (``mlx_lattice.io.write_ply``'s ``properties``).
+
+    >>> {k: v.tolist() for k, v in colour_columns(np.array([2, 0]), 3).items()}
+    {'red': [33, 150], 'green': [102, 150], 'blue': [172, 150]}
+    """
+    palette = class_colours(n).T.copy()  # one row of classes per channel: 1-D takes
+    return {name: palette[c][labels] for c, name in enumerate(("red", "green", "blue"))}

@@ -210,6 +210,17 @@ def load(path: Path) -> Model:
     )
 
 
+def _new_file(path: Path) -> Path:
+    """``path`` with its folder made and an earlier regular file there
+    removed: ext4 writes a file truncated and rewritten in place back to
+    disk at close, which made rewriting the outputs several times slower
+    than writing them anew (``mlx_lattice.io.write_ply`` does the same)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_file() and not path.is_symlink():
+        path.unlink()
+    return path
+
+
 def read_label_map(path: Path) -> dict[str, int]:
     """``--label-map``'s JSON object: class name -> id (an int in [0, 65535],
     the semantic half of a ``.label`` word)."""
@@ -279,12 +290,13 @@ def write_ply(path: Path, points: np.ndarray, labels: np.ndarray, class_names: S
     from examples.palette import class_colours
     from mlx_lattice.io import write_ply as write
 
-    rgb = class_colours(len(class_names))[labels]
+    palette = class_colours(len(class_names)).T.copy()  # one row of classes per channel
+    colours = {name: palette[c][labels] for c, name in enumerate(("red", "green", "blue"))}
     classes = ",".join(name.replace(" ", "_") for name in class_names)
     write(
         path,
         points,
-        {"red": rgb[:, 0], "green": rgb[:, 1], "blue": rgb[:, 2], "label": labels.astype(np.int32)},
+        {**colours, "label": labels.astype(np.int32, copy=False)},
         comments=[f"segment: label is the class index; classes {classes}"],
     )
 
@@ -327,14 +339,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     start = time.perf_counter()
     written = []
     if _OUT.value:
-        out = _user_path(_OUT.value)
-        out.parent.mkdir(parents=True, exist_ok=True)
+        out = _new_file(_user_path(_OUT.value))
         np.save(out, labels.astype(np.int32))
         written.append(f"labels: {out}")
     if ids is not None:
-        label_dir = _user_path(_LABELS_OUT.value)
-        label_dir.mkdir(parents=True, exist_ok=True)
-        label_file = label_dir / (points_path.stem + ".label")
+        label_file = _new_file(_user_path(_LABELS_OUT.value) / (points_path.stem + ".label"))
         ids[labels].astype("<u4").tofile(label_file)
         written.append(f"{'mapped' if _LABEL_MAP.value else 'SemanticKITTI'} labels: {label_file}")
     if _PLY_OUT.value:

@@ -101,3 +101,21 @@ def test_bad_arguments_raise_and_write_nothing(tmp_path, points, properties, com
         write_ply(path, points, properties, comments=comments)
     assert message in str(info.value) and str(info.value).startswith("write_ply: ")
     assert not path.exists()
+
+
+def test_rewrites_an_existing_file_and_writes_through_a_link(tmp_path, rng):
+    """An earlier file is replaced whole (a shorter file leaves nothing of
+    the longer one); a symbolic link keeps pointing at its target, which
+    gets the new points."""
+    path = tmp_path / "scan.ply"
+    write_ply(path, rng.standard_normal((50, 3)).astype(np.float32))
+    points = rng.standard_normal((5, 3)).astype(np.float32)
+    write_ply(path, points)
+    np.testing.assert_array_equal(read_ply(path).points, points)
+    assert PlyData.read(str(path))["vertex"].count == 5
+    link = tmp_path / "link.ply"
+    link.symlink_to(path)
+    again = rng.standard_normal((7, 3)).astype(np.float32)
+    write_ply(link, again)
+    assert link.is_symlink() and link.resolve() == path.resolve()
+    np.testing.assert_array_equal(read_ply(path).points, again)

@@ -60,6 +60,12 @@ def write_ply(
     is the property :func:`~mlx_lattice.io.read_ply` reads as labels.
     ``comments`` are header comment lines. Returns ``path`` as a ``Path``.
 
+    An existing regular file at ``path`` is removed first and written anew
+    (a symbolic link is written through): ext4 writes a file that is
+    truncated and rewritten back to disk when it is closed, which made
+    overwriting an 88k-point PLY about five times slower than writing a new
+    one.
+
     A wrong shape, dtype or name raises :class:`~mlx_lattice.MlxLatticeError`
     naming the argument; nothing is written then.
 
@@ -112,8 +118,9 @@ def write_ply(
                 f"write_ply: each comment must be one line of printable ASCII, got {text!r}."
             )
     vertex = np.empty(len(pts), dtype=fields)
-    for axis, name in enumerate("xyz"):
-        vertex[name] = pts[:, axis]
+    # x, y, z in one copy: a (N, 3) view of the first three fields.
+    coords = np.ndarray((len(pts), 3), coord, vertex.data, 0, (vertex.itemsize, int(coord[-1])))
+    coords[...] = pts
     for (name, _), column in zip(fields[3:], columns, strict=True):
         vertex[name] = column
     header = ["ply", "format binary_little_endian 1.0"]
@@ -122,6 +129,8 @@ def write_ply(
     header += [f"property {_PLY_NAMES[code[1:]]} {name}" for name, code in fields]
     header.append("end_header\n")
     out = Path(path)
+    if out.is_file() and not out.is_symlink():
+        out.unlink()
     with open(out, "wb") as f:
         f.write("\n".join(header).encode("ascii"))
         f.write(vertex.data)

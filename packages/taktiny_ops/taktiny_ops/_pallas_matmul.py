@@ -150,7 +150,7 @@ def weight_only_matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *,
     >>> x = jnp.ones((2, 256), jnp.bfloat16)
     >>> q = jnp.ones((256, 128), jnp.int8)
     >>> s = jnp.full((1, 128), 0.5, jnp.bfloat16)
-    >>> y = weight_only_matmul(x, q, s, interpret=True)
+    >>> y = weight_only_matmul(x, q, s)  # interpreted unless on a TPU
     >>> y.shape, y.dtype, float(y[0, 0])
     ((2, 128), dtype(bfloat16), 128.0)
     """

@@ -207,7 +207,7 @@ def w8a8_matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *,
     >>> x = jnp.ones((2, 256), jnp.bfloat16)
     >>> q = jnp.ones((256, 128), jnp.int8)
     >>> s = jnp.full((1, 128), 0.5, jnp.float32)
-    >>> y = w8a8_matmul(x, q, s, out_dtype=jnp.float32, interpret=True)
+    >>> y = w8a8_matmul(x, q, s, out_dtype=jnp.float32)  # interpreted unless on a TPU
     >>> round(float(y[0, 0]), 3)  # q_x = 127, x_scale = 1/127.5: 256 * 127 / 127.5 * 0.5
     127.498
     """

@@ -236,12 +236,16 @@ def _export_error(model: nnx.Module, platforms: tuple[str, ...], batch_axis: int
     pallas = [f"{layer['path']} ({layer['kernel']})" for layer in _layers(model)
               if layer["kernel"] != "qwix"]
     if pallas:
-        advice = ("export with platforms=('tpu',) or quantize with kernels='qwix'"
-                  if platforms != ("tpu",) else "quantize with kernels='qwix'")
+        if type(err).__name__ == "InconclusiveDimensionOperation":
+            why = ("whose block sizes depend on the batch size, which the artifact keeps "
+                   "symbolic; quantize with kernels='qwix' to export")
+        else:
+            why = ("which lowers for 'tpu' only; " + (
+                "export with platforms=('tpu',) or quantize with kernels='qwix'"
+                if platforms != ("tpu",) else "quantize with kernels='qwix'"))
         return ArtifactError(
             f"platforms: cannot lower for {', '.join(platforms)}: layer(s) {', '.join(pallas)} "
-            f"run a Pallas TPU kernel, which lowers for 'tpu' only (and for the shapes it was "
-            f"written for); {advice} ({type(err).__name__}: {first})")
+            f"run a Pallas TPU kernel, {why} ({type(err).__name__}: {first})")
     if isinstance(err, TypeError | ValueError):
         return TaktinyOpsError(
             f"model: cannot export with a symbolic batch axis {batch_axis} for "

@@ -78,6 +78,7 @@ from mlx_lattice import tensor as lattice_tensor
 from mlx_lattice._native import ext
 from mlx_lattice.core import KernelRelation
 from mlx_lattice.data import HEIGHT_SCALE, SceneConfig, labelled_scans, make_batch
+from mlx_lattice.inference import _is_static
 from mlx_lattice.models import (
     SPVCNN,
     MinkUNet,
@@ -479,13 +480,16 @@ class _RelationClock:
 
 def _conv_seconds(net: export.ExportedModel, x: SparseTensor) -> float:
     """The summed warm time of every convolution of ``net``'s graph run
-    alone (without its epilogue) on the input the graph gave it."""
+    alone on the input the graph gave it: without its epilogue pass, or,
+    where the compiled graph runs the fused int8 convolution, that op with
+    the epilogue it carries."""
     values = net._values(x)
     mx.eval([v.feats for v in values.values() if isinstance(v, SparseTensor)])
+    fused = "int8_values" in net.graph and hasattr(ext, "sparse_quantized_conv_fused")
     total = 0.0
-    for node in net.graph["nodes"]:
+    for node, step in zip(net.graph["nodes"], net._steps, strict=True):
         if node["op"] in export._CONV_OPS:
-            layer = export._conv_layer(node, net.tensors)
+            layer = step if fused and _is_static(node) else export._conv_layer(node, net.tensors)
             inp = values[node["inputs"][0]]
             total += median_s(lambda layer=layer, inp=inp: mx.eval(layer(inp).feats), repeats=3)
     return total

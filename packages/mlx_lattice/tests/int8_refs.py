@@ -11,16 +11,34 @@ from __future__ import annotations
 import mlx.core as mx
 import numpy as np
 
-from mlx_lattice.core import QuantizedWeight
+from mlx_lattice.core import QuantizedWeight, build_kernel_relation
 
 __all__ = [
     "codes_ref",
     "fused_epilogue_ref",
     "int8_conv_ref",
+    "make_case",
     "quantize_rows_ref",
     "quantize_static_ref",
     "requantize_ref",
 ]
+
+
+def make_case(rng, n_points: int, cin: int, cout: int, bits: int, group: int):
+    """A seeded case: a 3x3x3 submanifold relation over up to n_points cells
+    of two batches, (N, cin) features with a few rows of very different
+    magnitude and an all-zero row, and a (27, cin, cout) weight quantized
+    to ``bits`` in groups of ``group``."""
+    pts = rng.integers(0, 9, (n_points, 3))
+    batch = rng.integers(0, 2, (n_points, 1))
+    coords = np.unique(np.concatenate([batch, pts], 1), axis=0).astype(np.int32)
+    rel = build_kernel_relation(coords, kernel_size=3)
+    feats = rng.standard_normal((len(coords), cin)).astype(np.float32)
+    feats[:5] *= np.float32(40.0)
+    feats[5] = 0.0
+    weight = mx.array(rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2)
+    qw = QuantizedWeight.from_float(weight, bits=bits, group_size=group)
+    return rel, feats, qw
 
 
 def codes_ref(qw: QuantizedWeight) -> np.ndarray:

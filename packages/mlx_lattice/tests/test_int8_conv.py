@@ -54,18 +54,7 @@ def float_error_bound(
     return bound + slack
 
 
-def make_case(rng, n_points: int, cin: int, cout: int, bits: int, group: int):
-    pts = rng.integers(0, 9, (n_points, 3))
-    batch = rng.integers(0, 2, (n_points, 1))
-    coords = np.unique(np.concatenate([batch, pts], 1), axis=0).astype(np.int32)
-    rel = build_kernel_relation(coords, kernel_size=3)
-    feats = rng.standard_normal((len(coords), cin)).astype(np.float32)
-    # A few rows of very different magnitude and an all-zero row.
-    feats[:5] *= np.float32(40.0)
-    feats[5] = 0.0
-    weight = mx.array(rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2)
-    qw = QuantizedWeight.from_float(weight, bits=bits, group_size=group)
-    return rel, feats, qw
+make_case = int8_refs.make_case
 
 
 CASES = [

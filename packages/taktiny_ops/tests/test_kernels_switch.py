@@ -91,9 +91,6 @@ def test_prequantized_linear_bitwise_equals_ptq_layer(name, rng):
     # element there); another backend may fuse it differently.
     if jax.default_backend() == "cpu":
         _bitwise(per_call, layer)
-    # called eagerly too (one cached jit per call), the QArray is used as is
-    _bitwise(tk.linear(x, wq, b, quant=rule, module_path="fc"),
-             jax.jit(lambda x, wq: tk.linear(x, wq, b, quant=rule, module_path="fc"))(x, wq))
 
 
 @pytest.mark.parametrize("name", ["int8", "w8a8", "int4_tiled"])
@@ -300,16 +297,18 @@ def test_pallas_w8a8_matches_the_reference_and_qwix(rng):
     # 4.01 u of it.
     np.testing.assert_array_less(np.abs(np.asarray(ours, np.float64) - ref),
                                  4.01 * U32 * np.abs(ref) + 1e-30)
-    # Against Qwix's w8a8 (which divides by the row scale instead of
-    # multiplying by its reciprocal, in float32): a quantized activation may
-    # differ by one at a rounding tie, i.e. by at most one step x_scale per
-    # element, so |ours - qwix| <= x_scale * sum_k |q_kn| * w_scale plus the
-    # epilogue's roundings (4.01 u |y| as above, on the larger magnitude).
+    # Against Qwix's w8a8 (which divides by its row scale, absmax / 127.5,
+    # where the kernel multiplies by a reciprocal of absmax * (1 / 127.5)):
+    # the two row scales may differ by one ulp (2 u relative), so a quantized
+    # activation may differ by one at a rounding boundary, i.e. by at most one
+    # step x_scale per element: |ours - qwix| <= x_scale * sum_k |q_kn| *
+    # w_scale, plus 2 u |y| for the scales and each side's two epilogue
+    # roundings (2 u |y| each): 6.01 u |y| on the larger magnitude.
     qwix_path = np.asarray(tk.linear(x, wq, quant=W8A8), np.float64)
     x_scale = np.abs(np.asarray(x, np.float64)).max(axis=1, keepdims=True) / 127.5
     step = x_scale * (np.abs(np.asarray(wq.qvalue, np.float64)).sum(axis=0)
                       * np.asarray(wq.scale, np.float64)[0])
-    bound = step + 4.01 * U32 * np.maximum(np.abs(qwix_path), np.abs(ref)) + 1e-30
+    bound = step + 6.01 * U32 * np.maximum(np.abs(qwix_path), np.abs(ref)) + 1e-30
     np.testing.assert_array_less(np.abs(np.asarray(ours, np.float64) - qwix_path), bound)
 
 

@@ -72,10 +72,12 @@ _VMEM_CAP = {"v4": 28 * MIB, "v5e": 100 * MIB, "v5p": 80 * MIB, "v6e": 100 * MIB
 # bucket first. M <= 128 is memory bound: few large weight blocks, so the
 # per-step overhead (~0.35 us) stays small against each block's HBM time.
 # Large M is MXU bound: 512-row blocks reuse each dequantized weight block.
-# bk == 0 means "all of K in one block" up to K = _FULL_K_MAX, else 2048 (w8a8
-# then quantizes each x block once and keeps it in VMEM across the N blocks;
-# at K=14336 and bm=512 the bf16 block alone would take 2 x 14 MiB).
+# bk == 0 (w8a8) asks that each activation block be quantized once: all of K in
+# one block (the int8 block is kept in VMEM across the N blocks) up to
+# K = _FULL_K_MAX; beyond (at K=14336 and bm=512 the bf16 block alone would take
+# 2 x 14 MiB) bk = 2048 and, up to N = _FULL_N_MAX, all of N in one block.
 _FULL_K_MAX = 8192
+_FULL_N_MAX = 4096
 _TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[int, int, int]], ...]] = {
     ("weight_only", "v5e"): ((128, (128, 2048, 1024)), (512, (256, 1024, 1024)),
                              (math.inf, (512, 1024, 1024))),
@@ -149,8 +151,12 @@ def plan(kernel: str, m: int, n: int, k: int, *, block_m: int | None,
     bn = block_n if block_n is not None else _largest_dividing(n_al, dn, LANE)
     if block_k is not None:
         bk = block_k
-    elif dk == 0:  # all of K, while the activation block stays small in VMEM
-        bk = k_al if k_al <= _FULL_K_MAX else _largest_dividing(k_al, 2048, k_step)
+    elif dk == 0 and k_al <= _FULL_K_MAX:  # all of K: x quantized once per row block
+        bk = k_al
+    elif dk == 0:  # K too long for one block: all of N instead, where it fits,
+        bk = _largest_dividing(k_al, 2048, k_step)  # so x is still quantized once
+        if block_n is None and n_al <= _FULL_N_MAX:
+            bn = n_al
     else:
         bk = _largest_dividing(k_al, max(dk, k_step), k_step)
     return Plan(bm, bn, bk, round_up(m, bm), round_up(n, bn), round_up(k, bk))

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 import qwix
 
+from taktiny_ops import _pallas_blocks as blocks_module
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import TaktinyOpsError
 from taktiny_ops._pallas_blocks import plan, use_interpret
@@ -189,6 +190,20 @@ def test_plan_pads_to_legal_blocks() -> None:
     assert (p.m_pad % p.bm, p.n_pad % p.bn, p.k_pad % p.bk) == (0, 0, 0)
     assert p.m_pad >= 5 and p.n_pad >= 200 and p.k_pad >= 384
     assert use_interpret(None) == (jax.default_backend() != "tpu")
+
+
+def test_v5e_table_quantizes_each_activation_block_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blocks_module, "tpu_generation", lambda: "v5e")
+    # K fits one block: the int8 activation block is made once, kept across N.
+    p = plan("w8a8", 8192, 14336, 4096, block_m=None, block_n=None, block_k=None, m_step=32)
+    assert (p.bm, p.bk, p.k_pad) == (512, 4096, 4096) and 14336 % p.bn == 0
+    # K too long for one block: all of N in one block instead.
+    p = plan("w8a8", 8192, 4096, 14336, block_m=None, block_n=None, block_k=None, m_step=32)
+    assert (p.bn, p.n_pad, p.bk) == (4096, 4096, 2048)
+    # Small M: few, large weight blocks that divide the weight exactly.
+    p = plan("weight_only", 16, 14336, 4096, block_m=None, block_n=None, block_k=None,
+             m_step=16)
+    assert p[:3] == (16, 2048, 1024) and (p.n_pad, p.k_pad) == (14336, 4096)
 
 
 _S = jax.ShapeDtypeStruct

@@ -111,6 +111,22 @@ def test_matches_numpy_reference_bit_for_bit(rng, cin, cout, bits, group, int8_i
         np.testing.assert_array_equal(got, want, err_msg=msg)
 
 
+@pytest.mark.parametrize(("cin", "group"), [(64, 32), (40, 32)])
+def test_int8_codes_of_minus_128_read_as_minus_127(rng, cin, group):
+    """Arbitrary int8 codes, -128 among them (the vector loader at C64, the
+    scalar one at C40): the reference with -128 read as -127."""
+    rel, feats, qw = make_case(rng, 400, cin, 24, 8, group)
+    codes = rng.integers(-128, 128, feats.shape).astype(np.int8)
+    codes[:, 0] = -128
+    want = int8_conv_ref(None, qw, rel, static=np.float32(0.03), codes=codes)
+    got = ext.sparse_quantized_conv_fused(mx.array(codes), qw, rel, in_scale=0.03)
+    np.testing.assert_array_equal(np.array(got), want)
+    clipped = ext.sparse_quantized_conv_fused(
+        mx.array(np.maximum(codes, -127)), qw, rel, in_scale=0.03
+    )
+    np.testing.assert_array_equal(np.array(clipped), want)
+
+
 def test_plain_output_is_the_static_int8_convolution(rng):
     """No epilogue: the same float32 bits as act_bits=8 with act_scale."""
     rel, feats, qw = make_case(rng, 500, 64, 48, 4, 32)

@@ -62,7 +62,34 @@ void requantize_row_scalar(const float* y, int64_t n, float s, int8_t* q) {
   }
 }
 
+// One int8 row of load_rows_int8 (the scalar definition): codes with -128
+// read as -127, and their sums per group (gr zeroed by the caller).
+void load_row_scalar(const int8_t* xr, int64_t c, int64_t group, int8_t* qr, int32_t* gr) {
+  for (int64_t i = 0; i < c; ++i) {
+    const int8_t v = std::max<int8_t>(xr[i], -127);
+    qr[i] = v;
+    gr[i / group] += v;
+  }
+}
+
 #ifdef MLX_LATTICE_X86
+// The same row, 16 codes per step (c and group multiples of 16): exact
+// integer sums in another order, the same values.
+__attribute__((target("avx512f"))) void load_row_avx512(const int8_t* xr, int64_t c,
+                                                        int64_t group, int8_t* qr, int32_t* gr) {
+  const __m512i lo = _mm512_set1_epi32(-127);
+  for (int64_t g0 = 0; g0 < c; g0 += group) {
+    __m512i sum = _mm512_setzero_si512();
+    for (int64_t i = g0; i < std::min(c, g0 + group); i += 16) {
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(xr + i));
+      const __m512i v = _mm512_max_epi32(_mm512_cvtepi8_epi32(b), lo);
+      sum = _mm512_add_epi32(sum, v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(qr + i), _mm512_cvtepi32_epi8(v));
+    }
+    gr[g0 / group] = _mm512_reduce_add_epi32(sum);
+  }
+}
+
 __attribute__((target("avx512f"))) void epilogue_row_avx512(float* y, int64_t n,
                                                             const Int8Epilogue& ep,
                                                             const float* res, const int8_t* rq) {
@@ -110,18 +137,20 @@ __attribute__((target("avx512f"))) void requantize_row_avx512(const float* y, in
 void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64_t group,
                     int8_t* q, float* scale, int32_t* gsum) {
   const int64_t groups = stride / group;
-  parallel_for(ceil_div(n, int64_t{1024}), [&](int64_t chunk) {
-    const int64_t r1 = std::min(n, (chunk + 1) * 1024);
-    for (int64_t r = chunk * 1024; r < r1; ++r) {
-      const int8_t* xr = x + r * c;
+  auto row = load_row_scalar;
+#ifdef MLX_LATTICE_X86
+  if (c % 16 == 0 && group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) {
+    row = load_row_avx512;
+  }
+#endif
+  constexpr int64_t kChunk = 1024;
+  parallel_for(ceil_div(n, kChunk), [&](int64_t chunk) {
+    const int64_t r1 = std::min(n, (chunk + 1) * kChunk);
+    for (int64_t r = chunk * kChunk; r < r1; ++r) {
       int8_t* qr = q + r * stride;
       int32_t* gr = gsum + r * groups;
       std::fill(gr, gr + groups, 0);
-      for (int64_t i = 0; i < c; ++i) {
-        const int8_t v = std::max<int8_t>(xr[i], -127);
-        qr[i] = v;
-        gr[i / group] += v;
-      }
+      row(x + r * c, c, group, qr, gr);
       if (stride > c) std::memset(qr + c, 0, stride - c);
       scale[r] = 1.0f;
     }

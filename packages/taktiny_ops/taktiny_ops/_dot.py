@@ -106,7 +106,8 @@ def as_is(x: Any, how: Any) -> bool:
                               jax.ShapeDtypeStruct(x.shape, x.scale.dtype))
     except ValueError:
         return False
-    return (str(want.qtype) == str(x.qtype) and want.qvalue.dtype == x.qvalue.dtype
+    return (K.qtype_name(want.qtype) == K.qtype_name(x.qtype)
+            and want.qvalue.dtype == x.qvalue.dtype
             and want.scale.shape == x.scale.shape
             and (want.zero_point is None) == (x.zero_point is None))
 

@@ -40,12 +40,12 @@ def check_switch(value: Any, argument: str) -> str:
     return value
 
 
-def _qtype_name(qtype: Any) -> str:
-    q = quantrules.qwix_qtype(qtype)
+def qtype_name(qtype: Any) -> str:
+    """A qtype's name ('int8', 'float8_e4m3fn', 'nf4'), however it is spelled."""
     try:
-        return jnp.dtype(q).name
+        return jnp.dtype(qtype).name
     except TypeError:
-        return str(q)
+        return str(qtype)
 
 
 def choose(switch: str, res: quantrules.Resolution | None, *,
@@ -66,7 +66,7 @@ def choose(switch: str, res: quantrules.Resolution | None, *,
         return QWIX, "QT (training) rules run Qwix's training kernel"
     if rule.weight_qtype is None:
         return QWIX, "no Pallas kernel for activation-only quantization"
-    weight = _qtype_name(rule.weight_qtype)
+    weight = qtype_name(quantrules.qwix_qtype(rule.weight_qtype))
     if rule.weight_calibration_method.split(",")[0] not in _SYMMETRIC:
         return QWIX, (f"no Pallas kernel for weight calibration "
                       f"{rule.weight_calibration_method!r} (it has a zero point)")
@@ -76,7 +76,7 @@ def choose(switch: str, res: quantrules.Resolution | None, *,
         if weight not in _WEIGHT_ONLY_QTYPES:
             return QWIX, f"no Pallas weight-only kernel for {weight} weights"
         return WEIGHT_ONLY, ""
-    act = _qtype_name(rule.act_qtype)
+    act = qtype_name(quantrules.qwix_qtype(rule.act_qtype))
     if (weight, act) != ("int8", "int8"):
         return QWIX, f"no Pallas kernel for {weight} weights x {act} activations"
     if rule.tile_size is not None:

@@ -116,10 +116,11 @@ def test_prequantized_einsum_bitwise_equals_ptq_layer(name, rng):
         _bitwise(per_call, layer)
 
 
-def test_qarray_that_does_not_match_the_rule_is_quantized_again(rng):
-    """The documented fallback: a QArray laid out otherwise (another qtype, tiling
-    or channel axis) is dequantized and quantized by the rule, and a QT rule
-    dequantizes it."""
+def test_matching_qarray_is_used_as_is_others_are_quantized_again(rng):
+    """A QArray laid out as the rule quantizes (the same qtype, scale shape and
+    zero point) is used as is; the documented fallback: one laid out otherwise
+    (another qtype, tiling or channel axis) is dequantized and quantized by the
+    rule, and a QT rule dequantizes it."""
     x, w = _arr(rng, (4, 256)), _arr(rng, (256, 128))
     others = [
         tk.quantize_weight(w, "int4"),  # another qtype
@@ -132,10 +133,16 @@ def test_qarray_that_does_not_match_the_rule_is_quantized_again(rng):
     qt = qr.QtProvider([qr.Rule(weight_qtype="int8", mode="qt")])
     wq = tk.quantize_weight(w, "int8")
     _bitwise(tk.linear(x, wq, quant=qt), tk.linear(x, qwix.dequantize(wq), quant=qt))
-    # a matching QArray is not quantized again: its own (altered) scale is used
-    doubled = qwix.QArray(wq.qvalue, wq.scale * 2, qtype=wq.qtype)
-    np.testing.assert_array_equal(tk.linear(x, doubled, quant="int8"),
-                                  2 * tk.linear(x, wq, quant="int8"))
+    # A matching QArray is not quantized again: its own (doubled) scale is
+    # used, however it was made (Qwix's own quantize spells the qtype jnp.int8),
+    # by linear and by einsum (an einsum's weight layout, '...' included).
+    for wq in (tk.quantize_weight(w, "int8"),
+               qwix.quantize(w, jnp.int8, channelwise_axes=(1,))):
+        doubled = qwix.QArray(wq.qvalue, wq.scale * 2, qtype=wq.qtype)
+        _bitwise(tk.linear(x, doubled, quant="int8"), 2 * tk.linear(x, wq, quant="int8"))
+        for subscripts in ("bk,kn->bn", "...k,kn->...n"):
+            _bitwise(tk.einsum(subscripts, x, doubled, quant="int8"),
+                     2 * tk.einsum(subscripts, x, wq, quant="int8"))
 
 
 def test_quantize_weight_keeps_float_where_the_layer_would(rng):

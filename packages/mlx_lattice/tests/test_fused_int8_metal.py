@@ -1,7 +1,7 @@
 """The Metal kernels of the fused static-int8 convolution
 (``mlxl_int8_conv_fused_{float,int8}``), run on the CPU through the MSL
 harness (tests/harness_ext.so), against the CPU kernels: the same bits.
-The Metal kernel sums each output's edges in CSR order (offsets ascending)
+The Metal kernel sums each output's edges by offset ascending (the CPU order)
 and groups ascending with the CPU's float32 operations, so there is no
 tolerance: int8 outputs, float32 outputs and half outputs (the float32
 value rounded once) compare exactly, NaN where NaN."""

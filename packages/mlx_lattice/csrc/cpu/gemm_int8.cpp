@@ -470,6 +470,17 @@ void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t c
                 kernel_ids, nullptr, out);
 }
 
+void int8_conv_rows_fused(Int8RowsFn rows, const float* feats, const int8_t* codes, int64_t n_in,
+                          int64_t cin, const uint8_t* packed, int64_t row_bytes,
+                          const float* scales, const float* biases, int64_t n_kernels,
+                          int64_t cout, int64_t storage_in, int64_t group, int bits,
+                          float in_scale, const Csr& csr, const int32_t* a_index,
+                          const int32_t* kernel_ids, const Int8Epilogue& ep, void* out) {
+  run_int8_conv(nullptr, rows, false, feats, codes, n_in, cin, packed, row_bytes, scales, biases,
+                n_kernels, cout, storage_in, group, bits, in_scale, csr, a_index, kernel_ids,
+                &ep, out);
+}
+
 const char* int8_isa() { return isa::isa_name(selected().isa); }
 
 }  // namespace mlx_lattice::kernels

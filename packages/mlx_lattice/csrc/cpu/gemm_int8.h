@@ -131,6 +131,15 @@ void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t c
                     int64_t group, int bits, float act_scale, const Csr& csr,
                     const int32_t* a_index, const int32_t* kernel_ids, float* out);
 
+// int8_conv_fused with a given row-block driver (the tests run the AMX
+// driver on the tile model this way, epilogue included).
+void int8_conv_rows_fused(Int8RowsFn rows, const float* feats, const int8_t* codes, int64_t n_in,
+                          int64_t cin, const uint8_t* packed, int64_t row_bytes,
+                          const float* scales, const float* biases, int64_t n_kernels,
+                          int64_t cout, int64_t storage_in, int64_t group, int bits,
+                          float in_scale, const Csr& csr, const int32_t* a_index,
+                          const int32_t* kernel_ids, const Int8Epilogue& ep, void* out);
+
 // The AMX-INT8 driver on the hardware (cpu/gemm_int8_amx.cpp); nullptr
 // where this build has none. Only call where isa_supported(kAmxInt8).
 extern const Int8RowsFn kAmxInt8RowsHw;

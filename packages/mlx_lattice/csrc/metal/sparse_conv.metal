@@ -173,7 +173,7 @@ kernel void mlxl_denominator_grad(
 
 // ---- The static-scale integer convolution with its fused epilogue
 // (cpu/gemm_int8.h: int8_conv_fused, Int8Epilogue): one thread per output
-// value, edges in CSR order (offsets ascending), groups ascending, each
+// value, its edges by offset ascending, groups ascending, each
 // edge's group term in float32 one rounding per operation: the CPU
 // kernels' sums, bit for bit.
 struct FusedDims {
@@ -212,9 +212,13 @@ inline float fused_value(device const float* feats, device const char* codes,
                          device const int* in_rows, device const int* kernel_ids,
                          device const int* out_offsets, constant FusedDims& d, uint o, uint c) {
   float acc = 0.0f;
-  for (int e = out_offsets[o]; e < out_offsets[o + 1]; ++e) {
+  // Offsets ascending whatever the CSR order (a row has at most one edge
+  // per offset): the order the CPU kernels sum in.
+  for (uint k = 0; k < d.n_kernels; ++k) {
+    int e = out_offsets[o];
+    while (e < out_offsets[o + 1] && uint(kernel_ids[e]) != k) ++e;
+    if (e == out_offsets[o + 1]) continue;
     const uint row = uint(in_rows[e]);
-    const uint k = uint(kernel_ids[e]);
     device const float* f = feats + size_t(row) * d.cin;
     device const char* q = codes + size_t(row) * d.cin;
     // A float row with a non-finite value adds NaN (its codes are 0).

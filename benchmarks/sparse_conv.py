@@ -8,10 +8,11 @@ its median round beside it) against two yardsticks measured in the same
 run (benchmarks/yardstick.py): NumPy's real sgemm rate (a child process
 without the OpenBLAS core pin) and the machine's measured vector peak of the
 kernel's instruction family (fp32 FMA; for the int8-activation kernels, with
-dynamic per-row or one static activation scale, AMX TDPBSSD where usable,
-else VNNI; for bf16 AMX TDPBF16PS or the bf16 dot), plus the speed-up over
-the fp32 forward. Then issue 35's lines on this host: each ratio, its
-target and whether it is met.
+dynamic per-row or one static activation scale, and the fused int8 -> int8
+layer (int8 input, bias, ReLU and requantization in the epilogue), AMX
+TDPBSSD where usable, else VNNI; for bf16 AMX TDPBF16PS or the bf16 dot),
+plus the speed-up over the fp32 forward. Then issue 35's lines on this
+host: each ratio, its target and whether it is met.
 
 Then every dataflow (``mlx_lattice.core.dataflow``) for every dtype it
 applies to, forced, as a time ratio to ``generic`` measured in the same run,
@@ -142,6 +143,19 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # A static activation scale as calibration would record it (max|F| / 127).
     static = float(mx.max(mx.abs(feats)).item()) / 127
+    # The fused int8 -> int8 layer of a compiled inference graph: the input
+    # already int8 at `static`, the folded norm's shift, ReLU and the
+    # requantization to the next layer's calibrated scale in the epilogue
+    # (ext.sparse_quantized_conv_fused), against the fp32 forward alone.
+    codes = mx.clip(mx.round(feats / static), -127, 127).astype(mx.int8)
+    # (Its own generator: the draws of the cases after it stay as they were.)
+    shift = mx.array(np.random.default_rng(1).standard_normal(CHANNELS, dtype=np.float32) * 0.1)
+    next_scale = float(mx.max(mx.abs(qconv(feats, q8f, 8, static))).item()) / 127
+
+    def fused(q):
+        return ext.sparse_quantized_conv_fused(
+            codes, q, rel, in_scale=static, bias=shift, relu=True, out_scale=next_scale
+        )
 
     # name: (call, instruction family of its yardstick peak)
     cases = {
@@ -180,6 +194,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         "w4a8 forward": (lambda: mx.eval(qconv(feats, q4f, 8)), "int8"),
         "w8a8 static forward": (lambda: mx.eval(qconv(feats, q8f, 8, static)), "int8"),
         "w4a8 static forward": (lambda: mx.eval(qconv(feats, q4f, 8, static)), "int8"),
+        # The same layer unfused: float32 output, then the shift and ReLU
+        # as their own passes (the next layer quantizes it again).
+        "w8a8 static+bias+relu": (
+            lambda: mx.eval(mx.maximum(qconv(feats, q8f, 8, static) + shift, 0)),
+            "int8",
+        ),
+        "w8a8 fused i8->i8": (lambda: mx.eval(fused(q8f)), "int8"),
+        "w4a8 fused i8->i8": (lambda: mx.eval(fused(q4f)), "int8"),
     }
     # Interleaved rounds: on a shared machine the load drifts during a run,
     # so every case is timed in every round and a case's time is the median

@@ -127,13 +127,20 @@ def test_int8_codes_of_minus_128_read_as_minus_127(rng, cin, group):
     np.testing.assert_array_equal(np.array(clipped), want)
 
 
-def test_plain_output_is_the_static_int8_convolution(rng):
-    """No epilogue: the same float32 bits as act_bits=8 with act_scale."""
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16])
+def test_plain_output_is_the_static_int8_convolution(rng, dtype):
+    """No epilogue: the bits of act_bits=8 with act_scale, in the features'
+    dtype (half features widened to float32 and quantized, the float32 sum
+    rounded once to their dtype)."""
     rel, feats, qw = make_case(rng, 500, 64, 48, 4, 32)
     s = static_scale(feats)
-    want = ext.sparse_quantized_conv_features(mx.array(feats), qw, rel, act_bits=8, act_scale=s)
-    got = ext.sparse_quantized_conv_fused(mx.array(feats), qw, rel, in_scale=float(s))
-    np.testing.assert_array_equal(np.array(got), np.array(want))
+    x = mx.array(feats).astype(dtype)
+    want = ext.sparse_quantized_conv_features(x, qw, rel, act_bits=8, act_scale=s)
+    got = ext.sparse_quantized_conv_fused(x, qw, rel, in_scale=float(s))
+    assert got.dtype == dtype
+    np.testing.assert_array_equal(
+        np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    )
 
 
 def test_requantization_rounds_half_to_even_saturates_and_zeroes_nan(rng):

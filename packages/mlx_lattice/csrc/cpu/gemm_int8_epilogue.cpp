@@ -104,8 +104,12 @@ __attribute__((target("avx512f"))) void epilogue_row_avx512(float* y, int64_t n,
     if (rq != nullptr) {
       // (A tail's bytes through a local: byte-masked loads need AVX-512BW.)
       alignas(16) int8_t tail[16] = {};
-      std::memcpy(tail, rq + x, static_cast<size_t>(std::min<int64_t>(16, n - x)));
-      const __m128i b = _mm_load_si128(reinterpret_cast<const __m128i*>(tail));
+      const int8_t* src = rq + x;
+      if (n - x < 16) {
+        std::memcpy(tail, src, static_cast<size_t>(n - x));
+        src = tail;
+      }
+      const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
       __m512 r = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), rs);
       MLX_LATTICE_EPI_ROUNDED(r);
       v = _mm512_add_ps(v, r);

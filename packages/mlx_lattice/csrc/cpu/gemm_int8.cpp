@@ -277,10 +277,27 @@ void pack_weight(const uint8_t* packed, int64_t row_bytes, const float* scales,
     for (int64_t o = 0; o < cout; ++o) {
       const int64_t row = k * cout + o;
       const uint8_t* p = packed + row * row_bytes;
-      // Channels past cin stay 0 (their activations are 0 too).
-      for (int64_t c = 0; c < cin; ++c) {
-        w.codes[((k * w.quads + c / 4) * w.cout_pad + o) * 4 + c % 4] =
-            static_cast<uint8_t>(unpack_code(p, row_bytes, c, bits));
+      // Channels past cin stay 0 (their activations are 0 too). Whole
+      // quads of 8- and 4-bit codes are one 4- or 2-byte read each (code c
+      // at bit c * bits, little-endian: unpack_code's values); the rest
+      // code by code.
+      uint8_t* dst = w.codes.data() + (k * w.quads * w.cout_pad + o) * 4;
+      const int64_t step = w.cout_pad * 4;  // from one quad to the next
+      int64_t c = 0;
+      if (bits == 8) {
+        for (; c + 4 <= cin; c += 4) std::memcpy(dst + (c / 4) * step, p + c, 4);
+      } else if (bits == 4) {
+        for (; c + 4 <= cin; c += 4) {
+          const uint8_t lo = p[c / 2], hi = p[c / 2 + 1];
+          uint8_t* q = dst + (c / 4) * step;
+          q[0] = lo & 15u;
+          q[1] = lo >> 4;
+          q[2] = hi & 15u;
+          q[3] = hi >> 4;
+        }
+      }
+      for (; c < cin; ++c) {
+        dst[(c / 4) * step + c % 4] = static_cast<uint8_t>(unpack_code(p, row_bytes, c, bits));
       }
       for (int64_t g = 0; g < w.groups; ++g) {
         float s = scales[row * w.groups + g];

@@ -99,6 +99,7 @@ def impls_for(mode: str) -> tuple[str, ...]:
         return IMPLS
     return tuple(i for i in IMPLS if not i.startswith("stateless"))
 
+
 _SMALL = flags.DEFINE_boolean(
     "small", None, "small sizes (default: on when the backend is a CPU; --nosmall forces full)")
 _JSON = flags.DEFINE_string("json", None, "write every row as JSON to this path")
@@ -374,6 +375,7 @@ def run(shapes: Sequence[tuple[int, int]], ms: Sequence[int], modes: Sequence[st
     rows: list[Row] = []
     key = jax.random.key(seed)
     for k, n in shapes:
+        started = time.perf_counter()
         print(f"\nx[M, {k}] @ w[{k}, {n}], bf16 activations")
         print(f"{'M':>6s} {'mode':>5s} {'impl':<18s} {'µs':>10s} {'rate':>8s} {'':7s} "
               f"{'GB/s':>7s} {'x bf16':>6s} {'rel.err':>9s} {'bound':>9s}  timed; kernel")
@@ -415,6 +417,7 @@ def run(shapes: Sequence[tuple[int, int]], ms: Sequence[int], modes: Sequence[st
                     rows.append(row)
                     print(_fmt(row))
                 del weights, step
+        print(f"(K={k}, N={n}: {time.perf_counter() - started:.0f} s with compilation)")
     return rows
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The TPU lane (docs/topics/tpu.rst): on a TPU host, from the repository root,
 #
-#   tools/tpu/run.sh [--wheels DIR] [--no-install] [--no-bench] [OUT]
+#   tools/tpu/run.sh [--wheels DIR] [--no-install] [--no-tests] [--no-bench] [OUT]
 #
 # 1. installs what the lock pins and the host lacks from the wheels that
 #    tools/tpu/fetch_wheels.sh fetched into DIR (default .whl/tpu), into
@@ -11,23 +11,28 @@
 #    and *_test.py files included) in ONE pytest process on the default JAX
 #    backend, through tools/pytest_main.py (the seed fixtures): OUT/pytest.log
 #    and OUT/pytest.xml (JUnit);
-# 4. then runs each TPU benchmark present (benchmarks/tpu_*.py) with OUT in
-#    the environment, its output in OUT/<name>.txt.
+# 4. then runs each TPU benchmark present (benchmarks/tpu_matmul.py, then
+#    benchmarks/tpu_train.py) with OUT in the
+#    environment, its output in OUT/<name>.txt and .json (and the training
+#    loss picture in OUT/tpu_train_loss.png).
 # OUT is the argument, else $OUT, else tpu_lane_out. It exits non-zero when
 # a test or a benchmark fails. Without a TPU it runs the same on the CPU
-# (--no-install where the lock's environment is already there).
+# (--no-install where the lock's environment is already there). --no-tests
+# and --no-bench split the tests and the benchmarks into two runs.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 wheels=.whl/tpu
 install=1
+tests=1
 bench=1
 out="${OUT:-}"
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) wheels="$2"; shift 2 ;;
     --no-install) install=0; shift ;;
+    --no-tests) tests=0; shift ;;
     --no-bench) bench=0; shift ;;
-    -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+    -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
     -*) echo "run.sh: unknown option $1" >&2; exit 2 ;;
     *) out="$1"; shift ;;
   esac
@@ -68,16 +73,18 @@ print("backend", jax.default_backend(), "devices", [d.device_kind for d in jax.d
 PY
 [ "${PIPESTATUS[0]}" = 0 ] || exit 1
 
-echo "== tests (one process)"
-export XML_OUTPUT_FILE="$out/pytest.xml"
-"$python" tools/pytest_main.py -W ignore::DeprecationWarning \
-  packages/quantrules/tests/*.py packages/taktiny_ops/tests/*.py \
-  --doctest-modules --doctest-continue-on-failure \
-  packages/quantrules/quantrules/*.py packages/taktiny_ops/taktiny_ops/*.py \
-  2>&1 | tee "$out/pytest.log"
-tests=${PIPESTATUS[0]}
-unset XML_OUTPUT_FILE
-"$python" - "$out/pytest.xml" <<'PY' | tee "$out/summary.txt"
+status=0
+if [ "$tests" = 1 ]; then
+  echo "== tests (one process)"
+  export XML_OUTPUT_FILE="$out/pytest.xml"
+  "$python" tools/pytest_main.py -W ignore::DeprecationWarning \
+    packages/quantrules/tests/*.py packages/taktiny_ops/tests/*.py \
+    --doctest-modules --doctest-continue-on-failure \
+    packages/quantrules/quantrules/*.py packages/taktiny_ops/taktiny_ops/*.py \
+    2>&1 | tee "$out/pytest.log"
+  tests=${PIPESTATUS[0]}
+  unset XML_OUTPUT_FILE
+  "$python" - "$out/pytest.xml" <<'PY' | tee "$out/summary.txt"
 import collections, sys, xml.etree.ElementTree as ET
 cases = list(ET.parse(sys.argv[1]).getroot().iter("testcase"))
 kinds = collections.Counter()
@@ -93,17 +100,19 @@ print("lane:", ", ".join(f"{kinds[k]} {k}" for k in ("passed", "skipped", "faile
 for reason, count in reasons.most_common():
     print(f"  skipped {count}: {reason}")
 PY
-
-status=$tests
-if [ "$bench" = 1 ]; then
-  for bench_file in benchmarks/tpu_*.py; do
-    [ -e "$bench_file" ] || continue
-    name=$(basename "$bench_file" .py)
-    echo "== benchmark $name"
-    OUT="$out" "$python" "$bench_file" 2>&1 | tee "$out/$name.txt"
-    rc=${PIPESTATUS[0]}
-    [ "$rc" = 0 ] || { echo "benchmark $name exited $rc"; status=1; }
-  done
+  status=$tests
 fi
-echo "== done: tests exited $tests; output in $out"
+bench() {  # bench NAME ARGS...: benchmarks/NAME.py, if present, into OUT/NAME.txt
+  local name="$1"; shift
+  [ -e "benchmarks/$name.py" ] || return 0
+  echo "== benchmark $name"
+  OUT="$out" "$python" "benchmarks/$name.py" "$@" 2>&1 | tee "$out/$name.txt"
+  local rc=${PIPESTATUS[0]}
+  [ "$rc" = 0 ] || { echo "benchmark $name exited $rc"; status=1; }
+}
+if [ "$bench" = 1 ]; then
+  bench tpu_matmul --json "$out/tpu_matmul.json"
+  bench tpu_train --json "$out/tpu_train.json" --png "$out/tpu_train_loss.png"
+fi
+echo "== done: exit $status; output in $out"
 exit "$status"

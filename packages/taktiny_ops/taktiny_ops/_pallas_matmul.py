@@ -177,7 +177,10 @@ def weight_only_matmul(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *,
               + 2 * p.bm * p.bn * 4 + chunk * p.bn * (xb + 4))
     kern = functools.partial(
         _kernel, nk=grid[2], chunk=chunk, tiles_per_block=p.bk // t, tiled=tiled,
-        precision=jax.lax.Precision.HIGHEST if f32 else None)
+        # Explicit both ways: under jax.default_matmul_precision('highest') an
+        # unset precision asks Mosaic for float32 contraction of bf16 operands,
+        # which it rejects ("Bad lhs type").
+        precision=jax.lax.Precision.HIGHEST if f32 else jax.lax.Precision.DEFAULT)
     out = pl.pallas_call(
         kern,
         grid=grid,

@@ -103,7 +103,10 @@ def _kernel(x_ref: Any, inv_ref: Any, xs_ref: Any, w_ref: Any, ws_ref: Any, *ref
         quantize_block()
     if parts:
         qx_ref[...] = xq_ref[...]
-    acc = jnp.dot(xq_ref[...], w_ref[...], preferred_element_type=jnp.int32)
+    # Precision explicit: a caller's jax.default_matmul_precision('highest')
+    # would otherwise ask Mosaic for a float32 contraction of int8 operands.
+    acc = jnp.dot(xq_ref[...], w_ref[...], preferred_element_type=jnp.int32,
+                  precision=jax.lax.Precision.DEFAULT)
 
     def finish(total: jax.Array) -> None:
         if parts:

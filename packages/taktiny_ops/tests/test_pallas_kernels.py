@@ -240,3 +240,37 @@ def test_float32_and_odd_shapes_lower_to_mosaic() -> None:
     exp = jax.export.export(jax.jit(fn), platforms=["tpu"])(
         _S((5, 384), jnp.float32), _S((384, 200), jnp.int8), _S((3, 200), jnp.float32))
     assert exp.mlir_module().count("tpu_custom_call") >= 2
+
+
+def _kernel_dot_precisions(fn, *args) -> list:
+    """The precision of every dot inside the Pallas kernels of ``fn(*args)``'s jaxpr."""
+    found = []
+
+    def walk(jaxpr) -> None:
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "dot_general":
+                found.append(eqn.params["precision"])
+            for value in eqn.params.values():
+                inner = getattr(value, "jaxpr", value)
+                if hasattr(inner, "eqns"):
+                    walk(inner)
+
+    walk(jax.make_jaxpr(fn)(*args).jaxpr)
+    return found
+
+
+@pytest.mark.parametrize("kernel", ["weight_only", "w8a8"])
+def test_kernel_dots_keep_their_precision_under_a_global_highest(kernel: str) -> None:
+    # A TPU rejected the kernels compiled under jax.default_matmul_precision
+    # ('highest') (Mosaic: "Bad lhs type"): an unset precision took the global
+    # one and asked for a float32 contraction of bf16 or int8 operands. The
+    # kernels' dots name DEFAULT (one MXU pass of their bf16/int8 operands).
+    x = jnp.ones((16, 256), jnp.bfloat16)
+    q = jnp.ones((256, 128), jnp.int8)
+    s = jnp.ones((1, 128), jnp.bfloat16)
+    fn = weight_only_matmul if kernel == "weight_only" else w8a8_matmul
+    with jax.default_matmul_precision("highest"):
+        precisions = _kernel_dot_precisions(lambda a, b, c: fn(a, b, c, interpret=True), x, q, s)
+    assert precisions, "no dot found inside the kernel"
+    default = (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)
+    assert all(p == default for p in precisions), precisions

@@ -9,6 +9,8 @@
 - ``cross_program_bound``: the bound of a difference between two differently
   compiled programs (see its docstring); bit-for-bit equality is claimed
   only within one jitted program (docs/topics/tpu.rst).
+- ``conv64``: a float64 convolution on the CPU device (a bound's product;
+  an accelerator has no float64 convolution).
 """
 
 from collections.abc import Callable, Iterator
@@ -85,3 +87,18 @@ def cross_program_bound() -> Callable:
     scale ulps (every contraction of these tests is shorter).
     """
     return _bound
+
+
+def _conv64(a: object, b: object, strides: tuple[int, ...],
+            dimension_numbers: tuple[str, str, str]) -> np.ndarray:
+    with jax.enable_x64(), jax.default_device(jax.devices("cpu")[0]):
+        return np.asarray(jax.lax.conv_general_dilated(
+            jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64), strides, "SAME",
+            dimension_numbers=dimension_numbers, precision=jax.lax.Precision.HIGHEST))
+
+
+@pytest.fixture
+def conv64() -> Callable:
+    """``conv64(a, b, strides, dimension_numbers)``: a "SAME" convolution in
+    float64 on the CPU device, whatever the default backend."""
+    return _conv64

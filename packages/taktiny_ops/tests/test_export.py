@@ -87,15 +87,7 @@ def _dequantized(layer):
                       np.float64)
 
 
-def _conv64(a, k):
-    """Head's convolution (stride 2, SAME, NWC/WIO) in float64."""
-    with jax.enable_x64():
-        return np.asarray(jax.lax.conv_general_dilated(
-            jnp.asarray(a, jnp.float64), jnp.asarray(k, jnp.float64), (2,), "SAME",
-            dimension_numbers=("NWC", "WIO", "NWC"), precision=jax.lax.Precision.HIGHEST))
-
-
-def _cross_backend_bound(model, x, rules, bound):
+def _cross_backend_bound(model, x, rules, bound, conv64):
     """Elementwise bound of |Head(x) on one backend - Head(x) on another|.
 
     Both run the same module on the same stored weights (so no weight
@@ -130,8 +122,8 @@ def _cross_backend_bound(model, x, rules, bound):
     e = 1.13 * e + 2**-20 * np.abs(g)
     e = bound(lambda a, b: np.einsum("btd,dh->bth", a, b), g, _dequantized(model.mix),
               act_only("mix", "einsum"), e) + bias(model.mix)
-    e = bound(_conv64, a2, _dequantized(model.conv), act_only("conv", "conv_general_dilated"),
-              e) + bias(model.conv)
+    e = bound(lambda a, b: conv64(a, b, (2,), ("NWC", "WIO", "NWC")), a2,
+              _dequantized(model.conv), act_only("conv", "conv_general_dilated"), e) + bias(model.conv)
     return bound(np.matmul, np.maximum(a3, 0), _dequantized(model.out),
                  act_only("out", "dot_general"), e) + bias(model.out)
 
@@ -165,19 +157,20 @@ def _load_elsewhere(path, inputs, tmp_path):
     return [np.load(name.replace(".in.npy", ".out.npy")) for name in names]
 
 
-def _same_or_within(name, model, x, y, expected, bound):
+def _same_or_within(name, model, x, y, expected, bound, conv64):
     """Bit for bit on the same backend; within the cross-backend bound elsewhere."""
     assert y.dtype == expected.dtype and y.shape == expected.shape == (len(x), 4, 5)
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(y, expected)
     else:
-        limit = _cross_backend_bound(model, x, RULE_SETS[name], bound)
+        limit = _cross_backend_bound(model, x, RULE_SETS[name], bound, conv64)
         err = np.abs(y.astype(np.float64) - expected)
         assert (err <= limit).all(), (float(err.max()), float((limit - err).min()))
 
 
 @pytest.mark.parametrize("name", list(RULE_SETS))
-def test_artifact_in_plain_jax_process_bitwise_equals_jit(name, tmp_path, cross_program_bound):
+def test_artifact_in_plain_jax_process_bitwise_equals_jit(name, tmp_path, cross_program_bound,
+                                                          conv64):
     print(f"seed {SEED}")
     model, report = small_model(RULE_SETS[name])
     assert len(report.quantized) == 4
@@ -192,12 +185,12 @@ def test_artifact_in_plain_jax_process_bitwise_equals_jit(name, tmp_path, cross_
         # In this process (this backend) the artifact is the model's program.
         np.testing.assert_array_equal(np.asarray(loaded(x)), expected)
         # On the CPU, in a plain-JAX process.
-        _same_or_within(name, model, x, y, expected, cross_program_bound)
+        _same_or_within(name, model, x, y, expected, cross_program_bound, conv64)
         # The bound holds for any two programs: here the eager model (one
         # cached jit per layer) against the whole jitted one.
         with jax.default_matmul_precision("highest"):
             eager = np.asarray(model(jnp.asarray(x)), np.float64)
-        limit = _cross_backend_bound(model, x, RULE_SETS[name], cross_program_bound)
+        limit = _cross_backend_bound(model, x, RULE_SETS[name], cross_program_bound, conv64)
         assert (np.abs(eager - expected) <= limit).all()
 
 
@@ -289,14 +282,14 @@ def test_artifact_holds_packed_quantized_weights(tmp_path):
     assert [layer["path"] for layer in meta["layers"]] == ["conv", "fc", "mix", "out"]
 
 
-def test_committed_artifact_loads_and_matches_the_model(tmp_path, cross_program_bound):
+def test_committed_artifact_loads_and_matches_the_model(tmp_path, cross_program_bound, conv64):
     """Written before artifacts named their platforms: CPU only, the CPU's
     float32 matmuls. The CPU runs it as the model; a TPU process is told."""
     assert COMMITTED.stat().st_size < 64 * 1024
     model, _ = small_model(RULE_SETS["int8"])
     x = _inputs(6, 3)
     (y,) = _load_elsewhere(COMMITTED, [x], tmp_path)
-    _same_or_within("int8", model, x, y, _jit(model, x), cross_program_bound)
+    _same_or_within("int8", model, x, y, _jit(model, x), cross_program_bound, conv64)
     if jax.default_backend() == "cpu":
         np.testing.assert_array_equal(np.asarray(tk.load_model(COMMITTED)(x)), y)
     else:

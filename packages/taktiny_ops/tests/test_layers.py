@@ -97,20 +97,13 @@ def _stateless(params, x, quant):
     return h
 
 
-def _conv64(a, b):
-    """Net's convolution in float64 (the bound's bilinear product)."""
-    with jax.enable_x64():
-        return np.asarray(jax.lax.conv_general_dilated(
-            jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64), (2,), "SAME",
-            dimension_numbers=CONV_DN, precision=jax.lax.Precision.HIGHEST))
-
-
-# Each layer of Net: its input shape, its op, its bilinear product in float64.
+# Each layer of Net: its input shape, its op, its bilinear product in float64
+# (None: the convolution, the conv64 fixture's).
 LAYERS = {
     "mlp/fc1": ((2, 6, 32), "dot_general", np.matmul),
     "mlp/fc2": ((2, 6, 48), "dot_general", np.matmul),
     "mix": ((2, 6, 16), "einsum", lambda a, b: np.einsum("btd,dh->bth", a, b)),
-    "convs/0": ((2, 6, 24), "conv_general_dilated", _conv64),
+    "convs/0": ((2, 6, 24), "conv_general_dilated", None),
 }
 
 
@@ -119,10 +112,11 @@ def _layer(model, path):
         model.mix if path == "mix" else model.mlp[path.split("/")[1]])
 
 
-def _each_layer_within_bound(model, params, rules, rng, bound):
+def _each_layer_within_bound(model, params, rules, rng, bound, conv64):
     """Every layer called eagerly (op by op or as its own cached jit) is
     within ``bound`` of its stateless op compiled, on a seeded input."""
     for path, (shape, op, product) in LAYERS.items():
+        product = product or (lambda a, b: conv64(a, b, (2,), CONV_DN))
         h = _arr(rng, shape)
         got = np.asarray(_layer(model, path)(h), np.float64)
         want = jax.jit(lambda p, h, path=path: _stateless_layer(path, p, h, rules))(params, h)
@@ -158,7 +152,7 @@ def _one_program(model, params, x, quant):
 
 
 @pytest.mark.parametrize("name", list(RULE_SETS))
-def test_ptq_layers_bitwise_equal_stateless_ops(name, mode, rng, cross_program_bound):
+def test_ptq_layers_bitwise_equal_stateless_ops(name, mode, rng, cross_program_bound, conv64):
     rules = RULE_SETS[name]
     model = Net(nnx.Rngs(int(rng.integers(1 << 30))))
     _randomize(model, rng)
@@ -168,7 +162,7 @@ def test_ptq_layers_bitwise_equal_stateless_ops(name, mode, rng, cross_program_b
     if mode == "compiled":
         _bitwise(*_one_program(model, params, x, rules))
     # called eagerly, each layer runs op by op or as one cached jit of itself
-    _each_layer_within_bound(model, params, rules, rng, cross_program_bound)
+    _each_layer_within_bound(model, params, rules, rng, cross_program_bound, conv64)
     paths = [layer.path for layer in report.layers]
     assert paths == ["convs/0", "mix", "mlp/fc1", "mlp/fc2"]
     for layer in report.layers:
@@ -194,7 +188,8 @@ def test_ptq_kernel_is_held_packed(rng):
 
 
 @pytest.mark.parametrize("bwd", [None, "int8"])
-def test_qt_layers_and_grads_bitwise_equal_stateless_ops(bwd, mode, rng, cross_program_bound):
+def test_qt_layers_and_grads_bitwise_equal_stateless_ops(bwd, mode, rng, cross_program_bound,
+                                                         conv64):
     """Gradients within one program only: across programs a flipped forward
     rounding moves the loss's derivative too, with no useful bound."""
     rules = qr.QtProvider([qr.Rule(weight_qtype="int8", act_qtype="int8", bwd_qtype=bwd,
@@ -205,7 +200,7 @@ def test_qt_layers_and_grads_bitwise_equal_stateless_ops(bwd, mode, rng, cross_p
     x = _arr(rng, (2, 6, 32))
     tk.quantize(model, rules)
     assert isinstance(model.mlp["fc1"].kernel, nnx.Param)  # QT keeps the float kernel
-    _each_layer_within_bound(model, params, rules, rng, cross_program_bound)
+    _each_layer_within_bound(model, params, rules, rng, cross_program_bound, conv64)
     if mode != "compiled":
         return
 

@@ -75,10 +75,16 @@ def test_qarray_inputs_use_qwix_without_quant():
         np.testing.assert_array_equal(got, want)
     with pytest.raises(ValueError, match="optimize: QArray inputs without quant need"):
         tk.einsum("bi,io->bo", x, wq, optimize="greedy")
-    # a selected rule dequantizes the QArray first, then quantizes again
-    ours, requantized = _one_program(lambda a, b: (
-        tk.linear(a, b, quant="int8"), tk.linear(a, qwix.dequantize(b), quant="int8")), x, wq)
+    # a selected rule the QArray matches (qtype, channel axis) takes it as is:
+    # Qwix's own product of the QArray; another rule dequantizes it first,
+    # then quantizes again
+    w4 = qr.Rule(weight_qtype="int4")  # channelwise int4: not the QArray's qtype
+    as_is, qwix_product, ours, requantized = _one_program(lambda a, b: (
+        tk.linear(a, b, quant="int8"), qwix.dot_general(a, b, dn),
+        tk.linear(a, b, quant=w4), tk.linear(a, qwix.dequantize(b), quant=w4)), x, wq)
+    np.testing.assert_array_equal(as_is, qwix_product)
     np.testing.assert_array_equal(ours, requantized)
+    assert not np.array_equal(ours, as_is)
 
 
 # ---------------------------------------------------------------- quantized error bounds

@@ -90,15 +90,7 @@ def test_einsum_ptq_bitwise_equals_qwix(mode, rng, cross_program_bound):
     _check(mode, ours, expected, bound)
 
 
-def _conv64(a, b, dn):
-    """The float64 convolution (the bound's bilinear product)."""
-    with jax.enable_x64():
-        return np.asarray(jax.lax.conv_general_dilated(
-            jnp.asarray(a, jnp.float64), jnp.asarray(b, jnp.float64), (1,) * (a.ndim - 2),
-            "SAME", dimension_numbers=dn, precision=jax.lax.Precision.HIGHEST))
-
-
-def test_conv_ptq_bitwise_equals_qwix(mode, rng, cross_program_bound):
+def test_conv_ptq_bitwise_equals_qwix(mode, rng, cross_program_bound, conv64):
     model = nnx.Conv(4, 8, kernel_size=(3, 3), use_bias=False, rngs=nnx.Rngs(2))
     model.kernel.value = _arr(rng, (3, 3, 4, 8))
     x = _arr(rng, (2, 9, 9, 4))
@@ -111,7 +103,8 @@ def test_conv_ptq_bitwise_equals_qwix(mode, rng, cross_program_bound):
                                        quant=rule), m(x)
 
     ours, expected = _both(mode, pair, qmodel, x, model.kernel.value)
-    bound = cross_program_bound(lambda a, b: _conv64(a, b, dn), x, model.kernel.value, rule)
+    bound = cross_program_bound(lambda a, b: conv64(a, b, (1, 1), dn), x, model.kernel.value,
+                                rule)
     _check(mode, ours, expected, bound)
 
 
@@ -150,7 +143,7 @@ def test_linear_qt_forward_and_grads_bitwise_equal_qwix(bwd, mode, rng, cross_pr
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_conv_qt_grads_bitwise_equal_qwix(mode, rng, cross_program_bound):
+def test_conv_qt_grads_bitwise_equal_qwix(mode, rng, cross_program_bound, conv64):
     """Gradients within one program only (as for the linear layer)."""
     model = nnx.Conv(3, 4, kernel_size=(3,), use_bias=False, rngs=nnx.Rngs(4))
     model.kernel.value = _arr(rng, (3, 3, 4))
@@ -164,7 +157,7 @@ def test_conv_qt_grads_bitwise_equal_qwix(mode, rng, cross_program_bound):
 
     got, expected = _both(mode, lambda m, x, k: (ours(x, k), m(x)), qmodel, x,
                           model.kernel.value)
-    bound = cross_program_bound(lambda a, b: _conv64(a, b, dn), x, model.kernel.value, rule)
+    bound = cross_program_bound(lambda a, b: conv64(a, b, (1,), dn), x, model.kernel.value, rule)
     _check(mode, got, expected, bound)
     if mode != "compiled":
         return

@@ -4,13 +4,16 @@ express the rules, PTQ and QT (gradients through ``nnx.grad``); bad rules and
 unsupported layers raise TaktinyOpsError by path.
 
 Bit for bit is claimed within ONE jitted program (the model and its
-reference traced together), on any backend. Layers called eagerly, op by op
+reference traced together), on any backend, for the same quantized weights
+(a PTQ model quantizes them once, in a program of its own). Layers called eagerly, op by op
 (``TAKTINY_OPS_EAGER_JIT=0``) or as one cached jit per layer, are other
 programs: each layer is checked on a seeded input against the stateless op
 within one flipped rounding per quantized value (the conftest's
 ``cross_program_bound``, derived there). Op-by-op comparison with Qwix's
 model is per layer in test_oracle_qwix.py.
 """
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -247,6 +250,27 @@ def _with_qwix(ours, theirs, x):
     return nnx.jit(lambda a, b, x: (a(x), b(x)))(ours, theirs, x)
 
 
+def _take_qwix_weights(ours, qmodel):
+    """Give our PTQ layers the QArrays Qwix's model holds.
+
+    Each side quantized its weights once, eagerly, in a program of its own
+    (quantize / quantize_model): they may differ by one level where a value
+    lies at a rounding boundary (a TPU; never seen on a CPU), and by an ulp
+    of a scale. Checked so, then Qwix's are taken, so that the one-program
+    comparison covers everything that runs per call."""
+    for name in ("fc1", "ein", "conv", "head"):
+        layer = getattr(ours, name)
+        if not isinstance(layer.kernel, tk.QuantizedKernel):
+            continue
+        mine, held = layer.kernel.get_value(), getattr(qmodel, name).kernel.array
+        theirs = dataclasses.replace(held, qvalue=held.qvalue[...], scale=held.scale[...])
+        assert mine.qvalue.shape == theirs.qvalue.shape and mine.scale.shape == theirs.scale.shape
+        levels = np.abs(np.asarray(mine.qvalue, np.int32) - np.asarray(theirs.qvalue, np.int32))
+        assert levels.max() <= 1, (name, int(levels.max()))
+        np.testing.assert_allclose(np.asarray(mine.scale), np.asarray(theirs.scale), rtol=2**-22)
+        layer.kernel.set_value(theirs)
+
+
 @pytest.mark.parametrize("name", list(QWIX_RULE_SETS))
 def test_ptq_bitwise_equals_qwix_quantize_model(name, rng):
     rules = QWIX_RULE_SETS[name]
@@ -260,6 +284,7 @@ def test_ptq_bitwise_equals_qwix_quantize_model(name, rng):
     report = tk.quantize(ours, rules)
     assert {layer.path: layer.mode for layer in report.layers}["head"] == (
         "float" if name == "int4-tiles" else "ptq")
+    _take_qwix_weights(ours, qmodel)
     _bitwise(*_with_qwix(ours, qmodel, x))
 
 

@@ -118,10 +118,13 @@ def test_weight_only_conv_works():
 def test_activation_only_rule_quantizes_the_activation():
     x, w = arr(8, 64), arr(64, 4)
     rule = qr.Rule(act_qtype="int8")
-    xq = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)))
-    out = tk.linear(x, w, quant=rule)
-    assert not np.array_equal(out, x @ w)
-    np.testing.assert_allclose(out, xq @ w, rtol=1e-5, atol=1e-5)
+    # One program: the reference's quantized activation is the op's (another
+    # program may round a value at a boundary the other way).
+    out, ref, plain = _one_program(lambda x, w: (
+        tk.linear(x, w, quant=rule),
+        qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,))) @ w, x @ w), x, w)
+    assert not np.array_equal(out, plain)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_rules_match_path_and_disable():
@@ -147,18 +150,22 @@ def test_dot_general_operand_roles():
     a, b = arr(4, 64), arr(64, 4)
     dn = (((1,), (0,)), ((), ()))
     rule = qr.Rule(weight_qtype="int4", tile_size=16)
-    lhs_w = tk.dot_general(a, b, dn, quant=rule, lhs_weight=True, rhs_weight=False)
-    aq = qwix.dequantize(qwix.quantize(a, jnp.int4, channelwise_axes=(0,), tiled_axes={1: 16}))
-    np.testing.assert_allclose(lhs_w, aq @ b, rtol=1e-5, atol=1e-5)
+    lhs_w, ref = _one_program(lambda a, b: (
+        tk.dot_general(a, b, dn, quant=rule, lhs_weight=True, rhs_weight=False),
+        qwix.dequantize(qwix.quantize(a, jnp.int4, channelwise_axes=(0,), tiled_axes={1: 16}))
+        @ b), a, b)
+    np.testing.assert_allclose(lhs_w, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_einsum_roles_follow_operand_order_not_contraction_order():
     x, w = arr(3, 64), arr(64, 5)
     rule = qr.Rule(weight_qtype="int4", tile_size=16)
-    wq = qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,), tiled_axes={0: 16}))
     # the weight is the second operand even when the subscripts put it first in the output
-    out = tk.einsum("bi,io->ob", x, w, quant=rule)
-    np.testing.assert_allclose(out, (x @ wq).T, rtol=1e-5, atol=1e-5)
+    out, ref = _one_program(lambda x, w: (
+        tk.einsum("bi,io->ob", x, w, quant=rule),
+        (x @ qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,),
+                                           tiled_axes={0: 16}))).T), x, w)
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_qt_einsum_gradients_when_jax_swaps_operands():
@@ -304,17 +311,21 @@ def test_int4_by_int4_on_cpu_raises_clearly():
         with pytest.raises(NotImplementedError, match="int4 x int4"):
             tk.einsum("bi,io->bo", x, w, quant=w4a4)
     else:
-        xq = qwix.dequantize(qwix.quantize(x, jnp.int4, channelwise_axes=(0,)))
-        wq = qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,)))
-        # The integer sum is exact; both sides then round a float32 product
-        # of 32 terms (relative 2^-24 each): 1e-4 is far above that.
-        for out in (tk.linear(x, w, quant=w4a4), tk.einsum("bi,io->bo", x, w, quant=w4a4)):
-            np.testing.assert_allclose(out, xq @ wq, rtol=1e-4, atol=1e-4)
-    # one 4-bit operand is fine
-    out = tk.linear(x, w, quant=qr.Rule(weight_qtype="int4", act_qtype="int8"))
-    xq = qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)))
-    wq = qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,)))
-    np.testing.assert_allclose(out, xq @ wq, rtol=1e-4, atol=1e-4)
+        # One program (the reference's quantized values are the op's). The
+        # integer sum is exact; both sides then round a float32 product of
+        # 32 terms (relative 2^-24 each): 1e-4 is far above that.
+        *outs, ref = _one_program(lambda x, w: (
+            tk.linear(x, w, quant=w4a4), tk.einsum("bi,io->bo", x, w, quant=w4a4),
+            qwix.dequantize(qwix.quantize(x, jnp.int4, channelwise_axes=(0,)))
+            @ qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,)))), x, w)
+        for out in outs:
+            np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
+    # one 4-bit operand is fine (one program, as above)
+    out, ref = _one_program(lambda x, w: (
+        tk.linear(x, w, quant=qr.Rule(weight_qtype="int4", act_qtype="int8")),
+        qwix.dequantize(qwix.quantize(x, jnp.int8, channelwise_axes=(0,)))
+        @ qwix.dequantize(qwix.quantize(w, jnp.int4, channelwise_axes=(1,)))), x, w)
+    np.testing.assert_allclose(out, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_stateless_limits_raise_not_implemented():

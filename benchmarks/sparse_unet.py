@@ -48,6 +48,17 @@ One run, one machine, ~100k voxels:
   on AVX2-only ones; compiled float32 at 1.15x; no compiled row slower than
   compiled float32).
 
+``--threads=1,2,4,8,all`` runs a thread sweep instead of the rows above
+(issue 55): the float32 eval forward and the compiled static w8a8 graph of
+MinkUNet on the built-in scene made denser until it has at least
+``--sweep-voxels`` voxels (400k by default), timed at each kernel thread
+count (:func:`mlx_lattice.set_num_threads`, restored after; ``all`` is the
+CPUs of the process's affinity mask, counts above it are skipped) in
+``--rounds`` interleaved rounds; per count the best round's ms and voxels/s,
+the speed-up over one thread and the efficiency (speed-up / threads), then
+the issue's line (at least 0.75x linear at 8 threads on hosts with 8 or
+more cores).
+
 The run first calls :func:`mlx_lattice.retain_freed_memory` (``--no-retain``
 leaves glibc's malloc as it is): without it every large array of a step is a
 fresh, page-faulted mapping.
@@ -409,6 +420,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         f"MLX buffer cache limit {limit >> 20} MB; freed memory retained (retain_freed_memory): "
         f"{'yes' if retained else 'no'}; load average {os.getloadavg()[0]:.1f}"
     )
+    if _THREADS.value is not None:
+        _thread_sweep(widths, _QUICK.value, _SWEEP_VOXELS.value, _ROUNDS.value)
+        return
     print(
         f"scan: {n} voxels ({len(scan.points)} points); widths {widths}, 2 input channels, "
         f"{CLASSES} classes"
@@ -616,6 +630,149 @@ def _forward(widths: tuple, fresh: object, n: int, rounds: int) -> None:
     }
     kind_of_host = "an AVX-512-VNNI host" if floor == 2.0 else "a host without AVX-512-VNNI"
     print_targets(f"targets (issue 55) on {kind_of_host}:", issue55)
+
+
+# The thread sweep (issue 55, item 6).
+_THREADS = flags.DEFINE_string(
+    "threads",
+    None,
+    "comma-separated kernel thread counts, integers >= 1 or 'all' (the CPUs of the affinity "
+    "mask), e.g. 1,2,4,8,all: the run is then a thread sweep of the float32 eval forward and "
+    "the compiled static w8a8 graph on a scan of at least --sweep-voxels voxels (1 thread, the "
+    "baseline, is always timed; counts above the host's CPUs are skipped)",
+)
+_SWEEP_VOXELS = flags.DEFINE_integer(
+    "sweep-voxels",
+    400_000,
+    "with --threads: the least number of voxels of the sweep's scan (the built-in scene made "
+    "denser until it has them)",
+    lower_bound=1,
+    upper_bound=2_000_000,
+)
+
+
+def _parse_threads(value: str) -> list[int | str]:
+    """The items of ``--threads``: ints >= 1 and ``"all"``; ValueError otherwise."""
+    items: list[int | str] = []
+    for item in value.split(","):
+        item = item.strip().lower()
+        if item == "all":
+            items.append(item)
+        elif not item.isdigit() or int(item) < 1:
+            raise ValueError(item)
+        else:
+            items.append(int(item))
+    return items
+
+
+def _valid_threads(value: str | None) -> bool:
+    try:
+        return value is None or bool(_parse_threads(value))
+    except ValueError:
+        return False
+
+
+flags.register_validator(
+    "threads",
+    _valid_threads,
+    message="--threads: comma-separated integers >= 1 or 'all', e.g. 1,2,4,8,all",
+)
+
+
+def _affinity_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _sweep_scan(min_voxels: int, quick: bool) -> tuple[SparseTensor, int, float]:
+    """The benchmark's scene (``--quick``'s when quick), each step 1.5x the
+    beams and azimuth steps and 0.8x the voxel edge, until its voxelization
+    has at least ``min_voxels`` voxels (from the full scene: 100k, 202k,
+    421k, ...): the tensor, the scan's points and the voxel edge."""
+    beams, steps, voxel = (16, 512, 0.25) if quick else (64, 2200, VOXEL)
+    for _ in range(12):
+        config = SceneConfig(beams=beams, azimuth_steps=steps)
+        scan = labelled_scans(1, 0, seed=0, config=config).train[0]
+        tensor = make_batch([scan], voxel).tensor
+        if tensor.num_points >= min_voxels:
+            return tensor, len(scan.points), voxel
+        beams, steps, voxel = beams * 3 // 2, steps * 3 // 2, voxel * 0.8
+    raise ValueError(f"--sweep-voxels={min_voxels}: the scene reached {tensor.num_points} voxels")
+
+
+def _thread_sweep(widths: tuple, quick: bool, min_voxels: int, rounds: int) -> None:
+    """Times the float32 eval forward and the compiled static w8a8 graph at
+    each ``--threads`` count (warm: relations cached), in interleaved rounds
+    (every count and model once per round), and prints the best round per
+    count with its speed-up over one thread and the efficiency."""
+    cpus = _affinity_cpus()
+    asked = {cpus if t == "all" else t for t in _parse_threads(_THREADS.value)}
+    counts = sorted({1} | {t for t in asked if t <= cpus})
+    skipped = sorted(t for t in asked if t > cpus)
+    tensor, points, voxel = _sweep_scan(min_voxels, quick)
+    n = tensor.num_points
+    print(
+        f"\nthread sweep (MinkUNet, eval mode; {n} voxels, {points} points, voxel {voxel:.3g} m; "
+        f"{rounds} interleaved rounds; affinity mask {cpus} CPUs)"
+    )
+    if skipped:
+        print(f"skipped: {', '.join(map(str, skipped))} threads (above this host's {cpus} CPUs)")
+    float_model = _model("float32", widths)
+    float_model.eval()
+    static_model = _model("w8a8 static", widths)
+    static_model.eval()
+    # Calibrated on the scan itself, as in the forward rows.
+    mlx_lattice.calibrate(static_model, [tensor])
+    net = mlx_lattice.compile(static_model)
+    calls = {
+        "float32": lambda: mx.eval(float_model(tensor).feats),
+        "compiled w8a8 static": lambda: mx.eval(net(tensor).feats),
+    }
+    previous = mlx_lattice.get_num_threads()
+    times = np.zeros((rounds, len(counts), len(calls)))
+    read_back = {}
+    try:
+        for r in range(rounds):
+            for i, count in enumerate(counts):
+                mlx_lattice.set_num_threads(count)
+                read_back[count] = mlx_lattice.get_num_threads()
+                for k, call in enumerate(calls.values()):
+                    times[r, i, k] = median_s(call, repeats=3)
+    finally:
+        mlx_lattice.set_num_threads(previous)
+    best = times.min(axis=0) * 1e3  # ms, the best round
+    print(f"{'model':<22}{'threads':>8}{'ms':>12}{'voxels/s':>14}{'speed-up':>10}{'efficiency':>12}")
+    speedups: dict[str, dict[int, float]] = {}
+    for k, kind in enumerate(calls):
+        # From the printed (rounded) times, so a reader can redo the division.
+        base = round(best[0, k], 2)
+        for i, count in enumerate(counts):
+            ms = round(best[i, k], 2)
+            speedup = speedups.setdefault(kind, {})[count] = base / ms
+            print(
+                f"{kind:<22}{read_back[count]:>8}{ms:>12.2f}{n / ms * 1e3:>14,.0f}"
+                f"{speedup:>10.2f}{speedup / count:>12.2f}"
+            )
+    print(
+        "ms, voxels/s: the best round's warm forward (median of 3 after one warm-up; relations "
+        "cached); speed-up: the 1-thread ms / this ms; efficiency: speed-up / threads;\n"
+        "threads: mlx_lattice.get_num_threads() after set_num_threads (the native kernels; "
+        f"MLX's own ops thread as they do); restored to {mlx_lattice.get_num_threads()} after"
+    )
+    target = "at least 0.75x linear speed-up at 8 threads (hosts with >= 8 cores)"
+    if cpus < 8:
+        print(f"target (issue 55): {target}: not measurable here ({cpus} CPUs)")
+    elif 8 not in counts:
+        print(f"target (issue 55): {target}: 8 threads not in --threads")
+    else:
+        rows = [(kind, s[8] / 8, ">=", 0.75) for kind, s in speedups.items()]
+        print_targets(
+            f"targets (issue 55) on a host with {cpus} CPUs:",
+            {"efficiency at 8 threads (speed-up / 8)": rows},
+        )
+
 
 if __name__ == "__main__":
     cli.run(main)

@@ -67,6 +67,8 @@ DEFAULTS = {
         "models": "MinkUNet,SPVCNN",
         "no-retain": False,
         "cache-limit-mb": None,
+        "threads": None,
+        "sweep-voxels": 400_000,
     },
     "benchmarks.sparse_layers": {"points": 100_000},
     "benchmarks.distributed": {
@@ -125,6 +127,8 @@ FLAGFILES = {
         "models": "SPVCNN",
         "no-retain": True,
         "cache-limit-mb": 64,
+        "threads": "1,2,all",
+        "sweep-voxels": 50_000,
     },
     "benchmarks.sparse_layers": {"points": 5000},
     "benchmarks.distributed": {
@@ -214,6 +218,9 @@ def test_helpfull_lists_the_flags(module):
         ("examples.segment", ["--model=m", "--points=p", "--ply-out=s.ply", "--label-map=m.json"],
          "--label-map sets the ids of the --labels-out file: give --labels-out too"),
         ("benchmarks.sparse_unet", ["--models=MinkUNet,PointNet"], "choose from MinkUNet"),
+        ("benchmarks.sparse_unet", ["--threads=1,two"], "--threads: comma-separated integers"),
+        ("benchmarks.sparse_unet", ["--threads=0,2"], "--threads: comma-separated integers"),
+        ("benchmarks.sparse_unet", ["--sweep-voxels=0"], "--sweep-voxels"),
     ],
 )
 def test_bad_flags_exit_with_status_2(module, args, message):

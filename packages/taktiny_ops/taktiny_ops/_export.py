@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from taktiny_ops import _pallas_blocks
 from taktiny_ops._common import TaktinyOpsError
 
 __all__ = ["FORMAT", "FORMAT_VERSION", "LOADER", "ArtifactError", "export_model", "load_model"]
@@ -148,6 +149,13 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
             ``"cpu"``); the message names the layers that chose a Pallas
             kernel.
 
+    A model quantized with ``kernels='pallas'`` exports for
+    ``platforms=("tpu",)``, from any host: its layers' Pallas kernels are
+    lowered to Mosaic (never to their interpreted twin) and keep the batch
+    symbolic, taking the block table's large-M blocks (a batch smaller than
+    a block is padded to one; export with ``kernels='qwix'`` for small
+    batches, or for an artifact that also runs on the CPU).
+
     >>> import tempfile, quantrules as qr
     >>> from taktiny_ops import Linear, quantize
     >>> class Head(nnx.Module):
@@ -194,7 +202,9 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
     shape[batch_axis] = batch
     specs = [jax.ShapeDtypeStruct(leaf.shape, leaf.dtype) for leaf in leaves]
     try:
-        with jax.default_matmul_precision(matmul_precision):
+        # Pallas kernels lower to Mosaic (never their interpreted twin): the
+        # artifact runs the TPU kernel, and a platform other than 'tpu' refuses it.
+        with jax.default_matmul_precision(matmul_precision), _pallas_blocks.mosaic():
             exported = jax.export.export(jax.jit(forward), platforms=platforms)(
                 *specs, jax.ShapeDtypeStruct(tuple(shape), x.dtype))
     except Exception as err:  # lowering rules raise many types (NotImplementedError, MLIR...)
@@ -229,20 +239,17 @@ def export_model(model: nnx.Module, example_input: Any, path: str | os.PathLike,
 def _export_error(model: nnx.Module, platforms: tuple[str, ...], batch_axis: int,
                   err: Exception) -> TaktinyOpsError:
     """The error for a model that jax.export refused: an ArtifactError naming
-    the layers that chose a Pallas kernel (it lowers for TPUs only), else a
+    the layers that chose a Pallas kernel (it lowers for the TPU only), else a
     TaktinyOpsError for a trace that failed (TypeError/ValueError: usually
     the symbolic batch size), else an ArtifactError for a platform's lowering."""
     first = (str(err).strip().splitlines() or [""])[0]
     pallas = [f"{layer['path']} ({layer['kernel']})" for layer in _layers(model)
               if layer["kernel"] != "qwix"]
     if pallas:
-        if type(err).__name__ == "InconclusiveDimensionOperation":
-            why = ("whose block sizes depend on the batch size, which the artifact keeps "
-                   "symbolic; quantize with kernels='qwix' to export")
-        else:
-            why = ("which lowers for 'tpu' only; " + (
-                "export with platforms=('tpu',) or quantize with kernels='qwix'"
-                if platforms != ("tpu",) else "quantize with kernels='qwix'"))
+        others = [p for p in platforms if p != "tpu"]
+        why = (f"which cannot lower for {', '.join(others)} (a Pallas TPU kernel lowers for "
+               f"'tpu' only); export with platforms=('tpu',) or quantize with kernels='qwix'"
+               if others else "which failed to lower; quantize with kernels='qwix' to export")
         return ArtifactError(
             f"platforms: cannot lower for {', '.join(platforms)}: layer(s) {', '.join(pallas)} "
             f"run a Pallas TPU kernel, {why} ({type(err).__name__}: {first})")

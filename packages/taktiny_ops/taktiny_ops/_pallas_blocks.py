@@ -4,6 +4,11 @@ One small table, keyed by the TPU generation and a bucket of M, gives the
 default ``(block_m, block_n, block_k)`` of each kernel; :func:`plan` turns it
 (or the caller's explicit blocks) into a legal plan for any shape: every block
 a multiple of the hardware tile, the padded extents multiples of the blocks.
+M may be symbolic (``jax.export`` with a symbolic batch size): the plan then
+takes the table's last bucket (large M, the serving throughput case) and
+keeps ``bm`` as it is, so the padded extent ``round_up(m, bm)`` and the grid
+``m_pad // bm`` are symbolic expressions jax.export resolves at run time (a
+batch smaller than ``bm`` is padded up to one block).
 Shapes that are not multiples of 128 along K or N are padded with zeros by the
 caller of :func:`plan` (a copy of the weight per call: store weights padded to
 avoid it).
@@ -11,8 +16,11 @@ avoid it).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Any, NamedTuple
 
 import jax
 
@@ -30,7 +38,7 @@ class Plan(NamedTuple):
     bm: int
     bn: int
     bk: int
-    m_pad: int
+    m_pad: Any  # symbolic where M is
     n_pad: int
     k_pad: int
 
@@ -55,10 +63,32 @@ def tpu_generation() -> str:
     return "default"
 
 
+_MOSAIC = contextvars.ContextVar("taktiny_ops_mosaic", default=False)
+
+
+@contextlib.contextmanager
+def mosaic() -> Iterator[None]:
+    """Kernels traced inside lower to Mosaic (the TPU), whatever the default backend.
+
+    ``export_model`` traces under it: an artifact carries the TPU kernel, not
+    its interpreted twin, even when a CPU-only host exports it.
+
+    >>> with mosaic():
+    ...     use_interpret(None)
+    False
+    """
+    token = _MOSAIC.set(True)
+    try:
+        yield
+    finally:
+        _MOSAIC.reset(token)
+
+
 def use_interpret(interpret: bool | None) -> bool:
-    """``None`` means interpret mode unless the default backend is a TPU."""
+    """``None`` means interpret mode unless the default backend is a TPU (or
+    the trace runs under :func:`mosaic`)."""
     if interpret is None:
-        return jax.default_backend() != "tpu"
+        return jax.default_backend() != "tpu" and not _MOSAIC.get()
     return bool(interpret)
 
 
@@ -92,15 +122,21 @@ _TABLE: dict[tuple[str, str], tuple[tuple[int, tuple[int, int, int]], ...]] = {
 }
 
 
-def default_blocks(kernel: str, m: int) -> tuple[int, int, int]:
-    """The table's (bm, bn, bk) for this generation and M (bk 0: all of K).
+def default_blocks(kernel: str, m: Any) -> tuple[int, int, int]:
+    """The table's (bm, bn, bk) for this generation and M (bk 0: all of K);
+    a symbolic M (an exported artifact's batch) takes the last (large M) bucket.
 
     >>> bm, bn, bk = default_blocks("weight_only", 16)
     >>> bn % 128 == 0 and bk % 128 == 0
     True
+    >>> (m,) = jax.export.symbolic_shape("batch")
+    >>> default_blocks("w8a8", m) == default_blocks("w8a8", 1 << 30)
+    True
     """
     gen = tpu_generation()
     rows = _TABLE.get((kernel, gen)) or _TABLE[(kernel, "default")]
+    if not isinstance(m, int):
+        return rows[-1][1]
     for limit, blocks in rows:
         if m <= limit:
             return blocks
@@ -111,7 +147,8 @@ def vmem_cap() -> int:
     return _VMEM_CAP.get(tpu_generation(), _VMEM_CAP["default"])
 
 
-def round_up(x: int, m: int) -> int:
+def round_up(x: Any, m: int) -> Any:
+    """``x`` rounded up to a multiple of ``m`` (an int, or a symbolic dimension)."""
     return -(-x // m) * m
 
 
@@ -130,7 +167,7 @@ def _check_block(name: str, value: int | None, step: int) -> None:
         raise TaktinyOpsError(f"{name} must be a positive multiple of {step}, got {value!r}")
 
 
-def plan(kernel: str, m: int, n: int, k: int, *, block_m: int | None,
+def plan(kernel: str, m: Any, n: int, k: int, *, block_m: int | None,
          block_n: int | None, block_k: int | None, m_step: int,
          k_step: int = LANE) -> Plan:
     """Legal blocks for ``x[m, k] @ w[k, n]``.
@@ -143,13 +180,23 @@ def plan(kernel: str, m: int, n: int, k: int, *, block_m: int | None,
     >>> plan("weight_only", 5, 200, 384, block_m=None, block_n=None, block_k=None,
     ...      m_step=16)[3:]
     (16, 256, 384)
+    >>> (b,) = jax.export.symbolic_shape("b")
+    >>> p = plan("weight_only", 4 * b, 200, 384, block_m=None, block_n=None,
+    ...          block_k=None, m_step=16)
+    >>> p.bm == default_blocks("weight_only", b)[0], p.m_pad == round_up(4 * b, p.bm)
+    (True, True)
     """
     _check_block("block_m", block_m, m_step)
     _check_block("block_n", block_n, LANE)
     _check_block("block_k", block_k, k_step)
     dm, dn, dk = default_blocks(kernel, m)
     m_al, n_al, k_al = round_up(m, m_step), round_up(n, LANE), round_up(k, k_step)
-    bm = block_m if block_m is not None else min(round_up(dm, m_step), m_al)
+    if block_m is not None:
+        bm = block_m
+    elif isinstance(m, int):
+        bm = min(round_up(dm, m_step), m_al)
+    else:  # symbolic M: no comparison with it is decidable; one full block
+        bm = round_up(dm, m_step)
     bn = block_n if block_n is not None else _largest_dividing(n_al, dn, LANE)
     if block_k is not None:
         bk = block_k

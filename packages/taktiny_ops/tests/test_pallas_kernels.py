@@ -274,3 +274,36 @@ def test_kernel_dots_keep_their_precision_under_a_global_highest(kernel: str) ->
     assert precisions, "no dot found inside the kernel"
     default = (jax.lax.Precision.DEFAULT, jax.lax.Precision.DEFAULT)
     assert all(p == default for p in precisions), precisions
+
+
+@pytest.mark.parametrize("kernel", ["weight_only", "w8a8"])
+def test_symbolic_m_exports_and_runs_any_batch(rng: np.random.Generator, kernel: str) -> None:
+    """A symbolic M (an artifact's batch) takes the large-M blocks; the padding
+    and the grid are symbolic. Exported interpreted for the CPU, the program
+    runs batches below and above one block against NumPy; exported for the
+    TPU it holds the Mosaic call."""
+    k, n = 256, 200
+    q = qwix_weight(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), "int8", None)
+    fn = weight_only_matmul if kernel == "weight_only" else w8a8_matmul
+    (b,) = jax.export.symbolic_shape("b")
+    p = plan(kernel, b, n, k, block_m=None, block_n=None, block_k=None, m_step=32)
+    assert p.bm == blocks_module.default_blocks(kernel, 1 << 30)[0]
+    for platform, interpret in (("tpu", False), ("cpu", True)):
+        exp = jax.export.export(
+            jax.jit(lambda x, q, s, i=interpret: fn(x, q, s, out_dtype=jnp.float32, interpret=i)),
+            platforms=[platform])(_S((b, k), jnp.float32), _S((k, n), jnp.int8),
+                                  _S((1, n), jnp.float32))
+        assert str(exp.in_avals[0].shape[0]) == "b" and str(exp.out_avals[0].shape) == "(b, 200)"
+        assert ("tpu_custom_call" in exp.mlir_module()) == (platform == "tpu")
+    for m in (3, p.bm + 5):
+        x = jnp.asarray(_activation(rng, m, k))
+        y = exp.call(x, q.qvalue, q.scale)
+        assert y.shape == (m, n)
+        if kernel == "w8a8":  # integer accumulation, the same float epilogue
+            np.testing.assert_array_equal(
+                np.asarray(y), np.asarray(reference_w8a8_matmul(x, q.qvalue, q.scale,
+                                                                out_dtype=jnp.float32)))
+        else:  # the bound of test_weight_only_matches_numpy, float32 x, one group
+            deq = dequantized(q)
+            exact, mag = f64(x) @ deq, np.abs(f64(x)) @ np.abs(deq)
+            assert np.all(np.abs(f64(y) - exact) <= (2 * k + 3) * U32 * mag)

@@ -236,7 +236,11 @@ def _fused_step(
         )
     )
     epilogue = node.get("epilogue") or {}
-    bias = t[epilogue["bias"]] if epilogue.get("bias") else None
+    # A folded norm's epilogue bias already holds the layer's own bias
+    # (_fold_norm sets the node's to None); a layer without a folded norm
+    # adds its own.
+    name = epilogue.get("bias") or node.get("bias")
+    bias = t[name] if name else None
     relu = bool(epilogue.get("relu", False))
 
     def run(x: SparseTensor) -> SparseTensor:

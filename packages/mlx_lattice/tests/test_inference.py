@@ -277,6 +277,40 @@ def test_int8_chain_requantizes_bit_for_bit(arch: str, rng: np.random.Generator)
     assert float(mx.mean(mx.argmax(a, axis=1) == mx.argmax(b, axis=1))) >= 0.97
 
 
+@pytest.mark.skipif(not _fused_op(), reason="the extension has no fused int8 convolution")
+def test_a_static_layer_without_a_norm_keeps_its_own_bias(rng: np.random.Generator) -> None:
+    """A static w8a8 convolution with a bias and no norm after it: the fused
+    int8 step adds the layer's own bias (there is no epilogue bias to take
+    it from). The graph is the model's stem alone, its bias near 100.
+
+    Bound: both sides quantize the same input with the same static scale to
+    the same codes and sum integer products exactly; they differ in the float
+    epilogue only (dequantizing ``scale * q + bias`` and adding the layer
+    bias), bounded as in the module docstring with ``s = 1``, no mean and
+    ``M = A + |b|``: ``(2 gamma_n + u) A + 8 u (A + |b|)``."""
+    pts, feats = _points(rng, 900, 4.0)
+    model = _model("MinkUNet", "w8a8-static", rng, pts, feats)
+    graph, tensors = export.lower(model)
+    stem = dict(graph["nodes"][0])
+    assert stem["op"] == "subm_conv" and stem["quant"]["act_static"]
+    bias = (100.0 + rng.normal(0, 1, stem["out_channels"])).astype(np.float32)
+    stem["bias"] = "stem.conv.bias"
+    t = {**tensors, "stem.conv.bias": mx.array(bias)}
+    only = {**graph, "nodes": [stem], "output": stem["output"]}
+    ref = export.ExportedModel(graph=only, tensors=t, metadata={})
+    net = mlx_lattice.compile(ref)
+    assert "epilogue" not in net.graph["nodes"][0]
+    x = _input("MinkUNet", *_points(rng, 1200, 5.0))
+    got, want = np.array(net(x).feats, np.float64), np.array(ref(x).feats, np.float64)
+    xa = mx.abs(x.feats) + float(t[stem["quant"]["act_scale"]].item()) / 2  # half a static step
+    n = _products(stem)
+    gamma = n * U / (1 - n * U)
+    a = np.array(_abs_layer(stem, t)(x.replace(xa)).feats) * (1 + 2 * gamma)
+    bound = (2 * gamma + U) * a + 8 * U * (a + np.abs(bias))
+    assert (np.abs(got - want) <= bound).all(), float(np.abs(got - want).max())
+    assert abs(float(got.mean()) - float(want.mean())) < 1  # the bias (about 100) is there
+
+
 def test_the_folded_weights_are_the_scaled_ones(rng: np.random.Generator) -> None:
     """One float convolution + norm: the compiled weight is s[o] * W[o] and
     the epilogue bias (b - mean) * s + beta, computed here in float64."""

@@ -49,14 +49,72 @@ def _step(a: np.ndarray, qtype: str | None) -> float:
     return float(np.abs(a).max(initial=0.0)) * TOP_GAP[str(qtype)]
 
 
+# Qwix's symmetric bound of each integer type: a / s with s = absmax / bound
+# lies in [-bound, bound], rounded to the nearest level (qmax + 0.5).
+SYMMETRIC_BOUND = {"int8": 127.5, "int4": 7.5}
+# Relative difference of one program's a / s from the exact quotient: s is one
+# division (or a product by a rounded reciprocal: two roundings) and a / s one
+# division (or two roundings again), so each program is within 4 u = 2^-22 of
+# a / s (u = 2^-24); 2^-21 leaves a factor of two for a backend's division
+# being off by an ulp.
+_QUOTIENT_REL = 2.0**-21
+
+
+def _step(a: np.ndarray, qtype: str | None) -> float:
+    """One quantization step of ``a`` under ``qtype`` (0 when not quantized)."""
+    if not qtype:
+        return 0.0
+    return float(np.abs(a).max(initial=0.0)) * TOP_GAP[str(qtype)]
+
+
+def _moved(a: np.ndarray, qtype: str | None, axes: tuple[int, ...] | None,
+           err: object) -> np.ndarray:
+    """Elementwise bound of |a^1 - a^2|: the dequantized values of two programs
+    whose inputs are each within ``err`` of ``a``, quantized under ``qtype``
+    with absmax scales over ``axes`` (None: unknown axes, every value may move
+    one step, the per-tensor top gap, besides ``err``).
+
+    With the axes known (integer types): s = A / b (A the absmax over the
+    axes, b = qmax + 0.5) and v = a / s in float64. Each program's inputs move
+    A by at most E = max(err) over the axes and its quotient is within
+    err / s + |v| (E / (A - E) + 2^-21) of v (_QUOTIENT_REL). A value whose v
+    lies farther than that from every rounding boundary k + 1/2 rounds to the
+    same level q in both programs and moves only with the scale,
+    (|v| + 1/2) |s1 - s2|; a value that near may round to the neighbouring
+    level: one more step s, with |q| <= |v| + 3/2. The scales differ by
+    |s1 - s2| <= 2 s (E / A + 2^-22) (the absmax moves by E; each scale is
+    within two roundings of A / b).
+    """
+    err = np.broadcast_to(np.asarray(err, np.float64), a.shape)
+    if not qtype:
+        return err
+    if axes is None or str(qtype) not in SYMMETRIC_BOUND:
+        return err + _step(np.abs(a) + err, qtype)
+    amax = np.max(np.abs(a), axis=axes, keepdims=True)
+    emax = np.max(err, axis=axes, keepdims=True)
+    scale = np.where(amax > 0, amax, 1.0) / SYMMETRIC_BOUND[str(qtype)]
+    v = a / scale
+    drift = np.where(amax > emax, emax / np.maximum(amax - emax, 1e-300), np.inf)
+    window = err / scale + np.abs(v) * (drift + _QUOTIENT_REL)
+    # The nearest boundary k + 1/2 between two levels the clip keeps (for
+    # int8 -127.5 .. 126.5: round(127.5) = 128 clips to 127 like 127.4).
+    bmax = SYMMETRIC_BOUND[str(qtype)]
+    near = np.abs(v - np.clip(np.floor(v) + 0.5, -bmax, bmax - 1)) <= window
+    ds = 2 * scale * (emax / np.where(amax > 0, amax, 1.0) + 2.0**-22)
+    return scale * near + (np.abs(v) + 1.5) * ds
+
+
 def _bound(product: Callable, x: object, w: object, rule: qr.Rule | None,
-           x_err: object = 0.0) -> np.ndarray:
+           x_err: object = 0.0, *, x_axes: tuple[int, ...] | None = None,
+           w_axes: tuple[int, ...] | None = None) -> np.ndarray:
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     ax = np.abs(x) + x_err
     dx = _step(ax, rule.act_qtype if rule else None)
     dw = _step(w, rule.weight_qtype if rule else None)
     aw = np.abs(w) + dw
-    moved = product(x_err + np.full_like(x, dx), aw + dw) + product(ax + dx, np.full_like(w, dw))
+    mx = _moved(x, rule.act_qtype if rule else None, x_axes, x_err)
+    mw = _moved(w, rule.weight_qtype if rule else None, w_axes, 0.0)
+    moved = product(mx, aw + mw) + product(ax + dx, mw)
     return moved + 1e-5 * product(ax + dx, aw) + 1e-30
 
 
@@ -85,6 +143,14 @@ def cross_program_bound() -> Callable:
     Float32 accumulation in either order (with float32 products) adds at most
     2 K 2^-24 sum |x^||w^| for K summed terms; 1e-5 covers K <= 80 and the
     scale ulps (every contraction of these tests is shorter).
+
+    ``x_axes`` / ``w_axes``: the axes each operand's absmax is taken over
+    (its calibration). Given them, "may round to the neighbouring level" is
+    decided per value instead of granted to every value: only those whose
+    a / s lies within a few ulps (plus what e moves it) of a rounding
+    boundary (``_moved``); with none near, the bound reduces to the scale
+    ulps and the accumulation term. Without them, every value moves one
+    step, the bound above (as large as the product itself for int8).
     """
     return _bound
 

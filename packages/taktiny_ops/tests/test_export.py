@@ -10,8 +10,10 @@ rule sets at two batch sizes.
   elsewhere (exported on a TPU, run on the CPU) they are within the
   cross-backend bound of ``_cross_backend_bound`` (derived there).
 - The committed artifact (written by an earlier version: CPU only, default
-  precision) still loads; damaged files raise ArtifactError; a Pallas layer
-  that cannot lower for every platform asked for is named in an ArtifactError.
+  precision) still loads; damaged files raise ArtifactError.
+- A ``kernels='pallas'`` model exports for the TPU (from this CPU host too)
+  with a symbolic batch; with 'cpu' among the platforms an ArtifactError
+  names its Pallas layers.
 
 Regenerate the committed artifact with ``python tests/test_export.py OUT``.
 """
@@ -30,7 +32,6 @@ import numpy as np
 import pytest
 import qwix
 from flax import nnx
-from jax.experimental import pallas as pl
 
 import quantrules as qr
 import taktiny_ops as tk
@@ -60,13 +61,13 @@ class Head(nnx.Module):
         return self.out(jax.nn.relu(h))
 
 
-def small_model(rules, seed=SEED):
+def small_model(rules, seed=SEED, kernels="qwix"):
     model = Head(nnx.Rngs(seed))
     rng = np.random.default_rng(seed)
     for _, var in nnx.iter_graph(model):
         if isinstance(var, nnx.Param) and var.ndim == 1:  # non-zero biases
             var.set_value(jnp.asarray(rng.standard_normal(var.shape), jnp.float32))
-    report = tk.quantize(model, rules)
+    report = tk.quantize(model, rules, kernels=kernels)
     return model, report
 
 
@@ -87,18 +88,31 @@ def _dequantized(layer):
                       np.float64)
 
 
+# Each layer's activation absmax axes under Qwix's calibration: dot_general
+# and einsum keep every non-contracting axis (per token: the absmax runs over
+# the last, contracted axis); conv_general_dilated keeps only the batch axis
+# (the absmax runs over width and features of NWC).
+ACT_AXES = {"fc": (-1,), "mix": (-1,), "conv": (1, 2), "out": (-1,)}
+
+
 def _cross_backend_bound(model, x, rules, bound, conv64):
-    """Elementwise bound of |Head(x) on one backend - Head(x) on another|.
+    """Elementwise bound of |Head(x) in one program - Head(x) in another|
+    (another backend, or op by op against one jitted program).
 
     Both run the same module on the same stored weights (so no weight
     rounding can differ), chained layer by layer with the conftest's
-    two-program bound and the input error e each layer receives: a layer
-    with activation quantization may round an activation to the neighbouring
-    level (one step); every float32 sum may round differently. Between the
+    two-program bound and the input error e each layer receives. A layer with
+    activation quantization rounds an activation to another level only where
+    a / s lies within a few ulps (plus e / s) of a rounding boundary, judged
+    in float64 from this test's inputs (the bound's ``x_axes``: the derivation
+    is the conftest's ``_moved``); each such value moves the layer's output by
+    one step times |w|, every other value only by the scale's ulps, and every
+    float32 sum may round differently (the accumulation term). Between the
     layers: relu is 1-Lipschitz; gelu's slope is at most 1.13 and the two
     backends' tanh-based gelu may differ by 2^-20 of its value (16 ulps).
     The biases add a rounding of half an ulp of |y|. The intermediates are
-    this backend's, from one jitted program."""
+    this backend's, from one jitted program (itself within e of each program
+    compared, which the window allows for)."""
     def parts(m, x):
         a1 = m.fc(x)
         a2 = m.mix(jax.nn.gelu(a1))
@@ -117,15 +131,17 @@ def _cross_backend_bound(model, x, rules, bound, conv64):
     def bias(layer):
         return 2**-23 * np.abs(np.asarray(layer.bias.get_value(), np.float64))
 
-    e = bound(np.matmul, x, _dequantized(model.fc), act_only("fc", "dot_general")) + bias(model.fc)
+    e = bound(np.matmul, x, _dequantized(model.fc), act_only("fc", "dot_general"),
+              x_axes=ACT_AXES["fc"]) + bias(model.fc)
     g = np.asarray(jax.nn.gelu(jnp.asarray(a1)), np.float64)
     e = 1.13 * e + 2**-20 * np.abs(g)
     e = bound(lambda a, b: np.einsum("btd,dh->bth", a, b), g, _dequantized(model.mix),
-              act_only("mix", "einsum"), e) + bias(model.mix)
+              act_only("mix", "einsum"), e, x_axes=ACT_AXES["mix"]) + bias(model.mix)
     e = bound(lambda a, b: conv64(a, b, (2,), ("NWC", "WIO", "NWC")), a2,
-              _dequantized(model.conv), act_only("conv", "conv_general_dilated"), e) + bias(model.conv)
+              _dequantized(model.conv), act_only("conv", "conv_general_dilated"), e,
+              x_axes=ACT_AXES["conv"]) + bias(model.conv)
     return bound(np.matmul, np.maximum(a3, 0), _dequantized(model.out),
-                 act_only("out", "dot_general"), e) + bias(model.out)
+                 act_only("out", "dot_general"), e, x_axes=ACT_AXES["out"]) + bias(model.out)
 
 
 CHILD = """
@@ -194,6 +210,34 @@ def test_artifact_in_plain_jax_process_bitwise_equals_jit(name, tmp_path, cross_
         assert (np.abs(eager - expected) <= limit).all()
 
 
+def test_cross_backend_bound_fails_on_one_planted_step(cross_program_bound):
+    """The w8a8 bound grants a step only to activations near a rounding
+    boundary: on the first layer (fc, whose input is exact in both programs)
+    the op-by-op run passes, and one quantization step added to an output of
+    a row with no near value (its absmax positive: the clip merges 127.5;
+    Gaussian inputs put nothing else within ulps of a boundary) fails.
+
+    Through the whole head the bound stays loose: a row whose absmax is
+    negative lies exactly on the boundary -127.5 (-128 or -127), so fc's
+    output may move by a step there, which widens every later layer's window."""
+    model, _ = small_model(RULE_SETS["w8a8"])
+    x = _inputs(11, 2)
+    with jax.default_matmul_precision("highest"):
+        expected = np.asarray(nnx.jit(lambda m, x: m.fc(x))(model, jnp.asarray(x)), np.float64)
+        eager = np.asarray(model.fc(jnp.asarray(x)), np.float64)
+    w = _dequantized(model.fc)
+    limit = cross_program_bound(np.matmul, x, w, qr.Rule(act_qtype="int8"), x_axes=(-1,))
+    limit = limit + 2**-23 * np.abs(np.asarray(model.fc.bias.get_value(), np.float64))
+    assert (np.abs(eager - expected) <= limit).all()
+    x64 = np.asarray(x, np.float64)
+    rows = np.argwhere(x64.max(-1) > -x64.min(-1))  # absmax positive
+    b, t = rows[0]
+    step = np.abs(x64[b, t]).max() / 127.5 * np.abs(w[:, 0]).max()
+    planted = eager.copy()
+    planted[b, t, 0] += step
+    assert np.abs(planted - expected)[b, t, 0] > limit[b, t, 0], (step, limit[b, t, 0])
+
+
 def test_artifact_records_platforms_and_fixes_the_matmul_precision(tmp_path):
     model, _ = small_model(RULE_SETS["int8"])
     texts = {}
@@ -225,40 +269,36 @@ def test_export_for_another_platform_only_and_bad_arguments(tmp_path):
         tk.export_model(model, _inputs(2, 0), path, matmul_precision="fastest")
 
 
-def _double(x_ref, o_ref):
-    o_ref[...] = x_ref[...] * 2
-
-
-class PallasScale(nnx.Module):
-    """A layer that runs a (non-interpreted) Pallas TPU kernel, as a
-    ``kernels='pallas'`` layer does on a TPU: it lowers for 'tpu' only."""
-
-    def __init__(self, resolution):
-        self.resolution = resolution
-        self.matmul_kernel = "pallas-weight-only"
-        self.scale = nnx.Param(jnp.ones((8, 128)))
-
-    def __call__(self, x):
-        s = self.scale[...]
-        return x * pl.pallas_call(_double, out_shape=jax.ShapeDtypeStruct(s.shape, s.dtype))(s)[0, :5]
-
-
-class PallasHead(Head):
-    def __init__(self, rngs):
-        super().__init__(rngs)
-        self.post = PallasScale(qr.resolve(RULE_SETS["int8"], module_path="post", op="dot_general"))
-
-    def __call__(self, x):
-        return self.post(super().__call__(x))
-
-
-def test_a_pallas_layer_that_cannot_travel_is_named(tmp_path):
-    model = PallasHead(nnx.Rngs(SEED))
-    tk.quantize(model, RULE_SETS["int8"])
-    with pytest.raises(tk.ArtifactError, match=r"^platforms: cannot lower for cpu, tpu: layer\(s\) "
-                       r"post \(pallas-weight-only\) run a Pallas TPU kernel"):
+@pytest.mark.parametrize("name", ["int8", "w8a8"])
+def test_a_pallas_model_exports_for_the_tpu_with_a_symbolic_batch(name, tmp_path):
+    """kernels='pallas' layers lower to Mosaic on any host (jax.export lowers
+    for the TPU without a chip; Mosaic compiles on the chip): the artifact
+    keeps the batch symbolic and records the kernels' TPU custom calls. With
+    'cpu' among the platforms the export says which layers cannot travel."""
+    model, report = small_model(RULE_SETS[name], kernels="pallas")
+    pallas = sorted(row.path for row in report.layers if row.kernel.startswith("pallas"))
+    assert pallas, report
+    path = tmp_path / "pallas.tkjax"
+    assert tk.export_model(model, _inputs(2, 0), path, platforms=("tpu",)) > 0
+    with np.load(path) as z:
+        meta = json.loads(z["meta"].tobytes())
+        exported = jax.export.deserialize(bytearray(z["module"].tobytes()))
+    assert exported.platforms == ("tpu",) and meta["platforms"] == ["tpu"]
+    assert sorted(layer["path"] for layer in meta["layers"]
+                  if layer["kernel"].startswith("pallas")) == pallas
+    (x_aval,), (y_aval,) = exported.in_avals[-1:], exported.out_avals
+    assert (str(x_aval.shape), x_aval.dtype) == ("(batch, 8, 16)", jnp.float32)
+    assert (str(y_aval.shape), y_aval.dtype) == ("(batch, 4, 5)", jnp.float32)
+    text = exported.mlir_module()
+    kernel = {"int8": "taktiny_weight_only_matmul", "w8a8": "taktiny_w8a8_matmul"}[name]
+    assert text.count("stablehlo.custom_call @tpu_custom_call") >= len(pallas)
+    assert kernel in text
+    layers = ", ".join(f"{p} \\(pallas-[a-z0-9-]+\\)" for p in pallas)
+    with pytest.raises(tk.ArtifactError, match=(
+            rf"^platforms: cannot lower for cpu, tpu: layer\(s\) {layers} run a Pallas TPU "
+            rf"kernel, which cannot lower for cpu .*export with platforms=\('tpu',\) or "
+            rf"quantize with kernels='qwix'")):
         tk.export_model(model, _inputs(2, 0), tmp_path / "p.tkjax")
-    assert tk.export_model(model, _inputs(2, 0), tmp_path / "p.tkjax", platforms=("tpu",)) > 0
 
 
 def test_artifact_holds_packed_quantized_weights(tmp_path):

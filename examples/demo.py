@@ -400,6 +400,7 @@ def compiled_static_int8(model, train_batches, val_batches, eval_tensor, setup: 
         miou, ious, preds = score(net, val_batches, model.num_classes)
         return {
             "model": net,
+            "source": copy,  # the calibrated quantized model, exported as an artifact
             "miou": miou,
             "ious": ious,
             "preds": preds,
@@ -668,14 +669,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     data_name = f"{data_dir} ({_LAYOUT.value})" if data_dir is not None else "the built-in streets"
     write_results(results_path, results, class_names, setup, setup.steps / took, data_name)
     print(f"\nloss curve: {loss_png}\nvalidation scan, top-down: {view_png}\nscores: {results_path}")
-    with progress.step("export the float and the quantized model (mlx_lattice.export)"):
+    with progress.step("export the float, the quantized and the static int8 model"):
         from mlx_lattice import export
 
         artifacts = {}
-        for variant, stem in (("float", "minkunet"), ("rules", "minkunet-quantized")):
+        for variant, stem, key in (
+            ("float", "minkunet", "model"),
+            ("rules", "minkunet-quantized", "model"),
+            (COMPILED, "minkunet-static-int8", "source"),
+        ):
             artifacts[variant] = out_dir / f"{stem}.mlxl"
             export.export_model(
-                results[variant]["model"],
+                results[variant][key],
                 artifacts[variant],
                 voxel_size=setup.voxel_size,
                 features=features,
@@ -684,10 +689,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
     float_bytes = artifacts["float"].stat().st_size
     quant_bytes = artifacts["rules"].stat().st_size
+    static_bytes = artifacts[COMPILED].stat().st_size
     print(
         f"artifacts (export_model; //examples:segment --model runs them without the model "
-        f"classes): float {float_bytes} bytes, quantized by the rules {quant_bytes} bytes "
-        f"({quant_bytes / float_bytes:.2f}x): {artifacts['float']}, {artifacts['rules']}"
+        f"classes, as the compiled graph): float {float_bytes} bytes, quantized by the rules "
+        f"{quant_bytes} bytes ({quant_bytes / float_bytes:.2f}x), {COMPILED} (calibrated) "
+        f"{static_bytes} bytes ({static_bytes / float_bytes:.2f}x): {artifacts['float']}, "
+        f"{artifacts['rules']}, {artifacts[COMPILED]}"
     )
     if _SAVE.value:
         from mlx_lattice.models import save_model

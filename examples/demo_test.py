@@ -307,6 +307,19 @@ def test_quick_run_exports_float_and_quantized_artifacts(quick):
         assert net.class_names == CLASS_NAMES
         model = load_model(out_dir / saved).model
         assert mx.array_equal(net(x).feats, model(x).feats).item(), art
+    # The calibrated static-int8 network the demo scores, as an artifact: its
+    # size printed beside the others; loaded compiled (as segment runs it),
+    # it keeps int8 activations between its static layers.
+    static_art = out_dir / "minkunet-static-int8.mlxl"
+    s_bytes = static_art.stat().st_size
+    assert q_bytes < s_bytes < f_bytes  # int8 weights (the rules put int4 in the encoder)
+    assert f"{demo.COMPILED} (calibrated) {s_bytes} bytes" in out and str(static_art) in out
+    net = export.load(static_art, compiled=True)
+    assert net.compiled and net.graph["int8_values"] and net.class_names == CLASS_NAMES
+    static_nodes = [n for n in net.graph["nodes"] if (n.get("quant") or {}).get("act_static")]
+    assert static_nodes and all(
+        float(net.tensors[n["quant"]["act_scale"]].item()) > 0 for n in static_nodes
+    )  # calibrated scales
 
 
 def test_quick_run_with_intensity(tmp_path):

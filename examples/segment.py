@@ -2,7 +2,7 @@
 
 ``./bazelw run //examples:segment -- --model model.safetensors --points scan.bin
 [--out labels.npy] [--labels-out DIR [--label-map map.json]] [--ply-out scan.ply]
-[--picture scan.png]``
+[--picture scan.png] [--nocompiled]``
 
 ``--model`` is a model file (``mlx_lattice.models.save_model``; the demo's
 ``--save``) or an exported artifact (``mlx_lattice.export.export_model``;
@@ -12,6 +12,10 @@ declares (``occupancy``, ``height``, ``intensity``, ``r,g,b``, ...), so no
 other flag is needed: the features are built from the scan exactly as
 declared, and a scan that lacks one is an error naming the feature and the
 file. Any file ``mlx_lattice.io.read_points`` reads works as ``--points``.
+An artifact runs as its compiled inference graph (``mlx_lattice.compile``:
+norms folded into the convolutions, fused epilogues, int8 activations
+between calibrated static-scale layers); ``--nocompiled`` runs it op for op
+as the exported model's ``eval()`` forward pass.
 
 Outputs, at least one of them: ``--out`` gets one int32 class index per
 point (into the model's class names; ``.npy``); ``--labels-out DIR`` a
@@ -70,6 +74,12 @@ _PLY_OUT = flags.DEFINE_string(
     "ply-out", None, "a PLY of the points with class colours and a label property"
 )
 _PICTURE = flags.DEFINE_string("picture", None, "a top-down PNG of the predicted classes")
+_COMPILED = flags.DEFINE_boolean(
+    "compiled",
+    True,
+    "run an artifact as its compiled inference graph (mlx_lattice.compile: folded norms, fused "
+    "epilogues, int8 between static layers); --nocompiled runs it op for op",
+)
 OUTPUTS = ("out", "labels-out", "ply-out", "picture")
 flags.mark_flags_as_required(["model", "points"])
 flags.register_validator(
@@ -112,6 +122,7 @@ class Model:
     # input -> class per point
     predict: Callable[[Any], np.ndarray]
     prepare_stage: str  # what prepare does, for the timings
+    compiled: bool = False  # an artifact run as its compiled inference graph
 
 
 def _safetensors_metadata(path: Path) -> dict:
@@ -143,15 +154,16 @@ def _voxel_count(points: np.ndarray, voxel_size: float) -> int:
     return len(np.unique(np.ravel_multi_index(tuple(cells.T), tuple(dims))))
 
 
-def load(path: Path) -> Model:
-    """A save_model file or an export artifact at ``path``."""
+def load(path: Path, *, compiled: bool = True) -> Model:
+    """A save_model file or an export artifact at ``path`` (an artifact as
+    its compiled inference graph unless ``compiled`` is false)."""
     import mlx.core as mx
 
     from mlx_lattice import export
 
     if export.FORMAT in _safetensors_metadata(path):
         try:
-            net = export.load(path)
+            net = export.load(path, compiled=compiled)
         except export.ExportError as e:
             raise InputError(f"{path}: {e}") from None
         if net.voxel_size is None:
@@ -177,14 +189,16 @@ def load(path: Path) -> Model:
             (n["quant"]["bits"], n["quant"]["act_bits"]) for n in net.graph["nodes"] if "quant" in n
         }
         quant = f", quantized ({len(kinds)} forms)" if kinds else ""
+        run = ", compiled graph" if net.compiled else ", op for op"
         return Model(
-            f"{net.model_type} artifact (format version {net.graph['version']}){quant}",
+            f"{net.model_type} artifact (format version {net.graph['version']}){quant}{run}",
             float(net.voxel_size),
             tuple(classes),
             net.features,
             prepare_artifact,
             predict_artifact,
             "features",
+            net.compiled,
         )
     from mlx_lattice.models import ModelFileError, load_model
 
@@ -313,7 +327,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     points_path = _user_path(_POINTS.value)
     try:
         start = time.perf_counter()
-        model = load(_user_path(_MODEL.value))
+        model = load(_user_path(_MODEL.value), compiled=_COMPILED.value)
         times["load model"] = time.perf_counter() - start
         ids = None
         if _LABELS_OUT.value:  # before the forward: a wrong map fails at once

@@ -127,13 +127,23 @@ def test_segment_with_an_artifact(tmp_path, model_file):
     code, out, err = run("--model", str(art), "--points", str(scan_path),
                          "--out", str(tmp_path / "a.npy"))  # fmt: skip
     assert code == 0, err
-    assert "MinkUNet artifact (format version 2)" in out and "features occupancy,height" in out
+    assert "MinkUNet artifact (format version 2), compiled graph" in out
+    assert "features occupancy,height" in out
     labels = np.load(tmp_path / "a.npy")
     feats = np.stack([np.ones(len(scan.points)), scan.points[:, 2] / 4.0], 1).astype(np.float32)
+    compiled = export.load(art, compiled=True).predict_points(scan.points, feats)
+    np.testing.assert_array_equal(labels, np.array(mx.argmax(compiled, axis=1)))
+    # --nocompiled: the artifact op for op, the model's own eval forward.
+    code, out, err = run("--model", str(art), "--points", str(scan_path), "--nocompiled",
+                         "--out", str(tmp_path / "op.npy"))  # fmt: skip
+    assert code == 0, err
+    assert "MinkUNet artifact (format version 2), op for op" in out
     inp = point_cloud_input(scan.points, feats, VOXEL)
     scores = model(inp.tensor).feats
     expect = np.array(mx.argmax(scores, axis=1))[np.array(inp.voxels.point_to_voxel)]
-    np.testing.assert_array_equal(labels, expect)
+    np.testing.assert_array_equal(np.load(tmp_path / "op.npy"), expect)
+    # The compiled graph reorders float32 products only: near-ties may differ.
+    assert np.mean(labels == expect) > 0.999
     # The save_model file labels the same scan the same way (its voxel means
     # are taken in float64, the artifact's in float32: near-ties may differ).
     code, _, _ = run("--model", str(path), "--points", str(scan_path),
@@ -144,6 +154,38 @@ def test_segment_with_an_artifact(tmp_path, model_file):
     code, _, err = run("--model", str(art), "--points", str(scan_path),
                        "--out", str(tmp_path / "a.npy"))  # fmt: skip
     assert code == 2 and "tiny.mlxl" in err
+
+
+def test_segment_runs_a_static_int8_artifact_compiled(tmp_path, model_file):
+    """A calibrated static-int8 artifact (as the demo exports one): segment
+    loads it as the compiled graph, whose int8 activations stay int8 between
+    the static layers, and labels the scan with that graph's scores."""
+    import mlx_lattice
+    import quantrules as qr
+
+    _, model = model_file
+    static = MinkUNet(2, 5, widths=(8, 16))
+    static.update(model.parameters())
+    rule = qr.Rule(op_names=("sparse_conv",), weight_qtype="int8", act_qtype="int8",
+                   act_static_scale=True, tile_size=32)  # fmt: skip
+    mlx_lattice.quantize(static, [qr.Rule(module_path="stem/.*"), rule], allow_growth=True)
+    mlx_lattice.calibrate(static, [make_batch([synthetic_lidar_scan(0, SMALL)], VOXEL)])
+    art = tmp_path / "static.mlxl"
+    export.export_model(static.eval(), art, voxel_size=VOXEL, features="occupancy,height",
+                        class_names=CLASS_NAMES)  # fmt: skip
+    loaded = segment.load(art)
+    assert loaded.compiled and "compiled graph" in loaded.description
+    assert not segment.load(art, compiled=False).compiled
+    scan, scan_path = _kitti_bin(tmp_path)
+    code, out, err = run("--model", str(art), "--points", str(scan_path),
+                         "--out", str(tmp_path / "a.npy"))  # fmt: skip
+    assert code == 0, err
+    assert "quantized (1 forms), compiled graph" in out
+    net = export.load(art, compiled=True)
+    assert net.graph["int8_values"]  # int8 codes between the static layers
+    feats = np.stack([np.ones(len(scan.points)), scan.points[:, 2] / 4.0], 1).astype(np.float32)
+    want = np.array(mx.argmax(net.predict_points(scan.points, feats), axis=1))
+    np.testing.assert_array_equal(np.load(tmp_path / "a.npy"), want)
 
 
 def test_segment_declared_intensity_labels_and_ply(tmp_path):

@@ -69,11 +69,14 @@ def test_quick_run_trains_and_reports_miou(quick):
     assert abs(float(summary["mIoU"][2]) - float(summary["mIoU"][1])) < 0.02
     sizes = [int(v) for v in summary["bytes"][1:]]
     assert sizes[0] > sizes[1] > sizes[2]
-    # The compiled static-int8 network (calibrated on training scans) keeps
-    # the float mIoU as the int8 weight-only variant does.
+    # The compiled static-int8 network (calibrated on training scans) loses
+    # at most the 0.005 mIoU the issue allows against float on the
+    # validation scans (the seeded --quick run: 0.562 -> 0.559, a 0.0021
+    # drop; a gain is no failure).
+    # The drop line has 4 decimals, the table 3 (each within 5e-4 of its value).
     compiled = float(summary["mIoU"][1 + demo.SCORED.index(demo.COMPILED)])
-    assert abs(compiled - float(summary["mIoU"][1])) < 0.02
     drop = float(out.split(f"{demo.COMPILED} mIoU drop against float: ", 1)[1].split()[0])
+    assert drop <= 0.005
     assert drop == pytest.approx(float(summary["mIoU"][1]) - compiled, abs=2e-3)
 
 

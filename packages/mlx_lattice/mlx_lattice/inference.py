@@ -72,7 +72,9 @@ def _path(node: Mapping[str, Any]) -> str:
 def _fold_norm(
     node: dict[str, Any], norm: dict[str, Any], t: dict[str, mx.array]
 ) -> dict[str, Any]:
-    """``node`` (a convolution or linear layer) with ``norm`` folded in."""
+    """``node`` (a convolution or linear layer) with ``norm`` folded in. The
+    folded weights, group scales and biases are float32 whatever the model's
+    dtype: each is one float32 rounding of the exact product."""
     path = _path(node)
     s = mx.rsqrt(t[norm["running_var"]].astype(_F32) + norm["eps"])
     if norm.get("weight") is not None:
@@ -92,13 +94,13 @@ def _fold_norm(
             a = t[q[key]]
             factor = s.reshape(-1, 1) if a.ndim == 2 else s.reshape(1, -1, 1)
             q[key] = f"{path}.{key}.folded"
-            t[q[key]] = (a.astype(_F32) * factor).astype(a.dtype)
+            t[q[key]] = a.astype(_F32) * factor
         out["quant"] = q
     else:
         w = t[node["weight"]]
         factor = s.reshape((-1,) + (1,) * (w.ndim - 1))
         out["weight"] = f"{path}.weight.folded"
-        t[out["weight"]] = (w.astype(_F32) * factor).astype(w.dtype)
+        t[out["weight"]] = w.astype(_F32) * factor
     t[f"{path}.epilogue.bias"] = bias
     out["epilogue"] = {"bias": f"{path}.epilogue.bias", "relu": bool(norm["relu"])}
     return out

@@ -349,6 +349,38 @@ def test_quantized_folds_into_the_scales_and_keeps_the_codes(rng: np.random.Gene
         np.testing.assert_allclose(got, want, rtol=4 * U, atol=0)
 
 
+@pytest.mark.parametrize("dtype", [mx.float16, mx.bfloat16])
+def test_half_models_fold_in_float32(dtype, rng: np.random.Generator) -> None:
+    """A half model's folded weights, group scales and group biases stay
+    float32: the fold rounds once, in float32 (rounding them back to the
+    model's half type would add a second, coarser rounding)."""
+    model = MinkUNet(3, 2, widths=(32, 32))
+    _randomize_norms(model, rng)
+    quantize(model, [qr.Rule(module_path="stem/.*"), qr.Rule(weight_qtype="int8", tile_size=32)])
+    model.set_dtype(dtype)
+    net = mlx_lattice.compile(model.eval())
+    stem = net.graph["nodes"][0]
+    norm = model.stem.norm
+    s = np.array(norm.weight.astype(mx.float32), np.float64) / np.sqrt(
+        np.array(norm.running_var.astype(mx.float32), np.float64) + norm.eps
+    )
+    w = np.array(model.stem.conv.weight.astype(mx.float32), np.float64)
+    got = net.tensors[stem["weight"]]
+    assert got.dtype == mx.float32
+    # s: rsqrt and a product (3u relative), the weight's product one more u.
+    np.testing.assert_allclose(np.array(got), w * s[:, None, None, None, None], rtol=4 * U, atol=0)
+    node = next(n for n in net.graph["nodes"] if n.get("quant") and n["op"] == "conv")
+    norm = model.encoder.block1.down_norm
+    s = np.array(norm.weight.astype(mx.float32), np.float64) / np.sqrt(
+        np.array(norm.running_var.astype(mx.float32), np.float64) + norm.eps
+    )
+    for key in ("scales", "biases"):
+        got = net.tensors[node["quant"][key]]
+        assert got.dtype == mx.float32, key
+        want = np.array(model.encoder.block1.down[key].astype(mx.float32), np.float64)
+        np.testing.assert_allclose(np.array(got), want * s[None, :, None], rtol=4 * U, atol=0)
+
+
 def test_every_zoo_model_compiles_or_names_the_layer(rng: np.random.Generator) -> None:
     for cls in (MinkUNet, SPVCNN):
         for depths in (1, (1, 2, 3)):

@@ -58,7 +58,8 @@ struct FusedEpilogueArgs {
 
 // Static-scale w8a8 / w4a8 convolution with a fused epilogue
 // (fused_conv.cpp; cpu/gemm_int8.h: Int8Epilogue). feats float (quantized
-// with in_scale) or int8 codes at in_scale. CPU stream only; inference only.
+// with in_scale) or int8 codes at in_scale. CPU and Metal (GPU) streams (the
+// Metal kernels write float32 or int8; a half output is cast); inference only.
 mx::array sparse_quantized_conv_fused(const mx::array& feats, const QuantizedArrays& weight,
                                       const RelationArrays& relation,
                                       const FusedEpilogueArgs& args, mx::StreamOrDevice s = {});

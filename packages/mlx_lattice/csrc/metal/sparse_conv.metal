@@ -204,6 +204,18 @@ inline int quant_code(device const uchar* packed, constant FusedDims& d, uint k,
   return int((v >> (bit & 7)) & ((1u << d.bits) - 1u));
 }
 
+// No contraction of a product and a sum into one FMA from here on (Apple's
+// compiler may otherwise fuse `dot * s` with `+ u` or the residual's scaled
+// add): each operation rounds once, as the CPU kernels (built with
+// -ffp-contract=off) round, so the outputs are the CPU's bits. Explicit fma()
+// calls are unaffected. kMetalSources is one string, so this also holds for
+// the sources embedded after this one, which then round as their CPU twins.
+// Apple's compiler only: the CPU harness (tools/msl, g++, which knows no
+// METAL pragma) builds with -ffp-contract=off, the same rule.
+#ifdef __METAL_VERSION__
+#pragma METAL fp contract(off)
+#endif
+
 // y of output row o, channel c, before its output conversion.
 inline float fused_value(device const float* feats, device const char* codes,
                          device const uchar* packed, device const float* scales,

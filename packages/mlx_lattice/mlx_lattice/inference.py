@@ -154,8 +154,9 @@ def _int8_values(nodes: list[dict[str, Any]], output: str, t: Mapping[str, mx.ar
     """The values that stay int8 codes, each with its scale.
 
     Values joined by a concatenation form one group (a concatenation of
-    codes needs one scale). A group stays int8 when every value in it is
-    made by a static-scale convolution (or such a concatenation) and read
+    codes needs one scale), its inputs included. A group stays int8 when
+    every value in it is made by a static-scale convolution (or such a
+    concatenation; the graph's input is made by none) and read
     only by static-scale convolutions (or the group's concatenations), and
     it is not the graph's output. Its scale is the largest calibrated input
     scale among the convolutions that read it: a reader calibrated lower
@@ -179,14 +180,19 @@ def _int8_values(nodes: list[dict[str, Any]], output: str, t: Mapping[str, mx.ar
         for name in node["inputs"]:
             readers.setdefault(name, []).append(node)
     groups: dict[str, list[str]] = {}
-    for node in nodes:
-        groups.setdefault(root(node["output"]), []).append(node["output"])
+    # Every value, a concatenation's inputs included (the graph's input,
+    # which no node makes, keeps its group float).
+    values = [node["output"] for node in nodes]
+    values += [name for node in nodes if node["op"] == "cat" for name in node["inputs"]]
+    for v in dict.fromkeys(values):
+        groups.setdefault(root(v), []).append(v)
     plan: dict[str, float] = {}
     for members in groups.values():
         demands, ok = [], True
         for v in members:
-            made = producer[v]
-            ok = ok and v != output and (_is_static(made) or made["op"] == "cat")
+            made = producer.get(v)
+            ok = ok and made is not None and v != output
+            ok = ok and (_is_static(made) or made["op"] == "cat")
             for reader in readers.get(v, []):
                 if _is_static(reader):
                     demands.append(float(t[reader["quant"]["act_scale"]].astype(_F32).item()))

@@ -311,6 +311,49 @@ def test_a_static_layer_without_a_norm_keeps_its_own_bias(rng: np.random.Generat
     assert abs(float(got.mean()) - float(want.mean())) < 1  # the bias (about 100) is there
 
 
+@pytest.mark.skipif(not _fused_op(), reason="the extension has no fused int8 convolution")
+def test_a_concatenation_of_the_graph_input_stays_float(rng: np.random.Generator) -> None:
+    """cat(input, static conv) read by a static conv: the graph's input is
+    float and made by no node, so the concatenation's group stays float (the
+    convolution before it writes float too), and the graph computes what the
+    interpreter does, within the epilogue bound of the stem test."""
+    from mlx_lattice.core.quantized import QuantizedWeight
+
+    pts, feats = _points(rng, 900, 4.0)
+    model = _model("MinkUNet", "w8a8-static", rng, pts, feats)
+    graph, tensors = export.lower(model)
+    stem = graph["nodes"][0]
+    cin = 3 + stem["out_channels"]
+    w = QuantizedWeight.from_float(
+        mx.array(rng.normal(0, 0.2, (27, cin, 8)).astype(np.float32)), bits=8, group_size=32
+    )
+    t = {**tensors, "mix.weight": w.weight, "mix.scales": w.scales, "mix.biases": w.biases}
+    t["mix.act_scale"] = mx.array(np.float32(0.05))
+    cat = {"op": "cat", "inputs": [graph["input"], stem["output"]], "output": "joined"}
+    quant = {**stem["quant"], "scales": "mix.scales", "biases": "mix.biases"}
+    quant.update(act_scale="mix.act_scale", storage_in_channels=w.storage_in_channels)
+    mix = {**stem, "inputs": ["joined"], "output": "mixed", "weight": "mix.weight"}
+    mix.update(in_channels=cin, out_channels=8, quant=quant)
+    only = {**graph, "nodes": [stem, cat, mix], "output": "mixed"}
+    ref = export.ExportedModel(graph=only, tensors=t, metadata={})
+    net = mlx_lattice.compile(ref)
+    assert net.graph["int8_values"] == {}
+    x = _input("MinkUNet", *_points(rng, 1200, 5.0))
+    values = net._values(x)
+    joined = values["joined"]
+    assert joined.feats.dtype == mx.float32 and values[stem["output"]].feats.dtype == mx.float32
+    # The last layer on the joined float rows against the interpreter's layer
+    # on the same rows: the same codes at its static scale, so they differ in
+    # the float epilogue only (the bound of the stem test, no layer bias).
+    got = np.array(values["mixed"].feats, np.float64)
+    want = np.array(export._build(only, t)[2](joined).feats, np.float64)
+    n = _products(mix)
+    gamma = n * U / (1 - n * U)
+    xa = mx.abs(joined.feats) + 0.05 / 2  # half a static step
+    a = np.array(_abs_layer(mix, t)(joined.replace(xa)).feats) * (1 + 2 * gamma)
+    assert (np.abs(got - want) <= (2 * gamma + U) * a + 8 * U * a).all()
+
+
 def test_the_folded_weights_are_the_scaled_ones(rng: np.random.Generator) -> None:
     """One float convolution + norm: the compiled weight is s[o] * W[o] and
     the epilogue bias (b - mean) * s + beta, computed here in float64."""

@@ -222,7 +222,10 @@ def bias_relu(x: mx.array, bias: mx.array, *, relu: bool = True) -> mx.array:
     >>> bias_relu(mx.array([[1.0, -3.0]]), mx.array([0.5, 1.0])).tolist()
     [[1.5, 0.0]]
     """
-    c = int(bias.shape[0]) if isinstance(bias, mx.array) and bias.ndim == 1 else -1
+    if not isinstance(bias, mx.array) or bias.ndim != 1:
+        shape = tuple(bias.shape) if isinstance(bias, mx.array) else type(bias).__name__
+        raise MlxLatticeError(f"bias must be a (C,) array, got {shape}.")
+    c = int(bias.shape[0])
     if not isinstance(x, mx.array) or x.ndim != 2 or int(x.shape[1]) != c:
         shape = tuple(x.shape) if isinstance(x, mx.array) else type(x).__name__
         raise MlxLatticeError(f"x must be (N, {c}) for a bias of {c} channels, got {shape}.")

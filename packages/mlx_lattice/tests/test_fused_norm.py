@@ -267,3 +267,17 @@ def test_half_precision_layer_matches_mlx_batch_norm_and_running_statistics(rng,
     for key in ("running_mean", "running_var"):
         assert layer[key].dtype == dtype
         np.testing.assert_allclose(_as64(layer[key]), _as64(reference[key]), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "bias",
+    [np.zeros(3, np.float32), mx.zeros((1, 3)), mx.array(0.0), None],
+    ids=["numpy", "2-d", "0-d", "None"],
+)
+def test_bias_relu_names_a_bad_bias(bias) -> None:
+    """A bias that is not a (C,) array is named as the bias (not reported as
+    x's shape against a bias of -1 channels)."""
+    with pytest.raises(mlx_lattice.MlxLatticeError, match=r"^bias must be a \(C,\) array, got "):
+        fused.bias_relu(mx.zeros((2, 3)), bias)
+    with pytest.raises(mlx_lattice.MlxLatticeError, match=r"^x must be \(N, 3\)"):
+        fused.bias_relu(mx.zeros((2, 4)), mx.zeros((3,)))

@@ -47,7 +47,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -59,6 +58,7 @@ import numpy as np
 
 from mlx_lattice import ops
 from mlx_lattice._errors import MlxLatticeError
+from mlx_lattice._files import replacing
 from mlx_lattice.tensor import SparseTensor
 
 __all__ = [
@@ -300,31 +300,16 @@ def _check_path_for_writing(path: str | os.PathLike[str]) -> Path:
     return out
 
 
-def _umask() -> int:
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return mask
-
-
 def _write(out: Path, tensors: Mapping[str, mx.array], metadata: Mapping[str, str]) -> None:
     """Write the safetensors file at ``out`` whatever its suffix: MLX picks
     the format by suffix (and appends ``.safetensors``), so the file is
     written next to ``out`` under a temporary ``.safetensors`` name and
     renamed onto it (a reader never sees half a file)."""
     try:
-        fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".safetensors", dir=out.parent)
-    except OSError as err:
-        raise ExportError(f"path: cannot write in {os.fspath(out.parent)!r} ({err}).") from None
-    os.close(fd)
-    try:
-        mx.save_safetensors(tmp, dict(tensors), metadata=dict(metadata))
-        os.chmod(tmp, 0o666 & ~_umask())  # mkstemp made it private; a plain file's mode
-        os.replace(tmp, out)
+        with replacing(out, ".safetensors") as tmp:
+            mx.save_safetensors(tmp, dict(tensors), metadata=dict(metadata))
     except (OSError, RuntimeError, ValueError) as err:
         raise ExportError(f"path: cannot write {os.fspath(out)!r} ({err}).") from None
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _check_names(value: Sequence[str] | None, what: str, count: int, counted: str) -> list | None:

@@ -93,6 +93,7 @@ def test_no_points_and_no_properties(tmp_path):
          "property name 'my label' must be non-empty printable ASCII without spaces"),
         (np.zeros((4, 3), np.float32), {"": np.zeros(4, np.int32)}, (), "property name ''"),
         (np.zeros((4, 3), np.float32), {}, ("two\nlines",), "each comment must be one line"),
+        (np.zeros((4, 3), np.float32), {}, "one line", "comments must be a sequence of lines"),
     ],
 )
 def test_bad_arguments_raise_and_write_nothing(tmp_path, points, properties, comments, message):
@@ -119,3 +120,46 @@ def test_rewrites_an_existing_file_and_writes_through_a_link(tmp_path, rng):
     write_ply(link, again)
     assert link.is_symlink() and link.resolve() == path.resolve()
     np.testing.assert_array_equal(read_ply(path).points, again)
+
+
+def test_big_endian_float64_points_are_written_as_double(tmp_path, rng):
+    """Float64 points in either byte order keep their bits (``double``)."""
+    points = (rng.standard_normal((6, 3)) * 1e3).astype(">f8")
+    assert points.dtype.byteorder == ">"
+    path = write_ply(tmp_path / "be.ply", points)
+    vertex = PlyData.read(str(path))["vertex"]
+    assert [p.val_dtype for p in vertex.properties] == ["f8", "f8", "f8"]
+    for i, axis in enumerate("xyz"):
+        np.testing.assert_array_equal(vertex[axis], points[:, i])
+
+
+def test_a_failed_write_keeps_the_old_file(tmp_path, rng, monkeypatch):
+    """The body goes to a temporary file renamed onto the path: a write that
+    fails (a full disk here) leaves the earlier file as it was and no
+    temporary file behind."""
+    from mlx_lattice.io import writers
+
+    path = tmp_path / "scan.ply"
+    points = rng.standard_normal((20, 3)).astype(np.float32)
+    write_ply(path, points)
+    before = path.read_bytes()
+
+    class Full:
+        def __init__(self, name, mode):
+            self.f = open(name, mode)  # noqa: SIM115
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data):
+            self.f.write(bytes(data)[:3])
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writers, "open", Full, raising=False)
+    with pytest.raises(OSError, match="No space left"):
+        write_ply(path, rng.standard_normal((30, 3)).astype(np.float32))
+    assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["scan.ply"]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from mlx_lattice._errors import MlxLatticeError, MlxLatticeTypeError
+from mlx_lattice._files import replacing
 from mlx_lattice.io.readers import _PLY_TYPES
 
 __all__ = ["write_ply"]
@@ -51,23 +52,28 @@ def write_ply(
 ) -> Path:
     """Write ``points`` and per-point ``properties`` as a binary PLY file.
 
-    ``points`` is ``(N, 3)``: float64 coordinates are written as ``double``,
-    any other float type as ``float`` (float32). ``properties`` maps each
+    ``points`` is ``(N, 3)``: 8-byte float coordinates (float64 in either
+    byte order) are written as ``double``, any other float type as
+    ``float`` (float32). ``properties`` maps each
     further vertex property, in order, to ``N`` values whose dtype has a PLY
     type (int8, uint8, int16, uint16, int32, uint32, float32, float64; cast
     others, e.g. int64 labels with ``.astype(np.int32)``): ``red``,
     ``green``, ``blue`` as uint8 are the colours viewers show, ``label``
     is the property :func:`~mlx_lattice.io.read_ply` reads as labels.
-    ``comments`` are header comment lines. Returns ``path`` as a ``Path``.
+    ``comments`` are header comment lines (a sequence of str, not one str).
+    Returns ``path`` as a ``Path``.
 
-    An existing regular file at ``path`` is removed first and written anew
-    (a symbolic link is written through): ext4 writes a file that is
-    truncated and rewritten back to disk when it is closed, which made
+    The file is written under a temporary name in the same folder and then
+    renamed onto ``path`` (a symbolic link is written through to its
+    target): a failed write keeps the file that was there, and a reader
+    never sees half a file. It is always a new file: ext4 writes a file that
+    is truncated and rewritten back to disk when it is closed, which made
     overwriting an 88k-point PLY about five times slower than writing a new
     one.
 
     A wrong shape, dtype or name raises :class:`~mlx_lattice.MlxLatticeError`
-    naming the argument; nothing is written then.
+    naming the argument; nothing is written then. A file system error is
+    the ``OSError`` it raised.
 
     >>> import tempfile
     >>> from mlx_lattice.io import read_ply
@@ -91,7 +97,7 @@ def write_ply(
         raise MlxLatticeError(f"write_ply: points must have shape (N, 3), got {pts.shape}.")
     if pts.dtype.kind != "f":
         raise MlxLatticeError(f"write_ply: points must be floating point, got {pts.dtype}.")
-    coord = "<f8" if pts.dtype == np.float64 else "<f4"
+    coord = "<f8" if pts.dtype.itemsize == 8 else "<f4"
     fields: list[tuple[str, str]] = [("x", coord), ("y", coord), ("z", coord)]
     columns: list[np.ndarray] = []
     for name, values in (properties or {}).items():
@@ -112,6 +118,11 @@ def write_ply(
             )
         fields.append((name, "<" + code))
         columns.append(column)
+    if isinstance(comments, str | bytes):
+        raise MlxLatticeTypeError(
+            f"write_ply: comments must be a sequence of lines (e.g. [{comments!r}]), got a "
+            f"{type(comments).__name__}."
+        )
     for text in comments:
         if not isinstance(text, str) or not text.isascii() or not text.isprintable():
             raise MlxLatticeError(
@@ -129,9 +140,8 @@ def write_ply(
     header += [f"property {_PLY_NAMES[code[1:]]} {name}" for name, code in fields]
     header.append("end_header\n")
     out = Path(path)
-    if out.is_file() and not out.is_symlink():
-        out.unlink()
-    with open(out, "wb") as f:
+    target = Path(os.path.realpath(out)) if out.is_symlink() else out
+    with replacing(target) as tmp, open(tmp, "wb") as f:
         f.write("\n".join(header).encode("ascii"))
         f.write(vertex.data)
     return out

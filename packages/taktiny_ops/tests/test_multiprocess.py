@@ -12,8 +12,9 @@ quantized forward is as close to the float result as the 1-device one is (2.5x
 slack as in sharding_test), and after 3 QT steps parameters agree to 1e-3
 (observed 1e-4; learning rate 0.05 times gradients of order 1).
 
-The processes talk over loopback sockets: on a host that cannot bind one (a
-sandboxed TPU host) the tests skip and say so. They run on the CPU backend
+The processes talk over loopback sockets: on a host where a client cannot
+connect to a listener on 127.0.0.1 (a sandboxed TPU host, loopback down)
+the tests skip and say so. They run on the CPU backend
 (``JAX_PLATFORMS=cpu``) wherever the test process runs, so that they never
 contend for an accelerator the test process holds.
 """
@@ -21,6 +22,7 @@ contend for an accelerator the test process holds.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -35,18 +37,52 @@ EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "multiprocess.py"
 
 
 def _loopback_error() -> str | None:
-    """Why this host cannot listen on a loopback socket, or None if it can."""
+    """Why this host cannot talk over a loopback socket, or None if it can.
+
+    A listener alone is not enough: with the loopback interface down, bind
+    and listen succeed and connect fails ("Network is unreachable"), so a
+    client connects to the listener too, as jax.distributed's will."""
     try:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            s.listen(1)
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", 0))
+            server.listen(1)
+            with socket.create_connection(server.getsockname(), timeout=5):
+                pass
     except OSError as e:
-        return f"needs loopback sockets for jax.distributed; this host cannot bind one ({e})"
+        return (f"needs loopback sockets for jax.distributed; this host cannot connect to "
+                f"a listener on 127.0.0.1 ({type(e).__name__}: {e})")
     return None
 
 
 _NO_LOOPBACK = _loopback_error()
-pytestmark = pytest.mark.skipif(_NO_LOOPBACK is not None, reason=str(_NO_LOOPBACK))
+needs_loopback = pytest.mark.skipif(_NO_LOOPBACK is not None, reason=str(_NO_LOOPBACK))
+
+
+def test_probe_names_an_unreachable_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bind and listen succeed with loopback down; the probe's connect fails
+    and its reason names the error."""
+    def unreachable(*args: object, **kwargs: object) -> socket.socket:
+        raise OSError(101, "Network is unreachable")
+
+    monkeypatch.setattr(socket, "create_connection", unreachable)
+    reason = _loopback_error()
+    assert reason is not None and "Network is unreachable" in reason, reason
+
+
+def test_probe_skips_in_a_network_namespace_without_loopback() -> None:
+    """``unshare -rn`` runs the probe in a fresh network namespace, whose
+    loopback interface is down (where unprivileged namespaces are allowed)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-rn", "true"],
+                                         capture_output=True).returncode != 0:
+        pytest.skip("needs unshare -rn (unprivileged network namespaces) to take loopback down")
+    probe = ("import importlib.util, sys; spec = importlib.util.spec_from_file_location("
+             "'probe', sys.argv[1]); m = importlib.util.module_from_spec(spec); "
+             "spec.loader.exec_module(m); print(m._NO_LOOPBACK)")
+    done = subprocess.run([unshare, "-rn", sys.executable, "-c", probe, __file__],
+                          env=_env(), capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "cannot connect to a listener on 127.0.0.1" in done.stdout, done.stdout
 
 
 def _env() -> dict[str, str]:
@@ -96,6 +132,7 @@ def _two(port: int, *extra: str, out: Path | None = None) -> tuple[list[int], li
     return _spawn([first, [*common, "--process-id", "1"]])
 
 
+@needs_loopback
 def test_two_processes_equal_the_single_process_program(tmp_path: Path) -> None:
     codes, outs, _ = _two(_free_port(), out=tmp_path / "multi.npz")
     assert codes == [0, 0], "\n".join(outs)
@@ -130,6 +167,7 @@ def test_two_processes_equal_the_single_process_program(tmp_path: Path) -> None:
         np.testing.assert_allclose(multi[k], one[k], atol=1e-3, err_msg=k)
 
 
+@needs_loopback
 def test_peer_death_ends_the_survivor_quickly() -> None:
     codes, outs, seconds = _two(_free_port(), "--die-before-train")
     assert codes[1] == 3, outs[1]
@@ -138,6 +176,7 @@ def test_peer_death_ends_the_survivor_quickly() -> None:
     assert seconds < 45
 
 
+@needs_loopback
 def test_taken_coordinator_port_ends_both_processes() -> None:
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -315,6 +315,46 @@ def write_ply(path: Path, points: np.ndarray, labels: np.ndarray, class_names: S
     )
 
 
+def _write_outputs(
+    model: Model, cloud: Any, points_path: Path, labels: np.ndarray, ids: np.ndarray | None,
+    times: dict[str, float],
+) -> list[str]:
+    """Write the outputs the flags ask for (timing the write and picture
+    stages into ``times``); returns a line for each file written."""
+    start = time.perf_counter()
+    written = []
+    if _OUT.value:
+        out = _new_file(_user_path(_OUT.value))
+        np.save(out, labels.astype(np.int32))
+        written.append(f"labels: {out}")
+    if ids is not None:
+        label_file = _new_file(_user_path(_LABELS_OUT.value) / (points_path.stem + ".label"))
+        ids[labels].astype("<u4").tofile(label_file)
+        written.append(f"{'mapped' if _LABEL_MAP.value else 'SemanticKITTI'} labels: {label_file}")
+    if _PLY_OUT.value:
+        ply = _user_path(_PLY_OUT.value)
+        ply.parent.mkdir(parents=True, exist_ok=True)
+        write_ply(ply, cloud.points, labels, model.class_names)
+        written.append(f"PLY: {ply}")
+    if written:
+        times["write"] = time.perf_counter() - start
+    if _PICTURE.value:
+        from examples.pictures import top_down_png
+
+        start = time.perf_counter()
+        extent = float(np.percentile(np.abs(cloud.points[:, :2]), 98)) or 1.0
+        png = top_down_png(
+            _user_path(_PICTURE.value),
+            cloud.points,
+            [("prediction", labels)],
+            model.class_names,
+            extent=extent,
+        )
+        times["picture"] = time.perf_counter() - start
+        written.append(f"picture: {png}")
+    return written
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Label the scan of ``argv``'s flags (without the program name;
     ``None``: the command line); 0, or 2 with an error message on stderr."""
@@ -350,37 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (InputError, PointCloudFormatError, MlxLatticeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    start = time.perf_counter()
-    written = []
-    if _OUT.value:
-        out = _new_file(_user_path(_OUT.value))
-        np.save(out, labels.astype(np.int32))
-        written.append(f"labels: {out}")
-    if ids is not None:
-        label_file = _new_file(_user_path(_LABELS_OUT.value) / (points_path.stem + ".label"))
-        ids[labels].astype("<u4").tofile(label_file)
-        written.append(f"{'mapped' if _LABEL_MAP.value else 'SemanticKITTI'} labels: {label_file}")
-    if _PLY_OUT.value:
-        ply = _user_path(_PLY_OUT.value)
-        ply.parent.mkdir(parents=True, exist_ok=True)
-        write_ply(ply, cloud.points, labels, model.class_names)
-        written.append(f"PLY: {ply}")
-    if written:
-        times["write"] = time.perf_counter() - start
-    if _PICTURE.value:
-        from examples.pictures import top_down_png
-
-        start = time.perf_counter()
-        extent = float(np.percentile(np.abs(cloud.points[:, :2]), 98)) or 1.0
-        png = top_down_png(
-            _user_path(_PICTURE.value),
-            cloud.points,
-            [("prediction", labels)],
-            model.class_names,
-            extent=extent,
-        )
-        times["picture"] = time.perf_counter() - start
-        written.append(f"picture: {png}")
+    try:
+        written = _write_outputs(model, cloud, points_path, labels, ids, times)
+    except (OSError, MlxLatticeError) as e:  # an unwritable --out, a full disk, ...
+        print(f"error: cannot write the outputs: {e}", file=sys.stderr)
+        return 2
 
     print(
         f"model: {model.description}, voxel size {model.voxel_size} m, "

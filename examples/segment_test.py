@@ -333,3 +333,27 @@ def test_label_map_gives_the_demo_classes_their_ids(tmp_path, model_file, monkey
     code, _, err = run("--model", str(path), "--points", str(scan_path), "--labels-out",
                        str(tmp_path / "k2"), "--label-map", str(tmp_path / "absent.json"))  # fmt: skip
     assert code == 2 and "--label-map: cannot read" in err and "absent.json" in err
+
+
+@pytest.mark.parametrize("flag", ["--out", "--ply-out", "--labels-out"])
+def test_an_unwritable_output_is_an_error_message(tmp_path, model_file, flag):
+    """An output under a regular file (no folder can be made there; as
+    root, too) is `error: ...` and status 2, not a traceback."""
+    path, _ = model_file
+    _, scan_path = _kitti_bin(tmp_path)
+    (tmp_path / "file").write_text("not a folder")
+    target = tmp_path / "file" / ("labels.npy" if flag == "--out" else "scan.ply")
+    if flag == "--labels-out":
+        target = tmp_path / "file" / "kitti"
+        code, _, err = run("--model", str(path), "--points", str(scan_path), flag, str(target),
+                           "--label-map", str(_label_map(tmp_path)))  # fmt: skip
+    else:
+        code, _, err = run("--model", str(path), "--points", str(scan_path), flag, str(target))
+    assert code == 2, err
+    assert err.startswith("error: cannot write the outputs: ") and str(tmp_path / "file") in err
+
+
+def _label_map(tmp_path):
+    path = tmp_path / "map.json"
+    path.write_text(json.dumps({name: 10 + k for k, name in enumerate(CLASS_NAMES)}))
+    return path

@@ -27,7 +27,8 @@ by the same float32 ops on both sides but bounded as if not). ReLU is
 ``|scale| q + |bias|`` (not ``|w|``, which can cancel): ``A`` is computed
 with that weight. An int8-activation layer quantizes the same input to the
 same codes on both sides (dynamic per-row or static scales; ``|x_q| <=
-|x| + max|x| / 254``, half a step) and differs only in its float epilogue,
+|x| + max(max|x| / 254, act_scale / 2)``, half a step: of the widest row,
+or of a static layer's scale) and differs only in its float epilogue,
 bounded the same way with ``x`` widened by half a step. ``A`` is computed in
 float32 by the same convolution on ``|x|`` and the absolute weight, a sum
 of non-negative terms, so it is at least ``(1 - gamma_n)`` times the exact
@@ -171,8 +172,14 @@ def _check_layers_within_bound(ref: export.ExportedModel, x, *, int8: bool = Fal
         x_in = values[node["inputs"][0]]
         got, want = _feats(step(x_in)), _feats(values[node["output"]])
         xa = mx.abs(_feats(x_in).astype(mx.float32))
-        if (layer.get("quant") or {}).get("act_bits") is not None:
-            xa = xa + mx.max(xa) / 254.0  # half an int8 step of the widest row
+        q = layer.get("quant") or {}
+        if q.get("act_bits") is not None:
+            # Half an int8 step: of the widest row (dynamic scales), or of the
+            # static scale when that is larger (a static layer's step is its scale).
+            half = mx.max(xa) / 254.0
+            if q.get("act_static"):
+                half = mx.maximum(half, t[q["act_scale"]].astype(mx.float32) / 2)
+            xa = xa + half
         abs_in = x_in.replace(xa) if isinstance(x_in, mlx_lattice.SparseTensor) else xa
         n = _products(layer)
         gamma = n * U / (1 - n * U)

@@ -18,11 +18,15 @@ never holds jax, jaxlib, libtpu or NumPy, so the host's own stay the ones
 imported. It uses
 ``pip install --no-index --no-deps --target`` where pip exists and unpacks
 the wheels itself otherwise (a wheel is a zip archive of its import tree).
+Before installing anything it checks each wheel's tags against this
+interpreter and machine (fetch_wheels.sh fetches CPython 3.11 manylinux
+x86_64 wheels) and exits naming both when one does not fit.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import platform
 import re
 import subprocess
 import sys
@@ -76,6 +80,47 @@ def _wheel_name(path: Path) -> str:
     return _norm(path.name.split("-", 1)[0])
 
 
+_MACHINES = ("x86_64", "aarch64", "arm64", "amd64", "ppc64le", "s390x")
+
+
+def misfit(wheel: str, version: tuple[int, int], machine: str,
+           implementation: str = "CPython") -> str | None:
+    """None when an ``implementation`` ``version`` interpreter on ``machine``
+    can install the wheel file ``wheel``; else what the wheel's tags need.
+
+    >>> cp311 = "tensorstore-0.1.69-cp311-cp311-manylinux_2_17_x86_64.manylinux2014_x86_64.whl"
+    >>> misfit(cp311, (3, 11), "x86_64") is None
+    True
+    >>> misfit(cp311, (3, 12), "x86_64"), misfit(cp311, (3, 11), "aarch64")
+    ('CPython 3.11 on x86_64', 'CPython 3.11 on x86_64')
+    >>> misfit(cp311, (3, 11), "x86_64", "PyPy")
+    'CPython 3.11 on x86_64'
+    >>> misfit("optax-0.2.4-py3-none-any.whl", (3, 12), "aarch64") is None
+    True
+    >>> abi3 = "pyyaml-6.0-cp38-abi3-manylinux_2_17_x86_64.whl"
+    >>> misfit(abi3, (3, 11), "x86_64") is None, misfit(abi3, (3, 7), "x86_64")
+    (True, 'CPython 3.8 or later on x86_64')
+    """
+    py, abi, plat = wheel[: -len(".whl")].split("-")[-3:]
+    needs = []
+    fits_python = False
+    for tag in py.split("."):
+        if tag.startswith("py3"):
+            fits_python = True
+        elif tag.startswith("cp3") and tag[3:].isdigit():
+            need = (3, int(tag[3:]))
+            later = abi == "abi3"
+            needs.append(f"CPython 3.{need[1]}" + (" or later" if later else ""))
+            fits_python |= implementation == "CPython" and (
+                version == need or (later and version >= need))
+    plats = plat.split(".")
+    fits_machine = "any" in plats or any(t.endswith(machine) for t in plats)
+    if fits_python and fits_machine:
+        return None
+    arch = next((m for m in _MACHINES if any(t.endswith(m) for t in plats)), plat)
+    return (needs[0] if needs else py) + ("" if "any" in plats else f" on {arch}")
+
+
 def install(wheels: Path, target: Path) -> int:
     """Install what the host lacks; print one line per distribution."""
     files = {_wheel_name(p): p for p in sorted(wheels.glob("*.whl"))}
@@ -97,6 +142,16 @@ def install(wheels: Path, target: Path) -> int:
             todo.append(wheel)
     if not todo:
         return 0
+    host = (platform.python_implementation(), sys.version_info[:2], platform.machine())
+    unfit = [(w.name, need) for w in todo if (need := misfit(w.name, host[1], host[2], host[0]))]
+    if unfit:
+        print(f"wheels: this host runs {host[0]} {host[1][0]}.{host[1][1]} on {host[2]}, but "
+              + "; ".join(f"{name} needs {need}" for name, need in unfit[:3])
+              + (f" (and {len(unfit) - 3} more)" if len(unfit) > 3 else "")
+              + " (tools/tpu/fetch_wheels.sh fetches CPython 3.11 manylinux x86_64 wheels:"
+              " fetch this host's with pip download --python-version/--platform, or run the"
+              " lane under CPython 3.11 on x86_64)", file=sys.stderr)
+        return 1
     target.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip", "install", "--no-index", "--no-deps", "--quiet",
            "--disable-pip-version-check", "--upgrade", "--target", str(target)]

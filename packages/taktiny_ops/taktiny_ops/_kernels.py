@@ -6,6 +6,11 @@ layout, and Qwix elsewhere; ``'auto'`` is ``'pallas'`` on a TPU backend and
 ``'qwix'`` otherwise. :func:`choose` decides, and says why a call that asked
 for Pallas got Qwix; :func:`matmul` runs the chosen kernel. The Pallas
 modules are imported only when a kernel runs.
+
+A TPU v4 has no int8 MXU matmul, so on a v4 backend w8a8 rules run Qwix under
+both ``'auto'`` and ``'pallas'``, with that note (rather than a kernel that
+raises on every call); off a TPU ``'pallas'`` still runs the w8a8 kernel in
+interpret mode.
 """
 
 from __future__ import annotations
@@ -83,6 +88,11 @@ def choose(switch: str, res: quantrules.Resolution | None, *,
         return QWIX, f"no Pallas kernel for tiled w8a8 (tile_size={rule.tile_size})"
     if (rule.act_calibration_method or "absmax") != "absmax":
         return QWIX, "the Pallas w8a8 kernel needs per-token absmax activation scales"
+    if jax.default_backend() == "tpu":
+        from taktiny_ops._pallas_blocks import tpu_generation
+
+        if tpu_generation() == "v4":
+            return QWIX, "the TPU v4 has no int8 MXU matmul"
     return W8A8, ""
 
 

@@ -37,7 +37,7 @@ from taktiny_ops._common import TaktinyOpsError
 
 DTypeLike = jax.typing.DTypeLike
 
-__all__ = ["reference_weight_only_matmul", "weight_only_matmul"]
+__all__ = ["check_weight", "reference_weight_only_matmul", "weight_only_matmul"]
 
 _QTYPES = tuple(jnp.dtype(d) for d in ("int8", "int4", "float8_e4m3fn", "float8_e5m2"))
 _CHUNK = 512  # rows of a weight block converted at a time (bounds the temporary)
@@ -64,7 +64,22 @@ def _out_dtype(out_dtype: DTypeLike | None, x: jax.Array) -> jnp.dtype:
 
 def check_weight(x: jax.Array, qvalue: jax.Array, scale: jax.Array,
                  qtypes: tuple[jnp.dtype, ...]) -> int:
-    """Validates the operands; returns the scale's K tile size ``t``."""
+    """Validates ``x[M, K]``, ``qvalue[K, N]`` (one of ``qtypes``) and
+    ``scale[K // t, N]``; returns the scale's K tile size ``t``.
+
+    A bad operand raises a TaktinyOpsError whose message opens with its name.
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((2, 512), jnp.bfloat16)
+    >>> q = jnp.ones((512, 128), jnp.int8)
+    >>> check_weight(x, q, jnp.ones((2, 128), jnp.float32), (jnp.dtype(jnp.int8),))
+    256
+    >>> try:  # 3 scale rows do not divide K=512
+    ...     check_weight(x, q, jnp.ones((3, 128), jnp.float32), (jnp.dtype(jnp.int8),))
+    ... except TaktinyOpsError as e:
+    ...     print(str(e)[:26])
+    scale must be [K // t, N]
+    """
     _check_float("x", x, 2)
     if qvalue.ndim != 2:
         raise TaktinyOpsError(f"qvalue must be [K, N], got shape {qvalue.shape}")

@@ -2,20 +2,24 @@
 
 ``w8a8_matmul(x, qvalue, scale)``: the weight ``w[K, N]`` quantized channelwise
 by Qwix 0.1.8 (``qvalue [K, N]`` int8, ``scale [1, N]``), the activation
-``x[M, K]`` quantized per row (per token) inside the kernel with Qwix's absmax
-rule:
+``x[M, K]`` quantized per row (per token) inside the kernel by an absmax rule
+with Qwix's bound, the row scale and the quotient kept in float32:
 
 * ``x_scale[m] = max_k |x[m, k]| * float32(1 / 127.5)`` (Qwix's symmetric
-  int8 bound is ``qmax + 0.5``; Qwix writes ``absmax / 127.5``, which XLA's
-  CPU compiler turns into this multiplication by the rounded reciprocal; the
-  kernel writes the multiplication, one IEEE product on every backend),
-  replaced by 1 below ``sqrt(finfo(float32).tiny)``;
+  int8 bound is ``qmax + 0.5``; the kernel writes the multiplication by the
+  rounded reciprocal, one IEEE product on every backend), replaced by 1
+  below ``sqrt(finfo(float32).tiny)``;
 * ``q_x = clip(round_half_even(x * x_inv), -128, 127)`` with
   ``x_inv = 1 / x_scale`` computed once per row before the kernel, so a
-  quantized value does not depend on how a compiler fuses a division (Qwix
-  divides ``x`` by the scale, in ``x.dtype``);
+  quantized value does not depend on how a compiler fuses a division.
 * ``acc = q_x @ qvalue`` in int32 on the MXU; the result is
   ``acc * x_scale[m] * w_scale[n]`` in float32, never rounded to bf16 first.
+  K is at most ``MAX_K`` (131071), where the int32 sum cannot overflow.
+
+This is not Qwix's arithmetic: Qwix computes the scale and divides ``x`` by it
+in ``x.dtype``, so for bfloat16 activations it rounds both the scale and the
+quotient to bfloat16, and its int8 levels can differ from the kernel's (for
+float32 ones, where a quotient lands within an ulp of a half-integer).
 
 The per-row absmax needs the whole row while a kernel sees one block, so a
 row reduction runs before the kernel (one read of ``x``: at M=8192, K=4096 it
@@ -44,11 +48,17 @@ from taktiny_ops import _pallas_blocks as B
 from taktiny_ops._common import TaktinyOpsError
 from taktiny_ops._pallas_matmul import DTypeLike, _out_dtype, check_weight
 
-__all__ = ["reference_w8a8_matmul", "w8a8_matmul"]
+__all__ = ["MAX_K", "reference_w8a8_matmul", "row_scales", "w8a8_matmul", "w8a8_parts"]
 
 _INT8 = (jnp.dtype(jnp.int8),)
 _INV_QMAX = np.float32(1 / 127.5)  # Qwix's int8 bound: iinfo(int8).max + 0.5
 _CHUNK = 512  # activation columns quantized at a time (bounds the f32 temporary)
+#: The longest contraction the int32 accumulator holds. Every product
+#: q_x * qvalue lies in [-128 * 127, 128 * 128] (both int8 operands can be
+#: -128: the clip keeps -128 and Qwix's weights reach it at -absmax), so K
+#: products sum to at most 16384 * K in magnitude; 2**31 - 1 bounds it for
+#: K <= (2**31 - 1) // 16384 = 131071. One more row could overflow silently.
+MAX_K = (2**31 - 1) // (128 * 128)
 
 
 def row_scales(x: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -78,6 +88,10 @@ def _quantize(x: jax.Array, inv: jax.Array) -> jax.Array:
 
 def _check(x: jax.Array, qvalue: jax.Array, scale: jax.Array) -> None:
     check_weight(x, qvalue, scale, _INT8)
+    if x.shape[1] > MAX_K:
+        raise TaktinyOpsError(
+            f"x: K={x.shape[1]} (its last axis) is longer than the w8a8 kernel's int32"
+            f" accumulator holds: at most {MAX_K} = (2**31 - 1) // (128 * 128)")
     if scale.shape[0] != 1:
         raise TaktinyOpsError(
             f"scale must be channelwise [1, N] for w8a8, got shape {scale.shape}")
@@ -229,6 +243,13 @@ def w8a8_parts(x: jax.Array, qvalue: jax.Array, scale: jax.Array, *,
 
     The same kernel as :func:`w8a8_matmul` with the float epilogue left out and
     the in-VMEM int8 activation block written out (for tests).
+
+    >>> import jax.numpy as jnp
+    >>> x = jnp.ones((2, 256), jnp.bfloat16)
+    >>> q = jnp.ones((256, 128), jnp.int8)
+    >>> q_x, x_scale, x_inv, acc = w8a8_parts(x, q, jnp.ones((1, 128), jnp.float32))
+    >>> int(q_x[0, 0]), float(x_inv[0]), int(acc[0, 0])  # 1 * 127.5 clips to 127; 256 * 127
+    (127, 127.5, 32512)
     """
     return _call(x, qvalue, scale, out_dtype=None, block_m=block_m, block_n=block_n,
                  block_k=block_k, interpret=interpret, parts=True)

@@ -16,15 +16,18 @@ import numpy as np
 import pytest
 import qwix
 
+import quantrules
+from taktiny_ops import _kernels as kernels_module
 from taktiny_ops import _pallas_blocks as blocks_module
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import TaktinyOpsError
 from taktiny_ops._pallas_blocks import plan, use_interpret
 from taktiny_ops._pallas_matmul import reference_weight_only_matmul, weight_only_matmul
-from taktiny_ops._pallas_w8a8 import reference_w8a8_matmul, w8a8_matmul, w8a8_parts
+from taktiny_ops._pallas_w8a8 import MAX_K, reference_w8a8_matmul, w8a8_matmul, w8a8_parts
 
 U32 = 2.0**-24  # float32 unit roundoff
 U_OUT = {"float32": U32, "bfloat16": 2.0**-8}
+_S = jax.ShapeDtypeStruct
 
 
 def qwix_weight(w: jax.Array, qtype: str, tile: int | None) -> qwix.QArray:
@@ -46,12 +49,16 @@ def dequantized(q: qwix.QArray) -> np.ndarray:
 
 # (qtype, tile, x dtype, result dtype, M, K, N, blocks): odd M and N are
 # padded; explicit blocks give several K and N steps (the accumulator and the
-# scale per K tile).
+# scale per K tile) and several row blocks (block_m: 3 to 4 of them, the last
+# one padded), int4 with N padded from 200 to 256 among them.
 WEIGHT_ONLY = [
     ("int8", None, "bfloat16", "bfloat16", 5, 384, 200, {}),
     ("int8", 128, "float32", "float32", 19, 384, 256, {"block_k": 256, "block_n": 128}),
+    ("int8", 128, "float32", "float32", 20, 256, 256,
+     {"block_m": 8, "block_k": 128, "block_n": 128}),
     ("int4", None, "bfloat16", "float32", 16, 512, 256, {"block_k": 128}),
     ("int4", 128, "bfloat16", "float32", 3, 512, 384, {"block_k": 256, "block_n": 128}),
+    ("int4", None, "bfloat16", "bfloat16", 50, 256, 200, {"block_m": 16, "block_n": 128}),
     ("float8_e4m3fn", 256, "bfloat16", "bfloat16", 7, 512, 130, {}),
     ("float8_e5m2", None, "float32", "float32", 9, 256, 128, {}),
 ]
@@ -107,12 +114,18 @@ def _ulps(a: np.ndarray, b: np.ndarray) -> np.ndarray:
 
 
 # Several K and N blocks (the requantized path), then one K block over two N
-# blocks (the int8 activation block made once and kept across N).
-@pytest.mark.parametrize("blocks", [{"block_k": 128, "block_n": 128}, {"block_n": 128}])
+# blocks (the int8 activation block made once and kept across N); each again
+# over 3 and 4 row blocks of 32 (the kept block remade for every row block).
+@pytest.mark.parametrize(("m", "blocks"), [
+    (37, {"block_k": 128, "block_n": 128}),
+    (37, {"block_n": 128}),
+    (70, {"block_m": 32, "block_k": 128, "block_n": 128}),
+    (100, {"block_m": 32, "block_n": 128}),
+])
 @pytest.mark.parametrize("xdt", ["bfloat16", "float32"])
-def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, blocks: dict,
+def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, m: int, blocks: dict,
                                         xdt: str) -> None:
-    m, k, n = 37, 384, 200
+    k, n = 384, 200
     x = jnp.asarray(_activation(rng, m, k), xdt)
     q = qwix_weight(jnp.asarray(rng.standard_normal((k, n)), jnp.float32), "int8", None)
     q_x, x_scale, x_inv, acc = w8a8_parts(x, q.qvalue, q.scale, **blocks)
@@ -135,10 +148,14 @@ def test_w8a8_integer_parts_bit_for_bit(rng: np.random.Generator, blocks: dict,
     # roundings of a product, so |y - exact| <= ((1+u)^3 - 1)|exact| < 3.01u|exact|.
     exact = acc_np * s_np.astype(np.float64)[:, None] * f64(q.scale)
     assert np.all(np.abs(f64(y) - exact) <= 3.01 * U32 * np.abs(exact))
-    # The reference runs the same float32 operations in the same order.
-    np.testing.assert_array_equal(
-        np.asarray(y), np.asarray(reference_w8a8_matmul(x, q.qvalue, q.scale,
-                                                        out_dtype=jnp.float32)))
+    # The reference runs the same float32 operations in the same order. Both
+    # are traced into ONE program, so the reciprocal that picks each int8 level
+    # is the same compiled division (across two programs a TPU's division may
+    # differ by an ulp, and an ulp can move a level): the same bits there.
+    y_one, y_ref = jax.jit(lambda a: (
+        w8a8_matmul(a, q.qvalue, q.scale, out_dtype=jnp.float32, **blocks),
+        reference_w8a8_matmul(a, q.qvalue, q.scale, out_dtype=jnp.float32)))(x)
+    np.testing.assert_array_equal(np.asarray(y_one), np.asarray(y_ref))
     y16 = w8a8_matmul(x, q.qvalue, q.scale, **blocks)
     assert y16.dtype == jnp.dtype(xdt)
     # A bf16 result: one more rounding of 2^-8 of the value.
@@ -184,6 +201,39 @@ def test_bad_options_raise() -> None:
         w8a8_matmul(*_ops(qtype="int4"))
 
 
+@pytest.mark.parametrize("fn", [w8a8_matmul, reference_w8a8_matmul])
+def test_w8a8_refuses_a_k_its_int32_sum_cannot_hold(fn) -> None:
+    # |q_x * qvalue| <= 128 * 128 (both can be -128), so K terms stay within
+    # int32 for K <= (2**31 - 1) // 2**14 = 131071; one more could wrap silently.
+    assert MAX_K == 131071
+
+    def shapes(k: int) -> tuple:
+        return (_S((2, k), jnp.bfloat16), _S((k, 128), jnp.int8), _S((1, 128), jnp.float32))
+
+    with pytest.raises(TaktinyOpsError, match=r"^x\b.*K=131072\b.*131071"):
+        jax.eval_shape(fn, *shapes(MAX_K + 1))  # traced only: nothing is allocated
+    assert jax.eval_shape(fn, *shapes(MAX_K)).shape == (2, 128)
+
+
+def _w8a8_resolution(**rule: object) -> quantrules.Resolution:
+    return quantrules.resolve(quantrules.PtqProvider(
+        [quantrules.Rule(weight_qtype="int8", **rule)]), op="dot_general")
+
+
+def test_tpu_v4_runs_qwix_for_w8a8(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A v4's MXU has no int8 matmul: the w8a8 kernel raises there, so neither
+    # 'auto' nor 'pallas' may pick it; weight-only kernels still run.
+    w8a8, int8 = _w8a8_resolution(act_qtype="int8"), _w8a8_resolution()
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    monkeypatch.setattr(blocks_module, "tpu_generation", lambda: "v4")
+    for switch in ("auto", "pallas"):
+        assert kernels_module.choose(switch, w8a8) == (
+            kernels_module.QWIX, "the TPU v4 has no int8 MXU matmul")
+        assert kernels_module.choose(switch, int8) == (kernels_module.WEIGHT_ONLY, "")
+    monkeypatch.setattr(blocks_module, "tpu_generation", lambda: "v5e")
+    assert kernels_module.choose("auto", w8a8) == (kernels_module.W8A8, "")
+
+
 def test_plan_pads_to_legal_blocks() -> None:
     p = plan("weight_only", 5, 200, 384, block_m=None, block_n=None, block_k=None, m_step=16)
     assert p.bm % 16 == 0 and p.bn % 128 == 0 and p.bk % 128 == 0
@@ -206,17 +256,14 @@ def test_v5e_table_quantizes_each_activation_block_once(monkeypatch: pytest.Monk
     assert p[:3] == (16, 2048, 1024) and (p.n_pad, p.k_pad) == (14336, 4096)
 
 
-_S = jax.ShapeDtypeStruct
-
-
 @pytest.mark.parametrize("m", [16, 1024])
-@pytest.mark.parametrize("kernel", ["int8", "int4", "float8_e4m3fn", "float8_e5m2", "w8a8"])
-@pytest.mark.parametrize("groups", [1, 32])
+@pytest.mark.parametrize(("kernel", "groups"), [
+    (kernel, groups) for kernel in ("int8", "int4", "float8_e4m3fn", "float8_e5m2", "w8a8")
+    for groups in (1, 32) if (kernel, groups) != ("w8a8", 32)  # w8a8: channelwise only
+])
 def test_lowers_to_mosaic(kernel: str, groups: int, m: int) -> None:
     k, n = 4096, 14336
     if kernel == "w8a8":
-        if groups > 1:
-            pytest.skip("w8a8 takes channelwise weights")
         qtype = "int8"
 
         def fn(x, q, s):
@@ -295,14 +342,18 @@ def test_symbolic_m_exports_and_runs_any_batch(rng: np.random.Generator, kernel:
                                   _S((1, n), jnp.float32))
         assert str(exp.in_avals[0].shape[0]) == "b" and str(exp.out_avals[0].shape) == "(b, 200)"
         assert ("tpu_custom_call" in exp.mlir_module()) == (platform == "tpu")
+    # The CPU export runs on the CPU device (a TPU host has one too), with the
+    # reference in the same program: one compiled division picks the levels.
+    cpu = jax.devices("cpu")[0]
+    run = jax.jit(lambda x, q, s: (exp.call(x, q, s),
+                                   reference_w8a8_matmul(x, q, s, out_dtype=jnp.float32)))
     for m in (3, p.bm + 5):
         x = jnp.asarray(_activation(rng, m, k))
-        y = exp.call(x, q.qvalue, q.scale)
+        with jax.default_device(cpu):
+            y, y_ref = run(*jax.device_put((x, q.qvalue, q.scale), cpu))
         assert y.shape == (m, n)
         if kernel == "w8a8":  # integer accumulation, the same float epilogue
-            np.testing.assert_array_equal(
-                np.asarray(y), np.asarray(reference_w8a8_matmul(x, q.qvalue, q.scale,
-                                                                out_dtype=jnp.float32)))
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(y_ref))
         else:  # the bound of test_weight_only_matches_numpy, float32 x, one group
             deq = dequantized(q)
             exact, mag = f64(x) @ deq, np.abs(f64(x)) @ np.abs(deq)

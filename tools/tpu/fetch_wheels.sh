@@ -2,7 +2,8 @@
 # Fetch, on a machine with network, the wheels the TPU lane installs on a TPU
 # host that has none (docs/topics/tpu.rst): the lock's hashed lines for the
 # distributions tools/tpu/wheels.py names, as CPython 3.11 manylinux x86_64
-# binary wheels, checked against the lock's hashes.
+# binary wheels, checked against the lock's hashes (wheels.py install refuses
+# them, naming both, on another Python or machine).
 #
 #   tools/tpu/fetch_wheels.sh [DIR]     # DIR defaults to .whl/tpu (git-ignored)
 #

@@ -344,7 +344,10 @@ def test_symbolic_m_exports_and_runs_any_batch(rng: np.random.Generator, kernel:
         assert ("tpu_custom_call" in exp.mlir_module()) == (platform == "tpu")
     # The CPU export runs on the CPU device (a TPU host has one too), with the
     # reference in the same program: one compiled division picks the levels.
-    cpu = jax.devices("cpu")[0]
+    try:
+        cpu = jax.devices("cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS left the CPU backend out
+        pytest.skip("this host's JAX has no CPU backend to run the CPU export on")
     run = jax.jit(lambda x, q, s: (exp.call(x, q, s),
                                    reference_w8a8_matmul(x, q, s, out_dtype=jnp.float32)))
     for m in (3, p.bm + 5):

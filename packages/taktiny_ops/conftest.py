@@ -42,13 +42,6 @@ TOP_GAP = {"int8": 1 / 127, "int4": 1 / 7, "uint4": 1 / 15, "float8_e4m3fn": 32 
            "fp8": 32 / 448, "nf4": 0.3038}
 
 
-def _step(a: np.ndarray, qtype: str | None) -> float:
-    """One quantization step of ``a`` under ``qtype`` (0 when not quantized)."""
-    if not qtype:
-        return 0.0
-    return float(np.abs(a).max(initial=0.0)) * TOP_GAP[str(qtype)]
-
-
 # Qwix's symmetric bound of each integer type: a / s with s = absmax / bound
 # lies in [-bound, bound], rounded to the nearest level (qmax + 0.5).
 SYMMETRIC_BOUND = {"int8": 127.5, "int4": 7.5}
@@ -67,8 +60,19 @@ def _step(a: np.ndarray, qtype: str | None) -> float:
     return float(np.abs(a).max(initial=0.0)) * TOP_GAP[str(qtype)]
 
 
+def _absmax(a: np.ndarray, axes: tuple[int, ...], tile: int | None) -> np.ndarray:
+    """max |a| over ``axes`` (kept, size 1), or with ``tile`` over each run of
+    ``tile`` values along the single axis in ``axes`` (Qwix's tiled scales),
+    broadcast back to ``a``'s shape."""
+    if not tile:
+        return np.max(np.abs(a), axis=axes, keepdims=True)
+    (ax,) = (axis % a.ndim for axis in axes)
+    tiles = np.abs(a).reshape((*a.shape[:ax], a.shape[ax] // tile, tile, *a.shape[ax + 1:]))
+    return np.repeat(tiles.max(axis=ax + 1), tile, axis=ax)
+
+
 def _moved(a: np.ndarray, qtype: str | None, axes: tuple[int, ...] | None,
-           err: object) -> np.ndarray:
+           err: object, tile: int | None = None) -> np.ndarray:
     """Elementwise bound of |a^1 - a^2|: the dequantized values of two programs
     whose inputs are each within ``err`` of ``a``, quantized under ``qtype``
     with absmax scales over ``axes`` (None: unknown axes, every value may move
@@ -90,30 +94,52 @@ def _moved(a: np.ndarray, qtype: str | None, axes: tuple[int, ...] | None,
         return err
     if axes is None or str(qtype) not in SYMMETRIC_BOUND:
         return err + _step(np.abs(a) + err, qtype)
-    amax = np.max(np.abs(a), axis=axes, keepdims=True)
-    emax = np.max(err, axis=axes, keepdims=True)
-    scale = np.where(amax > 0, amax, 1.0) / SYMMETRIC_BOUND[str(qtype)]
+    amax, emax, scale, v, near = _near(a, str(qtype), axes, err, tile)
+    ds = 2 * scale * (emax / np.where(amax > 0, amax, 1.0) + 2.0**-22)
+    return scale * near + (np.abs(v) + 1.5) * ds
+
+
+def _near(a: np.ndarray, qtype: str, axes: tuple[int, ...], err: np.ndarray,
+          tile: int | None) -> tuple[np.ndarray, ...]:
+    """(A, E, s, v, near) of ``_moved``'s derivation: near marks the values
+    whose level two programs may round differently."""
+    amax = _absmax(a, axes, tile)
+    emax = _absmax(err, axes, tile)
+    scale = np.where(amax > 0, amax, 1.0) / SYMMETRIC_BOUND[qtype]
     v = a / scale
     drift = np.where(amax > emax, emax / np.maximum(amax - emax, 1e-300), np.inf)
     window = err / scale + np.abs(v) * (drift + _QUOTIENT_REL)
     # The nearest boundary k + 1/2 between two levels the clip keeps (for
     # int8 -127.5 .. 126.5: round(127.5) = 128 clips to 127 like 127.4).
-    bmax = SYMMETRIC_BOUND[str(qtype)]
+    bmax = SYMMETRIC_BOUND[qtype]
     near = np.abs(v - np.clip(np.floor(v) + 0.5, -bmax, bmax - 1)) <= window
-    ds = 2 * scale * (emax / np.where(amax > 0, amax, 1.0) + 2.0**-22)
-    return scale * near + (np.abs(v) + 1.5) * ds
+    return amax, emax, scale, v, near
+
+
+@pytest.fixture
+def near_boundary() -> Callable:
+    """``near(a, qtype, axes, tile=None)``: the elements of ``a`` (int8 or
+    int4, absmax scales over ``axes``, or ``tile``-long runs of the one axis
+    given) whose quantized level two programs may round differently: a / s
+    within 2^-21 |a / s| of a rounding boundary (``_moved``'s derivation,
+    judged in float64). Any other element gets the same level in both."""
+    def near(a: object, qtype: str, axes: tuple[int, ...], tile: int | None = None) -> np.ndarray:
+        a = np.asarray(a, np.float64)
+        return _near(a, str(qtype), axes, np.zeros_like(a), tile)[-1]
+
+    return near
 
 
 def _bound(product: Callable, x: object, w: object, rule: qr.Rule | None,
            x_err: object = 0.0, *, x_axes: tuple[int, ...] | None = None,
-           w_axes: tuple[int, ...] | None = None) -> np.ndarray:
+           w_axes: tuple[int, ...] | None = None, tile_size: int | None = None) -> np.ndarray:
     x, w = np.asarray(x, np.float64), np.asarray(w, np.float64)
     ax = np.abs(x) + x_err
     dx = _step(ax, rule.act_qtype if rule else None)
     dw = _step(w, rule.weight_qtype if rule else None)
     aw = np.abs(w) + dw
-    mx = _moved(x, rule.act_qtype if rule else None, x_axes, x_err)
-    mw = _moved(w, rule.weight_qtype if rule else None, w_axes, 0.0)
+    mx = _moved(x, rule.act_qtype if rule else None, x_axes, x_err, tile_size)
+    mw = _moved(w, rule.weight_qtype if rule else None, w_axes, 0.0, tile_size)
     moved = product(mx, aw + mw) + product(ax + dx, mw)
     return moved + 1e-5 * product(ax + dx, aw) + 1e-30
 
@@ -151,8 +177,36 @@ def cross_program_bound() -> Callable:
     boundary (``_moved``); with none near, the bound reduces to the scale
     ulps and the accumulation term. Without them, every value moves one
     step, the bound above (as large as the product itself for int8).
+    ``tile_size``: the absmax runs over tiles of that many values along the
+    one axis given (the rule's tile_size, on the contracting axis). The
+    per-value decision covers the symmetric integer types; float8 and nf4
+    keep the per-tensor step.
     """
     return _bound
+
+
+def _agree(got: object, want: object, limit: object) -> None:
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    limit = np.asarray(limit() if callable(limit) else limit, np.float64)
+    if jax.default_backend() == "cpu":
+        np.testing.assert_array_equal(got, want)
+        return
+    err = np.abs(got.astype(np.float64) - want.astype(np.float64))
+    assert (err <= limit).all(), (float(err.max()), float((limit - err).min()))
+
+
+@pytest.fixture
+def programs_agree() -> Callable:
+    """``agree(got, want, limit)``: two differently compiled programs of the
+    same quantized computation agree bit for bit on the CPU (XLA:CPU divides,
+    fuses and sums them alike: the guide's claim, held here) and within
+    ``limit`` (an array, or a callable giving one: ``cross_program_bound``
+    with the operands' absmax axes) elsewhere. The limit is computed on every
+    backend, so a broken bound fails in CI too; dtypes and shapes must match.
+    """
+    return _agree
 
 
 def _conv64(a: object, b: object, strides: tuple[int, ...],

@@ -8,7 +8,10 @@
   CPU, float32 products are what the default gives: nothing changes there.
 - ``cross_program_bound``: the bound of a difference between two differently
   compiled programs (see its docstring); bit-for-bit equality is claimed
-  only within one jitted program (docs/topics/tpu.rst).
+  within one jitted program on any backend (docs/topics/tpu.rst), and
+  between two programs on the CPU: ``programs_agree`` asserts equal bits
+  there and the bound elsewhere. ``near_boundary``: the values whose level
+  two programs may round differently.
 - ``conv64``: a float64 convolution on the CPU device (a bound's product;
   an accelerator has no float64 convolution).
 """

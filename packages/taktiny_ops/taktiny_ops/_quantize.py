@@ -223,8 +223,12 @@ def quantize(model: nnx.Module, quant: Any, *, kernels: str = "qwix") -> Quantiz
     activations; every other layer runs Qwix, and the report's
     ``kernel_note`` says why. ``'auto'`` is ``'pallas'`` on a TPU backend and
     ``'qwix'`` otherwise. Off a TPU the Pallas kernels run in Pallas
-    interpret mode (correct, slow). They compute the same products as Qwix
-    but not bitwise: the float epilogue (scales, summation order) differs.
+    interpret mode (correct, slow). They are not bitwise Qwix: the float
+    epilogue (scales, summation order) differs, and the w8a8 kernel keeps
+    the row scale absmax / 127.5 and the quotient x / s in float32. With
+    float32 activations its int8 levels are Qwix's except at rounding
+    boundaries; with bfloat16 activations Qwix rounds the scale and the
+    quotient to bfloat16, and the levels differ at many elements.
 
     Raises:
         TaktinyOpsError: for a ``kernels`` other than ``'qwix'``, ``'pallas'``

@@ -285,25 +285,38 @@ def test_pallas_weight_only_matches_the_reference(name, rng):
     _bitwise(layer, stateless)
 
 
-def test_pallas_w8a8_matches_the_reference_and_qwix(rng):
+def test_pallas_w8a8_matches_the_reference_and_qwix(rng, near_boundary):
     x, w = _arr(rng, (12, 256)), _arr(rng, (256, 128))
     wq = tk.quantize_weight(w, W8A8)
 
     def both(x, wq):
         return (tk.linear(x, wq, quant=W8A8, kernel="pallas"),
-                w8a8_matmul(x, wq.qvalue, wq.scale))
+                w8a8_matmul(x, wq.qvalue, wq.scale),
+                reference_w8a8_matmul(x, wq.qvalue, wq.scale))
 
-    ours, kernel = jax.jit(both)(x, wq)
+    ours, kernel, ref = jax.jit(both)(x, wq)
     _bitwise(ours, kernel)
     assert _runs_pallas(lambda x, wq: both(x, wq)[0], x, wq)
-    ref = np.asarray(reference_w8a8_matmul(x, wq.qvalue, wq.scale), np.float64)
-    # The int8 activations and the int32 sums are the same integers (the same
-    # row scales and reciprocals, exact sums below 2**24 here); what differs is
-    # at most the order of the two float32 scale products: each result is
-    # within (1 + u)**2 of acc * x_scale * w_scale, so they differ by at most
-    # 4.01 u of it.
-    np.testing.assert_array_less(np.abs(np.asarray(ours, np.float64) - ref),
-                                 4.01 * U32 * np.abs(ref) + 1e-30)
+    ref = np.asarray(ref, np.float64)
+    x64, q64 = np.asarray(x, np.float64), np.abs(np.asarray(wq.qvalue, np.float64))
+    w_scale = np.asarray(wq.scale, np.float64)[0]
+    x_scale = np.abs(x64).max(axis=1, keepdims=True) / 127.5
+    # The reference is traced in the same program, but the kernel is Mosaic
+    # code (or its interpretation) and the reference XLA's: a reciprocal may
+    # be an ulp apart, so an activation whose a / s lies within a few ulps of
+    # a rounding boundary (the conftest's near_boundary, from float64) may
+    # take the neighbouring level: one step x_scale * |q_kn| * w_scale each.
+    # The int32 sums are otherwise the same integers (exact below 2**24); the
+    # two float32 scale products may round in another order: each result is
+    # within (1 + u)**2 of acc * x_scale * w_scale, 4.01 u of it apart.
+    near = near_boundary(x64, "int8", (-1,))
+    flips = x_scale * (near @ q64) * w_scale
+    limit = flips + 4.01 * U32 * np.abs(ref) + 1e-30
+    np.testing.assert_array_less(np.abs(np.asarray(ours, np.float64) - ref), limit)
+    # one activation a level off in a row with no value near a boundary fails
+    m = int(np.argmin(near.sum(axis=1)))
+    assert not near[m].any()
+    assert x_scale[m, 0] * q64[:, 0].max() * w_scale[0] > limit[m, 0]
     # Against Qwix's w8a8 (which divides by its row scale, absmax / 127.5,
     # where the kernel multiplies by a reciprocal of absmax * (1 / 127.5)):
     # the two row scales may differ by one ulp (2 u relative), so a quantized
@@ -312,11 +325,51 @@ def test_pallas_w8a8_matches_the_reference_and_qwix(rng):
     # w_scale, plus 2 u |y| for the scales and each side's two epilogue
     # roundings (2 u |y| each): 6.01 u |y| on the larger magnitude.
     qwix_path = np.asarray(tk.linear(x, wq, quant=W8A8), np.float64)
-    x_scale = np.abs(np.asarray(x, np.float64)).max(axis=1, keepdims=True) / 127.5
-    step = x_scale * (np.abs(np.asarray(wq.qvalue, np.float64)).sum(axis=0)
-                      * np.asarray(wq.scale, np.float64)[0])
+    step = x_scale * q64.sum(axis=0) * w_scale
     bound = step + 6.01 * U32 * np.maximum(np.abs(qwix_path), np.abs(ref)) + 1e-30
     np.testing.assert_array_less(np.abs(np.asarray(ours, np.float64) - qwix_path), bound)
+
+
+def test_pallas_w8a8_bf16_activations_against_qwix(rng):
+    """bfloat16 activations: the kernel keeps the row scale absmax / 127.5 and
+    the quotient x / s in float32; Qwix rounds both to bfloat16 (and its int32
+    sum and the product by its row scale too), so many levels differ.
+
+    Bound, per output (y = ours, y' = Qwix's): with s, q the kernel's row
+    scale and levels and s', q' Qwix's, y - y' = s w_s sum_k (q_k - q'_k) q_kn
+    + (s - s') w_s sum_k q'_k q_kn + roundings. |q - q'| <= 1: q is within 1/2
+    of v = a / s, and q' within 1/2 of bf16(a / s'), which is within
+    |v| 2^-9 (the scale's bfloat16 rounding) + 1/4 (a quotient below 128 in
+    bfloat16 is a multiple of 1/2 at most) < 1/2 of v. So one step
+    s |q_kn| w_s per element, plus |s - s'| / s' <= 2^-9 (1 + 2^-8) of |y'|.
+    Qwix rounds the int32 sum to bfloat16 and multiplies it by s' in
+    bfloat16 (2^-9 each), then by w_s in float32 (u); the kernel's float32
+    epilogue rounds twice (4 u) and both return float32. Together
+    (2^-9 (1 + 2^-8) + 2 2^-9 + 6 u)(1 + 2^-6) of the larger |y|: the 2^-6
+    covers the products of these relative errors."""
+    x = jnp.asarray(rng.standard_normal((12, 256)), jnp.bfloat16)
+    wq = tk.quantize_weight(_arr(rng, (256, 128)), W8A8)
+    ours, qwix_path = jax.jit(lambda x, wq: (
+        tk.linear(x, wq, quant=W8A8, kernel="pallas"), tk.linear(x, wq, quant=W8A8)))(x, wq)
+    x64, q64 = np.asarray(x, np.float64), np.abs(np.asarray(wq.qvalue, np.float64))
+    w_scale = np.asarray(wq.scale, np.float64)[0]
+    step = np.abs(x64).max(axis=1, keepdims=True) / 127.5 * q64.sum(axis=0) * w_scale
+    assert ours.dtype == qwix_path.dtype == jnp.float32
+    ours, qwix_path = np.asarray(ours, np.float64), np.asarray(qwix_path, np.float64)
+    rel = (2**-9 * (1 + 2**-8) + 2 * 2**-9 + 6 * U32) * (1 + 2**-6)
+    bound = step + rel * np.maximum(np.abs(ours), np.abs(qwix_path)) + 1e-30
+    np.testing.assert_array_less(np.abs(ours - qwix_path), bound)
+    # A layout error (the rows of another token) or a missed row scale fails.
+    assert (np.abs(np.roll(ours, 1, axis=0) - qwix_path) > bound).any()
+    unscaled = ours / (np.abs(x64).max(axis=1, keepdims=True) / 127.5)
+    assert (np.abs(unscaled - qwix_path) > bound).any()
+    # The levels differ at many elements (Qwix's bfloat16 scale and quotient).
+    s32 = np.abs(x64).max(axis=1, keepdims=True) / 127.5
+    s16 = np.asarray(jnp.asarray(s32, jnp.bfloat16), np.float64)
+    q_ours = np.clip(np.round(x64 / s32), -128, 127)
+    q_qwix = np.clip(np.round(np.asarray(jnp.asarray(x64 / s16, jnp.bfloat16), np.float64)),
+                     -128, 127)
+    assert (q_ours != q_qwix).mean() > 0.01
 
 
 def test_pallas_einsum_layer_runs_the_kernel(rng):

@@ -301,11 +301,10 @@ def write_ply(path: Path, points: np.ndarray, labels: np.ndarray, class_names: S
     """A binary little-endian PLY (``mlx_lattice.io.write_ply``): ``x y z``
     float, ``red green blue`` uchar (the class colours of the pictures) and
     ``label`` int (class index)."""
-    from examples.palette import class_colours
+    from examples.palette import colour_columns
     from mlx_lattice.io import write_ply as write
 
-    palette = class_colours(len(class_names)).T.copy()  # one row of classes per channel
-    colours = {name: palette[c][labels] for c, name in enumerate(("red", "green", "blue"))}
+    colours = colour_columns(labels, len(class_names))
     classes = ",".join(name.replace(" ", "_") for name in class_names)
     write(
         path,

@@ -692,12 +692,29 @@ def _norm(node: dict[str, Any], tensors: Mapping[str, mx.array]) -> mlx_nn.Batch
     return norm.eval()
 
 
+def _quantized_weight(node: dict[str, Any], t: Mapping[str, mx.array]) -> Any:
+    """The quantized node's :class:`~mlx_lattice.core.quantized.QuantizedWeight`
+    from the graph's tensors (the op-by-op layer and the compiled graph's step)."""
+    from mlx_lattice.core.quantized import QuantizedWeight
+
+    q = node["quant"]
+    return QuantizedWeight(
+        t[node["weight"]],
+        t[q["scales"]],
+        t[q["biases"]],
+        node["in_channels"],
+        node["out_channels"],
+        q["storage_in_channels"],
+        q["group_size"],
+        q["bits"],
+    )
+
+
 def _conv_layer(node: dict[str, Any], t: Mapping[str, mx.array]) -> Callable:
     """The node's convolution: a float one through :mod:`mlx_lattice.ops`
     (as the float layers call it), a quantized one as the
     :class:`~mlx_lattice.nn.QuantizedConv` the model held."""
     from mlx_lattice import nn
-    from mlx_lattice.core.quantized import QuantizedWeight
 
     op = node["op"]
     bias = None if node.get("bias") is None else t[node["bias"]]
@@ -715,17 +732,7 @@ def _conv_layer(node: dict[str, Any], t: Mapping[str, mx.array]) -> Callable:
         )
     cin, cout = node["in_channels"], node["out_channels"]
     config = nn.ConvConfig(cin, cout, kernel, stride, dilation, _KIND[op], padding)
-    qw = QuantizedWeight(
-        t[node["weight"]],
-        t[q["scales"]],
-        t[q["biases"]],
-        cin,
-        cout,
-        q["storage_in_channels"],
-        q["group_size"],
-        q["bits"],
-    )
-    layer = nn.QuantizedConv(config, qw, bias, q["act_bits"], q["act_static"])
+    layer = nn.QuantizedConv(config, _quantized_weight(node, t), bias, q["act_bits"], q["act_static"])
     if q["act_static"]:
         layer.act_scale = t[q["act_scale"]]
     return layer

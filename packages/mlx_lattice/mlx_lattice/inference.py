@@ -54,7 +54,14 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 
 from mlx_lattice._errors import MlxLatticeError
-from mlx_lattice.export import _CONV_OPS, ExportedModel, ExportError, _build, lower
+from mlx_lattice.export import (
+    _CONV_OPS,
+    ExportedModel,
+    ExportError,
+    _build,
+    _quantized_weight,
+    lower,
+)
 from mlx_lattice.quantize import calibrate_activation_scales
 from mlx_lattice.tensor import SparseTensor
 
@@ -228,21 +235,9 @@ def _fused_step(
     (``ext.sparse_quantized_conv_fused``): int8 codes at ``in_scale`` or
     float rows in, and int8 codes at ``out_scale`` (> 0) or float32 out."""
     from mlx_lattice._native import ext
-    from mlx_lattice.core.quantized import QuantizedWeight, with_float32_scales
+    from mlx_lattice.core.quantized import with_float32_scales
 
-    q = node["quant"]
-    weight = with_float32_scales(
-        QuantizedWeight(
-            t[node["weight"]],
-            t[q["scales"]],
-            t[q["biases"]],
-            node["in_channels"],
-            node["out_channels"],
-            q["storage_in_channels"],
-            q["group_size"],
-            q["bits"],
-        )
-    )
+    weight = with_float32_scales(_quantized_weight(node, t))
     epilogue = node.get("epilogue") or {}
     # A folded norm's epilogue bias already holds the layer's own bias
     # (_fold_norm sets the node's to None); a layer without a folded norm

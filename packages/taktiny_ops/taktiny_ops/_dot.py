@@ -136,19 +136,19 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     given as a QArray laid out as the rule would make it is used as is."""
     rule = res.rule
     check_backend_support(rule, lhs_weight, rhs_weight)
-    if res.mode == "qt" or 0 in lhs.shape or 0 in rhs.shape:
-        lhs, rhs = dequantize(lhs), dequantize(rhs)
     if 0 in lhs.shape or 0 in rhs.shape:
         # An empty operand has no scale (Qwix divides by its size); the exact
         # result is empty or zeros, so nothing is quantized.
-        return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
+        return qwix.dot_general(dequantize(lhs), dequantize(rhs), dnums, precision=precision,
+                                out_sharding=out_sharding)
     if rule.tile_size is not None and not dnums[0][0]:
         raise TaktinyOpsError(
             f"quant: rule #{res.index} sets tile_size={rule.tile_size} but dimension_numbers "
             f"{dnums!r} contract no axis to tile"
         )
     if res.mode == "qt":
-        return P.dot_general_qt(lhs, rhs, dnums, _qt_config(rule, lhs_weight, rhs_weight))
+        return P.dot_general_qt(dequantize(lhs), dequantize(rhs), dnums,
+                                _qt_config(rule, lhs_weight, rhs_weight))
     ndims = (len(lhs.shape), len(rhs.shape))
     for_rhs = calibration(rule, rhs_weight)
     for_lhs = calibration(rule, lhs_weight)

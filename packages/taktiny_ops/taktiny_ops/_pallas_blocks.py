@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import math
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -43,6 +44,7 @@ class Plan(NamedTuple):
     k_pad: int
 
 
+@functools.cache  # the device kind is fixed for the process; asked on every trace
 def tpu_generation() -> str:
     """'v4', 'v5e', 'v5p', 'v6e' or 'default' from the first device's kind.
 

@@ -431,7 +431,8 @@ def main(argv: Sequence[str] | None = None) -> None:
               file=sys.stderr)
         raise SystemExit(2)
     modes = ["bf16", *[m for m in MODES[1:] if m in _MODES.value]]
-    for line in host_lines():
+    host = host_lines()
+    for line in host:
         print(line)
     print(f"timing: M <= {LOOP_MAX_M} inside one jitted fori_loop (weights through an "
           "optimization_barrier with the carried x; (t(n) - t(1)) / (n - 1)); larger M calls "
@@ -453,15 +454,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"sizes: {'small' if small else 'full'}; int4 tiles of {INT4_TILE} along K, "
           "int8/fp8 per output channel, w8a8 activations per token")
     rows = run(shapes, ms, modes, _SEED.value, _REPEATS.value, _TARGET.value / 1e3)
-    v5e = is_v5e(jax.devices()[0].device_kind)
+    kind = jax.devices()[0].device_kind
+    v5e = is_v5e(kind)
     if v5e:
         print("v5e limits: " + ", ".join(f"{v:g} {k}" for k, v in V5E.items()))
     print(f"bound = {BOUND_FACTOR} x sqrt(q^2 + (2^-7)^2), q the absmax rounding model's "
           f"relative error; total {time.perf_counter() - start:.0f} s")
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps({
-            "host": host_lines(),
-            "device_kind": jax.devices()[0].device_kind,
+            "host": host,
+            "device_kind": kind,
             "backend": jax.default_backend(),
             "small": small,
             "limits": V5E if v5e else None,

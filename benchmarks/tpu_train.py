@@ -286,14 +286,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     steps = _STEPS.value or sizes.steps
     seed = _SEED.value
     lr = _LR.value if _LR.value is not None else (3e-3 if small else 3e-4)
-    for line in host_lines():
+    host, kind = host_lines(), jax.devices()[0].device_kind
+    for line in host:
         print(line)
     print(f"timing: a compiling call and a warm-up step, then steps back to back with one "
           f"block_until_ready, median of {_REPEATS.value} repeats")
     print(f"sizes: {'small' if small else 'full'}: mlp 4 x {sizes.mlp_width} at batch "
           f"{sizes.mlp_batch}; transformer 2 blocks, width {sizes.tf_width}, {sizes.tf_heads} "
           f"heads, sequence {sizes.tf_seq}, batch {sizes.tf_batch}; adam lr {lr:g}")
-    result: dict[str, Any] = {"host": host_lines(), "device_kind": jax.devices()[0].device_kind,
+    result: dict[str, Any] = {"host": host, "device_kind": kind,
                               "backend": jax.default_backend(), "small": small,
                               "sizes": dataclasses.asdict(sizes), "lr": lr, "steps": {}}
     key = jax.random.key(seed + 3)
@@ -335,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     result.update(curves=curves, late_mean=late, int8_ours_equals_qwix=same)
     if _PNG.value:
         draw(curves, _PNG.value, f"4-layer MLP, width {sizes.mlp_width}, batch {sizes.mlp_batch}"
-             f" ({jax.devices()[0].device_kind})")
+             f" ({kind})")
         print(f"picture: {_PNG.value}")
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps(result, indent=1))

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import quantrules
+from taktiny_ops import _pallas_blocks as B
 from taktiny_ops._common import TaktinyOpsError
 
 __all__: list[str] = []
@@ -30,10 +31,7 @@ SWITCH = ("qwix", "pallas", "auto")
 QWIX = "qwix"
 WEIGHT_ONLY = "pallas-weight-only"
 W8A8 = "pallas-w8a8"
-# Weight storage types the weight-only kernel reads (Qwix qtype names).
-_WEIGHT_ONLY_QTYPES = ("int8", "int4", "float8_e4m3fn", "float8_e5m2")
 _SYMMETRIC = ("absmax", "rms")  # calibrations with no zero point
-_LANE = 128  # the kernels' K tile unit (a vreg's lanes)
 
 
 def check_switch(value: Any, argument: str) -> str:
@@ -78,7 +76,7 @@ def choose(switch: str, res: quantrules.Resolution | None, *,
     if layout is not None:
         return QWIX, layout
     if rule.act_qtype is None:
-        if weight not in _WEIGHT_ONLY_QTYPES:
+        if weight not in B.WEIGHT_ONLY_QTYPES:
             return QWIX, f"no Pallas weight-only kernel for {weight} weights"
         return WEIGHT_ONLY, ""
     act = qtype_name(quantrules.qwix_qtype(rule.act_qtype))
@@ -88,29 +86,23 @@ def choose(switch: str, res: quantrules.Resolution | None, *,
         return QWIX, f"no Pallas kernel for tiled w8a8 (tile_size={rule.tile_size})"
     if (rule.act_calibration_method or "absmax") != "absmax":
         return QWIX, "the Pallas w8a8 kernel needs per-token absmax activation scales"
-    if jax.default_backend() == "tpu":
-        from taktiny_ops._pallas_blocks import tpu_generation
-
-        if tpu_generation() == "v4":
-            return QWIX, "the TPU v4 has no int8 MXU matmul"
+    if jax.default_backend() == "tpu" and B.tpu_generation() == "v4":
+        return QWIX, "the TPU v4 has no int8 MXU matmul"
     return W8A8, ""
-
-
-_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
 def misfit(x: Any, w: Any) -> str | None:
     """Why the Pallas kernels cannot take this activation (None: not checked)
     and quantized weight ``w[K, N]``, or None when they can."""
-    if x is not None and jnp.dtype(x.dtype) not in _FLOATS:
+    if x is not None and jnp.dtype(x.dtype) not in B.FLOATS:
         return f"the Pallas kernels take float32 or bfloat16 activations, not {x.dtype}"
     if w.zero_point is not None:
         return "the Pallas kernels take no zero point"
-    if jnp.dtype(w.scale.dtype) not in _FLOATS:
+    if jnp.dtype(w.scale.dtype) not in B.FLOATS:
         return f"the Pallas kernels take float32 or bfloat16 scales, not {w.scale.dtype}"
     k, groups = w.qvalue.shape[0], w.scale.shape[0]
-    if groups > 1 and (k // groups) % _LANE:
-        return f"the Pallas kernel needs K tiles of a multiple of {_LANE}, not {k // groups}"
+    if groups > 1 and (k // groups) % B.LANE:
+        return f"the Pallas kernel needs K tiles of a multiple of {B.LANE}, not {k // groups}"
     return None
 
 

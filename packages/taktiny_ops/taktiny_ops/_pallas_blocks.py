@@ -24,12 +24,17 @@ from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 from taktiny_ops._common import TaktinyOpsError
 
 __all__: list[str] = []
 
 LANE = 128  # the lane width of a vreg and the MXU edge on v4..v6e
+#: Weight storage types the weight-only kernel reads (Qwix qtype names).
+WEIGHT_ONLY_QTYPES = ("int8", "int4", "float8_e4m3fn", "float8_e5m2")
+#: The float types the kernels take for activations and scales.
+FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 MIB = 1 << 20
 
 

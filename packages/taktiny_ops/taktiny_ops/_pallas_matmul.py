@@ -39,14 +39,14 @@ DTypeLike = jax.typing.DTypeLike
 
 __all__ = ["check_weight", "reference_weight_only_matmul", "weight_only_matmul"]
 
-_QTYPES = tuple(jnp.dtype(d) for d in ("int8", "int4", "float8_e4m3fn", "float8_e5m2"))
+_QTYPES = tuple(jnp.dtype(d) for d in B.WEIGHT_ONLY_QTYPES)
 _CHUNK = 512  # rows of a weight block converted at a time (bounds the temporary)
 
 
 def _check_float(name: str, a: jax.Array, ndim: int) -> None:
     if a.ndim != ndim:
         raise TaktinyOpsError(f"{name} must have {ndim} dimensions, got shape {a.shape}")
-    if a.dtype not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    if a.dtype not in B.FLOATS:
         raise TaktinyOpsError(f"{name} must be float32 or bfloat16, got {a.dtype}")
 
 

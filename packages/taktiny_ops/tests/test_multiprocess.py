@@ -60,10 +60,29 @@ needs_loopback = pytest.mark.skipif(_NO_LOOPBACK is not None, reason=str(_NO_LOO
 
 def test_probe_names_an_unreachable_loopback(monkeypatch: pytest.MonkeyPatch) -> None:
     """Bind and listen succeed with loopback down; the probe's connect fails
-    and its reason names the error."""
+    and its reason names the error. The listener is a stand-in, so the test
+    does not depend on this host's sockets (a sandboxed TPU host refuses even
+    creating one)."""
+    class Listener:
+        def __enter__(self) -> Listener:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def bind(self, address: tuple[str, int]) -> None:
+            self.address = address
+
+        def listen(self, backlog: int) -> None:
+            pass
+
+        def getsockname(self) -> tuple[str, int]:
+            return self.address
+
     def unreachable(*args: object, **kwargs: object) -> socket.socket:
         raise OSError(101, "Network is unreachable")
 
+    monkeypatch.setattr(socket, "socket", Listener)
     monkeypatch.setattr(socket, "create_connection", unreachable)
     reason = _loopback_error()
     assert reason is not None and "Network is unreachable" in reason, reason

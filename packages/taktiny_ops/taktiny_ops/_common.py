@@ -142,6 +142,23 @@ def calibration(rule: quantrules.Rule, is_weight: bool) -> tuple[Any, str] | Non
     return quantrules.qwix_qtype(qtype), method
 
 
+def qt_fields(rule: quantrules.Rule, lhs_weight: bool, rhs_weight: bool) -> dict[str, Any]:
+    """The fields of Qwix's QT configs that dot_general and the convolution
+    share: each operand's qtype, calibration and channelwise axes, and its
+    gradient's (``bwd_qtype``)."""
+    fields: dict[str, Any] = {}
+    for side, is_weight in (("lhs", lhs_weight), ("rhs", rhs_weight)):
+        qtype, method = calibration(rule, is_weight) or (None, None)
+        fields.update({
+            f"{side}_qtype": qtype, f"{side}_calibration_method": method,
+            f"{side}_collect_quant_stat": None,
+            f"{side}_disable_channelwise_axes": rule.disable_channelwise_axes,
+            f"d{side}_grad_qtype": quantrules.qwix_qtype(rule.bwd_qtype),
+            f"d{side}_grad_calibration_method": rule.bwd_calibration_method,
+            f"d{side}_grad_disable_channelwise_axes": rule.disable_channelwise_axes})
+    return fields
+
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 
@@ -156,6 +173,11 @@ def _canonical_quant(quant: Any) -> Any:
     """A hashable ``quant`` that resolves exactly as the given one."""
     if quant is None or isinstance(quant, str | quantrules.Rule):
         return quant
+    return canonical_rules(quant)
+
+
+def canonical_rules(quant: Any) -> Any:
+    """``quant``'s rule set as a hashable value the ops accept: a rule tuple or a provider."""
     rules, mode = quantrules.as_rules(quant)
     if mode is None:
         return rules

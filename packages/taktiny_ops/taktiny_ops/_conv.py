@@ -21,6 +21,7 @@ from taktiny_ops._common import (
     finish,
     is_qarray,
     prepare,
+    qt_fields,
     result_dtype,
     select_rule,
 )
@@ -125,25 +126,7 @@ def _qt_config(rule: Any) -> Any:
         raise NotImplementedError(
             "quant: additional_qt_config is not supported for conv_general_dilated"
         )
-    act, weight = calibration(rule, False), calibration(rule, True)
-    off = rule.disable_channelwise_axes
-    bwd = qwix_qtype(rule.bwd_qtype)
-    return P.ConvGeneralQtConfig(
-        lhs_qtype=act[0] if act else None,
-        rhs_qtype=weight[0] if weight else None,
-        lhs_calibration_method=act[1] if act else None,
-        rhs_calibration_method=weight[1] if weight else None,
-        lhs_collect_quant_stat=None,
-        rhs_collect_quant_stat=None,
-        lhs_disable_channelwise_axes=off,
-        rhs_disable_channelwise_axes=off,
-        dlhs_grad_qtype=bwd,
-        drhs_grad_qtype=bwd,
-        dlhs_grad_calibration_method=rule.bwd_calibration_method,
-        drhs_grad_calibration_method=rule.bwd_calibration_method,
-        dlhs_grad_disable_channelwise_axes=off,
-        drhs_grad_disable_channelwise_axes=off,
-    )
+    return P.ConvGeneralQtConfig(**qt_fields(rule, False, True))
 
 
 @eager_jit(("lhs", "rhs"))

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import qwix
 
-from quantrules import qwix_qtype
 from taktiny_ops import _kernels as K
 from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
@@ -23,6 +23,7 @@ from taktiny_ops._common import (
     finish,
     is_qarray,
     prepare,
+    qt_fields,
     quantize_operand,
     result_dtype,
     select_rule,
@@ -64,32 +65,16 @@ def _check_dnums(lhs: Any, rhs: Any, dimension_numbers: Any) -> tuple:
 
 def _qt_config(rule: Any, lhs_weight: bool, rhs_weight: bool) -> Any:
     """Qwix's QtProvider config for one dot_general, operand roles given."""
-    lhs = calibration(rule, lhs_weight)
-    rhs = calibration(rule, rhs_weight)
     bwd = rule.bwd_qtype is not None
-    channelwise_off = rule.disable_channelwise_axes
     config = P.DotGeneralQtConfig(
-        lhs_qtype=lhs[0] if lhs else None,
-        rhs_qtype=rhs[0] if rhs else None,
+        **qt_fields(rule, lhs_weight, rhs_weight),
         tile_size=rule.tile_size,
-        lhs_calibration_method=lhs[1] if lhs else None,
-        rhs_calibration_method=rhs[1] if rhs else None,
-        lhs_collect_quant_stat=None,
-        rhs_collect_quant_stat=None,
-        lhs_disable_channelwise_axes=channelwise_off,
-        rhs_disable_channelwise_axes=channelwise_off,
-        dlhs_grad_qtype=qwix_qtype(rule.bwd_qtype),
-        dlhs_grad_calibration_method=rule.bwd_calibration_method,
         dlhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and lhs_weight else None,
+        drhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and rhs_weight else None,
         dlhs_stochastic_rounding_noise_fn=None,
-        dlhs_grad_disable_channelwise_axes=channelwise_off,
+        drhs_stochastic_rounding_noise_fn=None,
         use_original_residuals=(rule.weight_qtype is not None or rule.act_qtype is not None)
         and not bwd,
-        drhs_grad_qtype=qwix_qtype(rule.bwd_qtype),
-        drhs_grad_calibration_method=rule.bwd_calibration_method,
-        drhs_tile_size=rule.bwd_weight_grad_tile_size if bwd and rhs_weight else None,
-        drhs_stochastic_rounding_noise_fn=None,
-        drhs_grad_disable_channelwise_axes=channelwise_off,
     )
     if rule.additional_qt_config:
         config = dataclasses.replace(config, **dict(rule.additional_qt_config))
@@ -116,6 +101,31 @@ def quantize_or_keep(x: Any, how: Any, res: Any, operand: str) -> Any:
     """``x`` as is when it is a QArray that :func:`as_is` accepts, else its
     (dequantized) value quantized with ``how``."""
     return x if as_is(x, how) else quantize_operand(dequantize(x), how, res, operand)
+
+
+def ptq_contract(lhs: Any, rhs: Any, res: Any, *, weights: tuple[bool, bool],
+                 names: tuple[str, str], how: Any, kernel: str, layout: str | None,
+                 qwix_op: Any) -> jax.Array:
+    """The PTQ contraction of dot_general and einsum: ``rhs`` quantized (a
+    matching QArray kept), then the Pallas kernel where the ``kernel`` switch
+    chooses one and the operands fit it, else ``lhs`` quantized too and
+    ``qwix_op(lhs, rhs)``. ``weights`` marks the weight operands, ``names``
+    names both in errors, ``how(for_lhs=, qtype=, calibration_method=)`` is
+    Qwix's quantization of one."""
+
+    def quantized(x: Any, i: int) -> Any:
+        qtype_method = calibration(res.rule, weights[i])
+        if qtype_method is None:
+            return dequantize(x)
+        return quantize_or_keep(x, how(for_lhs=i == 0, qtype=qtype_method[0],
+                                       calibration_method=qtype_method[1]), res, names[i])
+
+    rhs = quantized(rhs, 1)
+    chosen, _ = K.choose(kernel, res, layout=layout, operands=(lhs, rhs))
+    if chosen != K.QWIX:
+        return K.matmul(chosen, dequantize(lhs), rhs, result_dtype(
+            (lhs, rhs), quant_set=True, preferred_element_type=None))
+    return qwix_op(quantized(lhs, 0), rhs)
 
 
 def _plain_layout(lhs: Any, rhs: Any, dnums: Any, lhs_weight: bool, rhs_weight: bool,
@@ -149,23 +159,13 @@ def quantized_dot_general(lhs: Any, rhs: Any, dnums: Any, res: Any, *, lhs_weigh
     if res.mode == "qt":
         return P.dot_general_qt(dequantize(lhs), dequantize(rhs), dnums,
                                 _qt_config(rule, lhs_weight, rhs_weight))
-    ndims = (len(lhs.shape), len(rhs.shape))
-    for_rhs = calibration(rule, rhs_weight)
-    for_lhs = calibration(rule, lhs_weight)
-
-    def how(for_lhs: bool, qtype_method: tuple) -> Any:
-        return P.dot_how(dimension_numbers=dnums, ndims=ndims, for_lhs=for_lhs,
-                         tile_size=rule.tile_size, qtype=qtype_method[0],
-                         calibration_method=qtype_method[1])
-
-    rhs = quantize_or_keep(rhs, how(False, for_rhs), res, "rhs") if for_rhs else dequantize(rhs)
-    chosen, _ = K.choose(kernel, res, layout=_plain_layout(
-        lhs, rhs, dnums, lhs_weight, rhs_weight, out_sharding))
-    if chosen != K.QWIX and K.misfit(lhs, rhs) is None:
-        return K.matmul(chosen, dequantize(lhs), rhs, result_dtype(
-            (lhs, rhs), quant_set=True, preferred_element_type=None))
-    lhs = quantize_or_keep(lhs, how(True, for_lhs), res, "lhs") if for_lhs else dequantize(lhs)
-    return qwix.dot_general(lhs, rhs, dnums, precision=precision, out_sharding=out_sharding)
+    return ptq_contract(
+        lhs, rhs, res, weights=(lhs_weight, rhs_weight), names=("lhs", "rhs"), kernel=kernel,
+        layout=_plain_layout(lhs, rhs, dnums, lhs_weight, rhs_weight, out_sharding),
+        how=functools.partial(P.dot_how, dimension_numbers=dnums, tile_size=rule.tile_size,
+                              ndims=(len(lhs.shape), len(rhs.shape))),
+        qwix_op=functools.partial(qwix.dot_general, dimension_numbers=dnums,
+                                  precision=precision, out_sharding=out_sharding))
 
 
 @eager_jit(("lhs", "rhs"))

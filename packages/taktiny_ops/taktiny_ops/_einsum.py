@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -14,7 +15,6 @@ from taktiny_ops import _qwix_private as P
 from taktiny_ops._common import (
     DENSE,
     TaktinyOpsError,
-    calibration,
     check_backend_support,
     check_qt_sharding,
     dequantize,
@@ -25,7 +25,7 @@ from taktiny_ops._common import (
     result_dtype,
     select_rule,
 )
-from taktiny_ops._dot import _qt_config, quantize_or_keep
+from taktiny_ops._dot import _qt_config, ptq_contract
 
 __all__ = ["einsum"]
 
@@ -239,30 +239,13 @@ def einsum(
             out = jnp.einsum(subscripts, dequantize(act), dequantize(weight), precision=precision)
         elif res.mode == "qt":
             out = _qt_einsum(subscripts, dequantize(act), dequantize(weight), rule, precision)
-        else:
-            out = _ptq_einsum(subscripts, act, weight, res, precision, kernel, out_sharding)
+        else:  # qwix.einsum mishandles out_sharding; finish() reshards instead
+            out = ptq_contract(
+                act, weight, res, weights=(False, True), names=("the activation", "the weight"),
+                kernel=kernel, layout=_plain_layout(subscripts, out_sharding),
+                how=functools.partial(P.einsum_how, einsum_str=subscripts,
+                                      ndims=(len(act.shape), len(weight.shape)),
+                                      tile_size=rule.tile_size),
+                qwix_op=functools.partial(qwix.einsum, subscripts, precision=precision))
     return finish(out, dtype, out_sharding)
 
-
-def _ptq_einsum(subscripts: str, act: Any, weight: Any, res: Any, precision: Any, kernel: str,
-                out_sharding: Any) -> jax.Array:
-    """The PTQ contraction: quantized operands (matching QArrays kept), on Qwix or Pallas."""
-    rule = res.rule
-    ndims = (len(act.shape), len(weight.shape))
-    for_w, for_a = calibration(rule, True), calibration(rule, False)
-
-    def how(for_lhs: bool, qtype_method: tuple) -> Any:
-        return P.einsum_how(einsum_str=subscripts, ndims=ndims, for_lhs=for_lhs,
-                            tile_size=rule.tile_size, qtype=qtype_method[0],
-                            calibration_method=qtype_method[1])
-
-    weight = (quantize_or_keep(weight, how(False, for_w), res, "the weight") if for_w
-              else dequantize(weight))
-    chosen, _ = K.choose(kernel, res, layout=_plain_layout(subscripts, out_sharding))
-    if chosen != K.QWIX and K.misfit(act, weight) is None:
-        return K.matmul(chosen, dequantize(act), weight,
-                        result_dtype((act, weight), quant_set=True, preferred_element_type=None))
-    act = (quantize_or_keep(act, how(True, for_a), res, "the activation") if for_a
-           else dequantize(act))
-    # qwix.einsum mishandles out_sharding; finish() reshards instead.
-    return qwix.einsum(subscripts, act, weight, precision=precision)

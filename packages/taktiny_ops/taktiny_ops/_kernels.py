@@ -51,14 +51,16 @@ def qtype_name(qtype: Any) -> str:
         return str(qtype)
 
 
-def choose(switch: str, res: quantrules.Resolution | None, *,
-           layout: str | None = None) -> tuple[str, str]:
+def choose(switch: str, res: quantrules.Resolution | None, *, layout: str | None = None,
+           operands: tuple[Any, Any] | None = None) -> tuple[str, str]:
     """``(kernel, note)``: :data:`QWIX`, :data:`WEIGHT_ONLY` or :data:`W8A8`, and,
     when ``switch`` asked for Pallas and the answer is Qwix, why.
 
     ``res`` is the selected PTQ/QT resolution (None: no quantizing rule);
     ``layout`` is None for a ``[..., K] x [K, N]`` contraction with the
-    weight second, else the reason it is not one.
+    weight second, else the reason it is not one; ``operands``, the
+    activation (None: not checked) and the quantized weight: a Pallas kernel
+    they do not fit (:func:`misfit`) is Qwix, with that reason.
     """
     if switch == QWIX or res is None:
         return QWIX, ""
@@ -78,17 +80,20 @@ def choose(switch: str, res: quantrules.Resolution | None, *,
     if rule.act_qtype is None:
         if weight not in B.WEIGHT_ONLY_QTYPES:
             return QWIX, f"no Pallas weight-only kernel for {weight} weights"
-        return WEIGHT_ONLY, ""
-    act = qtype_name(quantrules.qwix_qtype(rule.act_qtype))
-    if (weight, act) != ("int8", "int8"):
-        return QWIX, f"no Pallas kernel for {weight} weights x {act} activations"
-    if rule.tile_size is not None:
-        return QWIX, f"no Pallas kernel for tiled w8a8 (tile_size={rule.tile_size})"
-    if (rule.act_calibration_method or "absmax") != "absmax":
-        return QWIX, "the Pallas w8a8 kernel needs per-token absmax activation scales"
-    if jax.default_backend() == "tpu" and B.tpu_generation() == "v4":
-        return QWIX, "the TPU v4 has no int8 MXU matmul"
-    return W8A8, ""
+        kernel = WEIGHT_ONLY
+    else:
+        act = qtype_name(quantrules.qwix_qtype(rule.act_qtype))
+        if (weight, act) != ("int8", "int8"):
+            return QWIX, f"no Pallas kernel for {weight} weights x {act} activations"
+        if rule.tile_size is not None:
+            return QWIX, f"no Pallas kernel for tiled w8a8 (tile_size={rule.tile_size})"
+        if (rule.act_calibration_method or "absmax") != "absmax":
+            return QWIX, "the Pallas w8a8 kernel needs per-token absmax activation scales"
+        if jax.default_backend() == "tpu" and B.tpu_generation() == "v4":
+            return QWIX, "the TPU v4 has no int8 MXU matmul"
+        kernel = W8A8
+    why = misfit(*operands) if operands is not None else None
+    return (QWIX, why) if why is not None else (kernel, "")
 
 
 def misfit(x: Any, w: Any) -> str | None:

@@ -344,6 +344,16 @@ class _QuantizedLayer(nnx.Module):
         """True for a PTQ rule with a ``weight_qtype``: the kernel is held quantized."""
         return self.resolution.mode == "ptq" and self.resolution.rule.weight_qtype is not None
 
+    def _hold(self, kernel: Any, bias: Any, how: Any) -> None:
+        """Holds ``bias`` and ``kernel``: quantized once where :attr:`prequantized`
+        (``how()`` gives the layer's ``how(qtype, method, tile)``), else float."""
+        if self.prequantized:
+            self.kernel = QuantizedKernel(_quantize_weight(
+                kernel, self.resolution, self.module_path, how()))
+        else:
+            self.kernel = nnx.Param(kernel)
+        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+
     def _kernel_for_call(self) -> tuple[Any, Any]:
         """(kernel, quant) for the op: a QArray and a PTQ marker, or the float kernel and the rules."""
         if isinstance(self.kernel, QuantizedKernel):
@@ -370,12 +380,7 @@ class QuantizedLinear(_QuantizedLayer):
         self._init_quant(module_path, resolution, quant, matmul_kernel)
         self.precision = precision
         self.in_features, self.out_features = kernel.shape
-        if not self.prequantized:
-            self.kernel = nnx.Param(kernel)
-        else:
-            self.kernel = QuantizedKernel(_quantize_weight(
-                kernel, resolution, module_path, _weight_how(module_path, resolution)))
-        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+        self._hold(kernel, bias, lambda: _weight_how(module_path, resolution))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return _dispatch(_linear_forward, (x, _value(self.kernel), _value(self.bias)), (
@@ -393,13 +398,8 @@ class QuantizedEinsum(_QuantizedLayer):
         self.einsum_str = einsum_str
         self.kernel_shape = tuple(kernel.shape)
         self.precision = precision
-        if not self.prequantized:
-            self.kernel = nnx.Param(kernel)
-        else:
-            self.kernel = QuantizedKernel(_quantize_weight(
-                kernel, resolution, module_path,
-                _weight_how(module_path, resolution, einsum_str, "einsum_str")))
-        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+        self._hold(kernel, bias,
+                   lambda: _weight_how(module_path, resolution, einsum_str, "einsum_str"))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return _dispatch(_einsum_forward, (x, _value(self.kernel), _value(self.bias)), (
@@ -432,17 +432,14 @@ class QuantizedConv(_QuantizedLayer):
                 f"{rule.act_qtype} and weights to {rule.weight_qtype}; a convolution needs one "
                 "integer type for both (or weights only)"
             )
-        if not self.prequantized:
-            self.kernel = nnx.Param(kernel)
-        else:
+
+        def how() -> Any:
             numbers = _conv_numbers(config[0])
             dn = jax.lax.conv_dimension_numbers((1,) * kernel.ndim, kernel.shape, numbers)
-            self.kernel = QuantizedKernel(_quantize_weight(
-                kernel, resolution, module_path,
-                lambda qtype, method, tile: P.conv_how(
-                    dimension_numbers=dn, for_lhs=False, qtype=qtype,
-                    calibration_method=method)))
-        self.bias = nnx.Param(bias) if bias is not None else nnx.data(None)
+            return lambda qtype, method, tile: P.conv_how(
+                dimension_numbers=dn, for_lhs=False, qtype=qtype, calibration_method=method)
+
+        self._hold(kernel, bias, how)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         kernel, quant = self._kernel_for_call()

@@ -16,7 +16,7 @@ from flax import nnx
 
 import quantrules
 from taktiny_ops import _kernels as K
-from taktiny_ops._common import TaktinyOpsError, check_backend_support
+from taktiny_ops._common import TaktinyOpsError, canonical_rules, check_backend_support
 from taktiny_ops._einsum import _plain_layout
 from taktiny_ops._layers import (
     Conv,
@@ -145,53 +145,36 @@ def _check_plain(path: str, layer: nnx.Module) -> None:
 
 def _quantized_form(path: str, layer: nnx.Module, res: quantrules.Resolution,
                     quant: Any, kernels: str) -> tuple[nnx.Module, str]:
-    """The layer's quantized form, and why it runs Qwix where ``kernels`` asked for Pallas."""
+    """The layer's quantized form, and why it runs Qwix where ``kernels`` asked
+    for Pallas (no kernel for its rule or layout, or one its held kernel does
+    not fit, e.g. K tiles not a multiple of 128)."""
     kernel = layer.kernel[...]
     bias = None if layer.bias is None else layer.bias[...]
     common = dict(module_path=path, resolution=res, quant=quant)
     if isinstance(layer, Linear | nnx.Linear):
-        chosen, note = K.choose(kernels, res)
-        new = QuantizedLinear(kernel, bias, precision=layer.precision, matmul_kernel=chosen,
-                              **common)
-        return _check_fit(new, note)
-    if isinstance(layer, Einsum | nnx.Einsum):
+        new = QuantizedLinear(kernel, bias, precision=layer.precision, **common)
+        layout = None
+    elif isinstance(layer, Einsum | nnx.Einsum):
         if layer.einsum_str is None:
             raise TaktinyOpsError(f"{path}: nnx.Einsum without an einsum_str is not supported")
         einsum_str = layer.einsum_str.replace(" ", "")
-        chosen, note = K.choose(kernels, res, layout=_plain_layout(einsum_str, None))
-        new = QuantizedEinsum(einsum_str, kernel, bias, precision=layer.precision,
-                              matmul_kernel=chosen, **common)
-        return _check_fit(new, note)
-    if isinstance(layer, Conv):
-        config = layer.config
+        new = QuantizedEinsum(einsum_str, kernel, bias, precision=layer.precision, **common)
+        layout = _plain_layout(einsum_str, None)
     else:
-        try:
-            config = _conv_config(layer.kernel_size, layer.strides, layer.padding,
-                                  layer.input_dilation, layer.kernel_dilation,
-                                  layer.feature_group_count, layer.precision)
-        except TaktinyOpsError as err:
-            raise TaktinyOpsError(f"{path}: {err}") from None
-    _, note = K.choose(kernels, res, layout="no Pallas kernel for convolutions")
-    return QuantizedConv(kernel, bias, config, **common), note
-
-
-def _check_fit(layer: QuantizedLinear | QuantizedEinsum,
-               note: str) -> tuple[nnx.Module, str]:
-    """A Pallas choice the held kernel cannot take (e.g. K tiles not a multiple of
-    128) falls back to Qwix, with the reason."""
-    if layer.matmul_kernel != K.QWIX:
-        misfit = K.misfit(None, layer.kernel.get_value())
-        if misfit is not None:
-            layer.matmul_kernel, note = K.QWIX, misfit
-    return layer, note
-
-
-def _canonical(quant: Any) -> Any:
-    """The rule set as a hashable value the ops accept (a static attribute of each layer)."""
-    rules, mode = quantrules.as_rules(quant)
-    if mode is None:
-        return rules
-    return quantrules.QtProvider(rules) if mode == "qt" else quantrules.PtqProvider(rules)
+        if isinstance(layer, Conv):
+            config = layer.config
+        else:
+            try:
+                config = _conv_config(layer.kernel_size, layer.strides, layer.padding,
+                                      layer.input_dilation, layer.kernel_dilation,
+                                      layer.feature_group_count, layer.precision)
+            except TaktinyOpsError as err:
+                raise TaktinyOpsError(f"{path}: {err}") from None
+        new = QuantizedConv(kernel, bias, config, **common)
+        layout = "no Pallas kernel for convolutions"
+    new.matmul_kernel, note = K.choose(kernels, res, layout=layout,
+                                       operands=(None, new.kernel.get_value()))
+    return new, note
 
 
 def quantize(model: nnx.Module, quant: Any, *, kernels: str = "qwix") -> QuantizationReport:
@@ -264,7 +247,7 @@ def quantize(model: nnx.Module, quant: Any, *, kernels: str = "qwix") -> Quantiz
     """
     K.check_switch(kernels, "kernels")
     try:
-        canonical = _canonical(quant)
+        canonical = canonical_rules(quant)  # each layer's static quant
     except quantrules.QuantRulesError as err:
         raise TaktinyOpsError(f"quant: {err}") from None
     report = QuantizationReport()
@@ -288,45 +271,42 @@ def quantize(model: nnx.Module, quant: Any, *, kernels: str = "qwix") -> Quantiz
         res = explanation.resolution
         before = _kernel_bytes(layer.kernel)
         if isinstance(layer, QuantizedLinear | QuantizedEinsum | QuantizedConv):
-            rule = layer.resolution.rule
-            report.layers.append(LayerQuantization(
-                path, op, kind.__name__, f"rule #{layer.resolution.index} (already quantized)",
-                layer.mode, rule.weight_qtype, rule.act_qtype, rule.tile_size, before, before,
-                layer.matmul_kernel))
-            continue
-        if res is None or res.disabled:
+            new, note = layer, ""
+            summary = f"rule #{layer.resolution.index} (already quantized)"
+        elif res is None or res.disabled:
             report.layers.append(LayerQuantization(path, op, kind.__name__, explanation.summary,
                                                    "float", None, None, None, before, before,
                                                    "float"))
             continue
-        if kind in _UNSUPPORTED:
-            raise TaktinyOpsError(
-                f"{path}: rule #{res.index} selects this {kind.__module__}.{kind.__name__}, "
-                "which taktiny_ops.quantize cannot swap (it handles Linear, Einsum and Conv, "
-                "theirs and nnx's); exclude it with a rule that sets no qtype"
-            )
-        if not keys:
-            raise TaktinyOpsError(
-                "model: the model itself is a layer; quantize() swaps layers inside a model, "
-                "so wrap it in a module"
-            )
-        rule = res.rule
-        for unsupported in rule.unsupported_stateless_fields():
-            raise TaktinyOpsError(
-                f"{path}: rule #{res.index} sets {unsupported}, which taktiny_ops layers do not "
-                "support (it needs stored calibration statistics or a random key)"
-            )
-        _check_plain(path, layer)
-        try:
-            check_backend_support(rule, False, True)
-        except NotImplementedError as err:
-            raise TaktinyOpsError(f"{path}: rule #{res.index}: {err}") from None
-        new, note = _quantized_form(path, layer, res, canonical, kernels)
-        swaps.append((keys, new))
+        else:
+            if kind in _UNSUPPORTED:
+                raise TaktinyOpsError(
+                    f"{path}: rule #{res.index} selects this {kind.__module__}.{kind.__name__}, "
+                    "which taktiny_ops.quantize cannot swap (it handles Linear, Einsum and Conv, "
+                    "theirs and nnx's); exclude it with a rule that sets no qtype"
+                )
+            if not keys:
+                raise TaktinyOpsError(
+                    "model: the model itself is a layer; quantize() swaps layers inside a model, "
+                    "so wrap it in a module"
+                )
+            for unsupported in res.rule.unsupported_stateless_fields():
+                raise TaktinyOpsError(
+                    f"{path}: rule #{res.index} sets {unsupported}, which taktiny_ops layers do not "
+                    "support (it needs stored calibration statistics or a random key)"
+                )
+            _check_plain(path, layer)
+            try:
+                check_backend_support(res.rule, False, True)
+            except NotImplementedError as err:
+                raise TaktinyOpsError(f"{path}: rule #{res.index}: {err}") from None
+            new, note = _quantized_form(path, layer, res, canonical, kernels)
+            swaps.append((keys, new))
+            summary = explanation.summary
+        rule = new.resolution.rule
         report.layers.append(LayerQuantization(
-            path, op, kind.__name__, explanation.summary, res.mode, rule.weight_qtype,
-            rule.act_qtype, rule.tile_size, before, _kernel_bytes(new.kernel),
-            new.matmul_kernel, note))
+            path, op, kind.__name__, summary, new.mode, rule.weight_qtype, rule.act_qtype,
+            rule.tile_size, before, _kernel_bytes(new.kernel), new.matmul_kernel, note))
     for keys, new in swaps:
         _replace(model, keys, new)
     return report

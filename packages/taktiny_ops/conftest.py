@@ -12,6 +12,7 @@
   between two programs on the CPU: ``programs_agree`` asserts equal bits
   there and the bound elsewhere. ``near_boundary``: the values whose level
   two programs may round differently.
+- ``mode``: a test run op by op and again compiled.
 - ``conv64``: a float64 convolution on the CPU device (a bound's product;
   an accelerator has no float64 convolution).
 """
@@ -35,6 +36,14 @@ def _doctest_jnp(doctest_namespace: dict) -> None:
 def _float32_matmuls() -> Iterator[None]:
     with jax.default_matmul_precision("highest"):
         yield
+
+
+@pytest.fixture(params=["op_by_op", "compiled"])
+def mode(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test twice: op by op (``TAKTINY_OPS_EAGER_JIT=0``) and compiled."""
+    if request.param == "op_by_op":
+        monkeypatch.setenv("TAKTINY_OPS_EAGER_JIT", "0")
+    return request.param
 
 
 # The largest gap between two neighbouring values of each quantized type, as a

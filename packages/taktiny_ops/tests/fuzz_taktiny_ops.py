@@ -86,11 +86,7 @@ def _bound(x: np.ndarray, w: np.ndarray, quant) -> np.ndarray:
         rule = qr.weight_only(quant)
     elif isinstance(quant, qr.Rule):
         rule = quant
-    dx = dw = 0.0
-    if rule is not None and rule.weight_qtype:
-        dw = np.abs(w).max(initial=0.0) / (2 * QMAX[rule.weight_qtype])
-    if rule is not None and rule.act_qtype:
-        dx = np.abs(x).max(initial=0.0) / (2 * QMAX[rule.act_qtype])
+    dx, dw = _steps(x, w, rule)
     ax, aw = np.abs(x), np.abs(w)
     quant_err = (ax + dx).sum(-1, keepdims=True) * dw + dx * aw.sum(0)
     float_err = 1e-5 * (ax @ aw) + 1e-6

@@ -27,22 +27,6 @@ from flax import nnx
 import quantrules as qr
 import taktiny_ops as tk
 
-SEED = 20261204
-
-
-@pytest.fixture
-def rng(request):
-    seed = SEED + sum(map(ord, request.node.name))
-    print(f"seed {seed}")  # shown on failure
-    return np.random.default_rng(seed)
-
-
-@pytest.fixture(params=["op_by_op", "compiled"])
-def mode(request, monkeypatch):
-    if request.param == "op_by_op":
-        monkeypatch.setenv("TAKTINY_OPS_EAGER_JIT", "0")
-    return request.param
-
 
 def _arr(rng, shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.float32)

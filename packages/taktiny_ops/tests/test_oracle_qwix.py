@@ -30,13 +30,6 @@ def _arr(rng, shape):
     return jnp.asarray(rng.standard_normal(shape), jnp.float32)
 
 
-@pytest.fixture(params=["op_by_op", "compiled"])
-def mode(request, monkeypatch):
-    if request.param == "op_by_op":
-        monkeypatch.setenv("TAKTINY_OPS_EAGER_JIT", "0")
-    return request.param
-
-
 def _qwix_model(model, rules, x, provider_cls=qwix.PtqProvider):
     return qwix.quantize_model(model, provider_cls(qr.to_qwix(list(rules))), x)
 

@@ -11,6 +11,7 @@ as a new file beside the old one): ``python tests/test_export.py`` from
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -29,29 +30,13 @@ from mlx_lattice.core import build_kernel_relation
 from mlx_lattice.models import SPVCNN, MinkUNet, point_cloud_input, train_step
 from mlx_lattice.tensor import SparseTensor
 
-DATA = Path(__file__).parent / "data"
-GOLDEN = DATA / "export_v2_spvcnn.mlxl"
-GOLDEN_EXPECTED = DATA / "export_v2_spvcnn_expected.npz"
-VOXEL = 0.25
-
-#: Every form mlx_lattice.quantize produces (group 32; narrow layers too).
-FORMS: dict[str, list[qr.Rule] | None] = {
-    "float": None,
-    "int8": [qr.Rule(weight_qtype="int8", tile_size=32)],
-    "int4": [qr.Rule(weight_qtype="int4", tile_size=32)],
-    "w8a8": [qr.Rule(weight_qtype="int8", act_qtype="int8", tile_size=32)],
-    "w4a8": [qr.Rule(weight_qtype="int4", act_qtype="int8", tile_size=32)],
-    "w8a8-static": [
-        qr.Rule(
-            op_names=("sparse_conv",),
-            weight_qtype="int8",
-            act_qtype="int8",
-            act_static_scale=True,
-            tile_size=32,
-        ),
-        qr.Rule(weight_qtype="int8", act_qtype="int8", tile_size=32),
-    ],
-}
+_spec = importlib.util.spec_from_file_location(
+    "data", Path(__file__).with_name("inference_data.py")
+)
+data = importlib.util.module_from_spec(_spec)  # the shared test data (tests/inference_data.py)
+_spec.loader.exec_module(data)
+DATA, GOLDEN, GOLDEN_EXPECTED = data.DATA, data.GOLDEN, data.GOLDEN_EXPECTED
+VOXEL, FORMS = data.VOXEL, data.FORMS
 
 # Runs in a child Python: loads each artifact, scores its case's points (and
 # for voxel models its sparse tensor), writes the outputs' bits and whether
@@ -83,51 +68,13 @@ np.savez(sys.argv[-1], **out)
 """
 
 
-def _points(rng: np.random.Generator, n: int, extent: float) -> tuple[np.ndarray, np.ndarray]:
-    pts = rng.uniform(0, extent, (n, 3)).astype(np.float32)
-    feats = rng.standard_normal((n, 3)).astype(np.float32)
-    return pts, feats
-
-
-def _randomize_norms(model, rng: np.random.Generator) -> None:
-    """Running statistics and affine parameters away from their defaults,
-    so that every norm changes its input."""
-    import mlx.nn as mlx_nn
-
-    for _, m in model.named_modules():
-        if isinstance(m, mlx_nn.BatchNorm):
-            n = int(m.running_mean.shape[0])
-            m.running_mean = mx.array(rng.normal(0, 0.3, n).astype(np.float32))
-            m.running_var = mx.array(rng.uniform(0.5, 2.0, n).astype(np.float32))
-            m.weight = mx.array(rng.uniform(0.5, 1.5, n).astype(np.float32))
-            m.bias = mx.array(rng.normal(0, 0.2, n).astype(np.float32))
-
-
-def _model(arch: str, form: str, rng: np.random.Generator, calib) -> MinkUNet:
-    cls = MinkUNet if arch == "MinkUNet" else SPVCNN
-    model = cls(3, 5, widths=(16, 32, 32), depths=(1, 2, 1))
-    _randomize_norms(model, rng)
-    model.eval()
-    rules = FORMS[form]
-    if rules is not None:
-        quantize(model, rules, allow_growth=True)
-    if form.endswith("static"):
-        calibrate_activation_scales(model, [calib(model)])
-    return model
-
-
-def _inputs(arch: str, pts: np.ndarray, feats: np.ndarray, dtype):
-    inp = point_cloud_input(pts, mx.array(feats).astype(dtype), VOXEL)
-    return inp
-
-
 def _expected(model, arch: str, pts: np.ndarray, feats: np.ndarray, dtype) -> dict:
-    inp = _inputs(arch, pts, feats, dtype)
+    inp = data.cloud(pts, feats, dtype)
     if arch == "SPVCNN":
         return {"points": model(inp)}
     scores = model(inp.tensor).feats
     # The child's sparse tensor: the float32 voxel means cast to dtype.
-    f32 = _inputs(arch, pts, feats, mx.float32).tensor
+    f32 = data.cloud(pts, feats).tensor
     voxels = model(f32.replace(f32.feats.astype(dtype))).feats
     return {"points": mx.take(scores, inp.voxels.point_to_voxel, axis=0), "voxels": voxels}
 
@@ -139,22 +86,17 @@ def test_every_model_and_form_bit_for_bit_in_a_fresh_process(
     never imports mlx_lattice.models, gives the bits of the in-process
     eval() model for float32 and float16 features (new points, not the
     calibration ones)."""
-    calib_pts, calib_feats = _points(rng, 900, 4.0)
-    pts, feats = _points(rng, 1500, 5.0)
+    calib_pts, calib_feats = data.points(rng, 900, 4.0)
+    pts, feats = data.points(rng, 1500, 5.0)
     expected: dict[str, np.ndarray] = {}
     argv: list[str] = []
     for arch in ("MinkUNet", "SPVCNN"):
         for form in FORMS:
             key = f"{arch}-{form}"
-
-            def calib(model, arch=arch):
-                inp = _inputs(arch, calib_pts, calib_feats, mx.float32)
-                return inp if arch == "SPVCNN" else inp.tensor
-
-            model = _model(arch, form, rng, calib)
+            model = data.model(arch, form, rng, (calib_pts, calib_feats))
             path = tmp_path / f"{key}.mlxl"
             export.export_model(model, path, voxel_size=VOXEL)
-            vox = _inputs(arch, pts, feats, mx.float32).tensor
+            vox = data.cloud(pts, feats).tensor
             np.savez(
                 tmp_path / f"{key}.npz",
                 key=key,
@@ -205,8 +147,8 @@ def test_predict_points_voxel_size_and_features(tmp_path: Path, rng: np.random.G
     """predict_points: the stored voxel size or the one passed; a MinkUNet's
     points get their voxel's scores; declared features and classes."""
     model = MinkUNet(2, 3, widths=(4, 8)).eval()
-    _randomize_norms(model, rng)
-    pts, feats = _points(rng, 300, 3.0)
+    data.randomize_norms(model, rng)
+    pts, feats = data.points(rng, 300, 3.0)
     feats = feats[:, :2]
     stored = tmp_path / "stored"
     export.export_model(
@@ -293,7 +235,7 @@ def _golden_model() -> tuple[SPVCNN, np.ndarray, np.ndarray]:
     rng = np.random.default_rng(20261204)
     mx.random.seed(20261204)
     model = SPVCNN(3, 4, widths=(8, 16), depths=1)
-    _randomize_norms(model, rng)
+    data.randomize_norms(model, rng)
     model.eval()
     rules = [
         qr.Rule(module_path="head", weight_qtype=None),
@@ -386,7 +328,7 @@ def test_trained_model_round_trip(tmp_path: Path, rng: np.random.Generator) -> N
     and its artifact agree bit for bit on other coordinates."""
     model = MinkUNet(3, 4, widths=(8, 16, 16), depths=(1, 2, 1))
     opt = optim.SGD(learning_rate=0.05)
-    pts, feats = _points(rng, 600, 3.0)
+    pts, feats = data.points(rng, 600, 3.0)
     inp = point_cloud_input(pts, feats, VOXEL)
     labels = mx.array(rng.integers(0, 4, inp.tensor.num_points).astype(np.int32))
     model.train()
@@ -397,7 +339,7 @@ def test_trained_model_round_trip(tmp_path: Path, rng: np.random.Generator) -> N
     export.export_model(model, path, metadata={"trained": "3 SGD steps"})
     net = export.load(path)
     assert net.metadata == {"trained": "3 SGD steps"}
-    x = point_cloud_input(*_points(rng, 900, 4.0), VOXEL).tensor
+    x = point_cloud_input(*data.points(rng, 900, 4.0), VOXEL).tensor
     got, want = net(x), model(x)
     assert np.array_equal(np.array(got.coords), np.array(want.coords))
     assert np.array_equal(np.array(got.feats.view(mx.uint32)), np.array(want.feats.view(mx.uint32)))
@@ -549,10 +491,8 @@ def test_reads_version_1_files(tmp_path: Path, rng: np.random.Generator) -> None
         return t, g
 
     v1 = _rewrite(path, tmp_path / "v1.safetensors", as_v1, digest=False)
-    x = point_cloud_input(
-        *[a[:, :2] if a.shape[1] == 3 and i else a for i, a in enumerate(_points(rng, 200, 2.0))],
-        VOXEL,
-    ).tensor
+    pts, feats = data.points(rng, 200, 2.0)
+    x = point_cloud_input(pts, feats[:, :2], VOXEL).tensor
     assert mx.array_equal(export.load(v1)(x).feats, model(x).feats)
 
 

@@ -519,6 +519,7 @@ max gradient goes to the first maximum in edge order.
 )pbdoc");
 
   bind_geometry(m);
+  bind_bias_relu_add(m);
 
   // ------------------------------------------------------------ feature add
   m.def(

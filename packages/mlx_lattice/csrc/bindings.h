@@ -11,6 +11,9 @@ void bind_ops(nanobind::module_& m);
 // The geometry functions (geometry_bindings.cpp), called by bind_ops.
 void bind_geometry(nanobind::module_& m);
 
+// bias_relu_add (bias_relu_add.cpp), called by bind_ops.
+void bind_bias_relu_add(nanobind::module_& m);
+
 // The entropy coders (entropy_bindings.cpp), bound by the product module only.
 void bind_entropy(nanobind::module_& m);
 

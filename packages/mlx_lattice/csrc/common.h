@@ -28,6 +28,18 @@ inline std::string dtype_str(mx::Dtype dtype) {
   return out.str();
 }
 
+// A number as the error messages print it.
+inline std::string num_str(double v) {
+  std::ostringstream out;
+  out << v;
+  return out.str();
+}
+
+// `a` row-contiguous in `dtype` (cast only where it differs).
+inline mx::array as_rows(const mx::array& a, mx::Dtype dtype, mx::Stream s) {
+  return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
+}
+
 inline void check_float_dtype(const char* op, const char* arg, const mx::array& a) {
   if (a.dtype() != mx::float32 && a.dtype() != mx::float16 && a.dtype() != mx::bfloat16) {
     throw ::mlx_lattice::InputError(std::string(op) + ": " + arg +

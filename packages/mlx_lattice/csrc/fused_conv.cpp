@@ -1,7 +1,6 @@
 // sparse_quantized_conv_fused: argument checks, the graph node
 // (SparseQuantizedConvFused) and its transforms (inference only: none).
 #include <cmath>
-#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -17,15 +16,9 @@ namespace {
 
 constexpr const char* kFusedOp = "sparse_quantized_conv_fused";
 
-std::string num(double v) {
-  std::ostringstream os;
-  os << v;
-  return os.str();
-}
-
 void check_scale(const char* name, float v) {
   if (!std::isfinite(v) || v <= 0.0f) {
-    fail(kFusedOp, std::string(name) + " must be a finite positive scale, got " + num(v) + ".");
+    fail(kFusedOp, std::string(name) + " must be a finite positive scale, got " + num_str(v) + ".");
   }
 }
 
@@ -36,11 +29,6 @@ mx::Dtype float_out_dtype(const std::string& name, mx::Dtype feats) {
   if (name == "bfloat16") return mx::bfloat16;
   fail(kFusedOp, "out_dtype must be 'float32', 'float16' or 'bfloat16' (or 'int8' with "
                  "out_scale), got '" + name + "'.");
-}
-
-// Row-contiguous, in `dtype` (casting only where it differs).
-array plain(const array& a, mx::Dtype dtype, mx::Stream s) {
-  return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
 }
 
 }  // namespace
@@ -59,10 +47,7 @@ mx::array sparse_quantized_conv_fused(const mx::array& feats, const QuantizedArr
                  ".");
   }
   check_quantized_weight(op, q, rel->n_kernels, feats.shape(1));
-  if (q.group_size % 4 != 0 || q.group_size > 65536) {
-    fail(op, "weight.group_size must be a multiple of 4 and at most 65536 (exact int32 group "
-             "sums), got " + std::to_string(q.group_size) + ".");
-  }
+  check_int8_group_size(op, q.group_size);
   check_scale("in_scale", args.in_scale);
   const int64_t cout = q.out_channels;
   FusedSpec spec;
@@ -71,11 +56,11 @@ mx::array sparse_quantized_conv_fused(const mx::array& feats, const QuantizedArr
   spec.int8_input = int8_input;
   spec.relu = args.relu;
   std::vector<array> inputs = {
-      int8_input ? plain(feats, mx::int8, stream)
-                 : plain(feats, stream.device == mx::Device::gpu ? mx::float32 : feats.dtype(),
-                         stream),
-      mx::contiguous(q.packed, false, stream), plain(q.scales, mx::float32, stream),
-      plain(q.biases, mx::float32, stream)};
+      int8_input ? as_rows(feats, mx::int8, stream)
+                 : as_rows(feats, stream.device == mx::Device::gpu ? mx::float32 : feats.dtype(),
+                           stream),
+      mx::contiguous(q.packed, false, stream), as_rows(q.scales, mx::float32, stream),
+      as_rows(q.biases, mx::float32, stream)};
   if (args.bias) {
     const auto& b = *args.bias;
     check_float_dtype(kFusedOp, "bias", b);
@@ -84,7 +69,7 @@ mx::array sparse_quantized_conv_fused(const mx::array& feats, const QuantizedArr
                    shape_str(b.shape()) + ".");
     }
     spec.has_bias = true;
-    inputs.push_back(plain(b, mx::float32, stream));
+    inputs.push_back(as_rows(b, mx::float32, stream));
   }
   if (args.residual) {
     const auto& r = *args.residual;
@@ -102,7 +87,7 @@ mx::array sparse_quantized_conv_fused(const mx::array& feats, const QuantizedArr
     }
     spec.residual = r8 ? 2 : 1;
     spec.residual_scale = r8 ? args.residual_scale : 0.0f;
-    inputs.push_back(plain(r, r8 ? mx::int8 : mx::float32, stream));
+    inputs.push_back(as_rows(r, r8 ? mx::int8 : mx::float32, stream));
   } else if (args.residual_scale != 0.0f) {
     fail(op, "residual_scale was given without a residual.");
   }

@@ -15,6 +15,7 @@
 #include <string>
 #include <utility>
 
+#include "common.h"
 #include "primitives.h"
 
 namespace mlx_lattice {
@@ -30,10 +31,6 @@ std::string shape_str(const array& a) {
 }
 
 bool float_dtype(mx::Dtype d) { return d == mx::float32 || d == mx::float16 || d == mx::bfloat16; }
-
-array as_rows(const array& a, mx::Dtype dtype, mx::Stream s) {
-  return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
-}
 
 // A per-channel parameter `name` of `fn`: (c,) and a float dtype.
 void check_channels(const char* fn, const char* name, const array& p, int c) {

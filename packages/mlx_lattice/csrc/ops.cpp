@@ -178,6 +178,16 @@ void check_quantized_weight(const std::string& op, const QuantizedArrays& q, int
   }
 }
 
+void check_int8_group_size(const std::string& op, int group_size) {
+  // A group's int32 sum of codes (< 256) times activations (|q| <= 127) is
+  // exact up to 66,311 values per group: at most 65536 keeps every ISA's
+  // sums exact (cpu/gemm_int8.h).
+  if (group_size % 4 != 0 || group_size > 65536) {
+    fail(op, "int8 activations need a weight group_size (exact int32 group sums) that is a "
+             "multiple of 4 and at most 65536, got " + str(group_size) + ".");
+  }
+}
+
 mx::array sparse_conv_features(const mx::array& feats, const mx::array& weight,
                                const RelationArrays& relation, mx::StreamOrDevice s) {
   const std::string op = "sparse_conv_features";
@@ -215,23 +225,13 @@ mx::array sparse_quantized_conv_features(const mx::array& feats, const Quantized
   if (act_bits != 0 && act_bits != 8) {
     fail(op, "act_bits must be 0 (float activations) or 8, got " + str(act_bits) + ".");
   }
-  // A group's int32 sum of codes (< 256) times activations (|q| <= 127) is
-  // exact up to 66,311 values per group: at most 65536 keeps every ISA's
-  // sums exact (cpu/gemm_int8.h).
-  if (act_bits == 8 && (q.group_size % 4 != 0 || q.group_size > 65536)) {
-    fail(op, "act_bits=8 needs a group_size that is a multiple of 4 and at most 65536, got " +
-                 str(q.group_size) + ".");
-  }
+  if (act_bits == 8) check_int8_group_size(op, q.group_size);
   if (act_bits == 8 && stream.device == mx::Device::gpu) {
     fail(op, "act_bits=8 runs on the CPU stream only.");
   }
   if (!std::isfinite(act_scale) || act_scale < 0.0f) {
     fail(op, "act_scale must be a finite positive static activation scale (or 0: dynamic "
-             "per-row scales), got " + [&] {
-           std::ostringstream os;
-           os << act_scale;
-           return os.str();
-         }() + ".");
+             "per-row scales), got " + num_str(act_scale) + ".");
   }
   if (act_scale != 0.0f && act_bits != 8) {
     fail(op, "act_scale (a static activation scale) needs act_bits=8.");

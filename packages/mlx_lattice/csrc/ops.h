@@ -45,6 +45,10 @@ mx::array sparse_quantized_conv_features(const mx::array& feats, const Quantized
 void check_quantized_weight(const std::string& op, const QuantizedArrays& q, int64_t n_kernels,
                             int64_t feat_cols);
 
+// A weight group size the integer kernels sum exactly (a multiple of 4, at
+// most 65536), for the ops with int8 activations.
+void check_int8_group_size(const std::string& op, int group_size);
+
 // The epilogue arguments of sparse_quantized_conv_fused (csrc/README.md).
 struct FusedEpilogueArgs {
   float in_scale = 0.0f;               // static scale of feats (> 0, finite)

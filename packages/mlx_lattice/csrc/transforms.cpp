@@ -8,6 +8,7 @@
 #include "cpu/input_error.h"
 #include <stdexcept>
 
+#include "common.h"
 #include "primitives.h"
 
 namespace mlx_lattice {
@@ -19,8 +20,7 @@ using Conv = SparseConv::Mode;
 // Floating operands share the dtype of the primitive's first operand and are
 // made row-contiguous; the Metal kernels compute in float32.
 array as_dtype(const array& a, mx::Dtype dtype, mx::Stream s) {
-  if (s.device == mx::Device::gpu) dtype = mx::float32;
-  return mx::contiguous(a.dtype() == dtype ? a : mx::astype(a, dtype, s), false, s);
+  return as_rows(a, s.device == mx::Device::gpu ? mx::float32 : dtype, s);
 }
 
 mx::Dtype compute_dtype(mx::Dtype dtype, mx::Stream s) {

@@ -16,7 +16,7 @@ struct Entry {
   std::vector<WeightSources::Key> keys;
   std::vector<int64_t> spec;
   std::vector<std::shared_ptr<const void>> held;  // the sources' buffers
-  std::shared_ptr<const kernels::LineVector<float>> weight;
+  std::shared_ptr<const void> weight;
   size_t bytes = 0;
 };
 
@@ -84,16 +84,10 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays) {
   return s;
 }
 
-std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
-    const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
-    const std::function<void(float*)>& fill) {
-  const size_t bytes = floats * sizeof(float) + sources.bytes;
-  auto weight = std::make_shared<kernels::LineVector<float>>();
-  if (!sources.cacheable) {
-    weight->resize(floats);
-    fill(weight->data());
-    return weight;
-  }
+std::shared_ptr<const void> cached_weight(const WeightSources& sources,
+                                          const std::vector<int64_t>& spec,
+                                          const std::function<CachedWeight()>& make) {
+  if (!sources.cacheable) return make().first;
   auto& c = cache();
   {
     std::lock_guard<std::mutex> lock(c.mutex);
@@ -106,8 +100,8 @@ std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
     }
     ++c.misses;
   }
-  weight->resize(floats);
-  fill(weight->data());
+  auto [weight, own_bytes] = make();
+  const size_t bytes = own_bytes + sources.bytes;
   std::lock_guard<std::mutex> lock(c.mutex);
   if (bytes > c.budget) return weight;  // too large (or caching off): this call only
   // First sighting (or a note whose buffers have died since): note the key
@@ -129,6 +123,19 @@ std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
   c.bytes += bytes;
   c.trim();
   return weight;
+}
+
+std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
+    const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
+    const std::function<void(float*)>& fill) {
+  std::vector<int64_t> key{0};  // kind 0: a dequantized float32 weight
+  key.insert(key.end(), spec.begin(), spec.end());
+  return std::static_pointer_cast<const kernels::LineVector<float>>(
+      cached_weight(sources, key, [&] {
+        auto weight = std::make_shared<kernels::LineVector<float>>(floats);
+        fill(weight->data());
+        return CachedWeight{weight, floats * sizeof(float)};
+      }));
 }
 
 WeightCacheInfo weight_cache_info() {

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <utility>
 #include <vector>
 
 #include "cpu/line_vector.h"
@@ -48,8 +49,8 @@ struct WeightSources {
 
 WeightSources weight_sources(const std::vector<mx::array>& arrays);
 
-// The float32 weight `floats` values long computed by `fill` from the
-// arrays of `sources` and the integers `spec` (bits, group size, shapes),
+// The object `make` builds from the arrays of `sources` and the integers
+// `spec` (its kind first, then bits, group size, shapes...), with its bytes,
 // remembered under their identities.
 //
 // A weight is cached on its second call while its first call's buffers
@@ -63,10 +64,17 @@ WeightSources weight_sources(const std::vector<mx::array>& arrays);
 // another weight) while its entry lives, and an array whose buffer is
 // referenced twice is never donated to an op's output, so the values under
 // a live entry never change (MLX arrays are immutable). An entry is charged
-// floats * 4 bytes plus the sources' bytes; least recently used entries are
-// dropped to stay within the budget and kWeightCacheEntries, and a weight
-// larger than the budget is computed for its call only. Thread-safe; `fill`
-// runs outside the lock.
+// the object's bytes plus the sources' bytes; least recently used entries
+// are dropped to stay within the budget and kWeightCacheEntries, and a
+// weight larger than the budget is built for its call only. Thread-safe;
+// `make` runs outside the lock.
+using CachedWeight = std::pair<std::shared_ptr<const void>, size_t>;  // object, bytes
+std::shared_ptr<const void> cached_weight(const WeightSources& sources,
+                                          const std::vector<int64_t>& spec,
+                                          const std::function<CachedWeight()>& make);
+
+// The float32 weight of `floats` values computed by `fill` (the
+// weight-only convolution's dequantized weight), cached as above.
 std::shared_ptr<const kernels::LineVector<float>> cached_dequantized_weight(
     const WeightSources& sources, const std::vector<int64_t>& spec, size_t floats,
     const std::function<void(float*)>& fill);

@@ -24,6 +24,10 @@ CPU MLX's float16 and bfloat16 elementwise ops are many times slower than
 float32 ones (autodiff's sum of the two gradients of a half-precision skip
 tensor, for one).
 
+:func:`bias_relu` and :func:`bias_relu_add` are the epilogues of a layer
+whose eval-mode norm is folded into it (:func:`mlx_lattice.compile`): bias,
+ReLU and, for the second, a skip addition after the ReLU, in one pass.
+
 :func:`dense_linear` runs ``x @ W.T + b`` on a plain ``(N, Cin)`` array as a
 1x1x1 sparse convolution over an identity relation (built once per row count
 and kept): on the CPU the native GEMM kernels are several times faster than
@@ -47,6 +51,7 @@ __all__ = [
     "batch_norm_eval",
     "batch_norm_train",
     "bias_relu",
+    "bias_relu_add",
     "dense_linear",
     "identity_relation",
 ]
@@ -231,6 +236,40 @@ def bias_relu(x: mx.array, bias: mx.array, *, relu: bool = True) -> mx.array:
         raise MlxLatticeError(f"x must be (N, {c}) for a bias of {c} channels, got {shape}.")
     zeros, ones = _unit_stats(c)
     return batch_norm_eval(x, zeros, ones, None, bias, eps=0.0, relu=relu)
+
+
+def bias_relu_add(
+    x: mx.array, bias: mx.array, residual: mx.array, *, relu: bool = True
+) -> mx.array:
+    """``max(x + bias, 0) + residual`` (``x + bias + residual`` without
+    ``relu``) of ``(N, C)`` features: the epilogue of a linear layer whose
+    batch norm is folded into it and whose output a skip addition reads
+    (SPVCNN's point branch, :func:`mlx_lattice.compile`), the add after the
+    ReLU as in that graph. For float32 ``x`` and ``residual`` on the CPU it
+    is one native pass (``ext.bias_relu_add``) instead of two; its values
+    are those of :func:`bias_relu` followed by ``+ residual`` (each
+    operation in float32, rounded once, in that order), bit for bit.
+    Other dtypes and devices take those two passes. Inference only (no
+    gradient).
+
+    >>> bias_relu_add(mx.array([[1.0, -3.0]]), mx.array([0.5, 1.0]), mx.array([[1.0, 2.0]])).tolist()
+    [[2.5, 2.0]]
+    """
+    for name, v in (("x", x), ("residual", residual)):
+        if not isinstance(v, mx.array) or v.ndim != 2:
+            shape = tuple(v.shape) if isinstance(v, mx.array) else type(v).__name__
+            raise MlxLatticeError(f"{name} must be an (N, C) array, got {shape}.")
+    c = int(x.shape[1])
+    if not isinstance(bias, mx.array) or tuple(bias.shape) != (c,):
+        shape = tuple(bias.shape) if isinstance(bias, mx.array) else type(bias).__name__
+        raise MlxLatticeError(f"bias must be ({c},) for x of {c} channels, got {shape}.")
+    if residual.shape != x.shape:
+        raise MlxLatticeError(
+            f"residual must have x's shape {tuple(x.shape)}, got {tuple(residual.shape)}."
+        )
+    if x.dtype == _F32 and residual.dtype == _F32 and mx.default_device() == mx.cpu:
+        return ext.bias_relu_add(x, bias, residual, relu=bool(relu))
+    return bias_relu(x, bias, relu=relu) + residual
 
 
 _UNIT_STATS: dict[int, tuple[mx.array, mx.array]] = {}

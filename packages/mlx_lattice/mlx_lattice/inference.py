@@ -21,6 +21,9 @@ or :class:`~mlx_lattice.models.SPVCNN` (float or quantized by
   float can be folded either way, a loaded artifact only this way);
 * the folded bias and the ReLU that follows the norm run as one epilogue
   pass (:func:`mlx_lattice.fused.bias_relu`) instead of the norm's pass;
+* with ``fuse_skips=True``, a skip addition of a folded linear layer's
+  output (SPVCNN's point branch) joins that epilogue
+  (:func:`mlx_lattice.fused.bias_relu_add`);
 * everything else (concatenations, the point moves of SPVCNN, the head)
   runs as in the artifact interpreter.
 
@@ -141,6 +144,64 @@ def _fold(
     return out, {name: a for name, a in t.items() if name in read}
 
 
+def _fuse_skips(nodes: list[dict[str, Any]], output: str) -> list[dict[str, Any]]:
+    """The nodes with each skip addition the graph allows fused into a
+    linear layer's epilogue: an ``add`` of ``m``, made by a linear layer
+    with a folded norm and read by nothing else, and ``p``, made before that
+    layer (or the graph's input). The layer then reads ``p`` as its second
+    input (``epilogue["residual"]``) and makes the add's output,
+    ``relu(x W' + b') + p`` in one pass
+    (:func:`mlx_lattice.fused.bias_relu_add`: the add after the ReLU, as the
+    graph has it). In the zoo these are SPVCNN's point branch sums
+    ``to_points(x) + point_mlp(z)``; MinkUNet's skips are concatenations,
+    and no add follows a convolution in either."""
+    uses = Counter(name for node in nodes for name in node["inputs"])
+    made_at = {node["output"]: i for i, node in enumerate(nodes)}
+    fused: dict[int, dict[str, Any]] = {}
+    dropped: set[int] = set()
+    for j, node in enumerate(nodes):
+        if node["op"] != "add":
+            continue
+        for m, p in (node["inputs"], node["inputs"][::-1]):
+            i = made_at.get(m, -1)
+            layer = nodes[i] if i >= 0 else {}
+            if (
+                layer.get("op") == "linear"
+                and layer.get("epilogue") is not None
+                and i not in fused
+                and uses[m] == 1
+                and m != output
+                and m != p
+                and made_at.get(p, -1) < i
+            ):
+                epilogue = {**layer["epilogue"], "residual": p}
+                fused[i] = {
+                    **layer, "inputs": [*layer["inputs"], p], "output": node["output"],
+                    "epilogue": epilogue,
+                }
+                dropped.add(j)
+                break
+    return [fused.get(i, node) for i, node in enumerate(nodes) if i not in dropped]
+
+
+def _skip_step(node: Mapping[str, Any], t: Mapping[str, mx.array]) -> Callable:
+    """A linear layer with a folded norm and a skip addition in its epilogue
+    (:func:`_fuse_skips`): ``(z, p) -> relu(layer(z) + bias) + p``."""
+    from mlx_lattice.export import _linear_layer
+    from mlx_lattice.fused import bias_relu_add
+
+    layer = _linear_layer(dict(node), t)
+    bias, relu = t[node["epilogue"]["bias"]], bool(node["epilogue"]["relu"])
+
+    def run(z: Any, p: Any) -> Any:
+        y = layer(z)
+        if isinstance(y, SparseTensor):
+            return y.replace(bias_relu_add(y.feats, bias, p.feats, relu=relu))
+        return bias_relu_add(y, bias, p, relu=relu)
+
+    return run
+
+
 def _tensor_names(node: Mapping[str, Any]) -> Iterable[str]:
     for key in ("weight", "bias", "running_mean", "running_var"):
         if isinstance(node.get(key), str):
@@ -210,8 +271,10 @@ def _int8_values(nodes: list[dict[str, Any]], output: str, t: Mapping[str, mx.ar
     return plan
 
 
-def _fused_relation(node: Mapping[str, Any], x: SparseTensor) -> tuple[Any, Any]:
-    """The relation and output key a convolution node runs on (as :mod:`mlx_lattice.ops`)."""
+def _relation_of(node: Mapping[str, Any]) -> Callable[[SparseTensor], tuple[Any, Any]]:
+    """The relation (and output key) a convolution node runs on, as
+    :mod:`mlx_lattice.ops` chooses it, decided once per node: the returned
+    function only looks the relation up (or builds it) for its input."""
     from mlx_lattice import ops
 
     size, stride = tuple(node["kernel_size"]), tuple(node["stride"])
@@ -220,12 +283,16 @@ def _fused_relation(node: Mapping[str, Any], x: SparseTensor) -> tuple[Any, Any]
     if node["op"] == "subm_conv" or (
         node["op"] == "conv" and stride == (1, 1, 1) and padding is None
     ):
-        return x.manager.relation(
+        return lambda x: x.manager.relation(
             x.coordinate_key, kernel_size=size, dilation=dilation, kind="submanifold"
         )
-    if node["op"] == "conv":
-        return ops._forward_relation(x, size, stride, padding, dilation, None)
-    return ops._transpose_relation(x, size, stride, padding, dilation, None)
+    build = ops._forward_relation if node["op"] == "conv" else ops._transpose_relation
+    return lambda x: build(x, size, stride, padding, dilation, None)
+
+
+def _fused_relation(node: Mapping[str, Any], x: SparseTensor) -> tuple[Any, Any]:
+    """The relation and output key the convolution ``node`` runs on for ``x``."""
+    return _relation_of(node)(x)
 
 
 def _fused_step(
@@ -245,9 +312,10 @@ def _fused_step(
     name = epilogue.get("bias") or node.get("bias")
     bias = t[name] if name else None
     relu = bool(epilogue.get("relu", False))
+    relation = _relation_of(node)
 
     def run(x: SparseTensor) -> SparseTensor:
-        rel, out_key = _fused_relation(node, x)
+        rel, out_key = relation(x)
         feats = ext.sparse_quantized_conv_fused(
             x.feats,
             weight,
@@ -305,6 +373,7 @@ def compile(
     features: Any = None,
     class_names: Any = None,
     int8: bool = True,
+    fuse_skips: bool = False,
 ) -> ExportedModel:
     """The compiled inference graph of ``model``: an ``eval()``-mode
     :class:`~mlx_lattice.models.MinkUNet` or
@@ -324,7 +393,12 @@ def compile(
     calibrated scale among them; a concatenation's two inputs share it, so
     the concatenation joins codes). The chosen scales are
     ``graph["int8_values"]`` (value name -> scale). ``int8=False`` keeps
-    float values between layers. For a model,
+    float values between layers. ``fuse_skips=True`` also fuses each skip
+    addition that reads a folded linear layer's output into that layer's
+    epilogue (SPVCNN's point branch: ``relu(x W' + b') + to_points(v)`` in
+    one pass, :func:`mlx_lattice.fused.bias_relu_add`); no add in these
+    models follows a convolution, so the fused convolution's ``residual``
+    has no reader in them. For a model,
     ``voxel_size``, ``features`` and ``class_names`` are recorded as
     :func:`~mlx_lattice.export.export_model` records them (an artifact keeps
     its own). The model is not changed, and its training path is untouched.
@@ -353,10 +427,15 @@ def compile(
             f"model must be a MinkUNet, an SPVCNN or an ExportedModel, got {type(model).__name__}."
         )
     nodes, folded = _fold(graph["nodes"], tensors)
+    if fuse_skips:
+        nodes = _fuse_skips(nodes, graph["output"])
     compiled_graph = {**graph, "compiled": True, "nodes": nodes}
     mx.eval(list(folded.values()))
     net = ExportedModel(graph=compiled_graph, tensors=folded, metadata=metadata)
     steps = _build(compiled_graph, net.tensors)
+    for i, node in enumerate(nodes):
+        if (node.get("epilogue") or {}).get("residual") is not None:
+            steps[i] = _skip_step(node, net.tensors)
     if int8:
         compiled_graph["int8_values"] = _int8_steps(compiled_graph, net.tensors, steps)
     net._steps.extend(steps)

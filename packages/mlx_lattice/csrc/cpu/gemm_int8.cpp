@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <stdexcept>
 #include <vector>
 
@@ -54,10 +55,12 @@ constexpr int kRows = 6;  // rows per register block
 // in int16 as they are); wider ones are packed centered for it.
 constexpr int kNarrowBits = 4;
 
+}  // namespace
+
 // The weight in the micro-kernels' layout: codes[k][quad j][cout_pad][4]
 // (4 consecutive input channels of one column per 32-bit lane), scales and
 // biases [k][group][cout_pad]; padded columns are zero.
-struct PackedWeight {
+struct PackedInt8Weight {
   LineVector<uint8_t> codes;
   LineVector<float> scales;
   LineVector<float> biases;
@@ -70,6 +73,10 @@ struct PackedWeight {
   LineVector<int8_t> centered;
   LineVector<uint8_t> magnitude;
 };
+
+namespace {
+
+using PackedWeight = PackedInt8Weight;
 
 // One block of kRows rows over every column. Rows: a[r] (int8, quads * 4),
 // sa[r], gsum[r] (groups). c[r] (cout floats) accumulates.
@@ -360,7 +367,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
                    int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
                    int64_t cout, int64_t storage_in, int64_t group, int bits, float act_scale,
                    const Csr& csr, const int32_t* a_index, const int32_t* kernel_ids,
-                   const Int8Epilogue* ep, void* out_data) {
+                   const Int8Epilogue* ep, const PackedWeight* packed_weight, void* out_data) {
   // Reused per evaluating thread (fresh multi-megabyte buffers per call cost
   // more in page faults than the quantization itself).
   // (A reference: the worker threads below must see this thread's buffers,
@@ -387,9 +394,19 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
   const bool all_unit =
       static_scale && std::all_of(buf.scale.begin(), buf.scale.begin() + n_in,
                                   [](float v) { return v == 1.0f; });
-  pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
-              act_scale, centered, buf.weight);
-  const PackedWeight& w = buf.weight;
+  // A given packed weight serves when it is packed for this kernel (the
+  // ISA cap may have changed since it was packed); otherwise pack it here.
+  const bool fits = packed_weight != nullptr &&
+                    packed_weight->centered.empty() == !(centered && bits > kNarrowBits);
+  if (!fits) {
+    pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
+                act_scale, centered, buf.weight);
+  }
+  const PackedWeight& w = fits ? *packed_weight : buf.weight;
+  // A float32 output with an epilogue is summed and finished in place, as
+  // the plain sums are (int8_epilogue_rows then copies nothing).
+  const bool f32_in_place =
+      ep == nullptr || (ep->out_scale == 0.0f && ep->out_format == FloatFormat::kF32);
   const int64_t tile_rows = l2_tile_rows(cout * 4, kInt8TileRows, csr.groups, 8);
   if (run_rows) {
     const amx_int8::Rows rows_view{buf.q.data(), buf.scale.data(), buf.gsum.data(), storage_in,
@@ -400,13 +417,15 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
     // of the whole output first (the drivers address the output by row).
     thread_local LineVector<float> sums_tls;
     float* sums = out;
-    if (ep != nullptr) {
+    if (!f32_in_place) {
       auto& sums_buf = this_thread(sums_tls);
       sums = window_buffer(sums_buf, csr.groups * cout);
     }
     parallel_for_windows(csr.groups, tile_rows, [&](int64_t g0, int64_t g1) {
       run_rows(rows_view, w_view, group, csr, a_index, kernel_ids, g0, g1, sums);
-      if (ep != nullptr) int8_epilogue_rows(sums + g0 * cout, g0, g1, cout, *ep, out_data);
+      if (ep != nullptr) {
+        int8_epilogue_rows(sums + g0 * cout, g0, g1, cout, *ep, f32_in_place ? nullptr : out_data);
+      }
     });
     return;
   }
@@ -431,7 +450,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
     // first stores missing the cache. Summed in place, or in the thread's
     // buffer and streamed out (output_window.h).
     float* tile =
-        stream || ep != nullptr ? window_buffer(s.window, cap * cout) : out + g0 * cout;
+        stream || !f32_in_place ? window_buffer(s.window, cap * cout) : out + g0 * cout;
     std::memset(tile, 0, sizeof(float) * cap * cout);
     OffsetJob job{nullptr,         nullptr,    0,      buf.q.data(), buf.scale.data(),
                   buf.gsum.data(), storage_in, groups, tile,         static_scale,
@@ -442,15 +461,31 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
       job.count = s.count[k];
       if (job.count > 0) run_offset(job, w, k, cout);
     }
-    if (ep != nullptr) {
-      int8_epilogue_rows(tile, g0, g1, cout, *ep, out_data);
-    } else if (stream) {
-      stream_rows(out + g0 * cout, tile, sizeof(float) * cap * cout);
-    }
+    if (ep != nullptr) int8_epilogue_rows(tile, g0, g1, cout, *ep, f32_in_place ? nullptr : out_data);
+    if (stream && f32_in_place) stream_rows(out + g0 * cout, tile, sizeof(float) * cap * cout);
   });
 }
 
 }  // namespace
+
+std::shared_ptr<const PackedInt8Weight> pack_int8_weight(
+    const uint8_t* packed, int64_t row_bytes, const float* scales, const float* biases,
+    int64_t n_kernels, int64_t cout, int64_t cin, int64_t storage_in, int64_t group, int bits,
+    float in_scale) {
+  auto w = std::make_shared<PackedInt8Weight>();
+  pack_weight(packed, row_bytes, scales, biases, n_kernels, cout, cin, storage_in, group, bits,
+              in_scale, selected_for(cin, cout).centered, *w);
+  return w;
+}
+
+size_t packed_int8_weight_bytes(const PackedInt8Weight& w) {
+  return w.codes.size() + w.centered.size() + w.magnitude.size() +
+         sizeof(float) * (w.scales.size() + w.biases.size());
+}
+
+bool int8_weight_centered(int64_t cin, int64_t cout, int bits) {
+  return selected_for(cin, cout).centered && bits > kNarrowBits;
+}
 
 void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* packed,
                int64_t row_bytes, const float* scales, const float* biases, int64_t n_kernels,
@@ -462,7 +497,7 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
   const Int8Entry& entry = selected_for(cin, cout);
   run_int8_conv(entry.offset, entry.rows, entry.centered, feats, nullptr, n_in, cin, packed,
                 row_bytes, scales, biases, n_kernels, cout, storage_in, group, bits, act_scale,
-                csr, a_index, kernel_ids, nullptr, out);
+                csr, a_index, kernel_ids, nullptr, nullptr, out);
 }
 
 void int8_conv_fused(const float* feats, const int8_t* codes, int64_t n_in, int64_t cin,
@@ -470,11 +505,11 @@ void int8_conv_fused(const float* feats, const int8_t* codes, int64_t n_in, int6
                      const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
                      int64_t group, int bits, float in_scale, const Csr& csr,
                      const int32_t* a_index, const int32_t* kernel_ids, const Int8Epilogue& ep,
-                     void* out) {
+                     void* out, const PackedInt8Weight* weight) {
   const Int8Entry& entry = selected_for(cin, cout);
   run_int8_conv(entry.offset, entry.rows, entry.centered, feats, codes, n_in, cin, packed,
                 row_bytes, scales, biases, n_kernels, cout, storage_in, group, bits, in_scale,
-                csr, a_index, kernel_ids, &ep, out);
+                csr, a_index, kernel_ids, &ep, weight, out);
 }
 
 void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t cin,
@@ -484,7 +519,7 @@ void int8_conv_rows(Int8RowsFn rows, const float* feats, int64_t n_in, int64_t c
                     const int32_t* a_index, const int32_t* kernel_ids, float* out) {
   run_int8_conv(nullptr, rows, false, feats, nullptr, n_in, cin, packed, row_bytes, scales,
                 biases, n_kernels, cout, storage_in, group, bits, act_scale, csr, a_index,
-                kernel_ids, nullptr, out);
+                kernel_ids, nullptr, nullptr, out);
 }
 
 void int8_conv_rows_fused(Int8RowsFn rows, const float* feats, const int8_t* codes, int64_t n_in,
@@ -495,7 +530,7 @@ void int8_conv_rows_fused(Int8RowsFn rows, const float* feats, const int8_t* cod
                           const int32_t* kernel_ids, const Int8Epilogue& ep, void* out) {
   run_int8_conv(nullptr, rows, false, feats, codes, n_in, cin, packed, row_bytes, scales, biases,
                 n_kernels, cout, storage_in, group, bits, in_scale, csr, a_index, kernel_ids,
-                &ep, out);
+                &ep, nullptr, out);
 }
 
 const char* int8_isa() { return isa::isa_name(selected().isa); }

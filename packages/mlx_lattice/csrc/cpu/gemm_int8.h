@@ -29,7 +29,9 @@
 // on every path and for any thread count.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 
 #include "float_formats.h"
 #include "group_by.h"
@@ -90,20 +92,39 @@ struct Int8Epilogue {
 };
 
 // Output rows [r0, r1) of the epilogue: acc holds their float32 sums
-// ((r1 - r0) x cout, overwritten with y), out the whole output.
+// ((r1 - r0) x cout, overwritten with y), out the whole output, or null
+// for a float32 output that acc itself is (y stays there). The residual
+// must not share memory with acc.
 void int8_epilogue_rows(float* acc, int64_t r0, int64_t r1, int64_t cout, const Int8Epilogue& ep,
                         void* out);
+
+// The weight in the kernels' layout, with the static input scale folded
+// into its scales and biases (gemm_int8.cpp), for the kernel chosen for
+// (cin, cout): packed once and reused across calls (the fused op keeps it
+// in the weight cache, weight_cache.h).
+struct PackedInt8Weight;
+std::shared_ptr<const PackedInt8Weight> pack_int8_weight(
+    const uint8_t* packed, int64_t row_bytes, const float* scales, const float* biases,
+    int64_t n_kernels, int64_t cout, int64_t cin, int64_t storage_in, int64_t group, int bits,
+    float in_scale);
+size_t packed_int8_weight_bytes(const PackedInt8Weight& w);
+
+// Whether the kernel chosen now for (cin, cout) reads the centered form of
+// `bits`-bit codes (a packed weight's layout depends on it: cache keys).
+bool int8_weight_centered(int64_t cin, int64_t cout, int bits);
 
 // int8_conv with a static activation scale in_scale (> 0) and the fused
 // epilogue: feats are float32 rows quantized with in_scale, or (codes not
 // null, feats null) int8 codes already at in_scale. out: (n_out, cout) in
-// the epilogue's output type.
+// the epilogue's output type. weight: the weight packed by pack_int8_weight
+// with the same arguments, or null (packed for this call); one packed for
+// another kernel (the ISA cap changed) is packed again.
 void int8_conv_fused(const float* feats, const int8_t* codes, int64_t n_in, int64_t cin,
                      const uint8_t* packed, int64_t row_bytes, const float* scales,
                      const float* biases, int64_t n_kernels, int64_t cout, int64_t storage_in,
                      int64_t group, int bits, float in_scale, const Csr& csr,
                      const int32_t* a_index, const int32_t* kernel_ids, const Int8Epilogue& ep,
-                     void* out);
+                     void* out, const PackedInt8Weight* weight = nullptr);
 
 // Name of the int8 micro-kernel in use ("amx-int8", "avx512-vnni",
 // "avx-vnni", "avx2-fma", "scalar"; AArch64's "neon-i8mm", "neon-dotprod"), chosen per

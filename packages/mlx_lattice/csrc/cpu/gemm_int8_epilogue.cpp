@@ -177,6 +177,7 @@ void int8_epilogue_rows(float* acc, int64_t r0, int64_t r1, int64_t cout, const 
     float* y = acc + (r - r0) * cout;
     row_fn(y, cout, ep, res != nullptr ? res + r * cout : nullptr,
            rq != nullptr ? rq + r * cout : nullptr);
+    if (out == nullptr) continue;  // a float32 output finished in place
     if (ep.out_scale > 0.0f) {
       requantize(y, cout, ep.out_scale, static_cast<int8_t*>(out) + r * cout);
     } else if (ep.out_format == FloatFormat::kF32) {

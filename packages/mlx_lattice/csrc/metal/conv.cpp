@@ -83,21 +83,21 @@ void encode(const SparseQuantizedConvFused& p, KernelEncoder& enc, Operands& ops
   if (f.has_bias) a.bias = ops.floats(in[next++]);
   if (f.residual == 1) a.res_f = ops.floats(in[next++]);
   if (f.residual == 2) a.res_q = ops.index(in[next++]);
-  a.n_out = u32(r.n_out);
-  a.n_kernels = u32(r.n_kernels);
-  a.cin = u32(q.in_channels);
-  a.cout = u32(q.out_channels);
-  a.row_bytes = u32(in[1].shape(2) * 4);
-  a.groups = u32(q.storage_in_channels / q.group_size);
-  a.group_size = u32(q.group_size);
-  a.bits = u32(q.bits);
-  a.int8_input = f.int8_input ? 1 : 0;
-  a.has_bias = f.has_bias ? 1 : 0;
-  a.residual = u32(f.residual);
-  a.relu = f.relu ? 1 : 0;
-  a.in_scale = q.act_scale;
-  a.residual_scale = f.residual_scale;
-  a.out_scale = f.out_scale;
+  a.dims = {u32(r.n_out),
+            u32(q.in_channels),
+            u32(q.out_channels),
+            u32(r.n_kernels),
+            u32(in[1].shape(2) * 4),
+            u32(q.storage_in_channels / q.group_size),
+            u32(q.group_size),
+            u32(q.bits),
+            f.int8_input ? 1u : 0u,
+            f.has_bias ? 1u : 0u,
+            u32(f.residual),
+            f.relu ? 1u : 0u,
+            q.act_scale,
+            f.residual_scale,
+            f.out_scale};
   encode_int8_conv_fused(enc, a, relation_buffers(ops, r),
                          out.dtype() == mx::int8 ? ops.index(out) : ops.output(out));
 }

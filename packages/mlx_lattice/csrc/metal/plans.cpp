@@ -106,29 +106,23 @@ void encode_quantized_conv(KernelEncoder& enc, Buffer feats, Buffer packed, Buff
 
 void encode_int8_conv_fused(KernelEncoder& enc, const FusedConvArgs& a, const Relation& rel,
                             Buffer out) {
-  struct FusedDims {  // laid out as the MSL struct
-    uint32_t n_rows, cin, cout, n_kernels, row_bytes, groups, group_size, bits, int8_input,
-        has_bias, residual, relu;
-    float in_scale, residual_scale, out_scale;
-  };
-  enc.kernel(a.out_scale > 0.0f ? "mlxl_int8_conv_fused_int8" : "mlxl_int8_conv_fused_float");
+  const FusedDims& d = a.dims;
+  enc.kernel(d.out_scale > 0.0f ? "mlxl_int8_conv_fused_int8" : "mlxl_int8_conv_fused_float");
   const Buffer unused = a.feats;  // bound where a slot is not read
   enc.input(0, a.feats);
   enc.input(1, a.feats);
   enc.input(2, a.packed);
   enc.input(3, a.scales);
   enc.input(4, a.biases);
-  enc.input(5, a.has_bias ? a.bias : unused);
-  enc.input(6, a.residual == 1 ? a.res_f : unused);
-  enc.input(7, a.residual == 2 ? a.res_q : unused);
+  enc.input(5, d.has_bias ? a.bias : unused);
+  enc.input(6, d.residual == 1 ? a.res_f : unused);
+  enc.input(7, d.residual == 2 ? a.res_q : unused);
   enc.input(8, rel.in_rows);
   enc.input(9, rel.kernel_ids);
   enc.input(10, rel.out_offsets);
   enc.output(11, out);
-  enc.value(12, FusedDims{a.n_out, a.cin, a.cout, a.n_kernels, a.row_bytes, a.groups,
-                          a.group_size, a.bits, a.int8_input, a.has_bias, a.residual, a.relu,
-                          a.in_scale, a.residual_scale, a.out_scale});
-  dispatch_rows(enc, a.cout, a.n_out);
+  enc.value(12, d);
+  dispatch_rows(enc, d.cout, d.n_rows);
 }
 
 void encode_denominator(KernelEncoder& enc, Buffer weight, Buffer kernel_ids, Buffer out_offsets,

@@ -26,15 +26,18 @@ void encode_quantized_conv(KernelEncoder& enc, Buffer feats, Buffer packed, Buff
                            uint32_t n_kernels, uint32_t cin, uint32_t cout, uint32_t row_bytes,
                            uint32_t groups, uint32_t group_size, uint32_t bits);
 
-// The static-int8 convolution with its fused epilogue (FusedDims of
-// sparse_conv.metal): feats floats or int8 codes (the unused slot bound to
-// the same buffer), bias / residual optional (unbound slots get `feats`),
-// out float32 or int8 (out_scale > 0).
-struct FusedConvArgs {
-  Buffer feats, packed, scales, biases, bias, res_f, res_q;
-  uint32_t n_out, n_kernels, cin, cout, row_bytes, groups, group_size, bits;
+// The static-int8 convolution with its fused epilogue: feats floats or
+// int8 codes (the unused slot bound to the same buffer), bias / residual
+// optional (unbound slots get `feats`), out float32 or int8
+// (dims.out_scale > 0). dims is passed to the kernel as it is.
+struct FusedDims {  // laid out as sparse_conv.metal's FusedDims
+  uint32_t n_rows, cin, cout, n_kernels, row_bytes, groups, group_size, bits;
   uint32_t int8_input, has_bias, residual, relu;
   float in_scale, residual_scale, out_scale;
+};
+struct FusedConvArgs {
+  Buffer feats, packed, scales, biases, bias, res_f, res_q;
+  FusedDims dims;
 };
 void encode_int8_conv_fused(KernelEncoder& enc, const FusedConvArgs& a, const Relation& rel,
                             Buffer out);

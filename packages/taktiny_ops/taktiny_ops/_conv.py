@@ -217,15 +217,23 @@ def conv_general_dilated(
                                     lhs_dilation, rhs_dilation, dimension_numbers,
                                     feature_group_count, batch_group_count)
         else:
-            dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-            for_w, for_a = calibration(rule, True), calibration(rule, False)
-            if for_w:
-                rhs = P.quantize(rhs, P.conv_how(dimension_numbers=dn, for_lhs=False,
-                                                 qtype=for_w[0], calibration_method=for_w[1]))
-            if for_a:
-                lhs = P.quantize(lhs, P.conv_how(dimension_numbers=dn, for_lhs=True,
-                                                 qtype=for_a[0], calibration_method=for_a[1]))
-            out = qwix.conv_general_dilated(lhs, rhs, window_strides, padding,
-                                            precision=precision, out_sharding=out_sharding,
-                                            **{**common, "dimension_numbers": dn})
+            out = ptq_conv(lhs, rhs, rule, window_strides, padding, precision=precision,
+                           out_sharding=out_sharding, **common)
     return finish(out, dtype, out_sharding)
+
+
+def ptq_conv(lhs: Any, rhs: Any, rule: Any, window_strides: Any, padding: Any, *,
+             precision: Any, out_sharding: Any, **common: Any) -> jax.Array:
+    """Qwix's PTQ convolution: each operand the rule quantizes, quantized by
+    Qwix, except a QArray ``rhs`` (a PTQ layer's kernel, quantized so once)."""
+    dn = jax.lax.conv_dimension_numbers(lhs.shape, rhs.shape, common["dimension_numbers"])
+    for_w, for_a = calibration(rule, True), calibration(rule, False)
+    if for_w and not is_qarray(rhs):
+        rhs = P.quantize(rhs, P.conv_how(dimension_numbers=dn, for_lhs=False,
+                                         qtype=for_w[0], calibration_method=for_w[1]))
+    if for_a:
+        lhs = P.quantize(lhs, P.conv_how(dimension_numbers=dn, for_lhs=True,
+                                         qtype=for_a[0], calibration_method=for_a[1]))
+    return qwix.conv_general_dilated(lhs, rhs, window_strides, padding, precision=precision,
+                                     out_sharding=out_sharding,
+                                     **{**common, "dimension_numbers": dn})

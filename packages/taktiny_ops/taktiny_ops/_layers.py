@@ -40,7 +40,7 @@ from taktiny_ops._common import (
     result_dtype,
     select_rule,
 )
-from taktiny_ops._conv import conv_general_dilated
+from taktiny_ops._conv import conv_general_dilated, ptq_conv
 from taktiny_ops._dot import linear
 from taktiny_ops._einsum import einsum
 
@@ -593,7 +593,6 @@ def _compiled(fn: Any, statics: tuple) -> Any:
 def _ptq_conv(x: Any, w: Any, *, res: quantrules.Resolution, strides: tuple, padding: Any,
               lhs_dilation: tuple, rhs_dilation: tuple, numbers: tuple, groups: int,
               precision: Any = None) -> jax.Array:
-    rule = res.rule
     dtype = result_dtype((x, w), quant_set=True, preferred_element_type=None)
     x = prepare(x, dtype)
     common = dict(lhs_dilation=lhs_dilation, rhs_dilation=rhs_dilation,
@@ -606,11 +605,6 @@ def _ptq_conv(x: Any, w: Any, *, res: quantrules.Resolution, strides: tuple, pad
     kernel_float = jax.ShapeDtypeStruct(w.qvalue.shape, dtype)
     if 0 in x.shape or 0 in jax.eval_shape(dense, x, kernel_float).shape:
         return finish(dense(x, dequantize(w)), dtype, None)
-    dn = jax.lax.conv_dimension_numbers(x.shape, w.qvalue.shape, numbers)
-    for_x = calibration(rule, False)
-    if for_x:
-        x = P.quantize(x, P.conv_how(dimension_numbers=dn, for_lhs=True, qtype=for_x[0],
-                                     calibration_method=for_x[1]))
-    out = qwix.conv_general_dilated(x, w, strides, padding, precision=precision,
-                                    **{**common, "dimension_numbers": dn})
+    out = ptq_conv(x, w, res.rule, strides, padding, precision=precision, out_sharding=None,
+                   **common)
     return finish(out, dtype, None)

@@ -53,22 +53,16 @@ def _rule_of(quant, op: str) -> qr.Rule | None:
     return None if res is None or res.disabled else res.rule
 
 
-def _steps(x: np.ndarray, w: np.ndarray, rule: qr.Rule | None) -> tuple[float, float]:
-    """(dx, dw): the largest absmax rounding error of each operand under ``rule``."""
-    dx = dw = 0.0
-    if rule is not None and rule.weight_qtype:
-        dw = np.abs(w).max(initial=0.0) / (2 * QMAX[rule.weight_qtype])
-    if rule is not None and rule.act_qtype:
-        dx = np.abs(x).max(initial=0.0) / (2 * QMAX[rule.act_qtype])
-    return dx, dw
-
-
 def _multilinear_bound(product, x: np.ndarray, w: np.ndarray, rule: qr.Rule | None) -> np.ndarray:
     """The elementwise bound of |product(xq, wq) - product(x, w)| for a
     bilinear ``product`` (each output a sum of x_i * w_j terms): with
     |x - xq| <= dx and |w - wq| <= dw per element,
     |xq wq - x w| <= dx |w| + dw (|x| + dx); plus float32 rounding."""
-    dx, dw = _steps(x, w, rule)
+    dx = dw = 0.0
+    if rule is not None and rule.weight_qtype:
+        dw = np.abs(w).max(initial=0.0) / (2 * QMAX[rule.weight_qtype])
+    if rule is not None and rule.act_qtype:
+        dx = np.abs(x).max(initial=0.0) / (2 * QMAX[rule.act_qtype])
     ax, aw = np.abs(x), np.abs(w)
     quant_err = product(ax, np.full_like(w, dw)) + product(np.full_like(x, dx), aw + dw)
     return quant_err * (1 + 1e-3) + 1e-5 * product(ax, aw) + 1e-6
@@ -77,20 +71,6 @@ def _multilinear_bound(product, x: np.ndarray, w: np.ndarray, rule: qr.Rule | No
 def _rare(one_in: int) -> st.SearchStrategy[bool]:
     """True about once in ``one_in`` draws."""
     return st.integers(0, one_in - 1).map(lambda v: v == 0)
-
-
-def _bound(x: np.ndarray, w: np.ndarray, quant) -> np.ndarray:
-    """The elementwise bound of |op(x, w) - x @ w| for ``quant``."""
-    rule = None
-    if isinstance(quant, str):
-        rule = qr.weight_only(quant)
-    elif isinstance(quant, qr.Rule):
-        rule = quant
-    dx, dw = _steps(x, w, rule)
-    ax, aw = np.abs(x), np.abs(w)
-    quant_err = (ax + dx).sum(-1, keepdims=True) * dw + dx * aw.sum(0)
-    float_err = 1e-5 * (ax @ aw) + 1e-6
-    return quant_err * (1 + 1e-3) + float_err
 
 
 @fuzz(
@@ -136,7 +116,8 @@ def test_contractions_within_bound_or_documented_error(op, rows, inner, inner_w,
         return  # the bound is for float32 inputs
     ref = x.astype(np.float64) @ w.astype(np.float64)
     err = np.abs(np.asarray(got, np.float64) - ref)
-    bound = _bound(x.astype(np.float64), w.astype(np.float64), q)
+    bound = _multilinear_bound(np.matmul, x.astype(np.float64), w.astype(np.float64),
+                               _rule_of(q, "dot_general"))  # every QUANTS rule matches any op
     assert (err <= bound).all(), (err.max(), bound.min())
 
 

@@ -26,7 +26,7 @@ from hypothesis import strategies as st
 
 import mlx_lattice
 from mlx_lattice._native import ext
-from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+from mlx_lattice.core import QuantizedWeight, ops
 
 
 def _load(name: str, filename: str):
@@ -39,22 +39,8 @@ def _load(name: str, filename: str):
 
 harness_ext = _load("harness_ext", "harness_ext.so")
 int8_refs = _load("int8_refs", "int8_refs.py")
+relation_refs = _load("relation_refs", "relation_refs.py")
 EMPTY = mx.zeros((0,), dtype=mx.int32)
-
-
-def _relation(n_points: int, side: int, kernel_size, stride: int, transposed: bool, seed: int):
-    """A relation over ``n_points`` distinct voxels of a ``side``³ grid
-    (dense grids give offsets whose edges run over consecutive rows): a
-    submanifold one, or with ``stride`` > 1 the strided one or its
-    transpose back onto the voxels."""
-    rng = np.random.default_rng(seed)
-    cells = rng.choice(side**3, size=min(n_points, side**3), replace=False)
-    xyz = np.stack([cells // (side * side), (cells // side) % side, cells % side], axis=1)
-    coords = np.concatenate([np.zeros((len(cells), 1), np.int64), xyz], axis=1).astype(np.int32)
-    if stride == 1:
-        return build_kernel_relation(coords, kernel_size=kernel_size)
-    rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
-    return rel.transposed() if transposed else rel
 
 
 def _csr(csr) -> tuple[mx.array, mx.array]:
@@ -110,7 +96,7 @@ def test_amx_int8_model_matches_dispatch(n_points, side, kernel_size, stride, tr
     1 KiB L2, where outputs of at least 4 KiB (2 threads) in rows of at
     most 64 channels are summed in per-thread windows and copied out
     (cpu/output_window.h), and give the same bits."""
-    rel = _relation(n_points, side, kernel_size, stride, transposed, data_seed)
+    rel = relation_refs.grid_relation(n_points, side, kernel_size, stride, transposed, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in = int(rel.n_in)
     feats = rng.standard_normal((n_in, cin)).astype(np.float32)
@@ -184,7 +170,7 @@ def test_amx_bf16_model_within_bound(n_points, side, kernel_size, stride, transp
     """The bf16 forward and feature gradient through the AMX-BF16 driver on
     the tile model stay within the header's bound of float64 sums of the
     bf16 inputs' products."""
-    rel = _relation(n_points, side, kernel_size, stride, transposed, data_seed)
+    rel = relation_refs.grid_relation(n_points, side, kernel_size, stride, transposed, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in, n_out, k = int(rel.n_in), int(rel.n_out_capacity or 0), int(rel.n_kernels)
     f = _bf16(rng.standard_normal((n_in, cin)))
@@ -230,7 +216,7 @@ def test_amx_bf16_wgrad_model_within_bound(n_points, side, kernel_size, stride, 
     """The bf16 weight gradient through the AMX-BF16 driver on the tile
     model: the portable and the AVX-512 slab gather give the same bits,
     within n u sum|products| of the float64 sum over each offset's n edges."""
-    rel = _relation(n_points, side, kernel_size, stride, transposed, data_seed)
+    rel = relation_refs.grid_relation(n_points, side, kernel_size, stride, transposed, data_seed)
     rng = np.random.default_rng(data_seed)
     n_in, n_out, k = int(rel.n_in), int(rel.n_out_capacity or 0), int(rel.n_kernels)
     f = _bf16(rng.standard_normal((n_in, cin)))

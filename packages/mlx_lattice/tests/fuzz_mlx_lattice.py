@@ -42,6 +42,7 @@ def _load(path: Path, name: str):
 
 geometry_refs = _load(Path(__file__).with_name("geometry_refs.py"), "geometry_refs")
 int8_refs = _load(Path(__file__).with_name("int8_refs.py"), "int8_refs")
+relation_refs = _load(Path(__file__).with_name("relation_refs.py"), "relation_refs")
 
 I32_MIN, I32_MAX = -(2**31), 2**31 - 1
 # Small values, and values at the int32 limits (neighbours there overflow).
@@ -378,21 +379,6 @@ def test_conv_and_pool_match_brute_force(rows, channels, dtype, kernel_size, wei
         assert (np.abs(got - ref) <= bound).all(), mode
 
 
-def _tile_edge_relation(n_points, side, kernel_size, stride, transposed, seed):
-    """Up to ``n_points`` distinct voxels of a ``side``³ grid in two batch
-    entries; a submanifold relation, or with ``stride`` > 1 the strided one
-    (or its transpose back onto the voxels)."""
-    rng = np.random.default_rng(seed)
-    cells = rng.choice(2 * side**3, size=min(n_points, 2 * side**3), replace=False)
-    batch, cell = cells // side**3, cells % side**3
-    xyz = np.stack([cell // (side * side), (cell // side) % side, cell % side], axis=1)
-    coords = np.concatenate([batch[:, None], xyz], axis=1).astype(np.int32)
-    if stride == 1:
-        return build_kernel_relation(coords, kernel_size=kernel_size)
-    rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
-    return rel.transposed() if transposed else rel
-
-
 # The unit roundoff of each storage format (the output's one rounding).
 _UNIT = {"float32": 0.0, "float16": 2.0**-11, "bfloat16": 2.0**-8}
 TILE_CHANNELS = st.sampled_from([1, 3, 15, 16, 17, 31, 32, 33, 48, 63, 64, 65, 70])
@@ -426,7 +412,9 @@ def test_conv_and_pool_tile_edge_shapes(n_points, side, kernel_size, stride, tra
     max exactly and sums / averages within the same summation bound."""
     from mlx_lattice.core import ops as core_ops
 
-    rel = _tile_edge_relation(n_points, side, kernel_size, stride, transposed, data_seed)
+    rel = relation_refs.grid_relation(
+        n_points, side, kernel_size, stride, transposed, data_seed, batches=2
+    )
     rng = np.random.default_rng(data_seed)
     n_in, n_out, k = int(rel.n_in), int(rel.n_out_capacity or 0), int(rel.n_kernels)
     f_np = rng.standard_normal((n_in, cin)).astype(np.float32)

@@ -8,10 +8,17 @@ fuzz targets."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
-from mlx_lattice.core import QuantizedWeight, build_kernel_relation
+from mlx_lattice.core import QuantizedWeight
+
+_spec = importlib.util.spec_from_file_location("refs", Path(__file__).with_name("relation_refs.py"))
+relation_refs = importlib.util.module_from_spec(_spec)  # the shared tests/relation_refs.py
+_spec.loader.exec_module(relation_refs)
 
 __all__ = [
     "codes_ref",
@@ -29,10 +36,7 @@ def make_case(rng, n_points: int, cin: int, cout: int, bits: int, group: int):
     of two batches, (N, cin) features with a few rows of very different
     magnitude and an all-zero row, and a (27, cin, cout) weight quantized
     to ``bits`` in groups of ``group``."""
-    pts = rng.integers(0, 9, (n_points, 3))
-    batch = rng.integers(0, 2, (n_points, 1))
-    coords = np.unique(np.concatenate([batch, pts], 1), axis=0).astype(np.int32)
-    rel = build_kernel_relation(coords, kernel_size=3)
+    coords, rel = relation_refs.random_relation(rng, n_points)
     feats = rng.standard_normal((len(coords), cin)).astype(np.float32)
     feats[:5] *= np.float32(40.0)
     feats[5] = 0.0

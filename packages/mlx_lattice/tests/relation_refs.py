@@ -1,12 +1,51 @@
-"""Shared test helpers over built relations (loaded by path: this project's
-pytest runs with ``--import-mode=importlib``, so test files cannot import one
-another)."""
+"""Shared test helpers over relations: seeded random relations and the
+lists of a built one (loaded by path: this project's pytest runs with
+``--import-mode=importlib``, so test files cannot import one another)."""
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["relation_lists"]
+from mlx_lattice.core import KernelRelation, build_kernel_relation
+
+__all__ = ["grid_relation", "random_relation", "relation_lists"]
+
+
+def random_relation(
+    rng: np.random.Generator, n_points: int, *, extent: int = 9, batches: int = 2, kernel_size=3
+) -> tuple[np.ndarray, KernelRelation]:
+    """Up to ``n_points`` distinct cells of an ``extent``³ grid in
+    ``batches`` batch entries (drawn: the cells, then the batches), sorted
+    (NumPy's unique rows), and their submanifold relation."""
+    pts = rng.integers(0, extent, (n_points, 3))
+    batch = rng.integers(0, batches, (n_points, 1))
+    coords = np.unique(np.concatenate([batch, pts], 1), axis=0).astype(np.int32)
+    return coords, build_kernel_relation(coords, kernel_size=kernel_size)
+
+
+def grid_relation(
+    n_points: int,
+    side: int,
+    kernel_size,
+    stride: int,
+    transposed: bool,
+    seed: int,
+    batches: int = 1,
+) -> KernelRelation:
+    """A relation over up to ``n_points`` distinct voxels of a ``side``³
+    grid in ``batches`` batch entries, in the drawn order (dense grids give
+    offsets whose edges run over consecutive rows): a submanifold one, or
+    with ``stride`` > 1 the strided one or its transpose back onto the
+    voxels."""
+    rng = np.random.default_rng(seed)
+    cells = rng.choice(batches * side**3, size=min(n_points, batches * side**3), replace=False)
+    batch, cell = cells // side**3, cells % side**3
+    xyz = np.stack([cell // (side * side), (cell // side) % side, cell % side], axis=1)
+    coords = np.concatenate([batch[:, None], xyz], axis=1).astype(np.int32)
+    if stride == 1:
+        return build_kernel_relation(coords, kernel_size=kernel_size)
+    rel = build_kernel_relation(coords, kernel_size=kernel_size, stride=stride, kind="forward")
+    return rel.transposed() if transposed else rel
 
 
 def relation_lists(rel) -> list[list[int]]:

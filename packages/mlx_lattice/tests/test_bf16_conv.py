@@ -6,7 +6,9 @@ same bits for any thread count."""
 
 from __future__ import annotations
 
+import importlib.util
 import platform
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -15,6 +17,10 @@ import pytest
 import mlx_lattice
 from mlx_lattice._native import ext
 from mlx_lattice.core import build_kernel_relation, ops
+
+_spec = importlib.util.spec_from_file_location("refs", Path(__file__).with_name("relation_refs.py"))
+relation_refs = importlib.util.module_from_spec(_spec)  # the shared tests/relation_refs.py
+_spec.loader.exec_module(relation_refs)
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -91,9 +97,7 @@ def feature_grad(f: np.ndarray, w: np.ndarray, g: np.ndarray, rel) -> np.ndarray
 
 
 def make_case(rng, cin: int, cout: int):
-    pts = rng.integers(0, 9, (700, 3))
-    coords = np.unique(np.concatenate([rng.integers(0, 2, (700, 1)), pts], 1), axis=0)
-    rel = build_kernel_relation(coords.astype(np.int32), kernel_size=3)
+    coords, rel = relation_refs.random_relation(rng, 700)
     f = bf16_values(bf16_bits(rng.standard_normal((len(coords), cin)).astype(np.float32)))
     w = bf16_values(bf16_bits(rng.standard_normal((27, cin, cout)).astype(np.float32) * 0.2))
     return rel, f, w

@@ -33,7 +33,7 @@ from mlx_lattice.tensor import SparseTensor
 _spec = importlib.util.spec_from_file_location(
     "data", Path(__file__).with_name("inference_data.py")
 )
-data = importlib.util.module_from_spec(_spec)  # the shared test data (tests/inference_data.py)
+data = importlib.util.module_from_spec(_spec)  # the shared tests/inference_data.py
 _spec.loader.exec_module(data)
 DATA, GOLDEN, GOLDEN_EXPECTED = data.DATA, data.GOLDEN, data.GOLDEN_EXPECTED
 VOXEL, FORMS = data.VOXEL, data.FORMS

@@ -7,6 +7,9 @@ inputs, not float16 arithmetic."""
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -14,6 +17,10 @@ import pytest
 import mlx_lattice
 from mlx_lattice._native import ext
 from mlx_lattice.core import QuantizedWeight, build_kernel_relation, ops
+
+_spec = importlib.util.spec_from_file_location("refs", Path(__file__).with_name("relation_refs.py"))
+relation_refs = importlib.util.module_from_spec(_spec)  # the shared tests/relation_refs.py
+_spec.loader.exec_module(relation_refs)
 
 
 def fp16_chain(f: np.ndarray, w: np.ndarray, src, dst, k_ids, n_rows: int) -> np.ndarray:
@@ -45,10 +52,7 @@ def fp16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
 
 
 def make_case(rng, cin: int, cout: int):
-    pts = rng.integers(0, 9, (700, 3))
-    coords = np.unique(np.concatenate([rng.integers(0, 2, (700, 1)), pts], 1), axis=0)
-    coords = coords.astype(np.int32)
-    rel = build_kernel_relation(coords, kernel_size=3)
+    coords, rel = relation_refs.random_relation(rng, 700)
     f = rng.standard_normal((len(coords), cin)).astype(np.float16).astype(np.float32)
     w = (rng.standard_normal((27, cin, cout)) * 0.2).astype(np.float16).astype(np.float32)
     return coords, rel, f, w

@@ -88,7 +88,7 @@ from mlx_lattice.models import SPVCNN, MinkUNet, point_cloud_input
 _spec = importlib.util.spec_from_file_location(
     "data", Path(__file__).with_name("inference_data.py")
 )
-data = importlib.util.module_from_spec(_spec)  # the shared test data (tests/inference_data.py)
+data = importlib.util.module_from_spec(_spec)  # the shared tests/inference_data.py
 _spec.loader.exec_module(data)
 int8_refs = data.load("int8_refs")
 U = 2.0**-24

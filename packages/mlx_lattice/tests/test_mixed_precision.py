@@ -12,6 +12,9 @@ weights save and load bit for bit.
 
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
+
 import mlx.core as mx
 import mlx.nn as mlx_nn
 import mlx.optimizers as optim
@@ -20,17 +23,19 @@ import pytest
 from mlx.utils import tree_flatten
 
 import mlx_lattice
-from mlx_lattice.core import build_kernel_relation, ops
+from mlx_lattice.core import ops
 from mlx_lattice.data import SceneConfig, labelled_scans, make_batch
 from mlx_lattice.models import MinkUNet, cross_entropy, train_step
+
+_spec = importlib.util.spec_from_file_location("refs", Path(__file__).with_name("relation_refs.py"))
+relation_refs = importlib.util.module_from_spec(_spec)  # the shared tests/relation_refs.py
+_spec.loader.exec_module(relation_refs)
 
 HALF = (mx.float16, mx.bfloat16)
 
 
 def _case(rng: np.random.Generator, cin: int, cout: int, kernel_size: int = 3):
-    pts = rng.integers(0, 9, (600, 3))
-    coords = np.unique(np.concatenate([rng.integers(0, 2, (600, 1)), pts], 1), axis=0)
-    rel = build_kernel_relation(coords.astype(np.int32), kernel_size=kernel_size)
+    coords, rel = relation_refs.random_relation(rng, 600, kernel_size=kernel_size)
     f = rng.standard_normal((len(coords), cin)).astype(np.float32)
     w = (rng.standard_normal((kernel_size**3, cin, cout)) * 0.2).astype(np.float32)
     ct = rng.standard_normal((rel.n_out_capacity, cout)).astype(np.float32)

@@ -116,13 +116,9 @@ def matmul(kernel: str, x: jax.Array, w: Any, out_dtype: Any) -> jax.Array:
 
     Off a TPU the kernels run in Pallas interpret mode (correct, slow).
     """
-    x2 = jnp.reshape(x, (-1, x.shape[-1]))
     if kernel == W8A8:
-        from taktiny_ops._pallas_w8a8 import w8a8_matmul
-
-        y = w8a8_matmul(x2, w.qvalue, w.scale, out_dtype=out_dtype)
+        from taktiny_ops._pallas_w8a8 import w8a8_matmul as run
     else:
-        from taktiny_ops._pallas_matmul import weight_only_matmul
-
-        y = weight_only_matmul(x2, w.qvalue, w.scale, out_dtype=out_dtype)
+        from taktiny_ops._pallas_matmul import weight_only_matmul as run
+    y = run(jnp.reshape(x, (-1, x.shape[-1])), w.qvalue, w.scale, out_dtype=out_dtype)
     return jnp.reshape(y, (*x.shape[:-1], w.qvalue.shape[1]))

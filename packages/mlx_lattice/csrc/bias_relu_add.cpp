@@ -53,8 +53,27 @@ class BiasReluAdd : public mx::UnaryPrimitive {
   bool relu_;
 };
 
-// Rows per parallel task: about 64 KiB of x at 64 channels.
-constexpr int64_t kRowChunk = 256;
+// Values per parallel task (whole rows): 128 KiB of x.
+constexpr int64_t kChunkValues = 1 << 15;
+
+// n values; branch-free so that the compiler vectorizes it (GCC only at
+// -O3: a plain loop at -O2 ran at a third of MLX's add).
+#if defined(__GNUC__) && !defined(__clang__)
+__attribute__((optimize("O3")))
+#endif
+void bias_relu_add_rows(const float* x, const float* b, const float* r, int64_t n, int64_t c,
+                        bool relu, float* y) {
+  for (int64_t row = 0; row < n * c; row += c) {
+    if (relu) {
+      for (int64_t j = 0; j < c; ++j) {
+        const float v = x[row + j] + b[j];
+        y[row + j] = (v < 0.0f ? 0.0f : v) + r[row + j];
+      }
+    } else {
+      for (int64_t j = 0; j < c; ++j) y[row + j] = (x[row + j] + b[j]) + r[row + j];
+    }
+  }
+}
 
 void BiasReluAdd::eval_cpu(const std::vector<array>& inputs, array& out) {
   cpu::dispatch(stream(), inputs, out, [relu = relu_](std::vector<array>& in, array& o) {
@@ -64,15 +83,11 @@ void BiasReluAdd::eval_cpu(const std::vector<array>& inputs, array& out) {
     const float* b = in[1].data<float>();
     const float* r = in[2].data<float>();
     float* y = o.data<float>();
-    parallel_for((n + kRowChunk - 1) / kRowChunk, [&](int64_t chunk) {
-      const int64_t end = std::min(n, (chunk + 1) * kRowChunk) * c;
-      for (int64_t row = chunk * kRowChunk * c; row < end; row += c) {
-        for (int64_t j = 0; j < c; ++j) {
-          float v = x[row + j] + b[j];
-          if (relu && v < 0.0f) v = 0.0f;
-          y[row + j] = v + r[row + j];
-        }
-      }
+    const int64_t per = std::max<int64_t>(1, kChunkValues / c);
+    parallel_for((n + per - 1) / per, [&](int64_t chunk) {
+      const int64_t at = chunk * per * c;
+      const int64_t rows = std::min(n, (chunk + 1) * per) - chunk * per;
+      bias_relu_add_rows(x + at, b, r + at, rows, c, relu, y + at);
     });
   });
 }

@@ -56,6 +56,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as mlx_nn
 
+from mlx_lattice._arena import with_arena
 from mlx_lattice._errors import MlxLatticeError
 from mlx_lattice.export import (
     _CONV_OPS,
@@ -438,7 +439,8 @@ def compile(
             steps[i] = _skip_step(node, net.tensors)
     if int8:
         compiled_graph["int8_values"] = _int8_steps(compiled_graph, net.tensors, steps)
-    net._steps.extend(steps)
+    # Activation buffers planned once: the steps run in one arena (_arena.py).
+    net._steps.extend(with_arena(compiled_graph, steps))
     return net
 
 

@@ -7,6 +7,7 @@
 #include <utility>
 #include <vector>
 
+#include "../arena.h"
 #include "float_formats.h"
 #include "line_vector.h"
 #include "mlx/backend/cpu/encoder.h"
@@ -78,6 +79,8 @@ class FloatOut {
 // MLX's CPU allocator returns buffers 8 bytes into a line, so the kernels'
 // 64-byte stores into an output would each span two lines. The buffer is a
 // line longer and the array starts at an offset into it, as a slice does.
+// It comes from the thread's active activation arena if one is active
+// (arena.h: a compiled graph's forward), from MLX's allocator otherwise.
 inline void allocate_on_line(mx::array& out) {
   const size_t bytes = out.nbytes();
   constexpr size_t kMinBytes = 4096;  // below a page, left as MLX places it
@@ -85,7 +88,7 @@ inline void allocate_on_line(mx::array& out) {
     out.set_data(mx::allocator::malloc(bytes));
     return;
   }
-  auto data = mx::allocator::malloc(bytes + kernels::kLineBytes);
+  auto data = output_data(bytes + kernels::kLineBytes);
   const auto address = reinterpret_cast<uintptr_t>(data.buffer().raw_ptr());
   const auto offset =
       static_cast<int64_t>((kernels::kLineBytes - address % kernels::kLineBytes) %

@@ -104,9 +104,7 @@ def int8_conv_ref(
     if static is not None:
         scales = (scales * np.float32(static)).astype(np.float32)
         biases = (biases * np.float32(static)).astype(np.float32)
-    in_rows = np.array(rel.edges.in_rows)
-    out_rows = np.array(rel.edges.out_rows)
-    kernel_ids = np.array(rel.edges.kernel_ids)
+    in_rows, out_rows, kernel_ids = relation_refs.edges(rel)
     out = np.zeros((rel.n_out_capacity, qw.out_channels), dtype=np.float32)
     for k in range(qw.n_kernels):
         sel = kernel_ids == k

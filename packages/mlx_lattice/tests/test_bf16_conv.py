@@ -41,27 +41,14 @@ def _pairs_ref(x: np.ndarray, w: np.ndarray, src, dst, k_ids, n_dst: int) -> np.
     if x.shape[1] % 2:
         x = np.concatenate([x, np.zeros((len(x), 1), np.float32)], 1)
         w = np.concatenate([w, np.zeros((w.shape[0], 1, w.shape[2]), np.float32)], 1)
-    acc = np.zeros((n_dst, w.shape[2]), np.float32)
-    for k in range(w.shape[0]):
-        sel = k_ids == k
-        i, o = src[sel], dst[sel]
-        assert len(np.unique(o)) == len(o)
-        a = acc[o]
-        for p in range(x.shape[1] // 2):
-            for c in (2 * p + 1, 2 * p):
-                a = a + x[i, c][:, None] * w[k, c][None, :]
-        acc[o] = a
-    return bf16_bits(acc)
+    pairs = [c for p in range(x.shape[1] // 2) for c in (2 * p + 1, 2 * p)]
+    return bf16_bits(relation_refs.chain_ref(x, w, src, dst, k_ids, n_dst, pairs))
 
-
-def _edges(rel) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    e = rel.edges
-    return np.array(e.in_rows), np.array(e.out_rows), np.array(e.kernel_ids)
 
 
 def bf16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
     """The forward: per output row, offsets ascending, input channel pairs."""
-    in_rows, out_rows, k_ids = _edges(rel)
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
     return _pairs_ref(f, w, in_rows, out_rows, k_ids, rel.n_out_capacity)
 
 
@@ -69,7 +56,7 @@ def bf16_feature_grad_ref(g: np.ndarray, w: np.ndarray, rel, n_in: int) -> np.nd
     """The feature gradient, the forward's order with the roles swapped: per
     input row, offsets ascending, cotangent channel pairs (each offset's
     weight transposed)."""
-    in_rows, out_rows, k_ids = _edges(rel)
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
     return _pairs_ref(g, w.transpose(0, 2, 1), out_rows, in_rows, k_ids, n_in)
 
 
@@ -134,7 +121,7 @@ def test_within_bf16_rounding_of_float64(rng, cin, cout):
         mx.array(f).astype(mx.bfloat16), mx.array(w).astype(mx.bfloat16), rel
     )
     got = np.array(out.astype(mx.float32)).astype(np.float64)
-    in_rows, out_rows, k_ids = _edges(rel)
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
     exact, mag = exact_and_magnitude(f, w, in_rows, out_rows, k_ids, len(got))
     n = 27 * cin
     bound = 2.0**-8 * np.abs(exact) + (1 + 2.0**-8) * n * np.finfo(np.float32).eps * mag
@@ -160,7 +147,7 @@ def test_feature_gradient_within_bf16_rounding_of_float64(rng, cin, cout):
     rel, f, w = make_case(rng, cin, cout)
     g = bf16_values(bf16_bits(rng.standard_normal((len(f), cout)).astype(np.float32)))
     got = feature_grad(f, w, g, rel).astype(np.float64)
-    in_rows, out_rows, k_ids = _edges(rel)
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
     wt = w.transpose(0, 2, 1)
     exact, mag = exact_and_magnitude(g, wt, out_rows, in_rows, k_ids, len(got))
     n = 27 * cout
@@ -173,7 +160,7 @@ def bf16_weight_grad_ref(f: np.ndarray, g: np.ndarray, rel) -> np.ndarray:
     (cpu/gemm_bf16.h): per offset, its edges in kernel-CSR order, in pairs,
     the odd edge's product added before the even's; each product exact in
     float32, each add rounded once."""
-    in_rows, out_rows, _ = _edges(rel)
+    in_rows, out_rows, _ = relation_refs.edges(rel)
     offsets = np.array(rel.kernel_csr.row_offsets)
     ids = np.array(rel.kernel_csr.edge_ids)
     dw = np.zeros((len(offsets) - 1, f.shape[1], g.shape[1]), np.float32)
@@ -253,7 +240,7 @@ def test_float32_fallback_agrees_within_one_bf16_rounding(rng, conv_per_isa):
     a = bf16_values(results[fast]["out"]).astype(np.float64)
     b = bf16_values(results[capped]["out"]).astype(np.float64)
     rel = build_kernel_relation(coords, kernel_size=3)
-    in_rows, out_rows, k_ids = _edges(rel)
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
     _, mag = exact_and_magnitude(f, w, in_rows, out_rows, k_ids, len(a))
     bound = 2.0**-7 * np.maximum(np.abs(a), np.abs(b)) + 2 * 27 * 48 * 2.0**-23 * mag
     assert np.all(np.abs(a - b) <= bound)

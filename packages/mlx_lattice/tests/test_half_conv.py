@@ -27,28 +27,15 @@ def fp16_chain(f: np.ndarray, w: np.ndarray, src, dst, k_ids, n_rows: int) -> np
     """float16 result of the documented float32 chain (inputs float16-valued):
     row dst[e] gets f[src[e]] @ w[k_ids[e]], offsets ascending, channels
     ascending, each product exact in float32, each add rounded once."""
-    acc = np.zeros((n_rows, w.shape[2]), np.float32)
-    for k in range(w.shape[0]):
-        sel = k_ids == k
-        i, o = src[sel], dst[sel]
-        assert len(np.unique(o)) == len(o)
-        a = acc[o]
-        for c in range(f.shape[1]):
-            a = a + f[i, c][:, None] * w[k, c][None, :]
-        acc[o] = a
-    return acc.astype(np.float16)
+    return relation_refs.chain_ref(f, w, src, dst, k_ids, n_rows, range(f.shape[1])).astype(
+        np.float16
+    )
 
 
 def fp16_conv_ref(f: np.ndarray, w: np.ndarray, rel) -> np.ndarray:
     """float16 result of the documented float32 chain (inputs float16-valued)."""
-    return fp16_chain(
-        f,
-        w,
-        np.array(rel.edges.in_rows),
-        np.array(rel.edges.out_rows),
-        np.array(rel.edges.kernel_ids),
-        rel.n_out_capacity,
-    )
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
+    return fp16_chain(f, w, in_rows, out_rows, k_ids, rel.n_out_capacity)
 
 
 def make_case(rng, cin: int, cout: int):
@@ -88,9 +75,7 @@ def test_within_float16_rounding_of_float64(rng):
     the float32 accumulation bound n * eps * sum|terms| (n = K * Cin)."""
     _, rel, f, w = make_case(rng, 40, 24)
     got = run_fp16(f, w, rel).view(np.float16).astype(np.float64)
-    in_rows = np.array(rel.edges.in_rows)
-    out_rows = np.array(rel.edges.out_rows)
-    k_ids = np.array(rel.edges.kernel_ids)
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
     exact = np.zeros(got.shape)
     mag = np.zeros(got.shape)
     for k in range(27):
@@ -293,14 +278,8 @@ def fp16_input_grad_ref(g: np.ndarray, w: np.ndarray, rel, n_in: int) -> np.ndar
     """float16 input gradient by the same chain: per input row, offsets
     ascending, output channels ascending (the relation reversed, each
     offset's weight transposed)."""
-    return fp16_chain(
-        g,
-        np.transpose(w, (0, 2, 1)),
-        np.array(rel.edges.out_rows),
-        np.array(rel.edges.in_rows),
-        np.array(rel.edges.kernel_ids),
-        n_in,
-    )
+    in_rows, out_rows, k_ids = relation_refs.edges(rel)
+    return fp16_chain(g, np.transpose(w, (0, 2, 1)), out_rows, in_rows, k_ids, n_in)
 
 
 @fused

@@ -157,16 +157,30 @@ def test_predict_points_voxel_size_and_features(tmp_path: Path, rng: np.random.G
     net = export.load(stored)
     assert net.features == ("occupancy", "height") and net.class_names == ("a", "b", "c")
     got = net.predict_points(pts, feats)
-    # Independent voxel assignment: floor(p / size), NumPy's unique rows.
+    # Independent voxel assignment: floor(p / size) (exact: the size is a
+    # power of two), NumPy's unique rows, the points' means in float64.
     cells = np.floor(pts / 0.5).astype(np.int32)
-    uniq, inverse = np.unique(cells, axis=0, return_inverse=True)
+    uniq, inverse, counts = np.unique(cells, axis=0, return_inverse=True, return_counts=True)
     inverse = inverse.reshape(-1)
-    means = np.zeros((len(uniq), 2), np.float64)
-    np.add.at(means, inverse, feats)
-    means /= np.bincount(inverse)[:, None]
-    coords = np.concatenate([np.zeros((len(uniq), 1), np.int32), uniq], axis=1)
-    ref = model(SparseTensor(mx.array(coords), mx.array(means.astype(np.float32)))).feats
-    np.testing.assert_allclose(np.array(got), np.array(ref)[inverse], rtol=1e-5, atol=1e-5)
+    sums, abs_sums = np.zeros((len(uniq), 2)), np.zeros((len(uniq), 2))
+    np.add.at(sums, inverse, feats)
+    np.add.at(abs_sums, inverse, np.abs(feats))
+    # The voxels predict_points scores: those cells (in its own row order),
+    # each the float32 mean of its m points, within gamma_{m+1} sum|x| / m of
+    # the exact mean (m - 1 additions and a division, one rounding each; one
+    # more where it multiplies by a rounded 1 / m).
+    vox = point_cloud_input(pts, feats, 0.5).tensor
+    row = {tuple(c): i for i, c in enumerate(uniq.tolist())}
+    cell_of = np.array([row[tuple(c)] for c in np.array(vox.coords)[:, 1:].tolist()])
+    assert sorted(cell_of) == list(range(len(uniq))) and not np.array(vox.coords)[:, 0].any()
+    m = counts[cell_of][:, None]
+    gamma = (m + 1) * 2.0**-24 / (1 - (m + 1) * 2.0**-24)
+    err = np.abs(np.array(vox.feats, np.float64) - sums[cell_of] / m)
+    assert (err <= gamma * abs_sums[cell_of] / m).all()
+    # Each point gets its voxel's scores: the model's on those voxels, to the bit.
+    voxel_of = np.empty(len(uniq), np.int64)
+    voxel_of[cell_of] = np.arange(len(uniq))
+    assert np.array_equal(np.array(got), np.array(model(vox).feats)[voxel_of[inverse]])
     assert mx.array_equal(net.predict_points(pts, feats, voxel_size=0.5), got)
     with pytest.raises(export.ExportError, match=r"exported for voxel size 0\.5, got 0\.25"):
         net.predict_points(pts, feats, voxel_size=0.25)
@@ -185,7 +199,7 @@ def test_predict_points_voxel_size_and_features(tmp_path: Path, rng: np.random.G
     spv = tmp_path / "spv.mlxl"
     export.export_model(SPVCNN(2, 3, widths=(4, 8)).eval(), spv, voxel_size=0.5)
     with pytest.raises(export.ExportError, match="scores points; call predict_points"):
-        export.load(spv)(SparseTensor(mx.array(coords), mx.array(means.astype(np.float32))))
+        export.load(spv)(vox)
     with pytest.raises(export.ExportError, match="features has 3 names, the model has 2"):
         export.export_model(model, bare, features=["a", "b", "c"])
 

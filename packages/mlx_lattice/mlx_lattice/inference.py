@@ -21,7 +21,7 @@ or :class:`~mlx_lattice.models.SPVCNN` (float or quantized by
   float can be folded either way, a loaded artifact only this way);
 * the folded bias and the ReLU that follows the norm run as one epilogue
   pass (:func:`mlx_lattice.fused.bias_relu`) instead of the norm's pass;
-* with ``fuse_skips=True``, a skip addition of a folded linear layer's
+* (``fuse_skips``, the default) a skip addition of a folded linear layer's
   output (SPVCNN's point branch) joins that epilogue
   (:func:`mlx_lattice.fused.bias_relu_add`);
 * everything else (concatenations, the point moves of SPVCNN, the head)
@@ -374,7 +374,7 @@ def compile(
     features: Any = None,
     class_names: Any = None,
     int8: bool = True,
-    fuse_skips: bool = False,
+    fuse_skips: bool = True,
 ) -> ExportedModel:
     """The compiled inference graph of ``model``: an ``eval()``-mode
     :class:`~mlx_lattice.models.MinkUNet` or
@@ -394,10 +394,11 @@ def compile(
     calibrated scale among them; a concatenation's two inputs share it, so
     the concatenation joins codes). The chosen scales are
     ``graph["int8_values"]`` (value name -> scale). ``int8=False`` keeps
-    float values between layers. ``fuse_skips=True`` also fuses each skip
+    float values between layers. ``fuse_skips`` (default) also fuses each skip
     addition that reads a folded linear layer's output into that layer's
     epilogue (SPVCNN's point branch: ``relu(x W' + b') + to_points(v)`` in
-    one pass, :func:`mlx_lattice.fused.bias_relu_add`); no add in these
+    one pass, :func:`mlx_lattice.fused.bias_relu_add`, the unfused graph's
+    bits; ``fuse_skips=False`` keeps the adds as their own step); no add in these
     models follows a convolution, so the fused convolution's ``residual``
     has no reader in them. For a model,
     ``voxel_size``, ``features`` and ``class_names`` are recorded as

@@ -348,6 +348,27 @@ def _check_every_step(ref: export.ExportedModel, net: export.ExportedModel, x) -
             assert np.array(got.feats).dtype == want.dtype, (out, got.feats.dtype)
             assert np.array_equal(np.array(got.feats), want), out
             kinds["fused"] += 1
+        elif (node.get("epilogue") or {}).get("residual") is not None:
+            # A skip addition fused into the folded linear layer (compile's
+            # fuse_skips): out = p + relu(layer(z) + bias). The reference is
+            # the eval graph's layer, norm and add on the same z and p. Its
+            # sum differs from ours by the folded layer's difference plus
+            # the two float32 roundings of the add (u |got| + u |want|).
+            add, p = by_output[out], node["epilogue"]["residual"]
+            (m,) = [name for name in add["inputs"] if name != p]
+            norm = by_output[m]
+            layer = by_output[norm["inputs"][0]]
+            assert add["op"] == "add" and norm["op"] == "batch_norm"
+            assert layer["inputs"] == node["inputs"][:1] and node["inputs"][1] == p
+            r = ref_steps[m](ref_steps[layer["output"]](args[0]))
+            want = ref_steps[out](*[r if name == m else args[1] for name in add["inputs"]])
+            bound = _fold_bound(layer, norm, t, args[0], _magnitude(layer, t, args[0]))
+            got64, want64 = _f64(got), _f64(want)
+            bound = bound + 2.0**-24 * (np.abs(got64) + np.abs(want64))
+            err = np.abs(got64 - want64)
+            assert (err <= bound).all(), (out, float(err.max()), float(bound.max()))
+            kinds["folded"] += 1
+            kinds["skip"] += 1
         elif "epilogue" in node:
             norm = by_output[out]
             layer = by_output[norm["inputs"][0]]

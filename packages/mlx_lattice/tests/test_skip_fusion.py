@@ -1,5 +1,5 @@
 """Skip additions fused into a folded linear layer's epilogue
-(``mlx_lattice.compile(..., fuse_skips=True)``) and the one-pass epilogue
+(``mlx_lattice.compile``, ``fuse_skips`` on by default) and the one-pass epilogue
 they run, :func:`mlx_lattice.fused.bias_relu_add`.
 
 * ``bias_relu_add`` against NumPy's float32 ``max(x + b, 0) + r`` (each
@@ -105,8 +105,8 @@ def test_bias_relu_add_bad_arguments_name_them():
 def test_spvcnn_point_adds_fuse_and_give_the_same_bits(rng, form):
     model = data.model("SPVCNN", form, rng, data.points(rng, 900, 4.0))
     x = data.model_input("SPVCNN", *data.points(rng, 1200, 5.0))
-    plain = mlx_lattice.compile(model)
-    net = mlx_lattice.compile(model, fuse_skips=True)
+    plain = mlx_lattice.compile(model, fuse_skips=False)
+    net = mlx_lattice.compile(model)
     adds = [n for n in plain.graph["nodes"] if n["op"] == "add"]
     assert len(adds) == 2 and not any(n["op"] == "add" for n in net.graph["nodes"])
     skips = [n for n in net.graph["nodes"] if (n.get("epilogue") or {}).get("residual")]
@@ -139,6 +139,6 @@ def test_spvcnn_point_adds_fuse_and_give_the_same_bits(rng, form):
 def test_minkunet_has_no_add_to_fuse(rng):
     model = data.model("MinkUNet", "float", rng, data.points(rng, 900, 4.0))
     assert (
-        mlx_lattice.compile(model, fuse_skips=True).graph["nodes"]
-        == mlx_lattice.compile(model).graph["nodes"]
+        mlx_lattice.compile(model).graph["nodes"]
+        == mlx_lattice.compile(model, fuse_skips=False).graph["nodes"]
     )

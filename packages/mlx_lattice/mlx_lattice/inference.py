@@ -331,20 +331,6 @@ def _fused_step(
     return run
 
 
-def _cat_codes(*xs: SparseTensor) -> SparseTensor:
-    """:func:`mlx_lattice.ops.cat` of int8 codes: rows whose widths are
-    multiples of 4 are joined as int32 words (MLX copies per element, so
-    this is several times faster than joining bytes), the same bytes."""
-    from mlx_lattice import ops
-
-    ops._same_coords(xs, "cat")
-    feats = [x.feats for x in xs]
-    if all(int(f.shape[1]) % 4 == 0 for f in feats):
-        words = mx.concatenate([f.view(mx.int32) for f in feats], axis=1)
-        return xs[0].replace(words.view(mx.int8))
-    return xs[0].replace(mx.concatenate(feats, axis=1))
-
-
 def _int8_steps(
     graph: Mapping[str, Any], t: Mapping[str, mx.array], steps: list[Callable]
 ) -> dict[str, float]:
@@ -357,10 +343,10 @@ def _int8_steps(
         return {}
     nodes = graph["nodes"]
     plan = _int8_values(nodes, graph["output"], t)
+    # A concatenation of codes stays ops.cat: its native row copy joins
+    # bytes of any dtype.
     for i, node in enumerate(nodes):
-        if node["op"] == "cat" and node["output"] in plan:
-            steps[i] = _cat_codes
-        elif _is_static(node):
+        if _is_static(node):
             own = float(t[node["quant"]["act_scale"]].astype(_F32).item())
             in_scale = plan.get(node["inputs"][0], own)
             steps[i] = _fused_step(node, t, in_scale, plan.get(node["output"], 0.0))

@@ -21,6 +21,7 @@ import mlx.core as mx
 import mlx.nn as mlx_nn
 import numpy as np
 
+from mlx_lattice._native import ext
 from mlx_lattice.core import ops as core_ops
 from mlx_lattice.core.coordinates import check_coordinates
 from mlx_lattice.core.quantized import QuantizedWeight
@@ -751,11 +752,22 @@ def _same_coords(xs: Sequence[SparseTensor], what: str) -> None:
 
 
 def cat(*xs: SparseTensor) -> SparseTensor:
-    """Concatenate features of tensors on the same coordinates (U-Net skips)."""
+    """Concatenate features of tensors on the same coordinates (U-Net skips).
+
+    Two tensors of one dtype (any: float, or a compiled graph's int8 codes)
+    are joined by the extension's row copy (``concat_rows``: each row's two
+    runs of bytes, over the kernels' threads, the bytes of
+    ``mx.concatenate``; MLX's CPU concatenate copies element by element on
+    one thread); other cases take ``mx.concatenate`` (which promotes mixed
+    dtypes). Differentiable either way.
+    """
     if not xs:
         raise SparseTensorError("cat needs at least one tensor.")
     _same_coords(xs, "cat")
-    return xs[0].replace(mx.concatenate([x.feats for x in xs], axis=1))
+    feats = [x.feats for x in xs]
+    if len(feats) == 2 and feats[0].dtype == feats[1].dtype:
+        return xs[0].replace(ext.concat_rows(feats[0], feats[1]))
+    return xs[0].replace(mx.concatenate(feats, axis=1))
 
 
 def add(x: SparseTensor, y: SparseTensor) -> SparseTensor:

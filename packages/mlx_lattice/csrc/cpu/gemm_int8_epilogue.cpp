@@ -35,12 +35,13 @@ namespace {
 #endif
 
 // y = acc + bias; + residual; relu, on one row of n values (the scalar
-// definition). res: the row's float32 residual, rq: its int8 residual.
-void epilogue_row_scalar(float* y, int64_t n, const Int8Epilogue& ep, const float* res,
-                         const int8_t* rq) {
+// definition). bias: ep.bias from the row's first column on; res: the
+// row's float32 residual, rq: its int8 residual.
+void epilogue_row_scalar(float* y, int64_t n, const Int8Epilogue& ep, const float* bias,
+                         const float* res, const int8_t* rq) {
   for (int64_t x = 0; x < n; ++x) {
     float v = y[x];
-    if (ep.bias != nullptr) v = v + ep.bias[x];
+    if (bias != nullptr) v = v + bias[x];
     if (res != nullptr) v = v + res[x];
     if (rq != nullptr) {
       float r = static_cast<float>(rq[x]) * ep.residual_scale;
@@ -92,14 +93,15 @@ __attribute__((target("avx512f"))) void load_row_avx512(const int8_t* xr, int64_
 
 __attribute__((target("avx512f"))) void epilogue_row_avx512(float* y, int64_t n,
                                                             const Int8Epilogue& ep,
-                                                            const float* res, const int8_t* rq) {
+                                                            const float* bias, const float* res,
+                                                            const int8_t* rq) {
   const __m512 zero = _mm512_setzero_ps();
   const __m512 rs = _mm512_set1_ps(ep.residual_scale);
   for (int64_t x = 0; x < n; x += 16) {
     const __mmask16 m = n - x >= 16 ? static_cast<__mmask16>(0xffff)
                                     : static_cast<__mmask16>((1u << (n - x)) - 1u);
     __m512 v = _mm512_maskz_loadu_ps(m, y + x);
-    if (ep.bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, ep.bias + x));
+    if (bias != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, bias + x));
     if (res != nullptr) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, res + x));
     if (rq != nullptr) {
       // (A tail's bytes through a local: byte-masked loads need AVX-512BW.)
@@ -134,6 +136,76 @@ __attribute__((target("avx512f"))) void requantize_row_avx512(const float* y, in
     _mm512_mask_cvtepi32_storeu_epi8(q + x, m, _mm512_cvtps_epi32(c));
   }
 }
+
+// AVX2 (8 lanes per step) with the same operations; a row's last n % 8
+// values go through the scalar definition (no masked stores: microcoded
+// on AMD Zen cores, avx2_lanes.h).
+__attribute__((target("avx2"))) void load_row_avx2(const int8_t* xr, int64_t c, int64_t group,
+                                                   int8_t* qr, int32_t* gr) {
+  const __m128i lo = _mm_set1_epi8(-127);
+  for (int64_t g0 = 0; g0 < c; g0 += group) {
+    __m256i sum = _mm256_setzero_si256();
+    for (int64_t i = g0; i < std::min(c, g0 + group); i += 8) {
+      const __m128i v = _mm_max_epi8(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(xr + i)), lo);
+      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + i), v);
+      sum = _mm256_add_epi32(sum, _mm256_cvtepi8_epi32(v));
+    }
+    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
+    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
+    gr[g0 / group] = _mm_cvtsi128_si32(t);
+  }
+}
+
+__attribute__((target("avx2"))) void epilogue_row_avx2(float* y, int64_t n,
+                                                       const Int8Epilogue& ep, const float* bias,
+                                                       const float* res, const int8_t* rq) {
+  const __m256 zero = _mm256_setzero_ps();
+  const __m256 rs = _mm256_set1_ps(ep.residual_scale);
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) {
+    __m256 v = _mm256_loadu_ps(y + x);
+    if (bias != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(bias + x));
+    if (res != nullptr) v = _mm256_add_ps(v, _mm256_loadu_ps(res + x));
+    if (rq != nullptr) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(rq + x));
+      __m256 r = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), rs);
+      MLX_LATTICE_EPI_ROUNDED(r);
+      v = _mm256_add_ps(v, r);
+    }
+    // -0 and NaN stay, as v < 0 is false for them.
+    if (ep.relu) v = _mm256_andnot_ps(_mm256_cmp_ps(v, zero, _CMP_LT_OQ), v);
+    _mm256_storeu_ps(y + x, v);
+  }
+  if (x < n) {
+    epilogue_row_scalar(y + x, n - x, ep, bias != nullptr ? bias + x : nullptr,
+                        res != nullptr ? res + x : nullptr, rq != nullptr ? rq + x : nullptr);
+  }
+}
+
+__attribute__((target("avx2"))) void requantize_row_avx2(const float* y, int64_t n, float s,
+                                                         int8_t* q) {
+  const __m256 vs = _mm256_set1_ps(s);
+  const __m256 lo = _mm256_set1_ps(-127.0f);
+  const __m256 hi = _mm256_set1_ps(127.0f);
+  // Byte 0 of each int32 lane, lane by lane, into the low 8 bytes.
+  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         -1, -1);
+  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
+  int64_t x = 0;
+  for (; x + 8 <= n; x += 8) {
+    const __m256 v = _mm256_div_ps(_mm256_loadu_ps(y + x), vs);
+    const __m256 number = _mm256_cmp_ps(v, v, _CMP_ORD_Q);
+    // max/min return the bound for NaN; NaN lanes are then zeroed. The
+    // conversion rounds to nearest even (the default MXCSR mode, as rint).
+    const __m256 c = _mm256_and_ps(number, _mm256_min_ps(_mm256_max_ps(v, lo), hi));
+    const __m256i b = _mm256_permutevar8x32_epi32(
+        _mm256_shuffle_epi8(_mm256_cvtps_epi32(c), bytes), halves);
+    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + x), _mm256_castsi256_si128(b));
+  }
+  if (x < n) requantize_row_scalar(y + x, n - x, s, q + x);
+}
 #endif
 
 }  // namespace
@@ -145,6 +217,8 @@ void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64
 #ifdef MLX_LATTICE_X86
   if (c % 16 == 0 && group % 16 == 0 && isa::isa_usable(isa::Isa::kAvx512)) {
     row = load_row_avx512;
+  } else if (c % 8 == 0 && group % 8 == 0 && isa::isa_usable(isa::Isa::kAvx2)) {
+    row = load_row_avx2;
   }
 #endif
   constexpr int64_t kChunk = 1024;
@@ -169,13 +243,16 @@ void int8_epilogue_rows(float* acc, int64_t r0, int64_t r1, int64_t cout, const 
   if (isa::isa_usable(isa::Isa::kAvx512)) {
     row_fn = epilogue_row_avx512;
     requantize = requantize_row_avx512;
+  } else if (isa::isa_usable(isa::Isa::kAvx2)) {
+    row_fn = epilogue_row_avx2;
+    requantize = requantize_row_avx2;
   }
 #endif
   const auto* res = ep.residual_int8 ? nullptr : static_cast<const float*>(ep.residual);
   const auto* rq = ep.residual_int8 ? static_cast<const int8_t*>(ep.residual) : nullptr;
   for (int64_t r = r0; r < r1; ++r) {
     float* y = acc + (r - r0) * cout;
-    row_fn(y, cout, ep, res != nullptr ? res + r * cout : nullptr,
+    row_fn(y, cout, ep, ep.bias, res != nullptr ? res + r * cout : nullptr,
            rq != nullptr ? rq + r * cout : nullptr);
     if (out == nullptr) continue;  // a float32 output finished in place
     if (ep.out_scale > 0.0f) {

@@ -73,36 +73,27 @@ constexpr int64_t kTaskBytes = 1 << 17;
 // `dst_stride` apart: a copy of a constant size compiles to a few vector
 // moves instead of a call to memcpy per row.
 template <int64_t Bytes>
-void copy_runs(const char* src, int64_t src_stride, char* dst, int64_t dst_stride, int64_t rows) {
+void copy_fixed(const char* src, int64_t src_stride, char* dst, int64_t dst_stride, int64_t rows) {
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(dst + r * dst_stride, src + r * src_stride, Bytes);
   }
 }
 
+// The run sizes with a constant-size copy.
+using CopyRuns = void (*)(const char*, int64_t, char*, int64_t, int64_t);
+template <int64_t... Bytes>
+constexpr std::array<std::pair<int64_t, CopyRuns>, sizeof...(Bytes)> kConstantCopies{
+    {{Bytes, &copy_fixed<Bytes>}...}};
+constexpr auto kCopies = kConstantCopies<4, 8, 16, 32, 64, 128, 256, 384, 512>;
+
+// `rows` runs of `bytes` bytes from contiguous src rows into dst rows
+// `dst_stride` apart.
 void copy_runs(const char* src, int64_t bytes, char* dst, int64_t dst_stride, int64_t rows) {
-  switch (bytes) {
-    case 0:
-      return;
-    case 4:
-      return copy_runs<4>(src, bytes, dst, dst_stride, rows);
-    case 8:
-      return copy_runs<8>(src, bytes, dst, dst_stride, rows);
-    case 16:
-      return copy_runs<16>(src, bytes, dst, dst_stride, rows);
-    case 32:
-      return copy_runs<32>(src, bytes, dst, dst_stride, rows);
-    case 64:
-      return copy_runs<64>(src, bytes, dst, dst_stride, rows);
-    case 128:
-      return copy_runs<128>(src, bytes, dst, dst_stride, rows);
-    case 256:
-      return copy_runs<256>(src, bytes, dst, dst_stride, rows);
-    case 512:
-      return copy_runs<512>(src, bytes, dst, dst_stride, rows);
-    default:
-      for (int64_t r = 0; r < rows; ++r) {
-        std::memcpy(dst + r * dst_stride, src + r * bytes, static_cast<size_t>(bytes));
-      }
+  for (const auto& [size, copy] : kCopies) {
+    if (size == bytes) return copy(src, bytes, dst, dst_stride, rows);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(dst + r * dst_stride, src + r * bytes, static_cast<size_t>(bytes));
   }
 }
 

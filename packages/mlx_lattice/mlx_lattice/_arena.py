@@ -7,8 +7,9 @@ evaluations then take their large output buffers (4 KiB and up) from the
 arena: buffers pooled by byte size, handed back by the arrays' deleters
 when the last reference goes, so a forward over a coordinate set seen
 before reuses the buffers of the previous one instead of mapping,
-zero-filling and page-faulting fresh memory. Outputs of MLX's own ops in
-the graph (concatenations, the head's ``mx.take``) still come from MLX's
+zero-filling and page-faulting fresh memory (the concatenations too: they
+are the extension's ``concat_rows``). Outputs of MLX's own ops in the graph
+(SPVCNN's point moves, the head's ``mx.take``) still come from MLX's
 allocator, as do outputs evaluated outside the forward.
 """
 

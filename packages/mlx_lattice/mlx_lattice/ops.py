@@ -760,6 +760,10 @@ def cat(*xs: SparseTensor) -> SparseTensor:
     ``mx.concatenate``; MLX's CPU concatenate copies element by element on
     one thread); other cases take ``mx.concatenate`` (which promotes mixed
     dtypes). Differentiable either way.
+
+    >>> x = SparseTensor(mx.array([[0, 0, 0, 0], [0, 1, 0, 0]], dtype=mx.int32), mx.ones((2, 2)))
+    >>> cat(x, x.replace(mx.array([[5.0], [6.0]]))).feats.tolist()
+    [[1.0, 1.0, 5.0], [1.0, 1.0, 6.0]]
     """
     if not xs:
         raise SparseTensorError("cat needs at least one tensor.")

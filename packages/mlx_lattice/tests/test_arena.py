@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import threading
+import weakref
 from pathlib import Path
 
 import mlx.core as mx
@@ -187,8 +188,10 @@ def test_outputs_outlive_the_graph_and_its_arena(rng):
     stats = _arena.arena_stats(net._steps)
     assert stats["buffers"] > stats["idle_buffers"], stats  # some are lent
     out = values[net.graph["output"]]
+    gone = weakref.ref(net)
     del values, net
     gc.collect()
+    assert gone() is None  # the graph, its steps and its arena's handle are gone
     np.testing.assert_array_equal(_bits(out), expected)
     np.testing.assert_array_equal(np.array(stem.view(mx.uint32)), stem_bits)
     del stem, out

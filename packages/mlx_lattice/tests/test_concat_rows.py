@@ -31,14 +31,9 @@ from mlx_lattice._native import ext
 from mlx_lattice.tensor import SparseTensor
 
 
-def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-data = _load("inference_data")
+_spec = importlib.util.spec_from_file_location("data", Path(__file__).with_name("inference_data.py"))
+data = importlib.util.module_from_spec(_spec)  # the shared tests/inference_data.py
+_spec.loader.exec_module(data)
 
 # dtype -> the unsigned NumPy type of its bit pattern.
 _BITS = {

@@ -30,7 +30,6 @@ from mlx_lattice import ops
 from mlx_lattice._native import ext
 from mlx_lattice.tensor import SparseTensor
 
-
 _spec = importlib.util.spec_from_file_location("data", Path(__file__).with_name("inference_data.py"))
 data = importlib.util.module_from_spec(_spec)  # the shared tests/inference_data.py
 _spec.loader.exec_module(data)

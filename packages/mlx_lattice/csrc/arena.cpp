@@ -21,6 +21,12 @@ std::vector<std::shared_ptr<ActivationArena>>& active_stack() {
 
 }  // namespace
 
+size_t size_class(size_t bytes) {
+  size_t step = 64;
+  while (step < (size_t{1} << 58) && (step << 4) <= bytes) step <<= 1;  // 1/8 of bytes' power of two
+  return bytes > ~size_t{0} - step ? bytes : (bytes + step - 1) / step * step;
+}
+
 ActivationArena::~ActivationArena() {
   // Every deleter holds a reference to this arena, so none is lent now.
   for (auto& [bytes, list] : idle_) {
@@ -62,21 +68,24 @@ allocator::Data ActivationArena::lend(allocator::Buffer buffer, size_t bytes) {
   }
 }
 
-allocator::Data ActivationArena::take(size_t bytes) {
+allocator::Data ActivationArena::take(size_t request) {
+  const size_t bytes = size_class(request);
   std::vector<allocator::Buffer> evicted;
   bool keep = false;
   allocator::Buffer buffer{nullptr};
+  size_t size = bytes;  // the buffer's bytes
   {
     std::lock_guard lock(mutex_);
-    if (closed_) return allocator::malloc(bytes);
-    auto it = idle_.find(bytes);
-    if (it != idle_.end()) {
-      // The most recently returned buffer of this size: its pages are the
-      // likeliest to be in cache.
+    if (closed_) return allocator::malloc(request);
+    // The smallest idle buffer of the class or at most 1/4 above it.
+    auto it = idle_.lower_bound(bytes);
+    if (it != idle_.end() && it->first - bytes <= bytes / 4) {
+      // Its most recently returned buffer: the likeliest in cache.
+      size = it->first;
       buffer = it->second.back().buffer;
       it->second.pop_back();
       if (it->second.empty()) idle_.erase(it);
-      stats_.idle_bytes -= bytes;
+      stats_.idle_bytes -= size;
       --stats_.idle_buffers;
       ++stats_.hits;
     } else {
@@ -95,8 +104,8 @@ allocator::Data ActivationArena::take(size_t bytes) {
     }
   }
   free_all(evicted);
-  if (buffer.ptr() != nullptr) return lend(buffer, bytes);  // a hit
-  if (!keep) return allocator::malloc(bytes);
+  if (buffer.ptr() != nullptr) return lend(buffer, size);  // a hit
+  if (!keep) return allocator::malloc(request);
   try {
     buffer = allocator::allocator().malloc(bytes);
     if (buffer.ptr() == nullptr) throw std::bad_alloc();

@@ -6,9 +6,12 @@
 // A compiled inference graph (mlx_lattice.compile) owns one and activates it
 // on its thread while it evaluates its forward; cpu/eval.h's
 // allocate_on_line then takes every large output buffer from it
-// (output_data). Buffers are pooled by exact byte size, so the outputs of a
-// recurring coordinate set (the same row counts, the same widths) find the
-// buffers an earlier forward left, across layers and calls.
+// (output_data). Buffers are pooled by size class (size_class: at most
+// 1/8 over the request), and a request takes the smallest idle buffer of
+// its class or up to 1/4 above it, so the outputs of a recurring
+// coordinate set find the buffers an earlier forward left, across layers
+// and calls, and so do those of a scan of nearly the same size (the next
+// frame of a LiDAR stream, a few percent more or fewer rows).
 //
 // Ownership: a buffer the arena hands out is wrapped in an
 // mlx::core::allocator::Data whose deleter gives it back. Only that deleter
@@ -28,7 +31,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
-#include <unordered_map>
+#include <map>
 #include <vector>
 
 #include "mlx/allocator.h"
@@ -42,12 +45,17 @@ struct ArenaStats {
   size_t bytes = 0;         // their bytes (at most max_bytes)
   size_t idle_buffers = 0;  // owned and not lent: ready for the next request
   size_t idle_bytes = 0;
-  uint64_t hits = 0;      // requests served by an idle buffer
+  uint64_t hits = 0;      // requests served by an idle buffer (of their class or up to 1/4 above)
   uint64_t fresh = 0;     // requests served by a fresh buffer the arena then kept
   uint64_t bypassed = 0;  // requests over the bound, served by MLX's allocator
   uint64_t evicted = 0;   // idle buffers freed to make room
   size_t max_bytes = 0;
 };
+
+// The bytes of the buffer a request of `bytes` gets when fresh: rounded up
+// to a multiple of 1/8 of its power of two (at least 64 bytes), so a
+// request at most 1/8 larger than an earlier one often fits its buffer.
+size_t size_class(size_t bytes);
 
 class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
  public:
@@ -81,7 +89,7 @@ class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
   mutable std::mutex mutex_;
   const size_t max_bytes_;
   bool closed_ = false;
-  std::unordered_map<size_t, std::vector<Idle>> idle_;  // by byte size
+  std::map<size_t, std::vector<Idle>> idle_;  // by size class, each in return order
   uint64_t clock_ = 0;
   ArenaStats stats_;
 };

@@ -4,11 +4,13 @@
 each runs with one arena of the graph active on the calling thread, and the
 step that makes the graph's output evaluates it there. The extension's CPU
 evaluations then take their large output buffers (4 KiB and up) from the
-arena: buffers pooled by byte size, handed back by the arrays' deleters
-when the last reference goes, so a forward over a coordinate set seen
-before reuses the buffers of the previous one instead of mapping,
-zero-filling and page-faulting fresh memory (the concatenations too: they
-are the extension's ``concat_rows``). Outputs of MLX's own ops in the graph
+arena: buffers pooled by size class (at most 1/8 over a request; a
+request also takes an idle buffer up to 1/4 above its class), handed back
+by the arrays' deleters when the last reference goes, so a forward over a
+coordinate set seen before, or one of nearly the same size, reuses the
+buffers of the previous one instead of mapping, zero-filling and
+page-faulting fresh memory (the concatenations too: they are the
+extension's ``concat_rows``). Outputs of MLX's own ops in the graph
 (SPVCNN's point moves, the head's ``mx.take``) still come from MLX's
 allocator, as do outputs evaluated outside the forward.
 """

@@ -107,6 +107,26 @@ def test_reused_buffers_give_the_arena_less_outputs_and_nothing_fresh(rng):
     assert now["idle_buffers"] == now["buffers"] and now["bytes"] <= now["max_bytes"]
 
 
+def test_a_scan_of_nearly_the_same_size_reuses_the_buffers(rng):
+    net, plain = _nets()
+    coords = _coords(rng)
+    # The next frame: 3% of the rows gone (other row counts at every level).
+    keep = np.sort(rng.permutation(int(coords.shape[0]))[: int(coords.shape[0]) * 97 // 100])
+    frames = [_scan(coords, rng), _scan(coords[mx.array(keep)], rng)]
+    expected = [_bits(plain(x)) for x in frames]
+    np.testing.assert_array_equal(_bits(net(frames[0])), expected[0])
+    before = _arena.arena_stats(net._steps)
+    np.testing.assert_array_equal(_bits(net(frames[1])), expected[1])
+    after = _arena.arena_stats(net._steps)
+    # Each request of the smaller frame is at most its counterpart's in the
+    # first (a subset of the rows at every level), whose buffer is at most
+    # 1/8 over that and so at most 1/4 over the smaller request's class
+    # (1.125 / 0.97 < 1.25 when the level lost no more than 3% of its
+    # rows; a coarser level can lose more, so not every request need hit).
+    hits, fresh = after["hits"] - before["hits"], after["fresh"] - before["fresh"]
+    assert hits >= _requests(before) // 2 and hits + fresh == _requests(before), (before, after)
+
+
 def _outputs(arena, rows: list[int], channels: int = 16) -> list[mx.array]:
     """One native output per row count (a bias + ReLU pass), made in ``arena``."""
     bias = mx.zeros((channels,))
@@ -118,8 +138,37 @@ def _outputs(arena, rows: list[int], channels: int = 16) -> list[mx.array]:
 
 
 def _request_bytes(rows: int, channels: int = 16) -> int:
-    # cpu/eval.h's allocate_on_line asks for the output and one cache line.
-    return rows * channels * 4 + 64
+    """The buffer a fresh request gets: cpu/eval.h's allocate_on_line asks
+    for the output and one cache line, and the arena rounds that up to a
+    multiple of 1/8 of its power of two (at least 64 bytes)."""
+    request = rows * channels * 4 + 64
+    step = max(64, 2 ** (request.bit_length() - 1) // 8)
+    return -(-request // step) * step
+
+
+def test_size_classes_serve_near_sizes():
+    assert [_request_bytes(r) for r in (1000, 950, 700, 2000)] == [65536, 61440, 45056, 131072]
+    arena = ext.ActivationArena(1 << 30)
+    first = _outputs(arena, [1000])
+    assert arena.stats()["bytes"] == _request_bytes(1000)
+    del first
+    gc.collect()
+    mx.synchronize()
+    # 950 rows (class 61440): the idle 65536-byte buffer is at most 1/4
+    # above, so it serves them (and holds 950 rows right).
+    near = _outputs(arena, [950])
+    assert near[0].shape == (950, 16) and near[0].tolist()[-1][:1] == [1.0]
+    stats = arena.stats()
+    assert (stats["hits"], stats["fresh"]) == (1, 1), stats
+    del near
+    gc.collect()
+    mx.synchronize()
+    # 700 rows (class 45056): 65536 is more than 1/4 above, a fresh buffer.
+    far = _outputs(arena, [700])
+    stats = arena.stats()
+    assert (stats["hits"], stats["fresh"]) == (1, 2), stats
+    assert stats["bytes"] == _request_bytes(1000) + _request_bytes(700), stats
+    del far
 
 
 def test_the_bound_holds_with_eviction_and_bypass():
@@ -264,11 +313,14 @@ def test_bad_use_raises():
 
 
 # Runs the compiled forward eight times on one scan and prints each
-# forward's minor page faults and the arena's counters. MLX's buffer cache
-# is off and glibc maps every block of 4 KiB or more afresh: this is how a
-# large scan runs (its activations, 100+ MiB each, are past both MLX's
-# 32 MiB cache and glibc's largest dynamic mmap threshold, 32 MiB), on a
-# scan small enough for a test.
+# forward's minor page faults and the arena's counters, glibc as it is.
+# Without the arena, MLX's buffer cache is off: a large scan's activations
+# (100+ MiB each) pass its 32 MiB anyway, which this small scan's (0.3-1.2
+# MiB) would not. With the arena it is left as it is: what the arena does
+# not hold (MLX's own small arrays, relation buffers: ~7 MiB a forward on
+# this scan, ~1% of the activations on a 421k-voxel one) stays cached, as
+# it does on a large scan (a steady 421k-voxel compiled forward with the
+# arena measured 2-4 faults).
 _CHILD = """
 import json, resource, sys
 import mlx.core as mx
@@ -277,8 +329,8 @@ import mlx_lattice
 from mlx_lattice import _arena
 from mlx_lattice.models import MinkUNet
 from mlx_lattice.tensor import SparseTensor
-mx.set_cache_limit(0)
 if sys.argv[1] == "0":
+    mx.set_cache_limit(0)
     _arena.DEFAULT_MAX_BYTES = 0
 rng = np.random.default_rng(int(sys.argv[2]))
 cells = np.unique(rng.integers(0, 24, (6000, 3)), axis=0).astype(np.int32)
@@ -300,7 +352,7 @@ def _thp_always() -> bool:
 
 
 def _child(arena: bool, seed: int) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096"}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
     out = subprocess.run(
         [sys.executable, "-c", _CHILD, "1" if arena else "0", str(seed)],
         capture_output=True,
@@ -311,7 +363,7 @@ def _child(arena: bool, seed: int) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.skipif(sys.platform != "linux", reason="glibc's malloc tunables and ru_minflt")
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_minflt of glibc's malloc")
 @pytest.mark.skipif(_thp_always(), reason="transparent huge pages fault once per 2 MiB")
 @pytest.mark.skipif(
     bool(os.environ.get("MLX_LATTICE_TEST_LAUNCHER")),
@@ -330,19 +382,21 @@ def test_steady_state_forward_takes_far_fewer_page_faults(seed):
     steady_plain = sorted(plain["faults"][2:])
     steady_arena = sorted(arena["faults"][2:])
     # What the arena hands out per forward: its buffers (all idle again),
-    # `bytes` in all. Each is written in full by its kernel, so without the
-    # arena each is a fresh mapping that faults at least once per whole
-    # 4 KiB page it covers: at least bytes / 4096 - buffers faults (a
-    # buffer's partial end pages not counted).
-    pages = stats["bytes"] // 4096 - stats["buffers"]
+    # `bytes` in all (size classes: at most 1/8 over what the requests
+    # touch, so at least 8/9 of the bytes are written, whole pages but the
+    # two ends of each buffer).
+    pages = stats["bytes"] * 8 // 9 // 4096 - 2 * stats["buffers"]
     assert stats["idle_buffers"] == stats["buffers"] and pages > 500, stats
-    assert steady_plain[0] >= pages, (plain, arena)
-    # With the arena those faults are gone; MLX's own ops (the head) still
-    # map fresh blocks. The median of six forwards must save 90% of the
-    # pages: the rest of the process (the interpreter, MLX's graph) faults
-    # a few pages a forward either way.
-    saved = steady_plain[3] - steady_arena[3]
-    assert saved >= 0.9 * pages, (plain, arena, pages)
-    # "Far fewer": with both knobs off, and since the arena's bytes are most
-    # of a forward's, at most half the faults.
-    assert steady_arena[3] <= steady_plain[3] // 2, (plain, arena)
+    # Without the arena each output goes back to glibc when freed, and how
+    # much of it comes back mapped depends on glibc's heap (its dynamic
+    # mmap threshold and trimming: 1,100-1,500 faults a forward here, glibc
+    # 2.36). A host whose glibc kept every freed output mapped has nothing
+    # for the arena to save: skip there, rather than pass on nothing.
+    if steady_plain[3] < pages // 4:
+        pytest.skip(f"glibc kept the freed outputs mapped here ({plain['faults']})")
+    # With the arena none of its pages is fresh again: a steady forward
+    # faults only for the rest of the process (the interpreter, MLX's graph
+    # and its own small arrays: 1-3 a forward measured), far below one
+    # fault per 20 of the arena's pages, in at least five of six forwards.
+    assert steady_arena[4] <= pages // 20, (plain, arena, pages)
+    assert steady_arena[3] * 10 <= steady_plain[3], (plain, arena)

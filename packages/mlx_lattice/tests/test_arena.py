@@ -1,8 +1,10 @@
 """The compiled graph's activation arena (``csrc/arena.h``, ``_arena.py``):
 its forwards give the arena-less graph's outputs bit for bit from reused
 (dirty) buffers, a forward over coordinates seen before takes nothing fresh,
-the byte bound holds, outputs outlive the graph, threads share one arena,
-and (a child process) a steady-state forward takes far fewer page faults.
+size classes serve near sizes (a frame with a few rows fewer), the byte
+bound holds (eviction, bypass), outputs outlive the graph, threads share one
+arena, and (a child process) a steady-state forward takes far fewer page
+faults.
 """
 
 from __future__ import annotations

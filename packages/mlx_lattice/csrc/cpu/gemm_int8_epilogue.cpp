@@ -10,6 +10,7 @@
 #define MLX_LATTICE_X86 1
 #endif
 
+#include "avx2_lanes.h"
 #include "gemm_int8.h"
 #include "isa.h"
 #include "parallel.h"
@@ -150,10 +151,7 @@ __attribute__((target("avx2"))) void load_row_avx2(const int8_t* xr, int64_t c, 
       _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + i), v);
       sum = _mm256_add_epi32(sum, _mm256_cvtepi8_epi32(v));
     }
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
-    gr[g0 / group] = _mm_cvtsi128_si32(t);
+    gr[g0 / group] = sum_lanes(sum);
   }
 }
 
@@ -188,11 +186,6 @@ __attribute__((target("avx2"))) void requantize_row_avx2(const float* y, int64_t
   const __m256 vs = _mm256_set1_ps(s);
   const __m256 lo = _mm256_set1_ps(-127.0f);
   const __m256 hi = _mm256_set1_ps(127.0f);
-  // Byte 0 of each int32 lane, lane by lane, into the low 8 bytes.
-  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                         -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                         -1, -1);
-  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
   int64_t x = 0;
   for (; x + 8 <= n; x += 8) {
     const __m256 v = _mm256_div_ps(_mm256_loadu_ps(y + x), vs);
@@ -200,9 +193,7 @@ __attribute__((target("avx2"))) void requantize_row_avx2(const float* y, int64_t
     // max/min return the bound for NaN; NaN lanes are then zeroed. The
     // conversion rounds to nearest even (the default MXCSR mode, as rint).
     const __m256 c = _mm256_and_ps(number, _mm256_min_ps(_mm256_max_ps(v, lo), hi));
-    const __m256i b = _mm256_permutevar8x32_epi32(
-        _mm256_shuffle_epi8(_mm256_cvtps_epi32(c), bytes), halves);
-    _mm_storel_epi64(reinterpret_cast<__m128i*>(q + x), _mm256_castsi256_si128(b));
+    store_bytes8(q + x, _mm256_cvtps_epi32(c));
   }
   if (x < n) requantize_row_scalar(y + x, n - x, s, q + x);
 }

@@ -10,6 +10,7 @@
 #define MLX_LATTICE_X86 1
 #endif
 
+#include "avx2_lanes.h"
 #include "gemm_int8.h"
 #include "isa.h"
 #include "parallel.h"
@@ -191,11 +192,6 @@ __attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* xr, int6
   const __m256 vs = _mm256_set1_ps(s);
   const __m256 lo = _mm256_set1_ps(-127.0f);
   const __m256 hi = _mm256_set1_ps(127.0f);
-  // Byte 0 of each int32 lane, lane by lane, into the low 8 bytes.
-  const __m256i bytes = _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                         -1, 0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1,
-                                         -1, -1);
-  const __m256i halves = _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0);
   for (int64_t g0 = 0; g0 < c; g0 += group) {
     __m256i sum = _mm256_setzero_si256();
     for (int64_t i = g0; i < std::min(c, g0 + group); i += 8) {
@@ -207,13 +203,9 @@ __attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* xr, int6
       const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_div_ps(x, vs), lo), hi);
       const __m256i q = _mm256_cvtps_epi32(v);
       sum = _mm256_add_epi32(sum, q);
-      const __m256i packed = _mm256_permutevar8x32_epi32(_mm256_shuffle_epi8(q, bytes), halves);
-      _mm_storel_epi64(reinterpret_cast<__m128i*>(qr + i), _mm256_castsi256_si128(packed));
+      store_bytes8(qr + i, q);
     }
-    __m128i t = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-    t = _mm_add_epi32(t, _mm_unpackhi_epi64(t, t));
-    t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 1));
-    gr[g0 / group] = _mm_cvtsi128_si32(t);
+    gr[g0 / group] = sum_lanes(sum);
   }
   if (_mm256_movemask_ps(bad) != 0) {  // static scale: a non-finite value seen
     std::memset(qr, 0, c);

@@ -361,6 +361,7 @@ def compile(
     class_names: Any = None,
     int8: bool = True,
     fuse_skips: bool = True,
+    arena: bool = False,
 ) -> ExportedModel:
     """The compiled inference graph of ``model``: an ``eval()``-mode
     :class:`~mlx_lattice.models.MinkUNet` or
@@ -386,7 +387,11 @@ def compile(
     one pass, :func:`mlx_lattice.fused.bias_relu_add`, the unfused graph's
     bits; ``fuse_skips=False`` keeps the adds as their own step); no add in these
     models follows a convolution, so the fused convolution's ``residual``
-    has no reader in them. For a model,
+    has no reader in them. ``arena=True`` runs the graph in an activation
+    arena of its own (its buffers planned once per coordinate set and
+    reused across layers and calls: a steady forward then maps no fresh
+    page; the guide has the measurements and why it is not the default).
+    For a model,
     ``voxel_size``, ``features`` and ``class_names`` are recorded as
     :func:`~mlx_lattice.export.export_model` records them (an artifact keeps
     its own). The model is not changed, and its training path is untouched.
@@ -427,7 +432,7 @@ def compile(
     if int8:
         compiled_graph["int8_values"] = _int8_steps(compiled_graph, net.tensors, steps)
     # Activation buffers planned once: the steps run in one arena (_arena.py).
-    net._steps.extend(with_arena(compiled_graph, steps))
+    net._steps.extend(with_arena(compiled_graph, steps) if arena else steps)
     return net
 
 

@@ -44,18 +44,12 @@ def _scan(coords: mx.array, rng: np.random.Generator) -> SparseTensor:
 def _nets(max_bytes: int | None = None):
     """The same model compiled with an arena (bound ``max_bytes``) and without."""
     model = MinkUNet(4, 5, widths=(16, 32)).eval()
-    with_arena = mlx_lattice.compile(model)
+    with_arena = mlx_lattice.compile(model, arena=True)
     if max_bytes is not None:
         with_arena._steps[:] = _arena.with_arena(
             with_arena.graph, [s.step for s in with_arena._steps], max_bytes
         )
-    saved = _arena.DEFAULT_MAX_BYTES
-    _arena.DEFAULT_MAX_BYTES = 0
-    try:
-        without = mlx_lattice.compile(model)
-    finally:
-        _arena.DEFAULT_MAX_BYTES = saved
-    return with_arena, without
+    return with_arena, mlx_lattice.compile(model)  # arena=False, the default
 
 
 def _bits(x: SparseTensor) -> np.ndarray:
@@ -333,12 +327,11 @@ from mlx_lattice.models import MinkUNet
 from mlx_lattice.tensor import SparseTensor
 if sys.argv[1] == "0":
     mx.set_cache_limit(0)
-    _arena.DEFAULT_MAX_BYTES = 0
 rng = np.random.default_rng(int(sys.argv[2]))
 cells = np.unique(rng.integers(0, 24, (6000, 3)), axis=0).astype(np.int32)
 coords = mx.array(np.concatenate([np.zeros((len(cells), 1), np.int32), cells], 1))
 x = SparseTensor(coords, mx.array(rng.standard_normal((len(cells), 4)).astype(np.float32)))
-net = mlx_lattice.compile(MinkUNet(4, 5, widths=(32, 64)).eval())
+net = mlx_lattice.compile(MinkUNet(4, 5, widths=(32, 64)).eval(), arena=sys.argv[1] != "0")
 faults = []
 for i in range(8):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

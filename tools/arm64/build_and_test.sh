@@ -110,7 +110,8 @@ cp $pkg/conftest.py "$run/"
 cp tools/pytest_main.py "$run/"  # the pytest entry with the seeding plugin the conftest uses
 cp $pkg/tests/test_conv.py $pkg/tests/test_quantized_pool.py $pkg/tests/test_relations.py \
   $pkg/tests/test_validation_threads.py $pkg/tests/test_int8_conv.py \
-  $pkg/tests/test_bf16_conv.py $pkg/tests/test_half_conv.py $pkg/tests/int8_refs.py "$run/tests/"
+  $pkg/tests/test_bf16_conv.py $pkg/tests/test_half_conv.py $pkg/tests/int8_refs.py \
+  $pkg/tests/relation_refs.py "$run/tests/"
 aarch64-linux-gnu-readelf -h "$run/site/mlx_lattice/_native/ext.so" | grep -q 'Machine:.*AArch64' ||
   { echo "FAIL: the wheel's extension is not aarch64"; exit 1; }
 qemu="qemu-aarch64-static -cpu max -L $sysroot"

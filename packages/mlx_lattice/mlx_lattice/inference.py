@@ -291,11 +291,6 @@ def _relation_of(node: Mapping[str, Any]) -> Callable[[SparseTensor], tuple[Any,
     return lambda x: build(x, size, stride, padding, dilation, None)
 
 
-def _fused_relation(node: Mapping[str, Any], x: SparseTensor) -> tuple[Any, Any]:
-    """The relation and output key the convolution ``node`` runs on for ``x``."""
-    return _relation_of(node)(x)
-
-
 def _fused_step(
     node: Mapping[str, Any], t: Mapping[str, mx.array], in_scale: float, out_scale: float
 ) -> Callable[[SparseTensor], SparseTensor]:

@@ -7,6 +7,13 @@ carries each wheel's sha256. One command rewrites (or checks) every lock:
     python3 tools/lock.py                       # rewrite all locks
     python3 tools/lock.py --check               # exit 1 if any lock is stale
     python3 tools/lock.py --platform linux-cp312   # just one
+    python3 tools/lock.py --upgrade             # newest releases everywhere
+
+A lock keeps its pins: each run resolves with the lock's own versions as
+constraints, so a new release upstream leaves a lock current, and the check
+fails only when requirements*.in changed (a package added or dropped, a pin
+the lock no longer satisfies) or a pinned wheel left the index. `--upgrade`
+resolves afresh to the newest releases.
 
 Linux locks (CPython 3.11, 3.12, 3.13 on x86_64) are resolved by that
 interpreter itself when one is found (PATH, then pyenv), so dependency
@@ -24,6 +31,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import subprocess
 import sys
@@ -88,15 +96,28 @@ def find_interpreter(version: str) -> str | None:
     return None
 
 
+def pins(lock: pathlib.Path) -> list[str]:
+    """The `name==version` lines of an existing lock (none when it is absent)."""
+    if not lock.exists():
+        return []
+    return re.findall(r"^([A-Za-z0-9._-]+==[^ \\]+)", lock.read_text(), flags=re.M)
+
+
 def resolve(
-    requirements: pathlib.Path, target: list[str], python: str
+    requirements: pathlib.Path, target: list[str], python: str, keep: list[str] = ()
 ) -> list[tuple[str, str, str]]:
     """Return sorted (name, version, sha256) for the full resolved set.
 
     `python` resolves natively when it is an interpreter of the target (then
     `target` is ignored); otherwise the running one cross-resolves with `target`.
+    `keep` (``name==version`` lines) constrains the resolution to those pins.
     """
     with tempfile.TemporaryDirectory() as tmp:
+        constraints = []
+        if keep:
+            path = pathlib.Path(tmp) / "constraints.txt"
+            path.write_text("\n".join(keep) + "\n")
+            constraints = ["-c", str(path)]
         report = pathlib.Path(tmp) / "report.json"
         if python != sys.executable:
             target = []
@@ -118,6 +139,7 @@ def resolve(
                 str(report),
                 "-r",
                 str(requirements),
+                *constraints,
             ],
             check=True,
         )
@@ -141,11 +163,26 @@ def render(
     return "".join(lines)
 
 
-def lock_text(platform: str) -> tuple[pathlib.Path, str]:
+def lock_text(platform: str, upgrade: bool = False) -> tuple[pathlib.Path, str]:
+    """The lock's path and the text it should hold.
+
+    Without `upgrade` the lock's current pins constrain the resolution; when
+    they no longer resolve (requirements changed under them), the result is
+    resolved afresh, which a check then reports as stale.
+    """
     requirements, lock, target, label, version = PLATFORMS[platform]
     native = label.startswith("linux") and find_interpreter(version)
     python = native or sys.executable
-    return lock, render(resolve(requirements, target, python), label, version, requirements.name)
+    keep = [] if upgrade else pins(lock)
+    try:
+        pinned = resolve(requirements, target, python, keep)
+    except subprocess.CalledProcessError:
+        if not keep:
+            raise
+        print(f"{lock.relative_to(ROOT)}: its pins no longer resolve; resolving afresh",
+              file=sys.stderr)  # fmt: skip
+        pinned = resolve(requirements, target, python)
+    return lock, render(pinned, label, version, requirements.name)
 
 
 def main() -> int:
@@ -157,10 +194,14 @@ def main() -> int:
         "--platform", choices=sorted(PLATFORMS), action="append",
         help="only this lock (repeatable); default: every lock",
     )  # fmt: skip
+    parser.add_argument(
+        "--upgrade", action="store_true",
+        help="ignore the locks' pins and resolve the newest releases",
+    )  # fmt: skip
     args = parser.parse_args()
     stale = 0
     for platform in args.platform or sorted(PLATFORMS):
-        lock, text = lock_text(platform)
+        lock, text = lock_text(platform, args.upgrade)
         if args.check:
             if not lock.exists() or lock.read_text() != text:
                 print(f"{lock.relative_to(ROOT)} is stale; run tools/lock.py", file=sys.stderr)

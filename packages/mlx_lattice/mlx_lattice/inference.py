@@ -274,21 +274,19 @@ def _int8_values(nodes: list[dict[str, Any]], output: str, t: Mapping[str, mx.ar
 
 def _relation_of(node: Mapping[str, Any]) -> Callable[[SparseTensor], tuple[Any, Any]]:
     """The relation (and output key) a convolution node runs on, as
-    :mod:`mlx_lattice.ops` chooses it, decided once per node: the returned
-    function only looks the relation up (or builds it) for its input."""
+    :mod:`mlx_lattice.ops` chooses it for the same layer, decided once per
+    node: the returned function only looks it up (or builds it)."""
     from mlx_lattice import ops
+    from mlx_lattice.export import _KIND
 
-    size, stride = tuple(node["kernel_size"]), tuple(node["stride"])
-    dilation = tuple(node["dilation"])
     padding = None if node.get("padding") is None else tuple(node["padding"])
-    if node["op"] == "subm_conv" or (
-        node["op"] == "conv" and stride == (1, 1, 1) and padding is None
-    ):
-        return lambda x: x.manager.relation(
-            x.coordinate_key, kernel_size=size, dilation=dilation, kind="submanifold"
-        )
-    build = ops._forward_relation if node["op"] == "conv" else ops._transpose_relation
-    return lambda x: build(x, size, stride, padding, dilation, None)
+    return ops._relation_for(
+        _KIND[node["op"]],
+        tuple(node["kernel_size"]),
+        tuple(node["stride"]),
+        padding,
+        tuple(node["dilation"]),
+    )
 
 
 def _fused_step(

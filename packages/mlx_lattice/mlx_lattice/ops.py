@@ -276,6 +276,36 @@ def _generative_relation(
     return rel, out_key
 
 
+def _relation_for(
+    kind: str,
+    size: Triple,
+    stride: int | Sequence[int] = 1,
+    padding: Padding = None,
+    dilation: int | Sequence[int] = 1,
+    coordinates: Coordinates | None = None,
+) -> Callable[[SparseTensor], tuple[KernelRelation, CoordinateKey]]:
+    """The relation a convolution of ``kind`` (``"subm"``, ``"conv"``,
+    ``"transpose"`` or ``"generative"``) runs on, chosen once: the returned
+    function looks it up (or builds it) for an input, with its output key.
+    A ``"conv"`` of stride 1 with a centred window and no given outputs is
+    submanifold."""
+    if kind == "subm" or (
+        kind == "conv"
+        and normalize_triple(stride, "stride") == (1, 1, 1)
+        and padding is None
+        and coordinates is None
+    ):
+        return lambda x: x.manager.relation(
+            x.coordinate_key, kernel_size=size, dilation=dilation, kind="submanifold"
+        )
+    build = {
+        "conv": _forward_relation,
+        "transpose": _transpose_relation,
+        "generative": _generative_relation,
+    }[kind]
+    return lambda x: build(x, size, stride, padding, dilation, coordinates)
+
+
 def _grown(coords: mx.array, offsets: np.ndarray) -> mx.array:
     """Every row of ``coords`` moved by every offset, unique and sorted."""
     c = np.array(coords).astype(np.int64)
@@ -317,9 +347,7 @@ def conv3d(
     [8.0, 4.0]
     """
     size = _kernel_size(weight, kernel_size)
-    if normalize_triple(stride, "stride") == (1, 1, 1) and padding is None and coordinates is None:
-        return subm_conv3d(x, weight, bias, dilation=dilation, kernel_size=kernel_size)
-    rel, out_key = _forward_relation(x, size, stride, padding, dilation, coordinates)
+    rel, out_key = _relation_for("conv", size, stride, padding, dilation, coordinates)(x)
     return _finish(x, _conv_features(x, weight, rel), bias, out_key)
 
 
@@ -333,9 +361,7 @@ def subm_conv3d(
 ) -> SparseTensor:
     """Submanifold convolution: outputs exactly at the input coordinates, centred window."""
     size = _kernel_size(weight, kernel_size)
-    rel, out_key = x.manager.relation(
-        x.coordinate_key, kernel_size=size, dilation=dilation, kind="submanifold"
-    )
+    rel, out_key = _relation_for("subm", size, dilation=dilation)(x)
     return _finish(x, _conv_features(x, weight, rel), bias, out_key)
 
 
@@ -367,7 +393,7 @@ def conv_transpose3d(
     manager already holds (those a strided :func:`conv3d` came from).
     """
     size = _kernel_size(weight, kernel_size)
-    rel, out_key = _transpose_relation(x, size, stride, padding, dilation, coordinates)
+    rel, out_key = _relation_for("transpose", size, stride, padding, dilation, coordinates)(x)
     return _finish(x, _conv_features(x, weight, rel), bias, out_key)
 
 
@@ -392,7 +418,7 @@ def generative_conv_transpose3d(
     [[0, 0, 0, 0], [0, 1, 0, 0]]
     """
     size = _kernel_size(weight, kernel_size)
-    rel, out_key = _generative_relation(x, size, stride, padding, dilation, coordinates)
+    rel, out_key = _relation_for("generative", size, stride, padding, dilation, coordinates)(x)
     return _finish(x, _conv_features(x, weight, rel), bias, out_key)
 
 

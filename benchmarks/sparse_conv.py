@@ -147,14 +147,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     # already int8 at `static`, the folded norm's shift, ReLU and the
     # requantization to the next layer's calibrated scale in the epilogue
     # (ext.sparse_quantized_conv_fused), against the fp32 forward alone.
-    codes = mx.clip(mx.round(feats / static), -127, 127).astype(mx.int8)
+    # Its input is the previous layer's ReLU output, so its codes are >= 0
+    # (AVX2 multiplies those without sign instructions); "signed in" gives
+    # the same layer codes of both signs.
+    signed_codes = mx.clip(mx.round(feats / static), -127, 127).astype(mx.int8)
+    codes = mx.abs(signed_codes)
     # (Its own generator: the draws of the cases after it stay as they were.)
     shift = mx.array(np.random.default_rng(1).standard_normal(CHANNELS, dtype=np.float32) * 0.1)
     next_scale = float(mx.max(mx.abs(qconv(feats, q8f, 8, static))).item()) / 127
 
-    def fused(q):
+    def fused(q, inputs=codes):
         return ext.sparse_quantized_conv_fused(
-            codes, q, rel, in_scale=static, bias=shift, relu=True, out_scale=next_scale
+            inputs, q, rel, in_scale=static, bias=shift, relu=True, out_scale=next_scale
         )
 
     # name: (call, instruction family of its yardstick peak)
@@ -202,6 +206,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ),
         "w8a8 fused i8->i8": (lambda: mx.eval(fused(q8f)), "int8"),
         "w4a8 fused i8->i8": (lambda: mx.eval(fused(q4f)), "int8"),
+        "w8a8 fused signed in": (lambda: mx.eval(fused(q8f, signed_codes)), "int8"),
     }
     # Interleaved rounds: on a shared machine the load drifts during a run,
     # so every case is timed in every round and a case's time is the median

@@ -86,6 +86,7 @@ struct Block {
   float sa[kRows];
   const int32_t* gsum[kRows];
   float* c[kRows];
+  bool nonneg = false;  // every code of the real rows is >= 0 (offset_avx2)
 };
 
 // The edges of one offset k inside one tile: edge i reads quantized input
@@ -102,6 +103,7 @@ struct OffsetJob {
   float* tile_out;  // the tile's first output row (cout floats each)
   bool static_scale;  // rows' scales are 1 (or NaN): "* sa" may be left out
   bool all_unit;      // static and no row non-finite: every scale is 1
+  const uint8_t* nonneg = nullptr;  // per row: no code < 0 (AVX2 path only)
 };
 
 // One call per tile and offset: every ISA path runs its 6-row blocks inside
@@ -353,8 +355,23 @@ struct Buffers {
   LineVector<int8_t> q;
   LineVector<float> scale;
   LineVector<int32_t> gsum;
+  LineVector<uint8_t> nonneg;
   PackedWeight weight;
 };
+
+// nonneg[i] = 1 where row i of q (stride codes) has no negative code: a
+// ReLU's output, the usual input of a layer. The AVX2 kernel then takes
+// the codes as vpmaddubsw's unsigned operand (no sign instruction).
+void mark_nonneg_rows(const int8_t* q, int64_t n, int64_t stride, uint8_t* nonneg) {
+  parallel_for_windows(n, 4096, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int8_t* row = q + r * stride;
+      uint8_t bits = 0;
+      for (int64_t b = 0; b < stride; ++b) bits |= static_cast<uint8_t>(row[b]);
+      nonneg[r] = (bits & 0x80u) == 0;
+    }
+  });
+}
 
 }  // namespace
 
@@ -394,6 +411,11 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
   const bool all_unit =
       static_scale && std::all_of(buf.scale.begin(), buf.scale.begin() + n_in,
                                   [](float v) { return v == 1.0f; });
+  const bool mark = centered && bits > kNarrowBits;  // the AVX2 kernel's wide codes
+  if (mark) {
+    buf.nonneg.resize(n_in);
+    mark_nonneg_rows(buf.q.data(), n_in, storage_in, buf.nonneg.data());
+  }
   // A given packed weight serves when it is packed for this kernel (the
   // ISA cap may have changed since it was packed); otherwise pack it here.
   const bool fits = packed_weight != nullptr &&
@@ -454,7 +476,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
     std::memset(tile, 0, sizeof(float) * cap * cout);
     OffsetJob job{nullptr,         nullptr,    0,      buf.q.data(), buf.scale.data(),
                   buf.gsum.data(), storage_in, groups, tile,         static_scale,
-                  all_unit};
+                  all_unit,        mark ? buf.nonneg.data() : nullptr};
     for (int64_t k = 0; k < n_kernels; ++k) {
       job.rows = s.rows.data() + k * cap;
       job.outs = s.outs.data() + k * cap;

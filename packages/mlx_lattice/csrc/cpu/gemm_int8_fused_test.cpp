@@ -5,7 +5,9 @@
 // the bits of the documented math computed here directly: int8_conv's
 // float32 sums (the unfused kernel), then bias, a float32 or int8
 // residual, ReLU and the int8 requantization or a float32 / bfloat16
-// output. Float and int8 inputs (-128 among the codes), rows without
+// output. Float and int8 inputs (-128 among the codes; or non-negative
+// but for some rows, as a ReLU's output, which the AVX2 kernel multiplies
+// without sign instructions), rows without
 // edges, a non-finite input row, channels off the vector widths.
 #include <cmath>
 #include <cstdint>
@@ -35,6 +37,7 @@ struct Case {
   int residual;       // 0 none, 1 float32, 2 int8
   float out_scale;    // > 0: int8 output
   FloatFormat format; // float output
+  bool relu_input = false;  // inputs >= 0 but in every 7th row (AVX2's unsigned form)
 };
 
 // The epilogue of one value, as gemm_int8.h documents it.
@@ -66,6 +69,15 @@ void run_case(std::mt19937& gen, const Case& c) {
   for (auto& v : f) v = nd(gen);
   std::vector<int8_t> codes(f.size());
   for (auto& v : codes) v = static_cast<int8_t>(gen());
+  if (c.relu_input) {
+    for (size_t i = 0; i < f.size(); ++i) {
+      const bool keep_sign = (i / std::max<int64_t>(1, c.cin)) % 7 == 3;
+      if (!keep_sign) {
+        f[i] = std::fabs(f[i]);
+        codes[i] = static_cast<int8_t>(static_cast<uint8_t>(codes[i]) & 0x7fu);
+      }
+    }
+  }
   if (!c.int8_input && c.n_in > 2) f[2 * c.cin + 1] = INFINITY;
   std::vector<uint8_t> packed(n_kernels * c.cout * row_bytes);
   for (auto& v : packed) v = static_cast<uint8_t>(gen());
@@ -134,7 +146,8 @@ void run_case(std::mt19937& gen, const Case& c) {
                            std::to_string(c.bits) + (c.int8_input ? " int8-in" : " float-in") +
                            " residual " + std::to_string(c.residual) +
                            (c.relu ? " relu" : "") +
-                           (c.out_scale > 0 ? " int8-out" : " float-out");
+                           (c.out_scale > 0 ? " int8-out" : " float-out") +
+                           (c.relu_input ? " relu-input" : "");
   auto check = [&](const std::string& path) {
     if (n > 0 && std::memcmp(got.data(), want.data(), n * elem) != 0) {
       ++failures;
@@ -196,7 +209,9 @@ int main() {
              variant % 3, variant < 3 ? 0.05f : 0.0f,
              variant == 5 ? FloatFormat::kBF16 : FloatFormat::kF32};
       run_case(gen, c);
-      ++cases;
+      c.relu_input = true;
+      run_case(gen, c);
+      cases += 2;
     }
   }
   // A float32 output large enough to be streamed out of per-thread windows

@@ -8,12 +8,16 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 pkg=//packages/mlx_lattice
-# The leak check's own test, then the mlx_lattice test suite but for three
+# The leak check's own test, then the mlx_lattice test suite but for these
 # targets: soak_tests and memory_tests bound resident memory, which ASan's
 # quarantine and shadow memory inflate (their leak question is
 # LeakSanitizer's here); metal_harness_tests (the Metal kernels through the
 # MSL CPU harness) takes 7 minutes instrumented: by hand
-# (docs/topics/sanitizers.rst).
+# (docs/topics/sanitizers.rst), as do fused_int8_metal_tests and
+# amx_model_fuzz_tests, which load the harness's extension too (built
+# instrumented, 2.5 minutes of the lane); distributed_tests (processes
+# over sockets, the same kernels as the rest); metal_gpu_tests (Apple
+# GPUs); lint and wheel_test (no native code of their own).
 ASAN_TARGETS=(
   //tools:sanitizer_hook_test
   "$pkg:gemm_test"
@@ -46,7 +50,12 @@ ASAN_TARGETS=(
   "$pkg:thread_stress_tests"
   "$pkg:concurrency_tests"
   "$pkg:unit_tests"
-  "$pkg:distributed_tests"
+  "$pkg:gemm_int8_fused_test"
+  "$pkg:inference_tests"
+  "$pkg:skip_fusion_tests"
+  "$pkg:arena_tests"
+  "$pkg:concat_rows_tests"
+  "$pkg:kernel_name_tests"
 )
 # The targets whose kernels run on several threads at once; of the weight
 # gradient's tests (4 minutes whole under TSan on 2 cores) those that run
@@ -59,18 +68,24 @@ TSAN_TARGETS=(
   "$pkg:parallel_test"
   "$pkg:validation_thread_tests"
   "$pkg:thread_stress_tests"
+  "$pkg:arena_tests"
+  "$pkg:concat_rows_tests"
 )
 TSAN_FILTERED=("$pkg:weight_grad_tests" --test_arg=-k --test_arg="thread or slabs or grouping")
 # The relation builder's parallel passes (the sorted walk's two rounds of
 # chunks, the grid, the groupings) at several thread counts.
 TSAN_RELATIONS=("$pkg:relation_tests" --test_arg=-k --test_arg="thread or long_slabs")
-# The native fuzz targets (docs/topics/reliability.rst) and the AMX drivers'
-# on the tile model (random relations through the harness's bindings) at 40
-# examples per test: instrumented, each example and each child process runs
-# several times slower, and the native tests at their CI budgets (14 of
-# them then) took over 9 minutes here; the plain lanes run the full CI
-# budgets.
-ASAN_FUZZ=("$pkg:fuzz_tests" "$pkg:amx_model_fuzz_tests" --test_env=QUANTLATTICE_FUZZ_EXAMPLES=40)
+# The native fuzz targets (docs/topics/reliability.rst) at 40 examples per
+# test, in the same run (only fuzz targets read the variable): instrumented,
+# each example and each child process runs several times slower, and the
+# native tests at their CI budgets (14 of them then) took over 9 minutes
+# here; the plain lanes run the full CI budgets. The AMX drivers' fuzz
+# targets (amx_model_fuzz_tests) need the MSL harness's extension built
+# instrumented as well (2.5 minutes of the lane for 33 s of tests); under
+# ASan the drivers run in amx_int8_test, amx_bf16_test and
+# gemm_int8_fused_test on the tile model, and the fuzz targets run in the
+# plain lanes.
+ASAN_FUZZ=("$pkg:fuzz_tests" --test_env=QUANTLATTICE_FUZZ_EXAMPLES=40)
 
 failures=0
 run() {  # run CONFIG TARGET|OPTION...: test the targets under one sanitizer config
@@ -107,8 +122,7 @@ run() {  # run CONFIG TARGET|OPTION...: test the targets under one sanitizer con
 }
 
 start=$SECONDS
-run asan "${ASAN_TARGETS[@]}"
-run asan "${ASAN_FUZZ[@]}"
+run asan "${ASAN_TARGETS[@]}" "${ASAN_FUZZ[@]}"
 run tsan "${TSAN_TARGETS[@]}"
 run tsan "${TSAN_FILTERED[@]}"
 run tsan "${TSAN_RELATIONS[@]}"

@@ -9,8 +9,8 @@
 #   3. that wheel installed next to the aarch64 mlx and numpy wheels and run
 #      by Debian's aarch64 python3.11 under qemu-aarch64-static (-cpu max):
 #      the ISA tests and a bounded subset of the conv, quantized conv,
-#      bf16/fp16 conv, pooling and relation tests, against the same
-#      references as on x86.
+#      bf16/fp16 conv, pooling and relation tests (the mirrored builder's,
+#      which has NEON code), against the same references as on x86.
 # Needs root (apt-get: g++-aarch64-linux-gnu, qemu-user-static, mmdebstrap),
 # PyPI and Debian's registry. Downloads and the aarch64 sysroot are cached
 # under ${MLX_LATTICE_CI_CACHE:-$HOME/.cache/mlx_lattice_ci}/arm64; the wheel is
@@ -129,13 +129,21 @@ deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bit
   --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted
   --deselect tests/test_int8_conv.py::test_gradients_compile_and_vmap)
 subset=${MLX_LATTICE_ARM64_SUBSET:-}
+# Of the relation tests, those of the one builder with aarch64 code of its
+# own (relation_mirror.cpp: the NEON popcount) and the brute-force
+# submanifold check; the rest build relations with portable C++ the x86
+# lanes test, and took 330 of the subset's 545 process-seconds under qemu
+# (the conv, int8 and half tests build relations on aarch64 too).
+relations=("tests/test_relations.py::test_mirrored_edge_pass_with_and_without_popcnt"
+  "tests/test_relations.py::test_mirrored_relations_are_the_same_bits_at_every_isa"
+  "tests/test_relations.py::test_submanifold_matches_brute_force")
 # Two shards side by side (tools/pytest_main.py's sharding, every second
 # test each): qemu runs a process's Python on one core.
 shards=${MLX_LATTICE_ARM64_SHARDS:-2}
 pids=()
 for ((i = 0; i < shards; i++)); do
-  (cd "$run" && TEST_TOTAL_SHARDS=$shards TEST_SHARD_INDEX=$i "${py[@]}" pytest_main.py -q tests/test_relations.py \
-    tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
+  (cd "$run" && TEST_TOTAL_SHARDS=$shards TEST_SHARD_INDEX=$i "${py[@]}" pytest_main.py -q \
+    "${relations[@]}" tests/test_conv.py tests/test_quantized_pool.py tests/test_int8_conv.py \
     tests/test_bf16_conv.py tests/test_half_conv.py \
     "tests/test_validation_threads.py::test_every_micro_kernel_path" \
     "tests/test_validation_threads.py::test_half_conversions_round_trip_exactly" \

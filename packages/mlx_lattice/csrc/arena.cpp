@@ -22,9 +22,7 @@ std::vector<std::shared_ptr<ActivationArena>>& active_stack() {
 }  // namespace
 
 size_t size_class(size_t bytes) {
-  size_t step = 64;
-  while (step < (size_t{1} << 58) && (step << 4) <= bytes) step <<= 1;  // 1/8 of bytes' power of two
-  return bytes > ~size_t{0} - step ? bytes : (bytes + step - 1) / step * step;
+  return bytes > ~size_t{0} - kPageBytes ? bytes : (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
 }
 
 ActivationArena::~ActivationArena() {
@@ -57,13 +55,13 @@ void ActivationArena::evict_for(size_t bytes, std::vector<allocator::Buffer>& ou
   }
 }
 
-allocator::Data ActivationArena::lend(allocator::Buffer buffer, size_t bytes) {
+allocator::Data ActivationArena::lend(allocator::Buffer buffer, size_t bytes, uint64_t pass) {
   try {
-    return allocator::Data(buffer, [self = shared_from_this(), bytes](allocator::Buffer b) {
-      self->give_back(b, bytes);
+    return allocator::Data(buffer, [self = shared_from_this(), bytes, pass](allocator::Buffer b) {
+      self->give_back(b, bytes, pass);
     });
   } catch (...) {
-    give_back(buffer, bytes);  // no Data owns it: it is idle again
+    give_back(buffer, bytes, pass);  // no Data owns it: it is idle again
     throw;
   }
 }
@@ -74,12 +72,14 @@ allocator::Data ActivationArena::take(size_t request) {
   bool keep = false;
   allocator::Buffer buffer{nullptr};
   size_t size = bytes;  // the buffer's bytes
+  uint64_t pass = 0;
   {
     std::lock_guard lock(mutex_);
+    pass = pass_;
     if (closed_) return allocator::malloc(request);
-    // The smallest idle buffer of the class or at most 1/4 above it.
+    // The smallest idle buffer of the class or at most kReuseSlack above it.
     auto it = idle_.lower_bound(bytes);
-    if (it != idle_.end() && it->first - bytes <= bytes / 4) {
+    if (it != idle_.end() && it->first - bytes <= kReuseSlack) {
       // Its most recently returned buffer: the likeliest in cache.
       size = it->first;
       buffer = it->second.back().buffer;
@@ -104,7 +104,7 @@ allocator::Data ActivationArena::take(size_t request) {
     }
   }
   free_all(evicted);
-  if (buffer.ptr() != nullptr) return lend(buffer, size);  // a hit
+  if (buffer.ptr() != nullptr) return lend(buffer, size, pass);  // a hit
   if (!keep) return allocator::malloc(request);
   try {
     buffer = allocator::allocator().malloc(bytes);
@@ -116,15 +116,15 @@ allocator::Data ActivationArena::take(size_t request) {
     --stats_.fresh;
     throw;
   }
-  return lend(buffer, bytes);
+  return lend(buffer, bytes, pass);
 }
 
-void ActivationArena::give_back(allocator::Buffer buffer, size_t bytes) noexcept {
+void ActivationArena::give_back(allocator::Buffer buffer, size_t bytes, uint64_t pass) noexcept {
   {
     std::lock_guard lock(mutex_);
     if (!closed_) {
       try {
-        idle_[bytes].push_back({buffer, ++clock_});
+        idle_[bytes].push_back({buffer, ++clock_, pass});
         stats_.idle_bytes += bytes;
         ++stats_.idle_buffers;
         return;
@@ -153,6 +153,30 @@ void ActivationArena::close() {
     stats_.idle_buffers = 0;
   }
   free_all(idle);
+}
+
+void ActivationArena::trim() {
+  std::vector<allocator::Buffer> stale;
+  {
+    std::lock_guard lock(mutex_);
+    for (auto it = idle_.begin(); it != idle_.end();) {
+      auto& list = it->second;
+      const size_t before = list.size();
+      for (auto& entry : list) {
+        if (entry.pass < pass_) stale.push_back(entry.buffer);
+      }
+      std::erase_if(list, [this](const Idle& entry) { return entry.pass < pass_; });
+      const size_t freed = before - list.size();
+      stats_.bytes -= freed * it->first;
+      stats_.idle_bytes -= freed * it->first;
+      stats_.buffers -= freed;
+      stats_.idle_buffers -= freed;
+      stats_.trimmed += freed;
+      it = list.empty() ? idle_.erase(it) : std::next(it);
+    }
+    ++pass_;
+  }
+  free_all(stale);
 }
 
 ArenaStats ActivationArena::stats() const {

@@ -6,12 +6,22 @@
 // A compiled inference graph (mlx_lattice.compile) owns one and activates it
 // on its thread while it evaluates its forward; cpu/eval.h's
 // allocate_on_line then takes every large output buffer from it
-// (output_data). Buffers are pooled by size class (size_class: at most
-// 1/8 over the request), and a request takes the smallest idle buffer of
-// its class or up to 1/4 above it, so the outputs of a recurring
+// (output_data). Buffers are pooled by size (size_class: the request
+// rounded up to whole pages), and a request takes an idle buffer of its
+// size or at most kReuseSlack above it, so the outputs of a recurring
 // coordinate set find the buffers an earlier forward left, across layers
-// and calls, and so do those of a scan of nearly the same size (the next
-// frame of a LiDAR stream, a few percent more or fewer rows).
+// and calls. Not more than that: MLX copies an array whose buffer is more
+// than 16 KiB larger than the array (mx.contiguous, which the ops apply to
+// their inputs, and the donations of its elementwise ops), so a loose fit
+// (an arena that once served requests up to 1/4 below a buffer's size)
+// made every convolution's output be copied again, single-threaded, on
+// MLX's stream.
+//
+// trim() ends a pass (the graph calls it after each forward): idle buffers
+// that no request of that pass took are freed, so a stream of scans of
+// other sizes (the next frame of a LiDAR stream) keeps at most the buffers
+// of the pass before next to its own, not a pool of stale sizes up to
+// the bound.
 //
 // Ownership: a buffer the arena hands out is wrapped in an
 // mlx::core::allocator::Data whose deleter gives it back. Only that deleter
@@ -49,13 +59,19 @@ struct ArenaStats {
   uint64_t fresh = 0;     // requests served by a fresh buffer the arena then kept
   uint64_t bypassed = 0;  // requests over the bound, served by MLX's allocator
   uint64_t evicted = 0;   // idle buffers freed to make room
+  uint64_t trimmed = 0;   // idle buffers freed by trim(): no request of a pass took them
   size_t max_bytes = 0;
 };
 
 // The bytes of the buffer a request of `bytes` gets when fresh: rounded up
-// to a multiple of 1/8 of its power of two (at least 64 bytes), so a
-// request at most 1/8 larger than an earlier one often fits its buffer.
+// to a multiple of kPageBytes.
+constexpr size_t kPageBytes = 4096;
 size_t size_class(size_t bytes);
+
+// How far above a request's class an idle buffer may be and still serve it
+// (with the page rounding, a buffer is then at most 12 KiB larger than the
+// array it holds: under MLX's 16 KiB).
+constexpr size_t kReuseSlack = 8192;
 
 class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
  public:
@@ -71,17 +87,22 @@ class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
   // Frees the idle buffers; buffers still lent are freed when returned.
   void close();
 
+  // Ends a pass: frees the idle buffers no request took since the previous
+  // trim (buffers lent now are kept, and count as taken).
+  void trim();
+
   ArenaStats stats() const;
 
  private:
   struct Idle {
     allocator::Buffer buffer;
     uint64_t returned;  // give_back's clock when it came back
+    uint64_t pass;      // the pass in which it was last taken
   };
 
   // `buffer` (owned) in a Data whose deleter gives it back.
-  allocator::Data lend(allocator::Buffer buffer, size_t bytes);
-  void give_back(allocator::Buffer buffer, size_t bytes) noexcept;
+  allocator::Data lend(allocator::Buffer buffer, size_t bytes, uint64_t pass);
+  void give_back(allocator::Buffer buffer, size_t bytes, uint64_t pass) noexcept;
   // Moves least recently returned idle buffers into `out` until `bytes`
   // more fit under the bound or none is idle (caller holds mutex_).
   void evict_for(size_t bytes, std::vector<allocator::Buffer>& out);
@@ -91,6 +112,7 @@ class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
   bool closed_ = false;
   std::map<size_t, std::vector<Idle>> idle_;  // by size class, each in return order
   uint64_t clock_ = 0;
+  uint64_t pass_ = 0;  // trim() calls so far
   ArenaStats stats_;
 };
 

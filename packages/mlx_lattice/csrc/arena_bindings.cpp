@@ -37,6 +37,7 @@ nb::dict stats_dict(const ArenaStats& s) {
   d["fresh"] = s.fresh;
   d["bypassed"] = s.bypassed;
   d["evicted"] = s.evicted;
+  d["trimmed"] = s.trimmed;
   d["max_bytes"] = s.max_bytes;
   return d;
 }
@@ -77,7 +78,10 @@ void bind_arena(nb::module_& m) {
       .def(
           "stats", [](const ArenaHandle& self) { return stats_dict(self.arena->stats()); },
           "Counters: buffers and bytes owned (lent and idle), idle_buffers, idle_bytes, hits, "
-          "fresh, bypassed (over max_bytes: MLX's allocator), evicted, max_bytes.")
+          "fresh, bypassed (over max_bytes: MLX's allocator), evicted, trimmed, max_bytes.")
+      .def(
+          "trim", [](ArenaHandle& self) { self.arena->trim(); },
+          "End a pass: free the idle buffers no request took since the previous trim.")
       .def(
           "close", [](ArenaHandle& self) { self.arena->close(); },
           "Free the idle buffers; buffers still lent are freed when returned, and later "

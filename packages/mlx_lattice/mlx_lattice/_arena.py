@@ -5,13 +5,15 @@
 each runs with one arena of the graph active on the calling thread, and the
 step that makes the graph's output evaluates it there. The extension's CPU
 evaluations then take their large output buffers (4 KiB and up) from the
-arena: buffers pooled by size class (at most 1/8 over a request; a
-request also takes an idle buffer up to 1/4 above its class), handed back
-by the arrays' deleters when the last reference goes, so a forward over a
-coordinate set seen before, or one of nearly the same size, reuses the
-buffers of the previous one instead of mapping, zero-filling and
-page-faulting fresh memory (the concatenations too: they are the
-extension's ``concat_rows``). Outputs of MLX's own ops in the graph
+arena: buffers pooled by size (whole pages; a request also takes an idle
+buffer up to 8 KiB larger, no more, or MLX would copy the array it holds),
+handed back by the arrays' deleters when the last reference goes, so a
+forward over a coordinate set seen before reuses the buffers of the
+previous one instead of mapping, zero-filling and page-faulting fresh
+memory (the concatenations too: they are the extension's
+``concat_rows``). After each forward the arena frees the idle buffers
+that forward did not take: a stream of scans of other sizes keeps the
+buffers of at most two forwards. Outputs of MLX's own ops in the graph
 (SPVCNN's point moves, the head's ``mx.take``) still come from MLX's
 allocator, as do outputs evaluated outside the forward.
 """
@@ -69,6 +71,8 @@ class _InArena:
             out = self.step(*args)
             if self.evaluate:
                 _evaluate(out)
+        if self.evaluate:
+            self.arena.trim()  # the forward's end: free what it left idle
         return out
 
 
@@ -94,7 +98,8 @@ def with_arena(
 def arena_stats(steps: list[Callable]) -> dict[str, int] | None:
     """The counters of the arena ``steps`` run with (``None``: none): buffers
     and bytes it owns, idle ones, hits, fresh allocations, requests bypassed
-    to MLX's allocator over the bound, evictions and the bound."""
+    to MLX's allocator over the bound, evictions, buffers trimmed after a
+    forward that did not take them, and the bound."""
     for step in steps:
         if isinstance(step, _InArena):
             return dict(step.arena.stats())

@@ -1,10 +1,12 @@
 """The compiled graph's activation arena (``csrc/arena.h``, ``_arena.py``):
 its forwards give the arena-less graph's outputs bit for bit from reused
 (dirty) buffers, a forward over coordinates seen before takes nothing fresh,
-size classes serve near sizes (a frame with a few rows fewer), the byte
-bound holds (eviction, bypass), outputs outlive the graph, threads share one
-arena, and (a child process) a steady-state forward takes far fewer page
-faults.
+MLX keeps every output in its arena buffer (never copies it out of one too
+large), a buffer serves requests up to 8 KiB smaller, a trim frees what a
+pass left idle (a stream of frames of other sizes keeps at most two
+forwards' buffers), the byte bound holds (eviction, bypass), outputs
+outlive the graph, threads share one arena, and (a child process) a
+steady-state forward takes far fewer page faults.
 """
 
 from __future__ import annotations
@@ -103,24 +105,37 @@ def test_reused_buffers_give_the_arena_less_outputs_and_nothing_fresh(rng):
     assert now["idle_buffers"] == now["buffers"] and now["bytes"] <= now["max_bytes"]
 
 
-def test_a_scan_of_nearly_the_same_size_reuses_the_buffers(rng):
-    net, plain = _nets()
+def _address(a: mx.array) -> int:
+    """Where ``a``'s first element lies (its buffer, as NumPy sees it)."""
+    return np.asarray(memoryview(a)).__array_interface__["data"][0]
+
+
+def _shared_by_contiguous(a: mx.array) -> bool:
+    """Whether ``mx.contiguous`` (which MLX's ops apply to their inputs)
+    keeps ``a``'s buffer: it copies an array whose buffer is over 16 KiB
+    larger than the array."""
+    c = mx.contiguous(a)
+    mx.eval(c)
+    return _address(c) == _address(a)
+
+
+def test_every_arena_output_is_kept_by_mlx_not_copied(rng):
+    net, _ = _nets()
     coords = _coords(rng)
-    # The next frame: 3% of the rows gone (other row counts at every level).
+    # A scan, again, the next frame of a stream (3% of the rows gone at
+    # every level), and the first again.
     keep = np.sort(rng.permutation(int(coords.shape[0]))[: int(coords.shape[0]) * 97 // 100])
-    frames = [_scan(coords, rng), _scan(coords[mx.array(keep)], rng)]
-    expected = [_bits(plain(x)) for x in frames]
-    np.testing.assert_array_equal(_bits(net(frames[0])), expected[0])
-    before = _arena.arena_stats(net._steps)
-    np.testing.assert_array_equal(_bits(net(frames[1])), expected[1])
-    after = _arena.arena_stats(net._steps)
-    # Each request of the smaller frame is at most its counterpart's in the
-    # first (a subset of the rows at every level), whose buffer is at most
-    # 1/8 over that and so at most 1/4 over the smaller request's class
-    # (1.125 / 0.97 < 1.25 when the level lost no more than 3% of its
-    # rows; a coarser level can lose more, so not every request need hit).
-    hits, fresh = after["hits"] - before["hits"], after["fresh"] - before["fresh"]
-    assert hits >= _requests(before) // 2 and hits + fresh == _requests(before), (before, after)
+    x, other = _scan(coords, rng), _scan(coords[mx.array(keep)], rng)
+    for scan in (x, x, other, x):
+        values = net._values(scan)
+        feats = [v.feats for v in values.values() if isinstance(getattr(v, "feats", None), mx.array)]
+        mx.eval(feats)
+        big = [f for f in feats if f.nbytes >= 4096 and f.ndim == 2]
+        assert len(big) >= 5
+        assert all(_shared_by_contiguous(f) for f in big), [f.shape for f in big]
+        del values, feats, big
+        gc.collect()
+        mx.synchronize()
 
 
 def _outputs(arena, rows: list[int], channels: int = 16) -> list[mx.array]:
@@ -135,36 +150,74 @@ def _outputs(arena, rows: list[int], channels: int = 16) -> list[mx.array]:
 
 def _request_bytes(rows: int, channels: int = 16) -> int:
     """The buffer a fresh request gets: cpu/eval.h's allocate_on_line asks
-    for the output and one cache line, and the arena rounds that up to a
-    multiple of 1/8 of its power of two (at least 64 bytes)."""
-    request = rows * channels * 4 + 64
-    step = max(64, 2 ** (request.bit_length() - 1) // 8)
-    return -(-request // step) * step
+    for the output and one cache line, and the arena rounds that up to
+    whole 4 KiB pages."""
+    return -(-(rows * channels * 4 + 64) // 4096) * 4096
 
 
-def test_size_classes_serve_near_sizes():
-    assert [_request_bytes(r) for r in (1000, 950, 700, 2000)] == [65536, 61440, 45056, 131072]
+def _drop(arrays: list[mx.array]) -> None:
+    """Let go of ``arrays`` (the caller's list): their buffers go back."""
+    arrays.clear()
+    gc.collect()
+    mx.synchronize()
+
+
+def test_a_buffer_serves_requests_at_most_8_kib_below_it():
+    assert [_request_bytes(r, 64) for r in (1000, 970, 930)] == [258048, 249856, 241664]
     arena = ext.ActivationArena(1 << 30)
-    first = _outputs(arena, [1000])
-    assert arena.stats()["bytes"] == _request_bytes(1000)
-    del first
-    gc.collect()
-    mx.synchronize()
-    # 950 rows (class 61440): the idle 65536-byte buffer is at most 1/4
-    # above, so it serves them (and holds 950 rows right).
-    near = _outputs(arena, [950])
-    assert near[0].shape == (950, 16) and near[0].tolist()[-1][:1] == [1.0]
-    stats = arena.stats()
-    assert (stats["hits"], stats["fresh"]) == (1, 1), stats
-    del near
-    gc.collect()
-    mx.synchronize()
-    # 700 rows (class 45056): 65536 is more than 1/4 above, a fresh buffer.
-    far = _outputs(arena, [700])
+    first = _outputs(arena, [1000], 64)
+    assert arena.stats()["bytes"] == _request_bytes(1000, 64)
+    _drop(first)
+    # 970 rows: the idle buffer is 8 KiB above their class, so it serves
+    # them (and holds 970 rows right), and MLX keeps the array in it.
+    near = _outputs(arena, [970], 64)
+    assert near[0].shape == (970, 64) and near[0].tolist()[-1][:1] == [1.0]
+    assert (arena.stats()["hits"], arena.stats()["fresh"]) == (1, 1), arena.stats()
+    assert _shared_by_contiguous(near[0])
+    _drop(near)
+    # 930 rows: 16 KiB below. A buffer that large would make MLX copy the
+    # array out of it (what a fit up to 1/4 above did to every convolution
+    # output of a forward), so they get one of their own.
+    far = _outputs(arena, [930], 64)
     stats = arena.stats()
     assert (stats["hits"], stats["fresh"]) == (1, 2), stats
-    assert stats["bytes"] == _request_bytes(1000) + _request_bytes(700), stats
-    del far
+    assert stats["bytes"] == _request_bytes(1000, 64) + _request_bytes(930, 64), stats
+    assert _shared_by_contiguous(far[0])
+    _drop(far)
+
+
+def test_trim_frees_what_a_pass_did_not_take():
+    arena = ext.ActivationArena(1 << 30)
+    _drop(_outputs(arena, [1000, 2000]))
+    arena.trim()  # both taken in this pass: kept
+    assert arena.stats()["idle_buffers"] == 2 and arena.stats()["trimmed"] == 0
+    held = _outputs(arena, [2000])  # a hit, lent across the next trim
+    arena.trim()  # the 1000-row buffer sat idle through the pass: freed
+    stats = arena.stats()
+    assert stats["trimmed"] == 1 and stats["buffers"] == 1 and stats["idle_buffers"] == 0, stats
+    assert stats["bytes"] == _request_bytes(2000), stats
+    _drop(held)
+    assert arena.stats()["idle_buffers"] == 1
+    arena.trim()  # taken in the pass before, idle through this one: freed
+    assert arena.stats()["buffers"] == arena.stats()["bytes"] == 0, arena.stats()
+
+
+def test_a_stream_of_other_sizes_keeps_at_most_two_forwards_of_buffers(rng):
+    net, plain = _nets()
+    frames = [_scan(_coords(rng, n), rng) for n in (3000, 2600, 3400, 2200, 3000)]
+    expected = [_bits(plain(x)) for x in frames]
+    requests = []
+    for x, want in zip(frames, expected, strict=True):
+        before = _arena.arena_stats(net._steps)
+        np.testing.assert_array_equal(_bits(net(x)), want)
+        after = _arena.arena_stats(net._steps)
+        requests.append(_requests(after) - _requests(before))
+        # Owned now: this forward's buffers and at most the untaken ones of
+        # the forward before (each forward keeps a buffer per request at
+        # most); a forward's leftovers are gone one forward later.
+        assert after["buffers"] <= sum(requests[-2:]), (requests, after)
+    stats = _arena.arena_stats(net._steps)
+    assert stats["trimmed"] > 0 and stats["bypassed"] == 0, stats
 
 
 def test_the_bound_holds_with_eviction_and_bypass():
@@ -377,10 +430,9 @@ def test_steady_state_forward_takes_far_fewer_page_faults(seed):
     steady_plain = sorted(plain["faults"][2:])
     steady_arena = sorted(arena["faults"][2:])
     # What the arena hands out per forward: its buffers (all idle again),
-    # `bytes` in all (size classes: at most 1/8 over what the requests
-    # touch, so at least 8/9 of the bytes are written, whole pages but the
-    # two ends of each buffer).
-    pages = stats["bytes"] * 8 // 9 // 4096 - 2 * stats["buffers"]
+    # `bytes` in all (whole pages, at most one over what a request touches;
+    # all of it written but the ends of each buffer).
+    pages = stats["bytes"] // 4096 - 3 * stats["buffers"]
     assert stats["idle_buffers"] == stats["buffers"] and pages > 500, stats
     # Without the arena each output goes back to glibc when freed, and how
     # much of it comes back mapped depends on glibc's heap (its dynamic

@@ -18,9 +18,8 @@
 #            the lock's pin;
 #            quantrules and taktiny_ops tests.
 #
-# The two environments are built and tested side by side (each suite one
-# pytest process, but mlx_lattice's in two shards); their output is printed
-# one after the other.
+# The two environments are built and tested side by side (each suite is one
+# pytest process); their output is printed one after the other.
 #
 # WHEEL_DIR holds //:wheels of either lane (both are manylinux_2_35: their
 # extension runs on a glibc 2.35 host or newer, bookworm's among them). Needs
@@ -59,12 +58,10 @@ env_with() {  # env_with DIR REQUIREMENT...: a venv with these installed
   echo
 }
 
-# run_tests ENV PACKAGE PATH... (test paths under packages/PACKAGE;
-# --ignore=PATH), in $shards processes side by side (tools/pytest_main.py's
-# sharding: every shards-th test each), one closing line each.
-run_tests() {
-  local env=$1 package=$2 arg args=() log i pids=()
+run_tests() {  # run_tests ENV PACKAGE PATH... (test paths under packages/PACKAGE; --ignore=PATH)
+  local env=$1 package=$2 arg args=() log
   shift 2
+  log=$env-$package.log
   for arg in "$@"; do
     case "$arg" in
     --ignore=*) args+=("--ignore=$root/packages/$package/${arg#--ignore=}") ;;
@@ -72,20 +69,12 @@ run_tests() {
     esac
   done
   echo "=== minimums: $package tests ==="
-  for ((i = 0; i < ${shards:-1}; i++)); do
-    # Each process in a folder of its own (tests may write relative paths).
-    mkdir -p "$env-$package-$i"
-    (cd "$env-$package-$i" && TEST_TOTAL_SHARDS=${shards:-1} TEST_SHARD_INDEX=$i "$env/bin/python" \
-      "$root/tools/pytest_main.py" -q -W ignore::DeprecationWarning "${args[@]}") \
-      >"$env-$package-$i.log" 2>&1 &
-    pids+=("$!")
-  done
-  for ((i = 0; i < ${shards:-1}; i++)); do
-    log=$env-$package-$i.log
-    wait "${pids[$i]}" || status=1
-    grep -E "^(FAILED|ERROR)" "$log" || true
-    tail -n 1 "$log"
-  done
+  # From a folder outside the sources: tests that start a fresh interpreter
+  # must import the installed wheel, not packages/*/ of the checkout.
+  (cd "$work" && "$env/bin/python" "$root/tools/pytest_main.py" -q \
+    -W ignore::DeprecationWarning "${args[@]}") >"$log" 2>&1 || status=1
+  grep -E "^(FAILED|ERROR)" "$log" || true
+  tail -n 1 "$log"
 }
 
 # The mlx wheel's extension is copied in place (pip would check the wheel's
@@ -98,8 +87,7 @@ mlx_env() {
     plyfile==1.0.3 pytest hypothesis scipy || return 1
   site=$("$work/mlx/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   "$work/mlx/bin/python" -m zipfile -e "$(ls "$wheels"/*mlx_lattice-*.whl)" "$site"
-  # Two shards: the jax env's suites end well before this one.
-  shards=2 run_tests "$work/mlx" mlx_lattice tests --ignore=tests/test_metal_harness.py \
+  run_tests "$work/mlx" mlx_lattice tests --ignore=tests/test_metal_harness.py \
     --ignore=tests/test_fused_int8_metal.py \
     --ignore=tests/test_fuzz_amx_model.py --ignore=tests/test_distributed.py \
     --ignore=tests/distributed_worker.py

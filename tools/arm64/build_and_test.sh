@@ -128,7 +128,11 @@ assert (ext.int8_isa(), ext.bf16_isa(), ext.fp16_isa()) == ("neon-i8mm", "neon-b
 deselect=(--deselect tests/test_conv.py::test_compile_and_repeated_calls_are_bitwise_stable
   --deselect tests/test_quantized_pool.py::test_compile_through_pool_quantized_and_sorted
   --deselect tests/test_int8_conv.py::test_gradients_compile_and_vmap)
-subset=${MLX_LATTICE_ARM64_SUBSET:-}
+# The tests that force each aarch64 path (neon-i8mm, neon-dotprod,
+# neon-bf16, neon-fhm, neon-fma against scalar, bit for bit) or check one
+# against a dense or brute-force reference; the rest of these files tests
+# what the x86 lanes test, through the same paths.
+subset=${MLX_LATTICE_ARM64_SUBSET-isa or micro_kernel or mirror or conversions or matches_dense or brute_force}
 # Of the relation tests, those of the one builder with aarch64 code of its
 # own (relation_mirror.cpp: the NEON popcount) and the brute-force
 # submanifold check; the rest build relations with portable C++ the x86

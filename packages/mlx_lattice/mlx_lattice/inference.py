@@ -354,7 +354,7 @@ def compile(
     class_names: Any = None,
     int8: bool = True,
     fuse_skips: bool = True,
-    arena: bool = False,
+    arena: bool = True,
 ) -> ExportedModel:
     """The compiled inference graph of ``model``: an ``eval()``-mode
     :class:`~mlx_lattice.models.MinkUNet` or
@@ -380,10 +380,11 @@ def compile(
     one pass, :func:`mlx_lattice.fused.bias_relu_add`, the unfused graph's
     bits; ``fuse_skips=False`` keeps the adds as their own step); no add in these
     models follows a convolution, so the fused convolution's ``residual``
-    has no reader in them. ``arena=True`` runs the graph in an activation
-    arena of its own (its buffers planned once per coordinate set and
-    reused across layers and calls: a steady forward then maps no fresh
-    page; the guide has the measurements and why it is not the default).
+    has no reader in them. ``arena`` (default) runs the graph in an
+    activation arena of its own: its buffers are planned once per
+    coordinate set and reused across layers and calls, so a steady forward
+    maps no fresh page, and the forward returns evaluated features;
+    ``arena=False`` leaves every output to MLX's allocator.
     For a model,
     ``voxel_size``, ``features`` and ``class_names`` are recorded as
     :func:`~mlx_lattice.export.export_model` records them (an artifact keeps

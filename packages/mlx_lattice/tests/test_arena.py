@@ -46,12 +46,12 @@ def _scan(coords: mx.array, rng: np.random.Generator) -> SparseTensor:
 def _nets(max_bytes: int | None = None):
     """The same model compiled with an arena (bound ``max_bytes``) and without."""
     model = MinkUNet(4, 5, widths=(16, 32)).eval()
-    with_arena = mlx_lattice.compile(model, arena=True)
+    with_arena = mlx_lattice.compile(model)  # arena=True, the default
     if max_bytes is not None:
         with_arena._steps[:] = _arena.with_arena(
             with_arena.graph, [s.step for s in with_arena._steps], max_bytes
         )
-    return with_arena, mlx_lattice.compile(model)  # arena=False, the default
+    return with_arena, mlx_lattice.compile(model, arena=False)
 
 
 def _bits(x: SparseTensor) -> np.ndarray:

@@ -1,7 +1,7 @@
 """The compiled graph's activation arena (``csrc/arena.h``).
 
 :func:`with_arena` wraps the steps of a compiled inference graph
-(:func:`mlx_lattice.compile` with ``arena=True``) so that
+(:func:`mlx_lattice.compile`, unless ``arena=False``) so that
 each runs with one arena of the graph active on the calling thread, and the
 step that makes the graph's output evaluates it there. The extension's CPU
 evaluations then take their large output buffers (4 KiB and up) from the

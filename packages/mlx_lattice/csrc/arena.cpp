@@ -55,13 +55,13 @@ void ActivationArena::evict_for(size_t bytes, std::vector<allocator::Buffer>& ou
   }
 }
 
-allocator::Data ActivationArena::lend(allocator::Buffer buffer, size_t bytes, uint64_t pass) {
+allocator::Data ActivationArena::lend(allocator::Buffer buffer, size_t bytes) {
   try {
-    return allocator::Data(buffer, [self = shared_from_this(), bytes, pass](allocator::Buffer b) {
-      self->give_back(b, bytes, pass);
+    return allocator::Data(buffer, [self = shared_from_this(), bytes](allocator::Buffer b) {
+      self->give_back(b, bytes);
     });
   } catch (...) {
-    give_back(buffer, bytes, pass);  // no Data owns it: it is idle again
+    give_back(buffer, bytes);  // no Data owns it: it is idle again
     throw;
   }
 }
@@ -72,16 +72,16 @@ allocator::Data ActivationArena::take(size_t request) {
   bool keep = false;
   allocator::Buffer buffer{nullptr};
   size_t size = bytes;  // the buffer's bytes
-  uint64_t pass = 0;
   {
     std::lock_guard lock(mutex_);
-    pass = pass_;
+    if (!closed_) asked_[bytes] = pass_;
     if (closed_) return allocator::malloc(request);
     // The smallest idle buffer of the class or at most kReuseSlack above it.
     auto it = idle_.lower_bound(bytes);
     if (it != idle_.end() && it->first - bytes <= kReuseSlack) {
       // Its most recently returned buffer: the likeliest in cache.
       size = it->first;
+      asked_[size] = pass_;
       buffer = it->second.back().buffer;
       it->second.pop_back();
       if (it->second.empty()) idle_.erase(it);
@@ -104,7 +104,7 @@ allocator::Data ActivationArena::take(size_t request) {
     }
   }
   free_all(evicted);
-  if (buffer.ptr() != nullptr) return lend(buffer, size, pass);  // a hit
+  if (buffer.ptr() != nullptr) return lend(buffer, size);  // a hit
   if (!keep) return allocator::malloc(request);
   try {
     buffer = allocator::allocator().malloc(bytes);
@@ -116,15 +116,15 @@ allocator::Data ActivationArena::take(size_t request) {
     --stats_.fresh;
     throw;
   }
-  return lend(buffer, bytes, pass);
+  return lend(buffer, bytes);
 }
 
-void ActivationArena::give_back(allocator::Buffer buffer, size_t bytes, uint64_t pass) noexcept {
+void ActivationArena::give_back(allocator::Buffer buffer, size_t bytes) noexcept {
   {
     std::lock_guard lock(mutex_);
     if (!closed_) {
       try {
-        idle_[bytes].push_back({buffer, ++clock_, pass});
+        idle_[bytes].push_back({buffer, ++clock_});
         stats_.idle_bytes += bytes;
         ++stats_.idle_buffers;
         return;
@@ -160,20 +160,21 @@ void ActivationArena::trim() {
   {
     std::lock_guard lock(mutex_);
     for (auto it = idle_.begin(); it != idle_.end();) {
-      auto& list = it->second;
-      const size_t before = list.size();
-      for (auto& entry : list) {
-        if (entry.pass < pass_) stale.push_back(entry.buffer);
+      const auto asked = asked_.find(it->first);
+      if (asked != asked_.end() && asked->second == pass_) {
+        ++it;
+        continue;
       }
-      std::erase_if(list, [this](const Idle& entry) { return entry.pass < pass_; });
-      const size_t freed = before - list.size();
+      const size_t freed = it->second.size();
+      for (auto& entry : it->second) stale.push_back(entry.buffer);
       stats_.bytes -= freed * it->first;
       stats_.idle_bytes -= freed * it->first;
       stats_.buffers -= freed;
       stats_.idle_buffers -= freed;
       stats_.trimmed += freed;
-      it = list.empty() ? idle_.erase(it) : std::next(it);
+      it = idle_.erase(it);
     }
+    std::erase_if(asked_, [this](const auto& entry) { return entry.second < pass_; });
     ++pass_;
   }
   free_all(stale);

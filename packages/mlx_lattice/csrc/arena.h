@@ -17,11 +17,13 @@
 // made every convolution's output be copied again, single-threaded, on
 // MLX's stream.
 //
-// trim() ends a pass (the graph calls it after each forward): idle buffers
-// that no request of that pass took are freed, so a stream of scans of
-// other sizes (the next frame of a LiDAR stream) keeps at most the buffers
-// of the pass before next to its own, not a pool of stale sizes up to
-// the bound.
+// trim() ends a pass (the graph calls it after each forward): the idle
+// buffers of every size no request of that pass asked for are freed, so a
+// stream of scans of other sizes (the next frame of a LiDAR stream) keeps
+// at most the buffers of the pass before next to its own, not a pool of
+// stale sizes up to the bound. By size, not by buffer: which buffer of a
+// size a request gets depends on which came back first, which varies
+// from forward to forward.
 //
 // Ownership: a buffer the arena hands out is wrapped in an
 // mlx::core::allocator::Data whose deleter gives it back. Only that deleter
@@ -87,8 +89,8 @@ class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
   // Frees the idle buffers; buffers still lent are freed when returned.
   void close();
 
-  // Ends a pass: frees the idle buffers no request took since the previous
-  // trim (buffers lent now are kept, and count as taken).
+  // Ends a pass: frees the idle buffers of the sizes no request asked for
+  // since the previous trim (buffers lent now are kept).
   void trim();
 
   ArenaStats stats() const;
@@ -97,12 +99,11 @@ class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
   struct Idle {
     allocator::Buffer buffer;
     uint64_t returned;  // give_back's clock when it came back
-    uint64_t pass;      // the pass in which it was last taken
   };
 
   // `buffer` (owned) in a Data whose deleter gives it back.
-  allocator::Data lend(allocator::Buffer buffer, size_t bytes, uint64_t pass);
-  void give_back(allocator::Buffer buffer, size_t bytes, uint64_t pass) noexcept;
+  allocator::Data lend(allocator::Buffer buffer, size_t bytes);
+  void give_back(allocator::Buffer buffer, size_t bytes) noexcept;
   // Moves least recently returned idle buffers into `out` until `bytes`
   // more fit under the bound or none is idle (caller holds mutex_).
   void evict_for(size_t bytes, std::vector<allocator::Buffer>& out);
@@ -113,6 +114,8 @@ class ActivationArena : public std::enable_shared_from_this<ActivationArena> {
   std::map<size_t, std::vector<Idle>> idle_;  // by size class, each in return order
   uint64_t clock_ = 0;
   uint64_t pass_ = 0;  // trim() calls so far
+  // size -> the last pass a request asked for it (trim() forgets the older).
+  std::map<size_t, uint64_t> asked_;
   ArenaStats stats_;
 };
 

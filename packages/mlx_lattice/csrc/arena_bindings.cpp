@@ -81,7 +81,8 @@ void bind_arena(nb::module_& m) {
           "fresh, bypassed (over max_bytes: MLX's allocator), evicted, trimmed, max_bytes.")
       .def(
           "trim", [](ArenaHandle& self) { self.arena->trim(); },
-          "End a pass: free the idle buffers no request took since the previous trim.")
+          "End a pass: free the idle buffers of the sizes no request asked for since the "
+          "previous trim.")
       .def(
           "close", [](ArenaHandle& self) { self.arena->close(); },
           "Free the idle buffers; buffers still lent are freed when returned, and later "

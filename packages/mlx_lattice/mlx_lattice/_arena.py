@@ -12,8 +12,8 @@ forward over a coordinate set seen before reuses the buffers of the
 previous one instead of mapping, zero-filling and page-faulting fresh
 memory (the concatenations too: they are the extension's
 ``concat_rows``). After each forward the arena frees the idle buffers
-that forward did not take: a stream of scans of other sizes keeps the
-buffers of at most two forwards. Outputs of MLX's own ops in the graph
+of the sizes that forward did not ask for: a stream of scans of other
+sizes keeps the buffers of at most two forwards. Outputs of MLX's own ops in the graph
 (SPVCNN's point moves, the head's ``mx.take``) still come from MLX's
 allocator, as do outputs evaluated outside the forward.
 """

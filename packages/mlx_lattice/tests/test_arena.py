@@ -2,8 +2,8 @@
 its forwards give the arena-less graph's outputs bit for bit from reused
 (dirty) buffers, a forward over coordinates seen before takes nothing fresh,
 MLX keeps every output in its arena buffer (never copies it out of one too
-large), a buffer serves requests up to 8 KiB smaller, a trim frees what a
-pass left idle (a stream of frames of other sizes keeps at most two
+large), a buffer serves requests up to 8 KiB smaller, a trim frees the idle
+buffers of sizes a pass did not ask for (a stream of frames of other sizes keeps at most two
 forwards' buffers), the byte bound holds (eviction, bypass), outputs
 outlive the graph, threads share one arena, and (a child process) a
 steady-state forward takes far fewer page faults.
@@ -186,19 +186,19 @@ def test_a_buffer_serves_requests_at_most_8_kib_below_it():
     _drop(far)
 
 
-def test_trim_frees_what_a_pass_did_not_take():
+def test_trim_frees_the_sizes_a_pass_did_not_ask_for():
     arena = ext.ActivationArena(1 << 30)
     _drop(_outputs(arena, [1000, 2000]))
-    arena.trim()  # both taken in this pass: kept
+    arena.trim()  # both sizes asked for in this pass: kept
     assert arena.stats()["idle_buffers"] == 2 and arena.stats()["trimmed"] == 0
     held = _outputs(arena, [2000])  # a hit, lent across the next trim
-    arena.trim()  # the 1000-row buffer sat idle through the pass: freed
+    arena.trim()  # no request of the pass asked for 1000 rows: that buffer is freed
     stats = arena.stats()
     assert stats["trimmed"] == 1 and stats["buffers"] == 1 and stats["idle_buffers"] == 0, stats
     assert stats["bytes"] == _request_bytes(2000), stats
     _drop(held)
     assert arena.stats()["idle_buffers"] == 1
-    arena.trim()  # taken in the pass before, idle through this one: freed
+    arena.trim()  # asked for in the pass before, not in this one: freed
     assert arena.stats()["buffers"] == arena.stats()["bytes"] == 0, arena.stats()
 
 

@@ -61,7 +61,7 @@ struct ArenaStats {
   uint64_t fresh = 0;     // requests served by a fresh buffer the arena then kept
   uint64_t bypassed = 0;  // requests over the bound, served by MLX's allocator
   uint64_t evicted = 0;   // idle buffers freed to make room
-  uint64_t trimmed = 0;   // idle buffers freed by trim(): no request of a pass took them
+  uint64_t trimmed = 0;   // idle buffers freed by trim(): no request of a pass asked for their size
   size_t max_bytes = 0;
 };
 

@@ -99,7 +99,7 @@ def arena_stats(steps: list[Callable]) -> dict[str, int] | None:
     """The counters of the arena ``steps`` run with (``None``: none): buffers
     and bytes it owns, idle ones, hits, fresh allocations, requests bypassed
     to MLX's allocator over the bound, evictions, buffers trimmed after a
-    forward that did not take them, and the bound."""
+    forward that did not ask for their size, and the bound."""
     for step in steps:
         if isinstance(step, _InArena):
             return dict(step.arena.stats())

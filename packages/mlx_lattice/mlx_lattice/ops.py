@@ -443,9 +443,7 @@ def normalized_subm_conv3d(
     the squared weight (the specialised float16 reduction when it applies).
     """
     size = _kernel_size(weight, None)
-    rel, out_key = x.manager.relation(
-        x.coordinate_key, kernel_size=size, dilation=dilation, kind="submanifold"
-    )
+    rel, out_key = _relation_for("subm", size, dilation=dilation)(x)
     return _finish(x, _normalized_features(x, weight, rel, eps), bias, out_key)
 
 
@@ -467,7 +465,7 @@ def normalized_conv_transpose3d(
     """:func:`conv_transpose3d` divided per output by ``sqrt(sum_k 1 @ (W_k * W_k) + eps)``
     over the edges present at that output (``eps`` default ``1e-6``)."""
     size = _kernel_size(weight, None)
-    rel, out_key = _transpose_relation(x, size, stride, padding, dilation, coordinates)
+    rel, out_key = _relation_for("transpose", size, stride, padding, dilation, coordinates)(x)
     return _finish(x, _normalized_features(x, weight, rel, eps), bias, out_key)
 
 
@@ -485,7 +483,7 @@ def normalized_generative_conv_transpose3d(
     """:func:`generative_conv_transpose3d` normalized like
     :func:`normalized_conv_transpose3d` (``eps`` default ``1e-6``)."""
     size = _kernel_size(weight, None)
-    rel, out_key = _generative_relation(x, size, stride, padding, dilation, coordinates)
+    rel, out_key = _relation_for("generative", size, stride, padding, dilation, coordinates)(x)
     return _finish(x, _normalized_features(x, weight, rel, eps), bias, out_key)
 
 

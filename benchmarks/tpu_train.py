@@ -9,7 +9,7 @@ Models (bf16 parameters and activations, no bias):
   takes the activation for a weight, since it falls back to matching
   shapes);
 * ``transformer``: 2 pre-LayerNorm blocks of width 2048, 16 heads of 128,
-  sequence 512, batch 8; attention (non-causal, softmax in float32) and an
+  sequence 512, batch 8 (``--tf-batch``); attention (non-causal, softmax in float32) and an
   MLP of 4 × 2048; the four projections per block (``qkv``, ``out``, ``up``,
   ``down``) are ``nnx.Einsum`` layers.
 
@@ -79,6 +79,14 @@ _LR = flags.DEFINE_float(
 _REPEATS = flags.DEFINE_integer("repeats", 3, "timed repeats per variant (median)", lower_bound=1)
 _TARGET = flags.DEFINE_float(
     "target-ms", 200.0, "about how long one timed repeat of steps runs", lower_bound=0.1)
+_TIMED = flags.DEFINE_list(
+    "models", ["mlp", "transformer"],
+    "the models whose steps are timed (the loss curve needs mlp)")
+flags.register_validator("models", lambda v: bool(v) and set(v) <= {"mlp", "transformer"},
+                         message="--models: mlp and/or transformer")
+_TF_BATCH = flags.DEFINE_integer(
+    "tf-batch", None, "the transformer's batch (sequences of 512 tokens; default 8, 4 with "
+    "--small)", lower_bound=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     start = time.perf_counter()
     small = _SMALL.value if _SMALL.value is not None else jax.default_backend() == "cpu"
     sizes = SMALL if small else FULL
+    if _TF_BATCH.value:
+        sizes = dataclasses.replace(sizes, tf_batch=_TF_BATCH.value)
     steps = _STEPS.value or sizes.steps
     seed = _SEED.value
     lr = _LR.value if _LR.value is not None else (3e-3 if small else 3e-4)
@@ -302,6 +312,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"\n{'model':<12s} {'variant':<16s} {'ms/step':>9s} {'bf16/this':>9s} "
           f"{'compile s':>9s}")
     for name, (make, shape) in _models(sizes, seed).items():
+        if name not in _TIMED.value:
+            continue
         kx, ky, key = jax.random.split(key, 3)
         x = jax.random.normal(kx, shape, jnp.bfloat16)
         y = jax.random.normal(ky, shape, jnp.bfloat16)
@@ -320,24 +332,25 @@ def main(argv: Sequence[str] | None = None) -> None:
         print(f"{name:<12s} step ratio bf16 / int8 QT: ours {times['bf16'] / times[VARIANTS[1]]:.2f}x"
               f", qwix {times['bf16'] / times[VARIANTS[2]]:.2f}x (issue target on a v5e: "
               f">= {TARGETS[name]}x)")
-    data = _teacher(sizes, seed)
-    curves = {}
-    for variant in VARIANTS:
-        make, shape = _models(sizes, seed)["mlp"]
-        model = quantized(make(), variant, jnp.zeros(shape, jnp.bfloat16))
-        curves[variant] = loss_curve(model, mlp_steps[variant], data, steps, lr, seed)
-    same = curves[VARIANTS[1]] == curves[VARIANTS[2]]
-    tail = max(1, steps // 10)
-    late = {v: float(np.mean(c[-tail:])) for v, c in curves.items()}
-    print(f"\nloss curve, mlp, {steps} steps (seeded teacher regression): first "
-          f"{curves['bf16'][0]:.4f}; mean of the last {tail}: "
-          + ", ".join(f"{v} {late[v]:.4f}" for v in VARIANTS)
-          + f"; int8 ours and qwix bit for bit: {'yes' if same else 'NO'}")
-    result.update(curves=curves, late_mean=late, int8_ours_equals_qwix=same)
-    if _PNG.value:
-        draw(curves, _PNG.value, f"4-layer MLP, width {sizes.mlp_width}, batch {sizes.mlp_batch}"
-             f" ({kind})")
-        print(f"picture: {_PNG.value}")
+    if mlp_steps:  # the loss curve (the mlp was timed)
+        data = _teacher(sizes, seed)
+        curves = {}
+        for variant in VARIANTS:
+            make, shape = _models(sizes, seed)["mlp"]
+            model = quantized(make(), variant, jnp.zeros(shape, jnp.bfloat16))
+            curves[variant] = loss_curve(model, mlp_steps[variant], data, steps, lr, seed)
+        same = curves[VARIANTS[1]] == curves[VARIANTS[2]]
+        tail = max(1, steps // 10)
+        late = {v: float(np.mean(c[-tail:])) for v, c in curves.items()}
+        print(f"\nloss curve, mlp, {steps} steps (seeded teacher regression): first "
+              f"{curves['bf16'][0]:.4f}; mean of the last {tail}: "
+              + ", ".join(f"{v} {late[v]:.4f}" for v in VARIANTS)
+              + f"; int8 ours and qwix bit for bit: {'yes' if same else 'NO'}")
+        result.update(curves=curves, late_mean=late, int8_ours_equals_qwix=same)
+        if _PNG.value:
+            draw(curves, _PNG.value, f"4-layer MLP, width {sizes.mlp_width}, batch {sizes.mlp_batch}"
+                 f" ({kind})")
+            print(f"picture: {_PNG.value}")
     if _JSON.value:
         Path(_JSON.value).write_text(json.dumps(result, indent=1))
     print(f"total {time.perf_counter() - start:.0f} s")

@@ -156,3 +156,16 @@ def test_tpu_train_steps_and_curves(train):
     # several times that, while a wrong backward scale or a broken gradient
     # leaves the loss far from bf16's.
     assert late["int8 QT (ours)"] == pytest.approx(late["bf16"], rel=0.05)
+
+
+def test_tpu_train_one_model_at_another_batch(seed, tmp_path):
+    out = tmp_path / "train.json"
+    proc = _run("benchmarks.tpu_train", "--small", "--models=transformer", "--tf-batch=3",
+                "--repeats=1", "--target-ms=1", f"--seed={seed}", f"--json={out}")
+    data = json.loads(out.read_text())
+    # Only the transformer was timed, at the batch asked for, and no loss
+    # curve was drawn (it trains the mlp).
+    assert list(data["steps"]) == ["transformer"]
+    assert data["sizes"]["tf_batch"] == 3
+    assert "batch 3;" in proc.stdout and "loss curve" not in proc.stdout
+    assert "curves" not in data

@@ -359,24 +359,6 @@ struct Buffers {
   PackedWeight weight;
 };
 
-// nonneg[i] = 1 where row i of q (stride codes) has no negative code: a
-// ReLU's output, the usual input of a layer. The AVX2 kernel then takes
-// the codes as vpmaddubsw's unsigned operand (no sign instruction).
-void mark_nonneg_rows(const int8_t* q, int64_t n, int64_t stride, uint8_t* nonneg) {
-  parallel_for_windows(n, 4096, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const int8_t* row = q + r * stride;
-      uint8_t bits = 0;
-      for (int64_t b = 0; b < stride; ++b) bits |= static_cast<uint8_t>(row[b]);
-      nonneg[r] = (bits & 0x80u) == 0;
-    }
-  });
-}
-
-}  // namespace
-
-namespace {
-
 // feats: float32 rows (quantized here), or codes: int8 rows at act_scale.
 // ep: the fused epilogue (int8_conv_fused), or null for float32 sums in out.
 void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, const float* feats,
@@ -399,23 +381,21 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
   // Static scale: every finite row's scale is 1 here (the kernels' "* sa" is
   // then exact and left out), S is folded into the weight's scales and biases.
   const bool static_scale = act_scale > 0.0f;
+  const bool mark = centered && bits > kNarrowBits;  // the AVX2 kernel's wide codes
+  if (mark) buf.nonneg.resize(n_in);
+  uint8_t* const nonneg = mark ? buf.nonneg.data() : nullptr;
   if (codes != nullptr) {
     load_rows_int8(codes, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
-                   buf.gsum.data());
+                   buf.gsum.data(), nonneg);
   } else {
     quantize_rows_int8(feats, n_in, cin, storage_in, group, buf.q.data(), buf.scale.data(),
-                       buf.gsum.data(), act_scale);
+                       buf.gsum.data(), act_scale, nonneg);
   }
   // Static and every row finite (the usual case): the kernels need no
   // row's scale at all.
   const bool all_unit =
       static_scale && std::all_of(buf.scale.begin(), buf.scale.begin() + n_in,
                                   [](float v) { return v == 1.0f; });
-  const bool mark = centered && bits > kNarrowBits;  // the AVX2 kernel's wide codes
-  if (mark) {
-    buf.nonneg.resize(n_in);
-    mark_nonneg_rows(buf.q.data(), n_in, storage_in, buf.nonneg.data());
-  }
   // A given packed weight serves when it is packed for this kernel (the
   // ISA cap may have changed since it was packed); otherwise pack it here.
   const bool fits = packed_weight != nullptr &&
@@ -476,7 +456,7 @@ void run_int8_conv(OffsetFn run_offset, Int8RowsFn run_rows, bool centered, cons
     std::memset(tile, 0, sizeof(float) * cap * cout);
     OffsetJob job{nullptr,         nullptr,    0,      buf.q.data(), buf.scale.data(),
                   buf.gsum.data(), storage_in, groups, tile,         static_scale,
-                  all_unit,        mark ? buf.nonneg.data() : nullptr};
+                  all_unit,        nonneg};
     for (int64_t k = 0; k < n_kernels; ++k) {
       job.rows = s.rows.data() + k * cap;
       job.outs = s.outs.data() + k * cap;

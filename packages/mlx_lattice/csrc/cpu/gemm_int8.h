@@ -44,8 +44,13 @@ namespace mlx_lattice::kernels {
 // q = 0 (its contributions become NaN, as in float arithmetic). With
 // static_scale > 0 every row uses that scale (values beyond 127 steps
 // saturate) and scale[i] is 1 (NaN for a non-finite row).
+// nonneg (n), when given: nonneg[i] = 1 where row i of q has no negative
+// code (a ReLU's output, the usual input of a layer: the AVX2 kernel then
+// takes the codes as vpmaddubsw's unsigned operand), else 0; marked while
+// the row is still in the cache.
 void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                        int8_t* q, float* scale, int32_t* gsum, float static_scale = 0.0f);
+                        int8_t* q, float* scale, int32_t* gsum, float static_scale = 0.0f,
+                        uint8_t* nonneg = nullptr);
 
 // The integer convolution over the output CSR `csr` of the edges (a_index:
 // input rows, kernel_ids: offsets; c_index: output rows, the CSR groups
@@ -66,8 +71,16 @@ void int8_conv(const float* feats, int64_t n_in, int64_t cin, const uint8_t* pac
 // layer's requantized output): q (n, stride) with zeros in [c, stride),
 // the per-group sums gsum (n, stride / group), scale[i] = 1. A code of -128
 // reads as -127 (the symmetric range every kernel path sums exactly).
+// nonneg as quantize_rows_int8's.
 void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                    int8_t* q, float* scale, int32_t* gsum);
+                    int8_t* q, float* scale, int32_t* gsum, uint8_t* nonneg = nullptr);
+
+// 1 where the n codes at q hold no negative one, else 0.
+inline uint8_t codes_nonneg(const int8_t* q, int64_t n) {
+  uint8_t bits = 0;
+  for (int64_t i = 0; i < n; ++i) bits |= static_cast<uint8_t>(q[i]);
+  return (bits & 0x80u) == 0;
+}
 
 // The fused epilogue of int8_conv_fused, per output row o and column x, on
 // the float32 sum acc[o, x] that int8_conv computes (in float32, one

@@ -202,7 +202,7 @@ __attribute__((target("avx2"))) void requantize_row_avx2(const float* y, int64_t
 }  // namespace
 
 void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                    int8_t* q, float* scale, int32_t* gsum) {
+                    int8_t* q, float* scale, int32_t* gsum, uint8_t* nonneg) {
   const int64_t groups = stride / group;
   auto row = load_row_scalar;
 #ifdef MLX_LATTICE_X86
@@ -222,6 +222,7 @@ void load_rows_int8(const int8_t* x, int64_t n, int64_t c, int64_t stride, int64
       row(x + r * c, c, group, qr, gr);
       if (stride > c) std::memset(qr + c, 0, stride - c);
       scale[r] = 1.0f;
+      if (nonneg != nullptr) nonneg[r] = codes_nonneg(qr, c);
     }
   });
 }

@@ -196,6 +196,59 @@ void run_case(std::mt19937& gen, const Case& c) {
   isa::reset_isa_ceiling();
 }
 
+// quantize_rows_int8 and load_rows_int8 mark each row without a negative
+// code (the AVX2 kernel's unsigned form), on every row path: rows of
+// non-negative values but for one value in every third row (-128 among the
+// int8 codes, a value below -S/2 among the floats, which rounds to -1 or
+// less), and a negative value too small to give a code (it rounds to 0).
+void check_nonneg_marks(std::mt19937& gen) {
+  const int64_t n = 30, c = 40, stride = 64, group = 8;
+  const float s = 0.05f;
+  std::uniform_int_distribution<int> pos(0, 127), col(0, c - 1);
+  std::vector<int8_t> codes(n * c);
+  std::vector<float> feats(n * c);
+  std::vector<uint8_t> want(n);
+  for (int64_t r = 0; r < n; ++r) {
+    for (int64_t i = 0; i < c; ++i) {
+      codes[r * c + i] = static_cast<int8_t>(pos(gen));
+      feats[r * c + i] = static_cast<float>(pos(gen)) * s;
+    }
+    want[r] = r % 3 != 0;
+    if (r % 3 == 0) {
+      codes[r * c + col(gen)] = r % 2 == 0 ? -128 : -1;
+      feats[r * c + col(gen)] = -0.6f * s;
+    } else if (r % 3 == 1) {
+      feats[r * c + col(gen)] = -0.4f * s;  // code 0: still non-negative
+    }
+  }
+  std::vector<int8_t> q(n * stride);
+  std::vector<float> scale(n);
+  std::vector<int32_t> gsum(n * stride / group);
+  for (isa::Isa level : {isa::Isa::kAvx512, isa::Isa::kAvx2, isa::Isa::kScalar}) {
+    if (level != isa::Isa::kScalar && !isa::isa_supported(level)) continue;
+    isa::set_isa_ceiling(level);
+    for (int from_codes = 0; from_codes < 2; ++from_codes) {
+      std::vector<uint8_t> got(n, 7);
+      if (from_codes) {
+        load_rows_int8(codes.data(), n, c, stride, group, q.data(), scale.data(), gsum.data(),
+                       got.data());
+      } else {
+        quantize_rows_int8(feats.data(), n, c, stride, group, q.data(), scale.data(),
+                           gsum.data(), s, got.data());
+      }
+      for (int64_t r = 0; r < n; ++r) {
+        if (got[r] != want[r] || got[r] != codes_nonneg(q.data() + r * stride, stride)) {
+          std::printf("FAIL nonneg mark, %s rows, row %lld, ceiling %d: %d, want %d\n",
+                      from_codes ? "int8" : "float", static_cast<long long>(r),
+                      static_cast<int>(level), got[r], want[r]);
+          ++failures;
+        }
+      }
+    }
+  }
+  isa::reset_isa_ceiling();
+}
+
 }  // namespace
 
 int main() {
@@ -220,6 +273,7 @@ int main() {
   run_case(gen, Case{20000, 24000, 16, 64, 16, 8, false, true, true, 1, 0.0f, FloatFormat::kF32});
   // No rows at all.
   run_case(gen, Case{0, 0, 32, 16, 32, 8, true, true, true, 2, 0.05f, FloatFormat::kF32});
+  check_nonneg_marks(gen);
   std::printf("%d cases, %d failures (the AMX driver on the tile model%s)\n", cases + 2, failures,
               kAmxInt8RowsHw && isa::isa_supported(isa::Isa::kAmxInt8) ? " and the hardware"
                                                                        : "");

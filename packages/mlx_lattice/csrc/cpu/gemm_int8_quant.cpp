@@ -218,7 +218,8 @@ __attribute__((target("avx2,fma"))) void quantize_row_avx2(const float* xr, int6
 }  // namespace
 
 void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, int64_t group,
-                        int8_t* q, float* scale, int32_t* gsum, float static_scale) {
+                        int8_t* q, float* scale, int32_t* gsum, float static_scale,
+                        uint8_t* nonneg) {
   constexpr int64_t kChunk = 1024;
   const int64_t groups = stride / group;
   auto row = quantize_row_scalar;
@@ -244,6 +245,7 @@ void quantize_rows_int8(const float* x, int64_t n, int64_t c, int64_t stride, in
       prefetch_row(r + kAhead);
       row(x + r * c, c, stride, group, q + r * stride, scale + r, gsum + r * groups,
           static_scale);
+      if (nonneg != nullptr) nonneg[r] = codes_nonneg(q + r * stride, c);
     }
   });
 }

@@ -16,6 +16,8 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "amx_model_drivers.h"
@@ -197,14 +199,16 @@ void run_case(std::mt19937& gen, const Case& c) {
 }
 
 // quantize_rows_int8 and load_rows_int8 mark each row without a negative
-// code (the AVX2 kernel's unsigned form), on every row path: rows of
-// non-negative values but for one value in every third row (-128 among the
-// int8 codes, a value below -S/2 among the floats, which rounds to -1 or
-// less), and a negative value too small to give a code (it rounds to 0).
-void check_nonneg_marks(std::mt19937& gen) {
-  const int64_t n = 30, c = 40, stride = 64, group = 8;
+// code (the AVX2 kernel's unsigned form), on every row path (AVX-512 rows
+// need c and group multiples of 16, AVX2 rows multiples of 8, scalar rows
+// anything): rows of non-negative values but for one value in every third
+// row (-128 or -1 among the int8 codes, a value below -S/2 among the
+// floats, which rounds to -1), and a negative value too small to give a
+// code (it rounds to 0) in others.
+void check_nonneg_marks(std::mt19937& gen, int64_t c, int64_t group) {
+  const int64_t n = 30, stride = 64;
   const float s = 0.05f;
-  std::uniform_int_distribution<int> pos(0, 127), col(0, c - 1);
+  std::uniform_int_distribution<int> pos(0, 127), col(0, static_cast<int>(c) - 1);
   std::vector<int8_t> codes(n * c);
   std::vector<float> feats(n * c);
   std::vector<uint8_t> want(n);
@@ -238,8 +242,10 @@ void check_nonneg_marks(std::mt19937& gen) {
       }
       for (int64_t r = 0; r < n; ++r) {
         if (got[r] != want[r] || got[r] != codes_nonneg(q.data() + r * stride, stride)) {
-          std::printf("FAIL nonneg mark, %s rows, row %lld, ceiling %d: %d, want %d\n",
-                      from_codes ? "int8" : "float", static_cast<long long>(r),
+          std::printf("FAIL nonneg mark, %s rows, c %lld, group %lld, row %lld, ceiling %d: "
+                      "%d, want %d\n",
+                      from_codes ? "int8" : "float", static_cast<long long>(c),
+                      static_cast<long long>(group), static_cast<long long>(r),
                       static_cast<int>(level), got[r], want[r]);
           ++failures;
         }
@@ -273,7 +279,10 @@ int main() {
   run_case(gen, Case{20000, 24000, 16, 64, 16, 8, false, true, true, 1, 0.0f, FloatFormat::kF32});
   // No rows at all.
   run_case(gen, Case{0, 0, 32, 16, 32, 8, true, true, true, 2, 0.05f, FloatFormat::kF32});
-  check_nonneg_marks(gen);
+  for (const auto& [c, group] :
+       std::vector<std::pair<int64_t, int64_t>>{{48, 16}, {40, 8}, {33, 32}}) {
+    check_nonneg_marks(gen, c, group);
+  }
   std::printf("%d cases, %d failures (the AMX driver on the tile model%s)\n", cases + 2, failures,
               kAmxInt8RowsHw && isa::isa_supported(isa::Isa::kAmxInt8) ? " and the hardware"
                                                                        : "");

@@ -74,8 +74,8 @@ allocator::Data ActivationArena::take(size_t request) {
   size_t size = bytes;  // the buffer's bytes
   {
     std::lock_guard lock(mutex_);
-    if (!closed_) asked_[bytes] = pass_;
     if (closed_) return allocator::malloc(request);
+    asked_[bytes] = pass_;
     // The smallest idle buffer of the class or at most kReuseSlack above it.
     auto it = idle_.lower_bound(bytes);
     if (it != idle_.end() && it->first - bytes <= kReuseSlack) {
